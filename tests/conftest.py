@@ -1,0 +1,9 @@
+"""Test-wide setup: 8 fake CPU devices so sharded code runs on any machine."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after the flags above)
+
+jax.config.update("jax_default_matmul_precision", "highest")
