@@ -1,0 +1,141 @@
+"""MLA attention with DeepSeek Sparse Attention (spec §4).
+
+`Indexer` is the DSA lightning indexer (§4.3); `MLAttention` holds the MLA projections (§4.1) and runs
+the attention core in one of two forms that compute the same thing:
+
+* ``absorbed`` (default, §4.5): W_UK is folded into the query and W_UV applied after attention, so
+  every head attends to the one shared latent row [c; k_rot] (576 wide for GLM-5). Sparse attention
+  gathers the selected rows once per query (`pallas_kernels.sparse_mla`).
+* ``mha`` (§4.1): keys/values are expanded per head and the DSA selection becomes a mask over all keys.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
+from glm5_jax.rope import apply_rope, rope_cos_sin
+from pallas_kernels.lightning_indexer import ops as indexer_ops
+from pallas_kernels.masking import visible_mask
+from pallas_kernels.sparse_mla import ops as sparse_mla_ops
+from pallas_kernels.sparse_mla import reference as mla_reference
+
+
+def _rope(cfg, x, positions_BT, *, interleaved, head_axis: bool):
+    cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
+                            cfg.max_position_embeddings)
+    if head_axis:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return apply_rope(x, cos, sin, interleaved=interleaved)
+
+
+class Indexer(nn.Module):
+    """Lightning-indexer projections: (q [B,T,H_I,d_I], k [B,T,d_I], w [B,T,H_I]) in fp32 (§4.3)."""
+    cfg: object
+
+    @nn.compact
+    def __call__(self, a_BTD, qr_BTQ, positions_BT):
+        cfg = self.cfg
+        init, pdt = normal_init(cfg), cfg.jnp_param_dtype
+        h_i, d_i, d_r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        wq_b = logical_param(self, "wq_b", (cfg.q_lora_rank, h_i, d_i), ("q_lora", "index_heads", "index_dim"),
+                             init, pdt)
+        wk = logical_param(self, "wk", (cfg.hidden_size, d_i), ("embed", "index_dim"), init, pdt)
+        weights_proj = logical_param(self, "weights_proj", (cfg.hidden_size, h_i), ("embed", "index_heads"),
+                                     init, pdt)
+        f32 = jnp.float32
+        q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32)
+        k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32)
+        k = LayerNorm(cfg.indexer_norm_eps, "index_dim", pdt, name="k_norm")(k)
+        # The rope slice comes FIRST in indexer heads and keys (P2).
+        rot = dict(interleaved=cfg.indexer_rope_interleave)
+        q = jnp.concatenate([_rope(cfg, q[..., :d_r], positions_BT, head_axis=True, **rot), q[..., d_r:]], -1)
+        k = jnp.concatenate([_rope(cfg, k[..., :d_r], positions_BT, head_axis=False, **rot), k[..., d_r:]], -1)
+        # weights_proj runs in fp32 like HF; both positive scales folded into w (ReLU(cx) = cReLU(x)).
+        w = jnp.einsum("btd,dh->bth", a_BTD.astype(f32), weights_proj.astype(f32),
+                       precision=jax.lax.Precision.HIGHEST) * (h_i ** -0.5 * d_i ** -0.5)
+        return q, k, w
+
+
+class MLAttention(nn.Module):
+    """One layer's MLA attention + DSA. `indexer_kind` is "full", "shared" or "none"."""
+    cfg: object
+    indexer_kind: str
+
+    @nn.compact
+    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection):
+        cfg = self.cfg
+        init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
+        H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+        d = cfg.hidden_size
+        w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), ("embed", "q_lora"), init, pdt)
+        w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), ("q_lora", "heads", "kv"), init, pdt)
+        w_kva = logical_param(self, "kv_a_proj", (d, R + dr), ("embed", "kv_lora"), init, pdt)
+        w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), ("kv_lora", "heads", "kv"), init, pdt)
+        w_o = logical_param(self, "o_proj", (H, dv, d), ("heads", "kv", "embed"), init, pdt)
+
+        qr = RMSNorm(cfg.latent_norm_eps, "q_lora", pdt, name="q_a_norm")(
+            einsum("btd,dq->btq", a_BTD, w_qa, dt))
+        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt), ("batch", "seq", "act_heads", None))
+        q_nope = q[..., :dn]
+        q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True)
+        ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt)
+        c = RMSNorm(cfg.latent_norm_eps, "kv_lora", pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
+        k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
+        latent_BSC = jnp.concatenate([c, k_rot], axis=-1)          # what a decode cache keeps (§4.1)
+
+        selection = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection)
+        sparse = cfg.attention_mode == "sparse" and self.indexer_kind != "none"
+        visible = visible_mask(positions_BT, positions_BT, segment_ids_BT, segment_ids_BT)
+
+        if cfg.mla_form == "absorbed":
+            w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]            # [R, H, dn], [R, H, dv]
+            q_lat = einsum("bthn,rhn->bthr", q_nope, w_uk, dt)
+            q_abs = jnp.concatenate([q_lat, q_rot.astype(dt)], axis=-1)   # [B,T,H,R+dr]
+            if sparse:
+                o_lat, _ = sparse_mla_ops.sparse_mla(q_abs, latent_BSC.astype(dt), *selection,
+                                                     scale=cfg.softmax_scale, v_dim=R, impl=cfg.attention_impl)
+            else:
+                o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
+                                                   v_dim=R, q_chunk=cfg.attention_q_chunk)
+            o = einsum("bthr,rhv->bthv", o_lat, w_uv, dt)
+        else:
+            allowed = visible & _selection_mask(selection, visible.shape[-1]) if sparse else visible
+            o = self._mha(q_nope, q_rot, c, k_rot, w_kvb, allowed)
+        o = constrain(o, ("batch", "seq", "act_heads", None))
+        return einsum("bthv,hvd->btd", o, w_o, dt), selection
+
+    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection):
+        """This layer's top-k (full), the previous full layer's (shared), or pass-through (none)."""
+        cfg = self.cfg
+        if self.indexer_kind != "full":
+            return prev_selection
+        q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT)
+        if cfg.attention_mode != "sparse":
+            return prev_selection          # dense stage: projections exist, no selection is made
+        return indexer_ops.indexer_topk(q_i, k_i, w_i, positions_BT, positions_BT, segment_ids_BT, segment_ids_BT,
+                                        topk=cfg.index_topk, impl="xla")
+
+    def _mha(self, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, allowed_BTS):
+        """Naive form (§4.1): per-head keys [k_nope; k_rot], values v, masked softmax in fp32."""
+        cfg, dt, dn = self.cfg, self.cfg.jnp_dtype, self.cfg.qk_nope_head_dim
+        kv = einsum("bsr,rhk->bshk", c_BSR, w_kvb, dt)
+        k_nope, v = kv[..., :dn], kv[..., dn:]
+        logits = (jnp.einsum("bthn,bshn->bhts", q_nope.astype(dt), k_nope, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthr,bsr->bhts", q_rot.astype(dt), k_rot_BSr.astype(dt),
+                               preferred_element_type=jnp.float32)) * cfg.softmax_scale
+        logits = jnp.where(allowed_BTS[:, None], logits, -jnp.inf)
+        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        probs = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0))
+        return jnp.einsum("bhts,bshv->bthv", probs.astype(dt), v, preferred_element_type=jnp.float32).astype(dt)
+
+
+def _selection_mask(selection, num_keys):
+    """Scatter top-k (idx, valid) [B,T,k] into a boolean [B,T,S] selection mask."""
+    idx, valid = selection
+    B, T, _ = idx.shape
+    b = jnp.arange(B)[:, None, None]
+    t = jnp.arange(T)[None, :, None]
+    return jnp.zeros((B, T, num_keys), bool).at[b, t, idx].max(valid)

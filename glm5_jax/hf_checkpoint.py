@@ -1,0 +1,118 @@
+"""`load_hf`: an HF GLM-5-family checkpoint directory -> (ModelConfig, variables) for `Transformer`.
+
+Reads ``config.json`` and the safetensors (single file or sharded) in the hub layout of spec §8
+through the `hf_layout` table, layer by layer, stacking each scanned segment's layers. Every tensor is
+checked against the shapes the model expects; missing or unexpected tensors are errors naming them.
+(The streaming, mesh-sharded, two-way converter is `glm5_jax.convert`.)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.hf_layout import (GLOBAL_TENSORS, heads_for, layer_slots, layer_tensor_maps, mtp_extra_tensors,
+                                to_ours)
+from glm5_jax.moe import BIAS_COLLECTION
+from glm5_jax.param_count import abstract_variables
+from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
+
+FP32_LEAVES = {("moe", "router"), ("moe", "e_score_correction_bias")}   # kept fp32 whatever the dtype (P12)
+
+
+def _block_size(hf_dir):
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    return tuple(quant.get("weight_block_size", (128, 128)))
+
+
+def _has_mtp_weights(ckpt, cfg) -> bool:
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    return any(k.startswith(prefix) for k in ckpt.keys())
+
+
+def read_layer_tensor(ckpt, cfg, hf_layer: int, tmap, block_size) -> np.ndarray:
+    """One layer tensor from the checkpoint, in our layout (experts stacked to [E, in, out])."""
+    key = f"model.layers.{hf_layer}.{tmap.hf}"
+    if tmap.layout != "experts":
+        return to_ours(np.asarray(ckpt.get(key, block_size)), tmap.layout, heads_for(tmap, cfg))
+    experts = [ckpt.get(key.format(e=e), block_size).T for e in range(cfg.n_routed_experts)]
+    return np.stack(experts)
+
+
+def _set(tree, path, value):
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def read_variables(ckpt, cfg, block_size=(128, 128)) -> tuple[dict, set]:
+    """All variables as numpy (our layout, stacked per segment) and the set of keys consumed."""
+    variables: dict = {"params": {}, BIAS_COLLECTION: {}}
+    stacks: dict = {}
+    for path, key, layout in GLOBAL_TENSORS + (mtp_extra_tensors(cfg) if cfg.num_nextn_predict_layers else ()):
+        _set(variables["params"], path, to_ours(np.asarray(ckpt.get(key, block_size)), layout))
+    for slot in layer_slots(cfg):
+        for tmap in layer_tensor_maps(cfg, slot.kind):
+            value = read_layer_tensor(ckpt, cfg, slot.hf_layer, tmap, block_size)
+            path = (tmap.collection,) + slot.prefix + tmap.ours
+            if slot.stack_index is None:
+                _set(variables[tmap.collection], path[1:], value)
+            else:
+                stacks.setdefault(path, []).append(value)
+    for path, values in stacks.items():
+        _set(variables[path[0]], path[1:], np.stack(values))
+    consumed = {f"model.layers.{s.hf_layer}.{t.hf}".format(e=e)
+                for s in layer_slots(cfg) for t in layer_tensor_maps(cfg, s.kind)
+                for e in (range(cfg.n_routed_experts) if t.layout == "experts" else (0,))}
+    consumed |= {key for _, key, _ in GLOBAL_TENSORS}
+    if cfg.num_nextn_predict_layers:
+        consumed |= {key for _, key, _ in mtp_extra_tensors(cfg)}
+    return variables, consumed
+
+
+def check_against_model(variables, cfg):
+    """Every leaf present with the shape `Transformer(cfg)` expects, and nothing extra."""
+    expected = meta.unbox(abstract_variables(cfg))
+    exp_leaves = {jax.tree_util.keystr(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(expected)}
+    got_leaves = {jax.tree_util.keystr(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(variables)}
+    missing = sorted(set(exp_leaves) - set(got_leaves))
+    extra = sorted(set(got_leaves) - set(exp_leaves))
+    if missing or extra:
+        raise CheckpointError(f"variables do not match the model: missing {missing[:10]}, unexpected {extra[:10]}")
+    for name, shape in exp_leaves.items():
+        if tuple(got_leaves[name]) != tuple(shape):
+            raise CheckpointError(f"{name}: checkpoint gives shape {list(got_leaves[name])}, "
+                                  f"config.json implies {list(shape)}")
+
+
+def _cast(variables, dtype):
+    def cast(path, x):
+        names = tuple(getattr(k, "key", None) for k in path)
+        keep32 = any(names[-2:] == leaf for leaf in FP32_LEAVES)
+        return jnp.asarray(x, jnp.float32 if keep32 else dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, variables)
+
+
+def load_hf(hf_dir: str, dtype: str = "float32", **config_overrides):
+    """Load an HF checkpoint directory. Returns (cfg, variables) with ``variables`` ready for
+    ``Transformer(cfg).apply``. ``dtype`` sets both parameter and compute dtype (router and correction
+    bias stay fp32). A checkpoint without MTP weights loads with ``num_nextn_predict_layers=0``."""
+    cfg = ModelConfig.from_hf(hf_dir, dtype=dtype, param_dtype=dtype, **config_overrides)
+    ckpt = SafetensorsCheckpoint(hf_dir)
+    if cfg.num_nextn_predict_layers and not _has_mtp_weights(ckpt, cfg):
+        cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)
+    block_size = _block_size(hf_dir)
+    variables, consumed = read_variables(ckpt, cfg, block_size)
+    consumed |= {k[: -len("weight")] + "weight_scale_inv" for k in consumed if k.endswith(".weight")}
+    unexpected = sorted(set(ckpt.keys()) - consumed)
+    if unexpected:
+        raise CheckpointError(f"{hf_dir}: {len(unexpected)} unexpected tensors, e.g. {unexpected[:5]}")
+    check_against_model(variables, cfg)
+    return cfg, _cast(variables, jnp.dtype(dtype))

@@ -1,0 +1,87 @@
+"""Small building blocks: logically-partitioned parameters, norms, projections, SwiGLU (spec §2).
+
+Every parameter carries logical axis names; `glm5_jax.sharding` maps them to mesh axes. Weights are
+stored in ``param_dtype`` and cast to the compute ``dtype`` at use; matmuls accumulate in fp32 and
+norms run in fp32 (DESIGN §2).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+ACT_BTD = ("batch", "seq", "act_embed")
+
+
+def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
+                  init, dtype):
+    """A parameter of `shape` annotated with logical `axes` (one name per dimension)."""
+    assert len(shape) == len(axes), (name, shape, axes)
+    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
+
+
+def normal_init(cfg):
+    return nn.initializers.normal(stddev=cfg.initializer_range)
+
+
+def constrain(x, axes):
+    return nn.with_logical_constraint(x, axes)
+
+
+def einsum(spec: str, x, w, dtype, out_dtype=None):
+    """x, w cast to the compute dtype; fp32 accumulation; result in `out_dtype` (default: `dtype`)."""
+    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or dtype)
+
+
+class RMSNorm(nn.Module):
+    """g * x / sqrt(mean(x^2) + eps), in fp32, weight initialised to 1 (not the 1+g form)."""
+    eps: float
+    axis_name: str
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = logical_param(self, "scale", (x.shape[-1],), (self.axis_name,), nn.initializers.ones,
+                              self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (scale.astype(jnp.float32) * y).astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Standard LayerNorm with bias, in fp32 (only the indexer key uses it, P5)."""
+    eps: float
+    axis_name: str
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        scale = logical_param(self, "scale", (d,), (self.axis_name,), nn.initializers.ones, self.param_dtype)
+        bias = logical_param(self, "bias", (d,), (self.axis_name,), nn.initializers.zeros, self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """(silu(x Wg) * (x Wu)) Wd — the dense FFN of the first layers and the shared expert."""
+    cfg: object
+    width: int
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg, d = self.cfg, x_BTD.shape[-1]
+        init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
+        w_gate = logical_param(self, "gate_proj", (d, self.width), ("embed", "mlp"), init, pdt)
+        w_up = logical_param(self, "up_proj", (d, self.width), ("embed", "mlp"), init, pdt)
+        w_down = logical_param(self, "down_proj", (self.width, d), ("mlp", "embed"), init, pdt)
+        gate = einsum("btd,df->btf", x_BTD, w_gate, dt, jnp.float32)
+        up = einsum("btd,df->btf", x_BTD, w_up, dt, jnp.float32)
+        h = constrain((jax.nn.silu(gate) * up).astype(dt), ("batch", "seq", "act_mlp"))
+        return einsum("btf,fd->btd", h, w_down, dt)

@@ -1,0 +1,104 @@
+"""`Transformer`: the GLM-5 causal LM (spec §3) with its multi-token-prediction module (spec §6).
+
+    variables = Transformer(cfg).init(rng, tokens)
+    logits = Transformer(cfg).apply(variables, tokens, positions=None, segment_ids=None)
+    logits, aux = Transformer(cfg).apply(variables, tokens, return_aux=True)
+
+``segment_ids`` > 0 name packed documents, 0 marks padding; attention and the indexer never cross
+segments. Missing ``positions`` restart at 0 at each segment start. ``aux`` holds ``mtp_logits``
+[depth, B, T, V] (depth k at position t predicts token t + k + 1), ``expert_load`` [MoE layers, E]
+(routed assignments of non-padding tokens), ``balance_loss`` [MoE layers] (sequence-wise Σ f_i P_i),
+and the same two for the MTP block under ``mtp_expert_load`` / ``mtp_balance_loss``.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.decoder import DecoderLayer, DecoderStack
+from glm5_jax.layer_plan import LayerKind
+from glm5_jax.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
+
+
+def positions_from_segments(segment_ids_BT):
+    """0-based position of each token inside its segment (segments are contiguous runs)."""
+    T = segment_ids_BT.shape[1]
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                              segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    start_index = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+    return (t - start_index).astype(jnp.int32)
+
+
+def empty_selection(cfg, B, T):
+    """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, T)]."""
+    k = min(cfg.index_topk, T) if cfg.use_indexer else 1
+    return jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
+
+
+def shift_left(tokens_BT, k):
+    """tokens[:, t + k] at position t; the last k positions get token 0 (their targets are masked)."""
+    return jnp.pad(tokens_BT[:, k:], ((0, 0), (0, k)))
+
+
+class MTPModule(nn.Module):
+    """One MTP depth (§6.1): u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u)."""
+    cfg: object
+
+    @nn.compact
+    def __call__(self, h_prev_BTD, e_next_BTD, positions_BT, segment_ids_BT):
+        cfg, pdt, dt = self.cfg, self.cfg.jnp_param_dtype, self.cfg.jnp_dtype
+        d = cfg.hidden_size
+        e = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="enorm")(e_next_BTD)
+        g = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="hnorm")(h_prev_BTD)
+        w_eh = logical_param(self, "eh_proj", (2 * d, d), ("mtp_concat", "embed"), normal_init(cfg), pdt)
+        u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt)   # embedding half first (P16)
+        kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
+        B, T, _ = u.shape
+        h, _, aux = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT, empty_selection(cfg, B, T))
+        return h, RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="shared_head_norm")(h), aux
+
+
+class Transformer(nn.Module):
+    cfg: object
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions=None, segment_ids=None, return_aux=False):
+        cfg, pdt, dt = self.cfg, self.cfg.jnp_param_dtype, self.cfg.jnp_dtype
+        B, T = tokens_BT.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        if positions is None:
+            positions = positions_from_segments(segment_ids)
+        embedding = logical_param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                                  normal_init(cfg), pdt)
+        lm_head = logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                normal_init(cfg), pdt)
+
+        def embed(tokens):
+            return constrain(jnp.take(embedding, tokens, axis=0).astype(dt), ACT_BTD)
+
+        def head(h_BTD):
+            return constrain(einsum("btd,dv->btv", h_BTD, lm_head, dt, jnp.float32), ("batch", "seq", "act_vocab"))
+
+        h, moe_aux = DecoderStack(cfg, name="decoder")(embed(tokens_BT), positions, segment_ids,
+                                                       empty_selection(cfg, B, T))
+        h_normed = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="final_norm")(h)
+        logits = head(h_normed)
+        if not (return_aux or self.is_initializing()) or cfg.num_nextn_predict_layers == 0:
+            return (logits, dict(moe_aux)) if return_aux else logits
+
+        mtp = MTPModule(cfg, name="mtp")
+        h_prev = h_normed if cfg.mtp_use_normed_hidden else h
+        mtp_logits, mtp_aux = [], []
+        for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
+            h_prev, h_mtp_normed, aux = mtp(h_prev, embed(shift_left(tokens_BT, depth)), positions, segment_ids)
+            mtp_logits.append(head(h_mtp_normed))
+            mtp_aux.append(aux)
+        aux = dict(moe_aux)
+        if cfg.mtp_depth > 0:
+            aux["mtp_logits"] = jnp.stack(mtp_logits)
+            aux["mtp_expert_load"] = jnp.stack([a["expert_load"] for a in mtp_aux])
+            aux["mtp_balance_loss"] = jnp.stack([a["balance_loss"] for a in mtp_aux])
+        return (logits, aux) if return_aux else logits

@@ -1,0 +1,100 @@
+"""Mixture of experts (spec §5.2–5.3): sigmoid router with a selection-only correction bias,
+group-limited top-k, normalised and scaled gates, sorted grouped expert matmuls, a shared expert.
+
+The routed experts never run as a compute-every-expert einsum: the N*K (token, expert) assignments are
+sorted by expert and fed to a grouped matmul (`jax.lax.ragged_dot`), so FLOPs are those of the K
+chosen experts only.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.layers import SwiGLU, constrain, logical_param, normal_init
+
+BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, never by gradients (P12)
+
+
+def route(scores_NE, bias_E, cfg):
+    """Expert choice (§5.2): indices [N,K] chosen on sigmoid + bias, gates [N,K] from the unbiased sigmoid."""
+    N, E = scores_NE.shape
+    biased = scores_NE + bias_E
+    if cfg.n_group > 1:
+        grouped = biased.reshape(N, cfg.n_group, E // cfg.n_group)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                        # top-2 sum per group
+        _, kept_groups = jax.lax.top_k(group_score, cfg.topk_group)
+        keep = jnp.zeros((N, cfg.n_group), bool).at[jnp.arange(N)[:, None], kept_groups].set(True)
+        biased = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
+    _, expert_idx = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+    gates = jnp.take_along_axis(scores_NE, expert_idx, axis=-1)                  # unbiased (P11)
+    if cfg.norm_topk_prob:
+        gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
+    return expert_idx.astype(jnp.int32), gates * cfg.routed_scaling_factor
+
+
+def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) via sort-by-expert + ragged_dot -> [N, K, D] (fp32)."""
+    N, K = expert_idx_NK.shape
+    E = w_gate_EDF.shape[0]
+    flat_expert = expert_idx_NK.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)             # assignments grouped by expert
+    x_sorted = x_ND.astype(dtype)[order // K]
+    group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
+
+    def gmm(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+
+    h = (jax.nn.silu(gmm(x_sorted, w_gate_EDF)) * gmm(x_sorted, w_up_EDF)).astype(dtype)
+    y_sorted = gmm(h, w_down_EFD)
+    inverse = jnp.argsort(order)
+    return y_sorted[inverse].reshape(N, K, -1)
+
+
+def sequence_balance_loss(scores_BTE, expert_idx_BTK, token_mask_BT, num_experts, top_k):
+    """DeepSeek-V3 sequence-wise balance term Σ_i f_i P_i per sequence, averaged over sequences (§5.3)."""
+    mask = token_mask_BT.astype(jnp.float32)
+    n_tokens = jnp.maximum(mask.sum(-1), 1.0)                                     # [B]
+    chosen = jax.nn.one_hot(expert_idx_BTK, num_experts, dtype=jnp.float32).sum(-2)   # [B,T,E]
+    f = num_experts / top_k * jnp.einsum("bte,bt->be", chosen, mask) / n_tokens[:, None]
+    normed = scores_BTE / scores_BTE.sum(-1, keepdims=True)
+    p = jnp.einsum("bte,bt->be", normed, mask) / n_tokens[:, None]
+    return jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+class MoE(nn.Module):
+    cfg: object
+
+    @nn.compact
+    def __call__(self, x_BTD, token_mask_BT):
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+        init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
+        # Router weight stays fp32 whatever param_dtype is (HF forces fp32 for it, P12).
+        w_router = logical_param(self, "router", (D, E), ("embed", None), init, jnp.float32)
+        bias = self.variable(BIAS_COLLECTION, "e_score_correction_bias",
+                             nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                             jax.random.PRNGKey(0), (E,), jnp.float32)
+        w_gate = logical_param(self, "gate_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, pdt)
+        w_up = logical_param(self, "up_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, pdt)
+        w_down = logical_param(self, "down_proj", (E, F, D), ("exp", "mlp_moe", "embed"), init, pdt)
+
+        x_ND = x_BTD.reshape(B * T, D)
+        scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
+                                        precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32 (P8)
+        expert_idx, gates = route(scores, nn.unbox(bias.value), cfg)
+        y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt)
+        routed = jnp.einsum("nk,nkd->nd", gates, y_NKD)                                 # fp32 accumulation
+        out = routed.reshape(B, T, D)
+        if cfg.n_shared_experts:
+            out = out + SwiGLU(cfg, cfg.n_shared_experts * F, name="shared_expert")(x_BTD).astype(jnp.float32)
+
+        mask = token_mask_BT.reshape(-1).astype(jnp.float32)
+        aux = {
+            "expert_load": jnp.zeros((E,), jnp.float32).at[expert_idx.reshape(-1)].add(
+                jnp.repeat(mask, cfg.num_experts_per_tok)),
+            "balance_loss": sequence_balance_loss(scores.reshape(B, T, E), expert_idx.reshape(B, T, -1),
+                                                  token_mask_BT, E, cfg.num_experts_per_tok),
+        }
+        return constrain(out.astype(dt), ("batch", "seq", "act_embed")), aux
