@@ -1,6 +1,5 @@
 import json
 
-import numpy as np
 import pytest
 
 from glm5_jax.data import (DataConfig, DataError, build_data_pipeline, index_sources, load_documents,

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SMALL, check_row_invariants, expected_chunks, segments_of
+from data_helpers import SMALL, check_row_invariants, expected_chunks, segments_of
 from glm5_jax.data import DataConfig, make_dataset
 
 SEQ = SMALL["seq_len"]

@@ -1,10 +1,9 @@
 import json
 
 import numpy as np
-import pytest
 
-from conftest import check_row_invariants, expected_chunks, segments_of
-from glm5_jax.data import (DataConfig, DataError, DocumentReader, build_data_pipeline, index_sources,
+from data_helpers import check_row_invariants, expected_chunks, segments_of
+from glm5_jax.data import (DataConfig, DocumentReader, build_data_pipeline, index_sources,
                            load_documents, make_dataset, write_token_records)
 
 SEQ = 32
