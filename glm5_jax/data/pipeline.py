@@ -95,6 +95,7 @@ def make_dataset(config: DataConfig, documents: Sequence[Document], tokenizer: T
     train=True: shuffled (if config.shuffle), config.num_epochs passes (None = forever), full batches
     only. train=False: one pass in corpus order; the last batch is padded with empty rows.
     """
+    config.validate()
     process_index, process_count = resolve_process(process_index, process_count)
     batch_size = config.per_process_batch(process_count)
     if not documents:
