@@ -42,13 +42,17 @@ def test_train_epoch_packs_every_document_exactly_once(small_pipeline):
 
 def test_eval_single_pass_in_order_with_padded_last_batch(small_pipeline):
     tok, docs = small_pipeline.tokenizer, small_pipeline.eval_documents
-    config = _config(batch_size=4)
+    expected = expected_chunks(docs, tok, SEQ)
+    batch_size = sum(expected.values()) + 1  # more rows than chunks: the only batch must be padded
+    config = _config(batch_size=batch_size)
     batches, found = _collect(make_dataset(config, docs, tok, train=False, process_index=0, process_count=1))
-    for b in batches:
-        check_row_invariants(b, 4, SEQ)
-    assert found == expected_chunks(docs, tok, SEQ)
+    assert len(batches) == 1
+    check_row_invariants(batches[0], batch_size, SEQ)
+    assert found == expected
+    empty_rows = batches[0]["segment_ids"].max(axis=1) == 0
+    assert empty_rows[-1] and not empty_rows[0], "padding rows are appended at the end"
     again, _ = _collect(make_dataset(config, docs, tok, train=False, process_index=0, process_count=1))
-    assert all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(batches, again))
+    np.testing.assert_array_equal(again[0]["tokens"], batches[0]["tokens"])
 
 
 def test_shuffle_seed_changes_order_not_content(small_pipeline):
