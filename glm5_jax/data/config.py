@@ -1,0 +1,67 @@
+"""DataConfig: everything that decides which tokens the trainer sees."""
+from __future__ import annotations
+
+import dataclasses
+
+STDLIB = "stdlib"  # source name of the embedded corpus (the Python standard library's .py files)
+
+
+class DataError(ValueError):
+    """Bad data input: a missing path, an empty source, a malformed record, an impossible setting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    # "stdlib", or paths: text files, directories (walked recursively), *.jsonl, *.arrayrecord.
+    # "stdlib" may also appear as one item of a tuple of paths.
+    source: str | tuple[str, ...] = STDLIB
+    text_field: str = "text"           # field holding the document in each .jsonl line
+    tokenizer_path: str | None = None  # tokenizer.json; None: train (or reuse) a byte-level BPE in the workdir
+    vocab_size: int = 4096             # size of the trained BPE (ignored with tokenizer_path)
+    eos_token: str = "<|endoftext|>"   # end-of-document token appended to every document
+    seq_len: int = 512                 # T of a packed row
+    batch_size: int = 8                # global batch; each process yields batch_size // process_count rows
+    seed: int = 0
+    eval_fraction: float = 0.02        # share of documents held out for eval (by a stable hash of their key)
+    min_eval_docs: int = 4             # ...but at least this many (when eval_fraction > 0)
+    max_corpus_bytes: int | None = None  # keep a deterministic subset of text documents of at most this size
+    shuffle: bool = True               # shuffle documents (per epoch) and packed rows; training only
+    num_epochs: int | None = None      # training passes over the data; None: repeat forever
+    packing_bins: int | None = None    # rows packed at once (first-fit); None: max(2 * per-process batch, 16)
+    read_threads: int = 2              # grain threads that read and tokenize documents
+    prefetch_buffer: int = 16          # documents read ahead per process
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else tuple(self.source)
+
+    def per_process_batch(self, process_count: int) -> int:
+        if process_count < 1:
+            raise DataError(f"process_count must be >= 1, got {process_count}")
+        if self.batch_size % process_count:
+            raise DataError(
+                f"batch_size={self.batch_size} is not divisible by process_count={process_count}: "
+                "every process must yield the same number of rows")
+        return self.batch_size // process_count
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise DataError("DataConfig.source is empty: give 'stdlib' or at least one path")
+        for name in ("seq_len", "batch_size", "read_threads", "prefetch_buffer"):
+            if getattr(self, name) < 1:
+                raise DataError(f"DataConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.tokenizer_path is None and self.vocab_size < 512:
+            raise DataError(f"DataConfig.vocab_size={self.vocab_size} is too small for a byte-level BPE "
+                            "(256 byte tokens + specials + merges); use >= 512")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise DataError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.min_eval_docs < 0:
+            raise DataError(f"DataConfig.min_eval_docs must be >= 0, got {self.min_eval_docs}")
+        if self.max_corpus_bytes is not None and self.max_corpus_bytes < 1:
+            raise DataError(f"DataConfig.max_corpus_bytes must be >= 1 or None, got {self.max_corpus_bytes}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise DataError(f"DataConfig.num_epochs must be >= 1 or None, got {self.num_epochs}")
+        if self.packing_bins is not None and self.packing_bins < 1:
+            raise DataError(f"DataConfig.packing_bins must be >= 1 or None, got {self.packing_bins}")
+        if not self.text_field:
+            raise DataError("DataConfig.text_field is empty")
