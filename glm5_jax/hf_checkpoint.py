@@ -17,7 +17,7 @@ from flax.core import meta
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.hf_layout import (GLOBAL_TENSORS, heads_for, layer_slots, layer_tensor_maps, mtp_extra_tensors,
-                                to_ours)
+                                to_hf, to_ours)
 from glm5_jax.moe import BIAS_COLLECTION
 from glm5_jax.param_count import abstract_variables
 from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -36,13 +36,27 @@ def _has_mtp_weights(ckpt, cfg) -> bool:
     return any(k.startswith(prefix) for k in ckpt.keys())
 
 
-def read_layer_tensor(ckpt, cfg, hf_layer: int, tmap, block_size) -> np.ndarray:
-    """One layer tensor from the checkpoint, in our layout (experts stacked to [E, in, out])."""
-    key = f"model.layers.{hf_layer}.{tmap.hf}"
-    if tmap.layout != "experts":
-        return to_ours(np.asarray(ckpt.get(key, block_size)), tmap.layout, heads_for(tmap, cfg))
-    experts = [ckpt.get(key.format(e=e), block_size).T for e in range(cfg.n_routed_experts)]
-    return np.stack(experts)
+def _get(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _read_checked(ckpt, key, want_hf_shape, block_size):
+    """The tensor `key`, after checking its shape against what config.json implies."""
+    if tuple(ckpt.shape(key)) != tuple(want_hf_shape):
+        raise CheckpointError(f"{key}: shape {list(ckpt.shape(key))} in the checkpoint, "
+                              f"config.json implies {list(want_hf_shape)}")
+    return np.asarray(ckpt.get(key, block_size))
+
+
+def read_tensor(ckpt, cfg, key, tmap_layout, heads, want_ours_shape, block_size, n_experts=0):
+    """One tensor (or the per-expert keys of one stacked tensor) in our layout, shape-checked."""
+    if tmap_layout != "experts":
+        want_hf = to_hf(np.empty(want_ours_shape, np.int8), tmap_layout).shape
+        return to_ours(_read_checked(ckpt, key, want_hf, block_size), tmap_layout, heads)
+    want_hf = tuple(reversed(want_ours_shape[1:]))
+    return np.stack([_read_checked(ckpt, key.format(e=e), want_hf, block_size).T for e in range(n_experts)])
 
 
 def _set(tree, path, value):
@@ -53,26 +67,31 @@ def _set(tree, path, value):
 
 def read_variables(ckpt, cfg, block_size=(128, 128)) -> tuple[dict, set]:
     """All variables as numpy (our layout, stacked per segment) and the set of keys consumed."""
+    expected = meta.unbox(abstract_variables(cfg))
     variables: dict = {"params": {}, BIAS_COLLECTION: {}}
     stacks: dict = {}
+    consumed = set()
     for path, key, layout in GLOBAL_TENSORS + (mtp_extra_tensors(cfg) if cfg.num_nextn_predict_layers else ()):
-        _set(variables["params"], path, to_ours(np.asarray(ckpt.get(key, block_size)), layout))
+        want = _get(expected["params"], path).shape
+        _set(variables["params"], path, read_tensor(ckpt, cfg, key, layout, None, want, block_size))
+        consumed.add(key)
     for slot in layer_slots(cfg):
         for tmap in layer_tensor_maps(cfg, slot.kind):
-            value = read_layer_tensor(ckpt, cfg, slot.hf_layer, tmap, block_size)
             path = (tmap.collection,) + slot.prefix + tmap.ours
+            want = _get(expected, path).shape
+            if slot.stack_index is not None:
+                want = want[1:]
+            key = f"model.layers.{slot.hf_layer}.{tmap.hf}"
+            value = read_tensor(ckpt, cfg, key, tmap.layout, heads_for(tmap, cfg), want, block_size,
+                                cfg.n_routed_experts)
+            consumed |= ({key.format(e=e) for e in range(cfg.n_routed_experts)} if tmap.layout == "experts"
+                         else {key})
             if slot.stack_index is None:
                 _set(variables[tmap.collection], path[1:], value)
             else:
                 stacks.setdefault(path, []).append(value)
     for path, values in stacks.items():
         _set(variables[path[0]], path[1:], np.stack(values))
-    consumed = {f"model.layers.{s.hf_layer}.{t.hf}".format(e=e)
-                for s in layer_slots(cfg) for t in layer_tensor_maps(cfg, s.kind)
-                for e in (range(cfg.n_routed_experts) if t.layout == "experts" else (0,))}
-    consumed |= {key for _, key, _ in GLOBAL_TENSORS}
-    if cfg.num_nextn_predict_layers:
-        consumed |= {key for _, key, _ in mtp_extra_tensors(cfg)}
     return variables, consumed
 
 

@@ -39,7 +39,7 @@ def empty_selection(cfg, B, T):
 
 def shift_left(tokens_BT, k):
     """tokens[:, t + k] at position t; the last k positions get token 0 (their targets are masked)."""
-    return jnp.pad(tokens_BT[:, k:], ((0, 0), (0, k)))
+    return jnp.pad(tokens_BT[:, k:], ((0, 0), (0, min(k, tokens_BT.shape[1]))))
 
 
 class MTPModule(nn.Module):

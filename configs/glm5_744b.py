@@ -1,0 +1,17 @@
+"""The real GLM-5 (zai-org/GLM-5; spec/ARCHITECTURE.md §1.1): 743.9B parameters, ~40B active per token."""
+from glm5_jax.config import ModelConfig
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=154880, hidden_size=6144, num_hidden_layers=78, first_k_dense_replace=3,
+        intermediate_size=12288, num_attention_heads=64,
+        q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+        index_n_heads=32, index_head_dim=128, index_topk=2048, indexer_rope_interleave=True,
+        rope_theta=1_000_000.0, rope_interleave=True, rms_norm_eps=1e-5,
+        n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        num_nextn_predict_layers=1, mtp_depth=1, max_position_embeddings=202752,
+        eos_token_id=(154820, 154827, 154829), pad_token_id=154820,
+        dtype="bfloat16", param_dtype="float32",
+    )

@@ -1,0 +1,93 @@
+"""ModelConfig: HF config.json in and out, validation messages, and GLM-5's size (spec §1)."""
+import dataclasses
+import json
+
+import pytest
+from transformers import GlmMoeDsaConfig
+
+from configs.glm5_744b import model_config
+from glm5_jax import ConfigError, ModelConfig, count_params
+
+# spec §1.1: the reconstructed zai-org/GLM-5 config.json
+GLM5_CONFIG_JSON = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "attention_bias": False,
+    "attention_dropout": 0.0, "dtype": "bfloat16", "eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "head_dim": 64, "hidden_size": 6144,
+    "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048, "indexer_rope_interleave": True,
+    "initializer_range": 0.02, "intermediate_size": 12288, "kv_lora_rank": 512, "max_position_embeddings": 202752,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 78,
+    "num_key_value_heads": 64, "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 2048,
+    "qk_head_dim": 256, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05,
+    "rope_interleave": True, "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "transformers_version": "5.0.2.dev0", "use_cache": True, "v_head_dim": 256,
+    "vocab_size": 154880}
+
+IMPL_FIELDS = ("dtype", "param_dtype", "attention_impl", "mla_form", "attention_mode", "moe_impl", "remat_policy",
+               "attention_q_chunk", "mtp_use_normed_hidden", "bos_token_id")
+
+
+def architecture(cfg):
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in IMPL_FIELDS}
+
+
+def test_glm5_config_json_gives_the_744b_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GLM5_CONFIG_JSON))
+    assert architecture(ModelConfig.from_hf(tmp_path)) == architecture(model_config())
+
+
+def test_to_hf_round_trips_and_transformers_accepts_it():
+    glm52_pattern = ("full",) * 3 + ("shared", "shared", "shared", "full") * 18 + ("shared",) * 3   # spec §4.6
+    cfg = model_config().replace(indexer_types=glm52_pattern)
+    hf = cfg.to_hf()
+    assert architecture(ModelConfig.from_hf(hf)) == architecture(cfg)
+    hf_cfg = GlmMoeDsaConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert hf_cfg.indexer_types == list(cfg.indexer_types)
+    assert hf_cfg.qk_head_dim == 256 and hf_cfg.mlp_layer_types[:4] == ["dense"] * 3 + ["sparse"]
+    assert architecture(ModelConfig.from_hf(hf_cfg.to_dict())) == architecture(cfg)
+
+
+def test_index_sharing_schedule_follows_hf():
+    hf = dict(GLM5_CONFIG_JSON, num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3)
+    ours = ModelConfig.from_hf(hf).layer_indexer_types
+    assert ours == tuple(GlmMoeDsaConfig(num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3).indexer_types)
+    assert ours[:7] == ("full", "full", "full", "shared", "shared", "shared", "full")
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(n_group=3), "n_group"), (dict(topk_group=0), "topk_group"), (dict(num_experts_per_tok=300), "num_experts_per_tok"),
+    (dict(indexer_types=("shared",) * 78), "indexer_types"), (dict(indexer_types=("full",) * 5), "indexer_types"),
+    (dict(attention_impl="cuda"), "attention_impl"), (dict(index_head_dim=32), "index_head_dim"),
+    (dict(qk_rope_head_dim=63), "qk_rope_head_dim"), (dict(first_k_dense_replace=99), "first_k_dense_replace"),
+])
+def test_validation_names_the_field(change, field):
+    with pytest.raises(ConfigError, match=rf"ModelConfig\.{field}="):
+        model_config().replace(**change)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model_type="llama"), "model_type 'llama'"), (dict(rope_parameters={"rope_type": "default"}), "rope_theta"),
+    (dict(hidden_act="gelu"), "hidden_act"), (dict(num_key_value_heads=8), "num_key_value_heads"),
+    (dict(rope_parameters={"rope_theta": 1e6, "rope_type": "longrope"}), "longrope"),
+])
+def test_from_hf_rejects_unsupported_configs(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**GLM5_CONFIG_JSON, **change})
+
+
+def test_from_hf_reports_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="no HF config"):
+        ModelConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_glm5_parameter_counts():
+    """spec §1.2: 743.91B main stack, 41.78B active incl. embedding and head (39.88B without), MTP 9.95B."""
+    counts = count_params(model_config())
+    assert round(counts["total"] / 1e9, 2) == 743.91
+    assert round(counts["active"] / 1e9, 2) == 41.78
+    assert round(counts["active_without_embeddings"] / 1e9, 2) == 39.88
+    assert round(counts["mtp"] / 1e9, 2) == 9.95
