@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from glm5_jax.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.rope import apply_rope, rope_cos_sin
+from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
@@ -59,7 +60,11 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """One layer's MLA attention + DSA. `indexer_kind` is "full", "shared" or "none"."""
+    """One layer's MLA attention + DSA. `indexer_kind` is "full", "shared" or "none".
+
+    Returns (output, selection, indexer_kl); indexer_kl is None unless this is a full layer and
+    ``cfg.indexer_loss`` asks for the warm-up or sparse-stage KL (spec §7.1).
+    """
     cfg: object
     indexer_kind: str
 
@@ -86,14 +91,14 @@ class MLAttention(nn.Module):
         k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)          # what a decode cache keeps (§4.1)
 
-        selection = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection)
+        w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]                # [R, H, dn], [R, H, dv]
+        q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
+        selection, indexer_kl = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
+                                             q_abs, latent_BSC)
         sparse = cfg.attention_mode == "sparse" and self.indexer_kind != "none"
         visible = visible_mask(positions_BT, positions_BT, segment_ids_BT, segment_ids_BT)
 
         if cfg.mla_form == "absorbed":
-            w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]            # [R, H, dn], [R, H, dv]
-            q_lat = einsum("bthn,rhn->bthr", q_nope, w_uk, dt)
-            q_abs = jnp.concatenate([q_lat, q_rot.astype(dt)], axis=-1)   # [B,T,H,R+dr]
             if sparse:
                 o_lat, _ = sparse_mla_ops.sparse_mla(q_abs, latent_BSC.astype(dt), *selection,
                                                      scale=cfg.softmax_scale, v_dim=R, impl=cfg.attention_impl)
@@ -105,18 +110,30 @@ class MLAttention(nn.Module):
             allowed = visible & _selection_mask(selection, visible.shape[-1]) if sparse else visible
             o = self._mha(q_nope, q_rot, c, k_rot, w_kvb, allowed)
         o = constrain(o, ("batch", "seq", "act_heads", None))
-        return einsum("bthv,hvd->btd", o, w_o, dt), selection
+        return einsum("bthv,hvd->btd", o, w_o, dt), selection, indexer_kl
 
-    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection):
-        """This layer's top-k (full), the previous full layer's (shared), or pass-through (none)."""
+    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC):
+        """(selection, indexer KL): this layer's top-k (full), the previous full layer's (shared), or
+        pass-through (none / dense attention)."""
         cfg = self.cfg
         if self.indexer_kind != "full":
-            return prev_selection
-        q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT)
-        if cfg.attention_mode != "sparse":
-            return prev_selection          # dense stage: projections exist, no selection is made
-        return indexer_ops.indexer_topk(q_i, k_i, w_i, positions_BT, positions_BT, segment_ids_BT, segment_ids_BT,
-                                        topk=cfg.index_topk, impl="xla")
+            return prev_selection, None
+        # The indexer is trained only by its KL loss: its inputs are detached (spec §7.1, P13); top-k
+        # indices carry no gradient, so the LM loss never reaches the indexer.
+        q_i, k_i, w_i = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
+                                                     positions_BT)
+        selection = prev_selection
+        if cfg.attention_mode == "sparse":
+            selection = indexer_ops.indexer_topk(q_i, k_i, w_i, positions_BT, positions_BT, segment_ids_BT,
+                                                 segment_ids_BT, topk=cfg.index_topk, impl="xla")
+        if cfg.indexer_loss == "none":
+            return selection, None
+        idx, valid = selection if cfg.indexer_loss == "sparse" else (None, None)
+        kl = indexer_kl_ops.indexer_kl_loss(
+            jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC.astype(q_abs.dtype)), q_i, k_i, w_i,
+            positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
+            stage=cfg.indexer_loss, idx_BTK=idx, valid_BTK=valid)
+        return selection, kl
 
     def _mha(self, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, allowed_BTS):
         """Naive form (§4.1): per-head keys [k_nope; k_rot], values v, masked softmax in fp32."""

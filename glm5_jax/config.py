@@ -16,6 +16,7 @@ import jax.numpy as jnp
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
 MLA_FORMS = ("absorbed", "mha")
 ATTENTION_MODES = ("sparse", "dense")
+INDEXER_LOSSES = ("none", "warmup", "sparse")
 MOE_IMPLS = ("ragged_dot",)
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,6 +83,7 @@ class ModelConfig:
     attention_impl: str = "xla"
     mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
+    indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)
     moe_impl: str = "ragged_dot"
     remat_policy: str = "full"
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
@@ -183,8 +185,12 @@ class ModelConfig:
                  "yarn needs original_max_position_embeddings")
         for f, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS),
                            ("mla_form", MLA_FORMS), ("attention_mode", ATTENTION_MODES),
+                           ("indexer_loss", INDEXER_LOSSES),
                            ("moe_impl", MOE_IMPLS), ("remat_policy", REMAT_POLICIES)):
             need(getattr(self, f) in allowed, f, f"must be one of {allowed}")
+        need(self.indexer_loss != "sparse" or self.attention_mode == "sparse", "indexer_loss",
+             'the sparse-stage KL needs attention_mode="sparse"')
+        need(self.indexer_loss == "none" or self.use_indexer, "indexer_loss", "needs a model with an indexer")
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
 
     # ------------------------------------------------------------------ HF config.json

@@ -31,37 +31,41 @@ class DecoderLayer(nn.Module):
     def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection):
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         a = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="input_norm")(h_BTD)
-        attn_out, selection = MLAttention(cfg, self.kind.indexer, name="attention")(
+        attn_out, selection, indexer_kl = MLAttention(cfg, self.kind.indexer, name="attention")(
             a, positions_BT, segment_ids_BT, selection)
         h_BTD = constrain(h_BTD + attn_out, ACT_BTD)
         m = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="post_attention_norm")(h_BTD)
+        aux = {} if indexer_kl is None else {"indexer_kl": indexer_kl}
         if self.kind.mlp == "dense":
-            ffn_out, aux = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m), {}
+            ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
-            ffn_out, aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
+            ffn_out, aux["moe"] = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
         return constrain(h_BTD + ffn_out, ACT_BTD), selection, aux
 
 
 class LayerGroup(nn.Module):
-    """The repeating unit of a segment: consecutive layers of the given kinds (scan body)."""
+    """The repeating unit of a segment: consecutive layers of the given kinds (scan body).
+
+    Per-layer aux (router statistics, indexer KL) comes back as {"layer_i": aux} for the layers that have
+    any, mirroring the parameter tree so it can be matched against it (e.g. the routing-bias update).
+    """
     cfg: object
     unit: tuple
 
     @nn.compact
     def __call__(self, carry, positions_BT, segment_ids_BT):
         h, selection = carry
-        moe_aux = []
+        group_aux = {}
         for i, kind in enumerate(self.unit):
             h, selection, aux = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(h, positions_BT, segment_ids_BT,
                                                                                 selection)
             if aux:
-                moe_aux.append(aux)
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *moe_aux) if moe_aux else {}
-        return (h, selection), stacked
+                group_aux[f"layer_{i}"] = aux
+        return (h, selection), group_aux
 
 
 class DecoderStack(nn.Module):
-    """All main layers: returns the final residual stream and per-MoE-layer aux stacked in layer order."""
+    """All main layers: returns the final residual stream and {segment: {layer_i: aux [repeats, ...]}}."""
     cfg: object
 
     @nn.compact
@@ -70,13 +74,30 @@ class DecoderStack(nn.Module):
         group_cls = LayerGroup
         if cfg.remat_policy != "none":
             group_cls = nn.remat(LayerGroup, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
-        carry, moe_aux = (h_BTD, selection), []
+        carry, stack_aux = (h_BTD, selection), {}
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
                               split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: "layers"})
             carry, aux = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT)
-            if aux:  # [repeats, moe layers per group, ...] -> [moe layers of the segment, ...]
-                moe_aux.append(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), aux))
-        moe_aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *moe_aux) if moe_aux else {}
-        return carry[0], moe_aux
+            if aux:
+                stack_aux[seg.name] = aux
+        return carry[0], stack_aux
+
+
+def flatten_in_layer_order(cfg, stack_aux, key_path):
+    """Concatenate one aux quantity over layers in model order: [n layers that have it, ...]."""
+    pieces = []
+    for seg in plan_segments(cfg):
+        seg_aux = stack_aux.get(seg.name, {})
+        per_position = []
+        for u in range(len(seg.unit)):
+            node = seg_aux.get(f"layer_{u}", {})
+            for k in key_path:
+                node = node.get(k, {}) if isinstance(node, dict) else {}
+            if not isinstance(node, dict):
+                per_position.append(node)                    # [repeats, ...]
+        if per_position:                                     # -> [repeats * positions, ...] in layer order
+            stacked = jnp.stack(per_position, axis=1)
+            pieces.append(stacked.reshape((-1,) + stacked.shape[2:]))
+    return jnp.concatenate(pieces) if pieces else None

@@ -5,10 +5,15 @@
     logits, aux = Transformer(cfg).apply(variables, tokens, return_aux=True)
 
 ``segment_ids`` > 0 name packed documents, 0 marks padding; attention and the indexer never cross
-segments. Missing ``positions`` restart at 0 at each segment start. ``aux`` holds ``mtp_logits``
-[depth, B, T, V] (depth k at position t predicts token t + k + 1), ``expert_load`` [MoE layers, E]
-(routed assignments of non-padding tokens), ``balance_loss`` [MoE layers] (sequence-wise Σ f_i P_i),
-and the same two for the MTP block under ``mtp_expert_load`` / ``mtp_balance_loss``.
+segments. Missing ``positions`` restart at 0 at each segment start. ``aux`` holds
+
+* ``mtp_logits`` [depth, B, T, V]: depth k at position t predicts token t + k + 1;
+* ``expert_load`` [MoE layers, E]: routed assignments of non-padding tokens, in layer order (MTP last);
+* ``balance_loss`` [MoE layers]: the sequence-wise balance term Σ f_i P_i (spec §5.3);
+* ``indexer_kl`` [full-indexer layers] when ``cfg.indexer_loss`` is set (MTP last);
+* ``layers``: the same per-layer quantities as a tree mirroring the parameter tree
+  (``decoder/<segment>/layer_i/...`` stacked over repeats, ``mtp/block/...`` summed over depths),
+  which is what the routing-bias update walks.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.decoder import DecoderLayer, DecoderStack
+from glm5_jax.decoder import DecoderLayer, DecoderStack, flatten_in_layer_order
 from glm5_jax.layer_plan import LayerKind
 from glm5_jax.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
 
@@ -86,19 +91,38 @@ class Transformer(nn.Module):
                                                        empty_selection(cfg, B, T))
         h_normed = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="final_norm")(h)
         logits = head(h_normed)
-        if not (return_aux or self.is_initializing()) or cfg.num_nextn_predict_layers == 0:
-            return (logits, dict(moe_aux)) if return_aux else logits
+        layers_aux = {"decoder": moe_aux}
+        mtp_logits = []
+        if (return_aux or self.is_initializing()) and cfg.num_nextn_predict_layers:
+            mtp = MTPModule(cfg, name="mtp")
+            h_prev = h_normed if cfg.mtp_use_normed_hidden else h
+            depth_aux = []
+            for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
+                h_prev, h_mtp_normed, aux = mtp(h_prev, embed(shift_left(tokens_BT, depth)), positions, segment_ids)
+                mtp_logits.append(head(h_mtp_normed))
+                depth_aux.append(aux)
+            if cfg.mtp_depth > 0:
+                # each depth's losses count once; loads add up (they all go through the same router)
+                layers_aux["mtp"] = {"block": jax.tree.map(lambda *xs: sum(xs), *depth_aux)}
+        if not return_aux:
+            return logits
+        return logits, collect_aux(cfg, layers_aux, mtp_logits)
 
-        mtp = MTPModule(cfg, name="mtp")
-        h_prev = h_normed if cfg.mtp_use_normed_hidden else h
-        mtp_logits, mtp_aux = [], []
-        for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
-            h_prev, h_mtp_normed, aux = mtp(h_prev, embed(shift_left(tokens_BT, depth)), positions, segment_ids)
-            mtp_logits.append(head(h_mtp_normed))
-            mtp_aux.append(aux)
-        aux = dict(moe_aux)
-        if cfg.mtp_depth > 0:
-            aux["mtp_logits"] = jnp.stack(mtp_logits)
-            aux["mtp_expert_load"] = jnp.stack([a["expert_load"] for a in mtp_aux])
-            aux["mtp_balance_loss"] = jnp.stack([a["balance_loss"] for a in mtp_aux])
-        return (logits, aux) if return_aux else logits
+
+def collect_aux(cfg, layers_aux, mtp_logits):
+    aux = {"layers": layers_aux}
+    mtp_block = layers_aux.get("mtp", {}).get("block", {})
+    for name, path in (("expert_load", ("moe", "expert_load")), ("balance_loss", ("moe", "balance_loss")),
+                       ("indexer_kl", ("indexer_kl",))):
+        parts = [flatten_in_layer_order(cfg, layers_aux["decoder"], path)]
+        node = mtp_block
+        for k in path:
+            node = node.get(k) if isinstance(node, dict) else None
+        if node is not None:
+            parts.append(node[None])
+        parts = [p for p in parts if p is not None]
+        if parts:
+            aux[name] = jnp.concatenate(parts)
+    if mtp_logits:
+        aux["mtp_logits"] = jnp.stack(mtp_logits)
+    return aux

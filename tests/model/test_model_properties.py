@@ -106,9 +106,14 @@ def test_aux_outputs(variables):
     seg[1, 12:] = 0
     logits, aux = jax.jit(lambda v, t, s: Transformer(TINY).apply(v, t, segment_ids=s, return_aux=True))(
         variables, jnp.asarray(ids), jnp.asarray(seg))
-    n_moe = TINY.num_moe_layers
+    n_moe = TINY.num_moe_layers + 1                      # main MoE layers, then the MTP block
     assert aux["expert_load"].shape == (n_moe, TINY.n_routed_experts)
     # every non-padding token is routed to exactly K experts in every MoE layer
     np.testing.assert_allclose(aux["expert_load"].sum(-1), np.full(n_moe, seg.sum() * TINY.num_experts_per_tok))
     assert aux["balance_loss"].shape == (n_moe,) and np.all(np.asarray(aux["balance_loss"]) > 0)
     assert aux["mtp_logits"].shape == (1,) + logits.shape
+    # the per-layer tree mirrors the routing-bias tree, layer by layer
+    bias_paths = {jax.tree_util.keystr(p[:-1]) for p, _ in jax.tree_util.tree_leaves_with_path(variables["moe_bias"])}
+    load_paths = {jax.tree_util.keystr(p[:-1]) for p, _ in jax.tree_util.tree_leaves_with_path(aux["layers"])
+                  if p[-1].key == "expert_load"}
+    assert bias_paths == load_paths
