@@ -1,5 +1,4 @@
 """Shared inputs for the DSA kernel tests: packed segments, padding and causal positions."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,5 +31,6 @@ def positions_and_segments(B, T, S):
     return tuple(jnp.asarray(np.stack(x)) for x in (q_pos, kv_pos, q_seg, kv_seg))
 
 
-def normal(key, shape, dtype=jnp.float32):
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+def normal(rng, shape, dtype=jnp.float32):
+    """Standard-normal test data from a numpy Generator (no per-shape jax.random compiles)."""
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)

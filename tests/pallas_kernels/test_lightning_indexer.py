@@ -11,10 +11,10 @@ from pallas_kernels.masking import visible_mask
 
 
 def make_inputs(B, T, S, H=4, D=16, dtype=jnp.float32, seed=0):
-    kq, kk, kw = jax.random.split(jax.random.key(seed), 3)
-    q = normal(kq, (B, T, H, D), dtype)
-    k = normal(kk, (B, S, D), dtype)
-    w = normal(kw, (B, T, H)) * (H * D) ** -0.5  # may be negative, like weights_proj
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (B, T, H, D), dtype)
+    k = normal(rng, (B, S, D), dtype)
+    w = normal(rng, (B, T, H)) * (H * D) ** -0.5  # may be negative, like weights_proj
     return (q, k, w) + positions_and_segments(B, T, S)
 
 
