@@ -31,6 +31,14 @@ def _round_up(x, m):
     return -(-x // m) * m
 
 
+def _precision(*operands):
+    """Explicit MXU precision: exact fp32 passes for fp32 operands, native for bf16. Explicit so a global
+    ``jax_default_matmul_precision`` cannot ask Mosaic for an fp32 contraction of bf16 operands."""
+    if all(x.dtype == jnp.float32 for x in operands):
+        return jax.lax.Precision.HIGHEST
+    return jax.lax.Precision.DEFAULT
+
+
 def _pad_axis(x, axis, size, value=0):
     pad = size - x.shape[axis]
     if pad == 0:
@@ -61,7 +69,7 @@ def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B 
         def add_head(h, acc_ST):
             q_TD = q_ref[0, h]
             dots_ST = jax.lax.dot_general(k_SD, q_TD, (((1,), (1,)), ((), ())),
-                                          preferred_element_type=jnp.float32)
+                                          precision=_precision(k_SD, q_TD), preferred_element_type=jnp.float32)
             w_1T = w_ref[0, pl.ds(h, 1), :]
             return acc_ST + w_1T * jnp.maximum(dots_ST, 0.0)
 

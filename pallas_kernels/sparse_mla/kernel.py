@@ -33,6 +33,25 @@ def _round_up(x, m):
     return -(-x // m) * m
 
 
+def _precision(*operands):
+    """Explicit MXU precision: exact fp32 passes for fp32 operands, native for bf16. Explicit so a global
+    ``jax_default_matmul_precision`` cannot ask Mosaic for an fp32 contraction of bf16 operands."""
+    if all(x.dtype == jnp.float32 for x in operands):
+        return jax.lax.Precision.HIGHEST
+    return jax.lax.Precision.DEFAULT
+
+
+def _mm(a, b):
+    """a @ b with fp32 accumulation."""
+    return jnp.dot(a, b, precision=_precision(a, b), preferred_element_type=jnp.float32)
+
+
+def _mm_nt(a, b):
+    """a @ b^T with fp32 accumulation (contract the last dims; the MXU's native transposed form)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                               preferred_element_type=jnp.float32)
+
+
 def _pad_axis(x, axis, size, value=0):
     pad = size - x.shape[axis]
     if pad == 0:
@@ -114,8 +133,7 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, out_ref, lse_ref,
 
     q_HC = q_ref[0, 0]
     valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
-    s_HK = jax.lax.dot_general(q_HC, rows_KC, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32) * scale
+    s_HK = _mm_nt(q_HC, rows_KC) * scale
     s_HK = jnp.where(valid_1K, s_HK, -jnp.inf)
     m_prev = m_scr[...]
     m_new = jnp.maximum(m_prev, jnp.max(s_HK, axis=1, keepdims=True))
@@ -123,8 +141,7 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, out_ref, lse_ref,
     alpha = jnp.exp(m_prev - m_safe)
     p_HK = jnp.exp(s_HK - m_safe)
     l_scr[...] = alpha * l_scr[...] + jnp.sum(p_HK, axis=1, keepdims=True)
-    acc_scr[...] = alpha * acc_scr[...] + jnp.dot(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim],
-                                                  preferred_element_type=jnp.float32)
+    acc_scr[...] = alpha * acc_scr[...] + _mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
     m_scr[...] = m_new
 
     @pl.when(kb == n_kb - 1)
@@ -149,20 +166,18 @@ def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm,
     delta_H1 = _row_to_column(delta_ref[0, pl.ds(qi, 1), :])
     lse_H1 = jnp.where(lse_H1 == -jnp.inf, 0.0, lse_H1)  # rows without keys: every p is masked to 0
 
-    s_HK = jax.lax.dot_general(q_HC, rows_KC, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32) * scale
+    s_HK = _mm_nt(q_HC, rows_KC) * scale
     p_HK = jnp.where(valid_1K, jnp.exp(s_HK - lse_H1), 0.0)
-    dp_HK = jax.lax.dot_general(dout_HV, rows_KC[:, :v_dim], (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+    dp_HK = _mm_nt(dout_HV, rows_KC[:, :v_dim])
     ds_HK = jnp.where(valid_1K, p_HK * (dp_HK - delta_H1), 0.0)  # masked: delta may be non-finite there
 
     @pl.when(kb == 0)
     def _init():
         dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    dq_ref[0, 0] += jnp.dot(ds_HK.astype(rows_KC.dtype), rows_KC, preferred_element_type=jnp.float32) * scale
-    dkey_KC = jnp.dot(ds_HK.T.astype(q_HC.dtype), q_HC, preferred_element_type=jnp.float32) * scale
-    dvalue_KV = jnp.dot(p_HK.T.astype(dout_HV.dtype), dout_HV, preferred_element_type=jnp.float32)
+    dq_ref[0, 0] += _mm(ds_HK.astype(rows_KC.dtype), rows_KC) * scale
+    dkey_KC = _mm(ds_HK.T.astype(q_HC.dtype), q_HC) * scale
+    dvalue_KV = _mm(p_HK.T.astype(dout_HV.dtype), dout_HV)
     drows_ref[0, 0] = dkey_KC
     drows_ref[0, 0, :, :v_dim] += dvalue_KV
 
