@@ -1,0 +1,107 @@
+"""DSA indexer KL loss in plain XLA (spec §7.1; DESIGN §3 training stages).
+
+Target p[t, :]: the main (absorbed MLA) attention probabilities of every head, summed over heads and
+L1-normalised over the key set; computed from *detached* q/kv (Megatron passes query.detach(),
+key.detach()), so only the indexer inputs receive gradients.
+
+    warmup: set = every visible key          loss_t = KL(p_t || softmax(I_t))   over visible s
+    sparse: set = the selected valid slots   both distributions renormalised over that set
+
+Loss = mean over query tokens that have a non-empty set. KL is sum_s p log p - p log q with q taken as
+an exact log-softmax (Megatron adds 1e-10 inside both logs; the difference is O(1e-10)). Then
+d loss / d I[t, s] = (softmax(I_t) - p_t)[s] / n_tokens on the set and 0 elsewhere.
+
+Memory: queries are processed in chunks under ``jax.checkpoint``, so forward and backward hold at most
+[B, T_chunk, H, S] attention logits (warm-up) and never [B, T, S, H].
+"""
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.lightning_indexer.reference import index_scores
+from pallas_kernels.masking import visible_mask
+
+STAGES = ("warmup", "sparse")
+
+
+def head_summed_target(logits_BTHN, allowed_BTN):
+    """Per-head softmax over the allowed set, summed over heads, L1-normalised -> p [B, T, N]."""
+    logits = jnp.where(allowed_BTN[:, :, None, :], logits_BTHN, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    probs = probs / jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), 1e-30)
+    summed = jnp.sum(probs, axis=2)
+    return summed / jnp.maximum(jnp.sum(summed, axis=-1, keepdims=True), 1e-30)
+
+
+def kl_per_token(p_BTN, scores_BTN, allowed_BTN):
+    """KL(p || softmax(scores)) over the allowed set -> (kl [B, T], has_set [B, T] bool)."""
+    has_set = jnp.any(allowed_BTN, axis=-1)
+    masked = jnp.where(allowed_BTN, scores_BTN, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    shifted = jnp.where(allowed_BTN, scores_BTN - row_max, 0.0)  # finite everywhere: safe gradients
+    log_norm = jnp.log(jnp.sum(jnp.where(allowed_BTN, jnp.exp(shifted), 0.0), axis=-1, keepdims=True)
+                       + (~has_set)[..., None])
+    log_q = shifted - log_norm
+    terms = jax.scipy.special.xlogy(p_BTN, p_BTN) - p_BTN * log_q
+    kl = jnp.sum(jnp.where(allowed_BTN, terms, 0.0), axis=-1)
+    return jnp.where(has_set, kl, 0.0), has_set
+
+
+def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, *, scale):
+    visible = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
+    logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale
+    p = head_summed_target(logits, visible)
+    return kl_per_token(p, index_scores(iq, ik, iw, visible), visible)
+
+
+def _sparse_chunk(q, kv, iq, ik, iw, idx, valid, *, scale):
+    rows_BTKC = jax.vmap(lambda kv_SC, i: kv_SC[i])(kv, idx)
+    logits = jnp.einsum("bthc,btkc->bthk", q, rows_BTKC, preferred_element_type=jnp.float32) * scale
+    p = head_summed_target(logits, valid)
+    # Indexer scores of the selected keys only: I[t, j] = sum_h w[t, h] ReLU(q[t, h] . k[idx[t, j]]).
+    keys_BTKD = jax.vmap(lambda k_SD, i: k_SD[i])(ik, idx).astype(jnp.float32)
+    dots = jnp.einsum("bthd,btkd->bthk", iq.astype(jnp.float32), keys_BTKD, precision=jax.lax.Precision.HIGHEST)
+    scores = jnp.einsum("bth,bthk->btk", iw.astype(jnp.float32), jax.nn.relu(dots),
+                        precision=jax.lax.Precision.HIGHEST)
+    return kl_per_token(p, scores, valid)
+
+
+def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
+                    q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, stage,
+                    idx_BTK=None, valid_BTK=None, q_chunk=128):
+    """Scalar indexer loss; gradients reach only index_q / index_k / index_w (q and kv are detached)."""
+    if stage not in STAGES:
+        raise ValueError(f"indexer_kl_loss: stage must be one of {STAGES}, got {stage!r}")
+    if stage == "sparse" and (idx_BTK is None or valid_BTK is None):
+        raise ValueError("indexer_kl_loss: the sparse stage needs idx_BTK and valid_BTK")
+    q_BTHC, kv_BSC = jax.lax.stop_gradient(q_BTHC), jax.lax.stop_gradient(kv_BSC)
+    B, T = q_BTHC.shape[:2]
+    n_chunks = -(-T // q_chunk)
+    pad = n_chunks * q_chunk - T
+
+    def split(x):  # [B, T, ...] -> [n_chunks, B, q_chunk, ...]; padded queries get segment 0
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, n_chunks, q_chunk, *x.shape[2:]), 1, 0)
+
+    if stage == "warmup":
+        per_query = (q_BTHC, index_q_BTHD, index_w_BTH, q_pos_BT, q_seg_BT)
+
+        def chunk_kl(xs, ik):
+            q, iq, iw, q_pos, q_seg = xs
+            return _warmup_chunk(q, kv_BSC, iq, ik, iw, q_pos, kv_pos_BS, q_seg, kv_seg_BS, scale=scale)
+    else:
+        per_query = (q_BTHC, index_q_BTHD, index_w_BTH, idx_BTK, valid_BTK)
+
+        def chunk_kl(xs, ik):
+            q, iq, iw, idx, valid = xs
+            return _sparse_chunk(q, kv_BSC, iq, ik, iw, idx, valid, scale=scale)
+
+    chunk_kl = jax.checkpoint(chunk_kl)
+
+    def step(totals, xs):  # totals = (sum of per-token KL, number of tokens with a non-empty set)
+        kl, has_set = chunk_kl(xs, index_k_BSD)
+        return totals + jnp.stack([jnp.sum(kl), jnp.sum(has_set).astype(jnp.float32)]), None
+
+    totals, _ = jax.lax.scan(step, jnp.zeros(2, jnp.float32), tuple(split(x) for x in per_query))
+    return totals[0] / jnp.maximum(totals[1], 1.0)

@@ -1,0 +1,270 @@
+"""Pallas TPU kernels for token-sparse absorbed MLA (spec §4.4-4.5): forward and backward.
+
+One grid step = one query token x one block of ``block_k`` of its k selected slots. The latent cache
+kv [B, S, C] stays in HBM (``memory_space=pl.ANY``); the step DMA-gathers the block's rows into a VMEM
+buffer (one gather serves all H query heads: MQA form) while the next block's rows are already in
+flight (two buffer slots). The query's k indices are streamed into SMEM one query at a time through a
+1-D SMEM BlockSpec: whole-array scalar prefetch would need B*T*k*4 bytes of SMEM (64 MiB at T=8192,
+k=2048), far beyond the SMEM of any TPU.
+
+Grid: (B, T / TQ, TQ, k / block_k). TQ = 8 queries share one [TQ, H] block of lse (and of the backward's
+per-query scalars) so those blocks obey the (8, 128) tiling rule without a [T, H, 1] padded layout.
+
+Forward: online softmax over the k-blocks (fp32 m, l, acc in VMEM); out = acc / l, lse = m + log l.
+Backward (per query, same gather): recompute p = exp(s - lse), then
+    dp = dO v^T,  ds = p (dp - delta),  delta = rowsum(dO * O) - dlse
+    dq       += ds @ rows * scale                          (accumulated over k-blocks in VMEM)
+    drows     = ds^T @ q * scale  (+ p^T @ dO on the first v_dim columns: the value part)
+The per-slot row gradients drows [B, T, k, C] are scatter-added into d(kv) by XLA (ops.py does it one
+query chunk at a time, so only [B, T_chunk, k, C] exists at once). An in-kernel scatter-add would race
+whenever two queries that run concurrently select the same key.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+QUERIES_PER_BLOCK = 8  # TQ
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+def _precision(*operands):
+    """Explicit MXU precision: exact fp32 passes for fp32 operands, native for bf16. Explicit so a global
+    ``jax_default_matmul_precision`` cannot ask Mosaic for an fp32 contraction of bf16 operands."""
+    if all(x.dtype == jnp.float32 for x in operands):
+        return jax.lax.Precision.HIGHEST
+    return jax.lax.Precision.DEFAULT
+
+
+def _mm(a, b):
+    """a @ b with fp32 accumulation."""
+    return jnp.dot(a, b, precision=_precision(a, b), preferred_element_type=jnp.float32)
+
+
+def _mm_nt(a, b):
+    """a @ b^T with fp32 accumulation (contract the last dims; the MXU's native transposed form)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                               preferred_element_type=jnp.float32)
+
+
+def _pad_axis(x, axis, size, value=0):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _row_to_column(row_1H):
+    """[1, H] -> [H, 1] with a diagonal select and a lane reduction (no small-shape transpose)."""
+    H = row_1H.shape[1]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (H, H), 0) == jax.lax.broadcasted_iota(jnp.int32, (H, H), 1)
+    return jnp.sum(jnp.where(eye, row_1H, 0.0), axis=1, keepdims=True)
+
+
+def _column_to_row(col_H1):
+    H = col_H1.shape[0]
+    eye = jax.lax.broadcasted_iota(jnp.int32, (H, H), 0) == jax.lax.broadcasted_iota(jnp.int32, (H, H), 1)
+    return jnp.sum(jnp.where(eye, col_H1, 0.0), axis=0, keepdims=True)
+
+
+class _RowGather:
+    """Double-buffered DMA gather of kv rows named by the current query's SMEM index block."""
+
+    def __init__(self, idx_ref, kv_hbm, buf, sem, batch, block_k):
+        self.idx_ref, self.kv_hbm, self.buf, self.sem = idx_ref, kv_hbm, buf, sem
+        self.batch, self.block_k = batch, block_k
+
+    def _copy(self, src_row, slot, j):
+        return pltpu.make_async_copy(self.kv_hbm.at[self.batch, src_row],
+                                     self.buf.at[slot, j], self.sem.at[slot])
+
+    def start(self, k_block, slot):
+        base = k_block * self.block_k
+
+        def start_row(j, carry):
+            self._copy(self.idx_ref[base + j], slot, j).start()
+            return carry
+
+        jax.lax.fori_loop(0, self.block_k, start_row, 0)
+
+    def wait(self, slot):
+        def wait_row(j, carry):
+            self._copy(0, slot, j).wait()  # same-sized descriptor: waits for one row's bytes
+            return carry
+
+        jax.lax.fori_loop(0, self.block_k, wait_row, 0)
+
+    def rows(self, k_block, n_k_blocks):
+        """Start the next block's gather, wait for this one, return its rows [block_k, C]."""
+        slot = k_block % 2
+
+        @pl.when(k_block == 0)
+        def _():
+            self.start(0, 0)
+
+        @pl.when(k_block + 1 < n_k_blocks)
+        def _():
+            self.start(k_block + 1, 1 - slot)
+
+        self.wait(slot)
+        rows_K1C = self.buf[slot]
+        return rows_K1C.reshape(rows_K1C.shape[0], rows_K1C.shape[2])
+
+
+def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, out_ref, lse_ref,
+                buf, sem, m_scr, l_scr, acc_scr, *, scale, v_dim, block_k):
+    # idx_ref (SMEM) [k_pad] this query's slots; q_ref [1, 1, H, C]; valid_ref [1, TQ, block_k] int32;
+    # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; buf [2, block_k, C]; m/l [H, 1]; acc [H, v_dim].
+    b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
+
+    @pl.when(kb == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    q_HC = q_ref[0, 0]
+    valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
+    s_HK = _mm_nt(q_HC, rows_KC) * scale
+    s_HK = jnp.where(valid_1K, s_HK, -jnp.inf)
+    m_prev = m_scr[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s_HK, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-invalid so far: keep exp() finite
+    alpha = jnp.exp(m_prev - m_safe)
+    p_HK = jnp.exp(s_HK - m_safe)
+    l_scr[...] = alpha * l_scr[...] + jnp.sum(p_HK, axis=1, keepdims=True)
+    acc_scr[...] = alpha * acc_scr[...] + _mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
+    m_scr[...] = m_new
+
+    @pl.when(kb == n_kb - 1)
+    def _finalize():
+        l = l_scr[...]
+        has_keys = l > 0.0
+        out_ref[0, 0] = jnp.where(has_keys, acc_scr[...] / jnp.where(has_keys, l, 1.0), 0.0).astype(out_ref.dtype)
+        lse_H1 = jnp.where(has_keys, m_scr[...] + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
+        lse_ref[0, pl.ds(qi, 1), :] = _column_to_row(lse_H1)
+
+
+def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref,
+                buf, sem, *, scale, v_dim, block_k):
+    # q_ref [1, 1, H, C]; dout_ref [1, 1, H, v_dim]; lse/delta [1, TQ, H] fp32; valid [1, TQ, block_k];
+    # dq_ref [1, 1, H, C] fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] fp32.
+    b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
+
+    q_HC, dout_HV = q_ref[0, 0], dout_ref[0, 0]
+    valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
+    lse_H1 = _row_to_column(lse_ref[0, pl.ds(qi, 1), :])
+    delta_H1 = _row_to_column(delta_ref[0, pl.ds(qi, 1), :])
+    lse_H1 = jnp.where(lse_H1 == -jnp.inf, 0.0, lse_H1)  # rows without keys: every p is masked to 0
+
+    s_HK = _mm_nt(q_HC, rows_KC) * scale
+    p_HK = jnp.where(valid_1K, jnp.exp(s_HK - lse_H1), 0.0)
+    dp_HK = _mm_nt(dout_HV, rows_KC[:, :v_dim])
+    ds_HK = jnp.where(valid_1K, p_HK * (dp_HK - delta_H1), 0.0)  # masked: delta may be non-finite there
+
+    @pl.when(kb == 0)
+    def _init():
+        dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+
+    dq_ref[0, 0] += _mm(ds_HK.astype(rows_KC.dtype), rows_KC) * scale
+    dkey_KC = _mm(ds_HK.T.astype(q_HC.dtype), q_HC) * scale
+    dvalue_KV = _mm(p_HK.T.astype(dout_HV.dtype), dout_HV)
+    drows_ref[0, 0] = dkey_KC
+    drows_ref[0, 0, :, :v_dim] += dvalue_KV
+
+
+def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k):
+    """Pad T to TQ and k to block_k; invalid/padded slots point at row 0 (gathered, then masked)."""
+    B, T, H, C = q_BTHC.shape
+    K = idx_BTK.shape[2]
+    block_k = min(block_k, _round_up(K, 128))
+    T_pad, K_pad = _round_up(T, QUERIES_PER_BLOCK), _round_up(K, block_k)
+    valid = _pad_axis(_pad_axis(valid_BTK, 2, K_pad, False), 1, T_pad, False)
+    idx = jnp.where(valid, jnp.clip(_pad_axis(_pad_axis(idx_BTK, 2, K_pad), 1, T_pad), 0, S - 1), 0)
+    return dict(B=B, T=T, H=H, C=C, K=K, T_pad=T_pad, K_pad=K_pad, block_k=block_k,
+                idx_flat=idx.astype(jnp.int32).reshape(-1), valid=valid.astype(jnp.int32))
+
+
+def _grid_and_common_specs(d):
+    TQ, block_k, T_pad = QUERIES_PER_BLOCK, d["block_k"], d["T_pad"]
+    grid = (d["B"], T_pad // TQ, TQ, d["K_pad"] // block_k)
+    per_query = lambda b, t, i, kb: (b, t * TQ + i, 0, 0)  # noqa: E731
+    idx_spec = pl.BlockSpec((d["K_pad"],), lambda b, t, i, kb: (b * T_pad + t * TQ + i,),
+                            memory_space=pltpu.SMEM)
+    valid_spec = pl.BlockSpec((1, TQ, block_k), lambda b, t, i, kb: (b, t, kb))
+    per_query_row_block = pl.BlockSpec((1, TQ, d["H"]), lambda b, t, i, kb: (b, t, 0))
+    return grid, per_query, idx_spec, valid_spec, per_query_row_block
+
+
+_SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"))
+
+
+def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=512, interpret=False):
+    """(out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32); same contract as reference.sparse_mla."""
+    S = kv_BSC.shape[1]
+    d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
+    B, H, C, T_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["block_k"]
+    grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
+    q = _pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k),
+        grid=grid,
+        in_specs=[idx_spec,
+                  pl.BlockSpec((1, 1, H, C), per_query),
+                  valid_spec,
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[pl.BlockSpec((1, 1, H, v_dim), per_query), row_block],
+        out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, v_dim), q_BTHC.dtype),
+                   jax.ShapeDtypeStruct((B, T_pad, H), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32),
+                        pltpu.VMEM((H, v_dim), jnp.float32)],
+        compiler_params=_SEMANTICS,
+        interpret=interpret,
+    )(d["idx_flat"], q, d["valid"], kv_BSC[:, :, None, :])
+    T = d["T"]
+    return out[:, :T], lse[:, :T]
+
+
+def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
+                        scale, v_dim, block_k=512, interpret=False):
+    """(dq [B, T, H, C] fp32, drows [B, T, k, C] fp32): gradients of q and of every gathered slot's row.
+
+    ``delta = rowsum(dO * O) - dlse`` [B, T, H] fp32. Invalid slots get zero row gradients.
+    """
+    S = kv_BSC.shape[1]
+    d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
+    B, H, C, T_pad, K_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["K_pad"], d["block_k"]
+    grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
+    q = _pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
+    dout = _pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
+    lse = _pad_axis(lse_BTH.astype(jnp.float32), 1, T_pad, -jnp.inf)
+    delta = _pad_axis(delta_BTH.astype(jnp.float32), 1, T_pad)
+    dq, drows = pl.pallas_call(
+        functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k),
+        grid=grid,
+        in_specs=[idx_spec,
+                  pl.BlockSpec((1, 1, H, C), per_query),
+                  pl.BlockSpec((1, 1, H, v_dim), per_query),
+                  row_block, row_block,
+                  valid_spec,
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[pl.BlockSpec((1, 1, H, C), per_query),
+                   pl.BlockSpec((1, 1, block_k, C), lambda b, t, i, kb: (b, t * QUERIES_PER_BLOCK + i, kb, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, C), jnp.float32),
+                   jax.ShapeDtypeStruct((B, T_pad, K_pad, C), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,))],
+        compiler_params=_SEMANTICS,
+        interpret=interpret,
+    )(d["idx_flat"], q, dout, lse, delta, d["valid"], kv_BSC[:, :, None, :])
+    T, K = d["T"], d["K"]
+    return dq[:, :T], drows[:, :T, :K]
