@@ -1,0 +1,164 @@
+"""The train state and one jitted, sharded training step (losses, accumulation, optimizer, routing bias).
+
+`TrainState` is a plain pytree: step, params, optimizer state, the routing-bias collection, an RNG key.
+Its shardings come from the parameters' logical axis names through the config's rules, so the same
+code runs on one CPU, fake CPU meshes or a TPU pod.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.core import meta
+
+from glm5_jax.losses import load_spread, lm_losses, update_routing_bias
+from glm5_jax.model import Transformer
+from glm5_jax.moe import BIAS_COLLECTION
+from glm5_jax.optim import learning_rate_schedule, make_optimizer, trainable_labels
+from glm5_jax.sharding import batch_sharding, logical_shardings
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+    moe_bias: dict
+    rng: jax.Array
+
+
+def model_config_for_stage(model_cfg, stage: str):
+    """Attention and indexer-loss settings of a DSA training stage (spec §7.1, DESIGN §3)."""
+    if stage == "dense":
+        return model_cfg.replace(attention_mode="dense", indexer_loss="none")
+    if stage == "warmup":
+        return model_cfg.replace(attention_mode="dense", indexer_loss="warmup")
+    return model_cfg.replace(attention_mode="sparse", indexer_loss="sparse" if model_cfg.use_indexer else "none")
+
+
+class Trainer:
+    """Builds the state, its shardings and the jitted step for one experiment on one mesh."""
+
+    def __init__(self, exp_cfg, mesh):
+        self.exp = exp_cfg
+        self.mesh = mesh
+        self.rules = exp_cfg.mesh.rules
+        self.model_cfg = model_config_for_stage(exp_cfg.model, exp_cfg.train.stage)
+        self.model = Transformer(self.model_cfg)
+        self.tx = make_optimizer(exp_cfg.train)
+        self.lr_schedule = learning_rate_schedule(exp_cfg.train)
+        abstract = jax.eval_shape(self._init_boxed, jax.random.PRNGKey(0))
+        self.state_shardings = meta.unbox(logical_shardings(abstract, mesh, self.rules))
+        self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                           meta.unbox(abstract), self.state_shardings)
+        self.batch_sharding = batch_sharding(mesh, self.rules)
+        self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+                             out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding))
+
+    # ------------------------------------------------------------------ init
+    def _init_boxed(self, rng):
+        init_rng, state_rng = jax.random.split(rng)
+        variables = self.model.init(init_rng, jnp.zeros((1, 8), jnp.int32))
+        params = variables["params"]
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                          moe_bias=variables.get(BIAS_COLLECTION, {}), rng=state_rng)
+
+    def init_state(self, seed: int) -> TrainState:
+        with self._context():
+            init = jax.jit(lambda r: meta.unbox(self._init_boxed(r)), out_shardings=self.state_shardings)
+            return init(jax.random.PRNGKey(seed))
+
+    def _context(self):
+        return _MeshAndRules(self.mesh, self.rules)
+
+    # ------------------------------------------------------------------ step
+    def _loss(self, params, moe_bias, batch):
+        logits, aux = self.model.apply({"params": params, BIAS_COLLECTION: moe_bias}, batch["tokens"],
+                                       positions=batch["positions"], segment_ids=batch["segment_ids"],
+                                       return_aux=True)
+        total, parts = lm_losses(logits, aux, batch["tokens"], batch["segment_ids"], self.exp.train,
+                                 self.model_cfg, self.exp.train.stage)
+        return total, (parts, aux["layers"], aux.get("expert_load"))
+
+    def _accumulated_grads(self, params, moe_bias, batch):
+        """Gradients, loss parts and per-layer aux summed/averaged over `grad_accum` micro-batches."""
+        n = self.exp.train.grad_accum
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if n == 1:
+            (_, (parts, layers, load)), grads = grad_fn(params, moe_bias, batch)
+            return grads, parts, layers, load
+        micro = jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+        def body(acc, mb):
+            (_, out), g = grad_fn(params, moe_bias, mb)
+            return jax.tree.map(jnp.add, acc, (g,) + out), None
+
+        (_, out_shape), grads_shape = jax.eval_shape(grad_fn, params, moe_bias, jax.tree.map(lambda x: x[0], micro))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape,) + out_shape)
+        total, _ = jax.lax.scan(body, zeros, micro)
+        grads, parts, layers, load = total
+        mean = lambda x: x / n
+        parts = {k: (v if k == "tokens" else mean(v)) for k, v in parts.items()}
+        layers = _mean_except_loads(layers, n)
+        return jax.tree.map(mean, grads), parts, layers, load
+
+    def _train_step(self, state: TrainState, batch):
+        train = self.exp.train
+        grads, parts, layers, load = self._accumulated_grads(state.params, state.moe_bias, batch)
+        labels = trainable_labels(grads, train.stage)
+        trainable = jax.tree.map(lambda g, l: g if l == "train" else jnp.zeros_like(g), grads, labels)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        moe_bias = state.moe_bias
+        if train.bias_update_rate and train.stage != "warmup" and moe_bias:
+            moe_bias = update_routing_bias(moe_bias, layers, train.bias_update_rate)
+        metrics = dict(parts)
+        metrics["grad_norm"] = optax.global_norm(trainable)
+        metrics["lr"] = self.lr_schedule(state.step)
+        if load is not None:
+            spread = load_spread(load)
+            metrics["expert_load_max_over_mean"] = jnp.mean(spread)
+            metrics["expert_load_max_over_mean_worst"] = jnp.max(spread)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, moe_bias=moe_bias,
+                               rng=jax.random.fold_in(state.rng, state.step))
+        return new_state, metrics
+
+    def _eval_step(self, state: TrainState, batch):
+        _, (parts, _, _) = self._loss(state.params, state.moe_bias, batch)
+        return {"eval_loss_sum": parts["lm_loss"] * parts["tokens"], "eval_tokens": parts["tokens"]}
+
+    def step(self, state, batch):
+        with self._context():
+            return self._step(state, batch)
+
+    def evaluate(self, state, batch):
+        with self._context():
+            return self._eval(state, batch)
+
+    def put_batch(self, batch_np):
+        """Host numpy batch (this process's rows) -> a global array sharded over the batch axes."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch_np.items()}
+
+
+def _mean_except_loads(layers, n):
+    def fix(path, x):
+        return x if getattr(path[-1], "key", None) == "expert_load" else x / n
+    return jax.tree_util.tree_map_with_path(fix, layers)
+
+
+class _MeshAndRules:
+    def __init__(self, mesh, rules):
+        self.mesh, self.rules = mesh, rules
+
+    def __enter__(self):
+        self._m = jax.set_mesh(self.mesh)
+        self._m.__enter__()
+        self._r = nn.logical_axis_rules(self.rules)
+        self._r.__enter__()
+
+    def __exit__(self, *exc):
+        self._r.__exit__(*exc)
+        self._m.__exit__(*exc)

@@ -1,0 +1,47 @@
+"""Train GLM-5 (any size) on any mesh: python train.py --config=configs/tiny.py --workdir=DIR [--set=k=v ...]
+
+Re-running with the same workdir resumes from its latest checkpoint.
+"""
+import logging
+import os
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", None, "Python config file defining get_config() -> ExperimentConfig.", required=True)
+flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, tb/, tokenizer cache.", required=True)
+flags.DEFINE_multi_string("set", [], "Override a config field, e.g. --set=train.steps=100 --set=mesh.fsdp=2.")
+flags.DEFINE_integer("host_devices", None, "Simulate this many CPU devices (sets XLA_FLAGS before JAX starts).")
+flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0 (jax.distributed).")
+flags.DEFINE_integer("num_processes", None, "Multi-process: total number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
+
+
+def main(argv):
+    del argv
+    if FLAGS.host_devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={FLAGS.host_devices}")
+    import jax
+
+    if FLAGS.coordinator_address:
+        jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
+                                   num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+    from glm5_jax.experiment import apply_overrides, load_config_file
+    from glm5_jax.training import run_training
+
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)          # orbax/grain INFO chatter
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    run_log = logging.getLogger("glm5_jax")
+    run_log.addHandler(handler)
+    run_log.setLevel(logging.INFO)
+    run_log.propagate = False
+    cfg = apply_overrides(load_config_file(FLAGS.config), FLAGS.set)
+    run_training(cfg, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)
