@@ -7,6 +7,11 @@ flight (two buffer slots). The query's k indices are streamed into SMEM one quer
 1-D SMEM BlockSpec: whole-array scalar prefetch would need B*T*k*4 bytes of SMEM (64 MiB at T=8192,
 k=2048), far beyond the SMEM of any TPU.
 
+Row DMAs and tiling: Mosaic only slices tiled (second-minor) dims at tile-aligned offsets, so a single
+row of kv [B, S, C] cannot be DMA'd. The kernels therefore see kv as [B, S, 1, C] and the VMEM buffer as
+[2, block_k, 1, C], where the row index is an untiled leading dim. XLA stores that view with the unit dim
+padded to the bf16 sublane pair (about 2.2x the bytes of kv: 21 MiB instead of 9.4 MiB at S = 8192).
+
 Grid: (B, T / TQ, TQ, k / block_k). TQ = 8 queries share one [TQ, H] block of lse (and of the backward's
 per-query scalars) so those blocks obey the (8, 128) tiling rule without a [T, H, 1] padded layout.
 
@@ -232,7 +237,7 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
         interpret=interpret,
     )(d["idx_flat"], q, d["valid"], kv_BSC[:, :, None, :])
     T = d["T"]
-    return out[:, :T], lse[:, :T]
+    return (out, lse) if T == T_pad else (out[:, :T], lse[:, :T])
 
 
 def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
@@ -267,4 +272,6 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
         interpret=interpret,
     )(d["idx_flat"], q, dout, lse, delta, d["valid"], kv_BSC[:, :, None, :])
     T, K = d["T"], d["K"]
-    return dq[:, :T], drows[:, :T, :K]
+    if (T, K) != (T_pad, K_pad):
+        dq, drows = dq[:, :T], drows[:, :T, :K]
+    return dq, drows

@@ -1,4 +1,6 @@
 """Sparse MLA Pallas kernels (forward, custom_vjp backward) vs the XLA reference in interpret mode."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +21,9 @@ def make_inputs(B, T, S, H, C, topk, dtype=jnp.float32, seed=0):
     q = normal(rng, (B, T, H, C), dtype)
     kv = normal(rng, (B, S, C), dtype)
     q_pos, kv_pos, q_seg, kv_seg = positions_and_segments(B, T, S)
-    idx, valid = indexer_reference.indexer_topk(
-        normal(rng, (B, T, 2, 8)), normal(rng, (B, S, 8)), normal(rng, (B, T, 2)),
-        q_pos, kv_pos, q_seg, kv_seg, topk=topk)
+    select = jax.jit(functools.partial(indexer_reference.indexer_topk, topk=topk))
+    idx, valid = select(normal(rng, (B, T, 2, 8)), normal(rng, (B, S, 8)), normal(rng, (B, T, 2)),
+                        q_pos, kv_pos, q_seg, kv_seg)
     return q, kv, idx, valid
 
 
@@ -47,7 +49,7 @@ def test_forward_matches_reference_fp32(B, T, S, H, C, V, topk, block_k):
     valid_np = np.asarray(valid)
     assert (~valid_np).any() and valid_np.any() and not valid_np.any(-1).all()  # all three regimes
     out, lse = kernel.sparse_mla_fwd(q, kv, idx, valid, scale=SCALE, v_dim=V, block_k=block_k, interpret=True)
-    ref_out, ref_lse = reference.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V)
+    ref_out, ref_lse = jax.jit(functools.partial(reference.sparse_mla, scale=SCALE, v_dim=V))(q, kv, idx, valid)
     assert out.shape == (B, T, H, V) and out.dtype == q.dtype and lse.dtype == jnp.float32
     assert_close(out, ref_out, 1e-5)
     assert_close(lse, ref_lse, 1e-5)
@@ -56,8 +58,8 @@ def test_forward_matches_reference_fp32(B, T, S, H, C, V, topk, block_k):
 def test_gradients_match_reference_fp32():
     B, T, S, H, C, V, topk, _ = CASES[0]
     q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, seed=1)
-    got = jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1))(q, kv)
-    want = jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1))(q, kv)
+    got = jax.jit(jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1)))(q, kv)
+    want = jax.jit(jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1)))(q, kv)
     for g, w in zip(got, want):
         assert g.dtype == jnp.float32 and np.abs(np.asarray(w)).max() > 0
         assert_close(g, w, 1e-5)
@@ -71,9 +73,9 @@ def test_forward_and_gradients_bf16():
     assert out.dtype == jnp.bfloat16
     assert_close(out, ref_out, 2e-2)
     assert_close(lse, ref_lse, 1e-3)
-    got = jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1))(q, kv)
+    got = jax.jit(jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1)))(q, kv)
     q32, kv32 = q.astype(jnp.float32), kv.astype(jnp.float32)
-    want = jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1))(q32, kv32)
+    want = jax.jit(jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1)))(q32, kv32)
     for g, w in zip(got, want):
         assert g.dtype == jnp.bfloat16
         assert_close(g, w, 3e-2)
