@@ -126,7 +126,7 @@ class _RowGather:
 def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, out_ref, lse_ref,
                 buf, sem, m_scr, l_scr, acc_scr, *, scale, v_dim, block_k):
     # idx_ref (SMEM) [k_pad] this query's slots; q_ref [1, 1, H, C]; valid_ref [1, TQ, block_k] int32;
-    # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; buf [2, block_k, C]; m/l [H, 1]; acc [H, v_dim].
+    # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; buf [2, block_k, 1, C]; m/l [H, 1]; acc [H, v_dim].
     b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
     rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
 
