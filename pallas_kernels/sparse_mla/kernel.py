@@ -9,8 +9,9 @@ k=2048), far beyond the SMEM of any TPU.
 
 Row DMAs and tiling: Mosaic only slices tiled (second-minor) dims at tile-aligned offsets, so a single
 row of kv [B, S, C] cannot be DMA'd. The kernels therefore see kv as [B, S, 1, C] and the VMEM buffer as
-[2, block_k, 1, C], where the row index is an untiled leading dim. XLA stores that view with the unit dim
-padded to the bf16 sublane pair (about 2.2x the bytes of kv: 21 MiB instead of 9.4 MiB at S = 8192).
+[2, block_k, 1, C], where the row index is an untiled leading dim. The kernel operand then has the unit
+dim padded in its tiled layout, so XLA makes a relayout copy of kv per call (measured by AOT compile on
+v5p: about 21 MiB of temp for a 9 MiB bf16 kv at S = 8192).
 
 Grid: (B, T / TQ, TQ, k / block_k). TQ = 8 queries share one [TQ, H] block of lse (and of the backward's
 per-query scalars) so those blocks obey the (8, 128) tiling rule without a [T, H, 1] padded layout.
