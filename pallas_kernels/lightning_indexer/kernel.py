@@ -130,7 +130,7 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
         interpret=interpret,
     )(q_max_pos, kv_min_pos, q_BHTD, k_BSD, w_BHT,
       q_pos[:, None, :], q_seg[:, None, :], kv_pos[:, :, None], kv_seg[:, :, None])
-    return scores[:, :T, :S]
+    return scores if (T, S) == (T_pad, S_pad) else scores[:, :T, :S]
 
 
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk,

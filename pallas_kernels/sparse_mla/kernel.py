@@ -7,6 +7,12 @@ flight (two buffer slots). The query's k indices are streamed into SMEM one quer
 1-D SMEM BlockSpec: whole-array scalar prefetch would need B*T*k*4 bytes of SMEM (64 MiB at T=8192,
 k=2048), far beyond the SMEM of any TPU.
 
+Row DMAs and tiling: Mosaic only slices tiled (second-minor) dims at tile-aligned offsets, so a single
+row of kv [B, S, C] cannot be DMA'd. The kernels therefore see kv as [B, S, 1, C] and the VMEM buffer as
+[2, block_k, 1, C], where the row index is an untiled leading dim. The kernel operand then has the unit
+dim padded in its tiled layout, so XLA makes a relayout copy of kv per call (measured by AOT compile on
+v5p: about 21 MiB of temp for a 9 MiB bf16 kv at S = 8192).
+
 Grid: (B, T / TQ, TQ, k / block_k). TQ = 8 queries share one [TQ, H] block of lse (and of the backward's
 per-query scalars) so those blocks obey the (8, 128) tiling rule without a [T, H, 1] padded layout.
 
@@ -121,7 +127,7 @@ class _RowGather:
 def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, out_ref, lse_ref,
                 buf, sem, m_scr, l_scr, acc_scr, *, scale, v_dim, block_k):
     # idx_ref (SMEM) [k_pad] this query's slots; q_ref [1, 1, H, C]; valid_ref [1, TQ, block_k] int32;
-    # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; buf [2, block_k, C]; m/l [H, 1]; acc [H, v_dim].
+    # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; buf [2, block_k, 1, C]; m/l [H, 1]; acc [H, v_dim].
     b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
     rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
 
@@ -232,7 +238,7 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
         interpret=interpret,
     )(d["idx_flat"], q, d["valid"], kv_BSC[:, :, None, :])
     T = d["T"]
-    return out[:, :T], lse[:, :T]
+    return (out, lse) if T == T_pad else (out[:, :T], lse[:, :T])
 
 
 def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
@@ -267,4 +273,6 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
         interpret=interpret,
     )(d["idx_flat"], q, dout, lse, delta, d["valid"], kv_BSC[:, :, None, :])
     T, K = d["T"], d["K"]
-    return dq[:, :T], drows[:, :T, :K]
+    if (T, K) != (T_pad, K_pad):
+        dq, drows = dq[:, :T], drows[:, :T, :K]
+    return dq, drows

@@ -1,5 +1,4 @@
 """Lightning-indexer Pallas kernel vs the XLA reference (interpret mode on CPU)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

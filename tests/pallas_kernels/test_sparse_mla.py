@@ -1,9 +1,12 @@
 """Sparse MLA Pallas kernels (forward, custom_vjp backward) vs the XLA reference in interpret mode."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsa_inputs import assert_close, normal, positions_and_segments
 from pallas_kernels.lightning_indexer import reference as indexer_reference
@@ -19,9 +22,9 @@ def make_inputs(B, T, S, H, C, topk, dtype=jnp.float32, seed=0):
     q = normal(rng, (B, T, H, C), dtype)
     kv = normal(rng, (B, S, C), dtype)
     q_pos, kv_pos, q_seg, kv_seg = positions_and_segments(B, T, S)
-    idx, valid = indexer_reference.indexer_topk(
-        normal(rng, (B, T, 2, 8)), normal(rng, (B, S, 8)), normal(rng, (B, T, 2)),
-        q_pos, kv_pos, q_seg, kv_seg, topk=topk)
+    select = jax.jit(functools.partial(indexer_reference.indexer_topk, topk=topk))
+    idx, valid = select(normal(rng, (B, T, 2, 8)), normal(rng, (B, S, 8)), normal(rng, (B, T, 2)),
+                        q_pos, kv_pos, q_seg, kv_seg)
     return q, kv, idx, valid
 
 
@@ -47,7 +50,7 @@ def test_forward_matches_reference_fp32(B, T, S, H, C, V, topk, block_k):
     valid_np = np.asarray(valid)
     assert (~valid_np).any() and valid_np.any() and not valid_np.any(-1).all()  # all three regimes
     out, lse = kernel.sparse_mla_fwd(q, kv, idx, valid, scale=SCALE, v_dim=V, block_k=block_k, interpret=True)
-    ref_out, ref_lse = reference.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V)
+    ref_out, ref_lse = jax.jit(functools.partial(reference.sparse_mla, scale=SCALE, v_dim=V))(q, kv, idx, valid)
     assert out.shape == (B, T, H, V) and out.dtype == q.dtype and lse.dtype == jnp.float32
     assert_close(out, ref_out, 1e-5)
     assert_close(lse, ref_lse, 1e-5)
@@ -56,8 +59,8 @@ def test_forward_matches_reference_fp32(B, T, S, H, C, V, topk, block_k):
 def test_gradients_match_reference_fp32():
     B, T, S, H, C, V, topk, _ = CASES[0]
     q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, seed=1)
-    got = jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1))(q, kv)
-    want = jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1))(q, kv)
+    got = jax.jit(jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1)))(q, kv)
+    want = jax.jit(jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1)))(q, kv)
     for g, w in zip(got, want):
         assert g.dtype == jnp.float32 and np.abs(np.asarray(w)).max() > 0
         assert_close(g, w, 1e-5)
@@ -71,9 +74,9 @@ def test_forward_and_gradients_bf16():
     assert out.dtype == jnp.bfloat16
     assert_close(out, ref_out, 2e-2)
     assert_close(lse, ref_lse, 1e-3)
-    got = jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1))(q, kv)
+    got = jax.jit(jax.grad(loss_of("pallas_interpret", idx, valid, V), argnums=(0, 1)))(q, kv)
     q32, kv32 = q.astype(jnp.float32), kv.astype(jnp.float32)
-    want = jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1))(q32, kv32)
+    want = jax.jit(jax.grad(loss_of("xla", idx, valid, V), argnums=(0, 1)))(q32, kv32)
     for g, w in zip(got, want):
         assert g.dtype == jnp.bfloat16
         assert_close(g, w, 3e-2)
@@ -111,3 +114,44 @@ def test_tpu_interpreter_out_of_bounds_checked():
     _, vjp = jax.vjp(lambda a: reference.sparse_mla(a, kv, idx, valid, scale=SCALE, v_dim=V)[0], q)
     assert_close(dq, vjp(dout)[0], 1e-5)
     assert np.all(np.asarray(rows)[~np.asarray(valid)] == 0)
+
+
+def test_inside_shard_map_over_queries():
+    """How the model calls it: queries split over devices, kv whole; grads of kv summed over devices."""
+    mesh = jax.make_mesh((2,), ("q",))
+    B, T, S, H, C, V, topk = 1, 16, 40, 2, 16, 8, 12
+    specs = (P(None, "q"), P(), P(None, "q"), P(None, "q"))
+    inputs = make_inputs(B, T, S, H, C, topk, seed=6)
+    q, kv, idx, valid = (jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(inputs, specs))
+
+    def loss(impl):
+        def per_device(q, kv, idx, valid):
+            out, _ = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl=impl)
+            return jax.lax.psum(jnp.sum(jnp.sin(out)), "q")
+
+        return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss("pallas_interpret"), argnums=(0, 1)))(q, kv, idx, valid)
+        want = jax.jit(jax.value_and_grad(loss("xla"), argnums=(0, 1)))(q, kv, idx, valid)
+    assert_close(got[0], want[0], 1e-5)
+    for g, w in zip(got[1], want[1]):
+        assert np.abs(np.asarray(w)).max() > 0
+        assert_close(g, w, 1e-5)
+
+
+def test_dsa_equals_dense_when_every_visible_key_fits_in_k():
+    """Spec §4.4: with k >= S the kernels' DSA (indexer top-k + sparse attention) is dense attention."""
+    from pallas_kernels.lightning_indexer import ops as indexer_ops
+    from pallas_kernels.masking import visible_mask
+
+    B, T, S, H, C, V = 2, 12, 30, 2, 16, 8
+    rng = np.random.default_rng(7)
+    q, kv = normal(rng, (B, T, H, C)), normal(rng, (B, S, C))
+    pos_seg = positions_and_segments(B, T, S)
+    idx, valid = indexer_ops.indexer_topk(normal(rng, (B, T, 2, 8)), normal(rng, (B, S, 8)),
+                                          normal(rng, (B, T, 2)), *pos_seg, topk=64, impl="pallas_interpret")
+    out, lse = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl="pallas_interpret")
+    dense_out, dense_lse = reference.dense_mla(q, kv, visible_mask(*pos_seg), scale=SCALE, v_dim=V)
+    assert_close(out, dense_out, 1e-5)
+    assert_close(lse, dense_lse, 1e-5)
