@@ -35,6 +35,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
+    eps: float = 1e-8                      # Adam epsilon (AdamW, and Muon's Adam part)
     clip_norm: float = 1.0
     grad_accum: int = 1                    # micro-batches per step (the global batch is split into these)
     # loss weights (spec §5.3, §6.2, §7.1)

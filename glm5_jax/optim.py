@@ -47,10 +47,12 @@ def muon_dimension_numbers(params):
 
 
 def learning_rate_schedule(train_cfg):
-    return optax.warmup_cosine_decay_schedule(
+    """Linear warm-up to the peak over `warmup_steps` (the first step already moves), then cosine decay."""
+    schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train_cfg.learning_rate, warmup_steps=max(train_cfg.warmup_steps, 1),
         decay_steps=max(train_cfg.steps, train_cfg.warmup_steps + 1),
         end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
+    return lambda step: schedule(step + 1)
 
 
 def _decay_mask(params):
@@ -75,11 +77,12 @@ def trainable_labels(params, stage: str):
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(train_cfg)
     if train_cfg.optimizer == "adamw":
-        base = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, weight_decay=train_cfg.weight_decay,
-                           mask=_decay_mask)
+        base = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
+                           weight_decay=train_cfg.weight_decay, mask=_decay_mask)
     else:
         base = muon(schedule, weight_decay=train_cfg.weight_decay, weight_decay_mask=_decay_mask,
                     adam_b1=train_cfg.b1, adam_b2=train_cfg.b2, adam_weight_decay=train_cfg.weight_decay,
+                    adam_eps_root=0.0, eps=train_cfg.eps,
                     muon_weight_dimension_numbers=muon_dimension_numbers)
     train = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), base)
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()},

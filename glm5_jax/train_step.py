@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from flax.core import meta
+from optax.transforms._masking import MaskedNode
 
 from glm5_jax.losses import load_spread, lm_losses, update_routing_bias
 from glm5_jax.model import Transformer
@@ -50,9 +51,14 @@ class Trainer:
         self.tx = make_optimizer(exp_cfg.train)
         self.lr_schedule = learning_rate_schedule(exp_cfg.train)
         abstract = jax.eval_shape(self._init_boxed, jax.random.PRNGKey(0))
-        self.state_shardings = meta.unbox(logical_shardings(abstract, mesh, self.rules))
+        unboxed = meta.unbox(abstract)
+        # optax marks frozen subtrees with MaskedNode (no arrays); keep them out of the sharding tree
+        is_masked = lambda x: isinstance(x, MaskedNode)
+        self.state_shardings = jax.tree.map(lambda a, s: a if is_masked(a) else s, unboxed,
+                                            meta.unbox(logical_shardings(abstract, mesh, self.rules)),
+                                            is_leaf=is_masked)
         self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                           meta.unbox(abstract), self.state_shardings)
+                                           unboxed, self.state_shardings)
         self.batch_sharding = batch_sharding(mesh, self.rules)
         self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
@@ -116,7 +122,7 @@ class Trainer:
         if train.bias_update_rate and train.stage != "warmup" and moe_bias:
             moe_bias = update_routing_bias(moe_bias, layers, train.bias_update_rate)
         metrics = dict(parts)
-        metrics["grad_norm"] = optax.global_norm(trainable)
+        metrics["grad_norm"] = optax.tree.norm(trainable)
         metrics["lr"] = self.lr_schedule(state.step)
         if load is not None:
             spread = load_spread(load)

@@ -1,0 +1,135 @@
+"""The sharded train step: mesh invariance, DSA stages, routing-bias balancing (spec §5.3, §7.1)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.data import DataConfig
+from glm5_jax.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.optim import is_indexer_param
+from glm5_jax.sharding import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
+from glm5_jax.train_step import Trainer
+
+MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1,
+                    intermediate_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=16,
+                    index_topk=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    num_nextn_predict_layers=1, mtp_depth=1, initializer_range=0.1, remat_policy="none")
+B, T = 8, 24
+
+
+def experiment(stage="sparse", mesh=MeshConfig(data=1, fsdp=1), **train):
+    return ExperimentConfig(model=MODEL, data=DataConfig(batch_size=B, seq_len=T),
+                            train=TrainConfig(stage=stage, warmup_steps=1, learning_rate=1e-2, **train), mesh=mesh)
+
+
+def batch(seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, MODEL.vocab_size, (B, T)).astype(np.int32)
+    segments = np.ones((B, T), np.int32)
+    segments[:, 15:] = 2                       # two packed documents per row
+    segments[1, 20:] = 0                       # and some padding
+    positions = np.concatenate([np.arange(15), np.arange(9)])[None].repeat(B, 0).astype(np.int32)
+    return {"tokens": tokens, "segment_ids": segments, "positions": positions}
+
+
+def run_step(exp_cfg, devices, seed=0):
+    trainer = Trainer(exp_cfg, build_mesh(exp_cfg.mesh, devices))
+    state = trainer.init_state(seed)
+    before = jax.device_get(state)                    # the step donates its input state
+    new_state, metrics = trainer.step(state, trainer.put_batch(batch()))
+    return before, jax.device_get(new_state), jax.device_get(metrics)
+
+
+def _leaves(tree):
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_sharded_step_equals_single_device_step():
+    # eps well above the tiniest gradients keeps Adam's first update ~linear in g, so the comparison
+    # measures the sharded computation rather than Adam's sign(g) amplification of rounding.
+    single = run_step(experiment(eps=1e-4), jax.devices()[:1])
+    sharded_cfg = experiment(eps=1e-4, mesh=MeshConfig(data=2, fsdp=2, expert=1, tensor=2))
+    sharded = run_step(sharded_cfg, jax.devices()[:8])
+    np.testing.assert_allclose(sharded[2]["loss"], single[2]["loss"], rtol=1e-5)
+    init, a, b = _leaves(single[0].params), _leaves(single[1].params), _leaves(sharded[1].params)
+    assert sum(not np.array_equal(init[k], a[k]) for k in a) > len(a) // 2      # the step really moved
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], atol=2e-6, rtol=1e-5, err_msg=name)
+    bias_a, bias_b = _leaves(single[1].moe_bias), _leaves(sharded[1].moe_bias)
+    for name in bias_a:
+        assert np.any(bias_a[name] != 0)
+        np.testing.assert_array_equal(bias_b[name], bias_a[name])
+
+
+def test_warmup_changes_only_indexer_params():
+    before, after, metrics = run_step(experiment(stage="warmup"), jax.devices()[:1])
+    changed_indexer = 0
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(before.params), jax.tree.leaves(after.params)):
+        if is_indexer_param(path):
+            changed_indexer += int(not np.array_equal(x, y))
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    assert changed_indexer > 0
+    assert metrics["indexer_loss"] > 0
+    for x, y in zip(jax.tree.leaves(before.moe_bias), jax.tree.leaves(after.moe_bias)):
+        np.testing.assert_array_equal(x, y)          # the main model, routing included, is frozen
+
+
+def _grads(exp_cfg, loss_parts):
+    trainer = Trainer(exp_cfg, build_mesh(exp_cfg.mesh, jax.devices()[:1]))
+    state = trainer.init_state(0)
+    data = trainer.put_batch(batch())
+
+    @jax.jit
+    def grads_of_parts(params):
+        return [jax.grad(lambda p: trainer._loss(p, state.moe_bias, data)[1][0][part])(params) for part in loss_parts]
+
+    return [{jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+            for grads in grads_of_parts(state.params)]
+
+
+def test_sparse_stage_lm_loss_never_reaches_the_indexer():
+    lm, kl = _grads(experiment(stage="sparse"), ("lm_loss", "indexer_loss"))
+    indexer = [k for k in lm if "indexer" in k]
+    assert indexer
+    for k in indexer:
+        assert np.all(lm[k] == 0), k                           # exactly zero, not small
+    assert all(np.any(kl[k] != 0) for k in indexer)
+    assert all(np.all(kl[k] == 0) for k in kl if "indexer" not in k)   # KL trains only the indexer
+    assert any(np.any(lm[k] != 0) for k in lm if "indexer" not in k)
+
+
+def test_bias_update_reduces_load_imbalance():
+    cfg = experiment(stage="dense", bias_update_rate=0.05, weight_decay=0.0, clip_norm=1e-12)
+    trainer = Trainer(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    state = trainer.init_state(0)
+    # skew the router: every token prefers expert 0 and 1
+    def skew(path, x):
+        return x.at[..., :2].add(1.0) if jax.tree_util.keystr(path).endswith("['router']") else x
+    state = state.replace(params=jax.tree_util.tree_map_with_path(skew, state.params))
+    data = trainer.put_batch(batch())
+    spreads = []
+    for _ in range(12):
+        state, metrics = trainer.step(state, data)
+        spreads.append(float(metrics["expert_load_max_over_mean_worst"]))
+    assert spreads[0] >= 1.9                       # 2 of 4 experts take everything: max/mean = 2
+    assert spreads[-1] < 1.5, spreads
+
+
+def test_impossible_meshes_are_rejected_before_compiling():
+    with pytest.raises(MeshError, match="only one axis may be -1"):
+        MeshConfig(data=-1, fsdp=-1).axis_sizes(8)
+    with pytest.raises(MeshError, match="has 12 devices, but 8"):
+        MeshConfig(data=3, fsdp=4).axis_sizes(8)
+    with pytest.raises(MeshError, match="cannot be split"):
+        MeshConfig(data=3, fsdp=-1).axis_sizes(8)
+    with pytest.raises(MeshError, match="tensor=4 does not divide num_attention_heads=2"):
+        check_mesh_fits_model({"data": 1, "fsdp": 2, "expert": 1, "tensor": 4}, MODEL, B)
+    with pytest.raises(MeshError, match="expert=8 does not divide n_routed_experts=4"):
+        check_mesh_fits_model({"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}, MODEL, B)
+    with pytest.raises(MeshError, match="global batch 8 is not divisible"):
+        check_mesh_fits_model({"data": 1, "fsdp": 16, "expert": 1, "tensor": 1}, MODEL.replace(hidden_size=64), B)
