@@ -64,6 +64,9 @@ class HubReader:
                 br, bc = self.block_size
                 want = (math.ceil(shape[0] / br), math.ceil(shape[1] / bc)) if len(shape) == 2 else None
                 got_scale = tuple(self.ckpt.shape(scale_key(key)))
+                scale_dtype = self.dtype(scale_key(key))
+                if scale_dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(f"{scale_key(key)}: FP8 scale dtype {scale_dtype.name} is not a float dtype")
                 if want is None or got_scale != want:
                     raise CheckpointError(f"{scale_key(key)}: FP8 scale shape {list(got_scale)} does not match weight "
                                           f"{list(shape)} with {br}x{bc} blocks (expected {list(want or ())})")
