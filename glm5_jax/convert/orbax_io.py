@@ -18,6 +18,7 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from glm5_jax.safetensors_io import CheckpointError
@@ -44,6 +45,14 @@ def _merge(a: dict, b: dict) -> dict:
     return a
 
 
+def _save_context():
+    """Replica-parallel saving slices every replicated shard with a freshly compiled jit (seconds per
+    leaf on a mesh); each replica group's first device writes whole shards instead."""
+    context = ocp_v1.Context()
+    context.array.saving.use_replica_parallel = False
+    return context
+
+
 class LeafWriter:
     """Adds leaves to step 0 of a new checkpoint in batches of about `flush_bytes`."""
 
@@ -61,7 +70,8 @@ class LeafWriter:
 
     def flush(self, custom_metadata=None) -> None:
         if self._pending or custom_metadata is not None:
-            ocp_partial.save(self.path, self._pending, custom_metadata=custom_metadata)
+            with _save_context():
+                ocp_partial.save(self.path, self._pending, custom_metadata=custom_metadata)
         self._pending, self._pending_bytes = {}, 0
 
     def finalize(self, custom_metadata: dict) -> None:

@@ -109,11 +109,11 @@ def test_fp8_import_matches_dequantised_reference_and_export_round_trips(tmp_pat
 def test_mesh_conversion_gives_the_same_values(tmp_path):
     write_random_hub_checkpoint(str(tmp_path / "hf"), FP8_CONFIG, dtype=np.float32, fp8=True)
     hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "single"), dtype="float32")
-    hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "mesh"), dtype="float32", mesh="expert:2,tensor:2")
+    hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "mesh"), dtype="float32", mesh="fsdp:2,expert:2,tensor:2")
     single, sharded = restore_state(tmp_path / "single"), restore_state(tmp_path / "mesh")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
     experts = sharded["params"]["decoder"]["segment_1"]["layer_0"]["moe"]["gate_proj"]
-    assert len(experts.sharding.device_set) == 4 and not experts.sharding.is_fully_replicated
+    assert len(experts.sharding.device_set) == 8 and not experts.sharding.is_fully_replicated
 
 
 def test_each_device_reads_only_its_slice(tmp_path):
