@@ -81,6 +81,20 @@ class SafetensorsFile:
         return self._mmap[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
+    def read_rows(self, name: str, rows: slice) -> np.ndarray:
+        """Rows ``[rows.start, rows.stop)`` of a tensor (all of a 1-D one's elements in range) read with
+        a plain file read into a new array: unlike `tensor`, nothing stays mapped in this process, so a
+        streaming reader's resident memory does not grow with the bytes it has read."""
+        dtype, shape, begin = self.entries[name]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        out = np.empty((rows.stop - rows.start,) + tuple(shape[1:]), dtype)
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + begin + rows.start * row_bytes)
+            if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
+                raise CheckpointError(f"{self.path}: truncated while reading tensor {name!r}")
+        return out
+
+
 class SafetensorsCheckpoint:
     """All tensors of an HF checkpoint directory by name, across shards."""
 
@@ -131,6 +145,9 @@ class SafetensorsCheckpoint:
 
     def raw(self, name: str) -> np.ndarray:
         return self._file(name).tensor(name)
+
+    def read_rows(self, name: str, rows: slice) -> np.ndarray:
+        return self._file(name).read_rows(name, rows)
 
     def get(self, name: str, block_size=(128, 128)) -> np.ndarray:
         """Tensor `name`; FP8 weights with a ``weight_scale_inv`` sibling come back dequantised (fp32)."""

@@ -71,9 +71,8 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
     device_mesh = parse_mesh(mesh)
 
     def hub_bytes(key):
-        w = ckpt.raw(key)
-        extra = ckpt.raw(scale_key(key)).nbytes if reader.is_fp8(key) else 0
-        return w.nbytes + extra
+        keys = (key, scale_key(key)) if reader.is_fp8(key) else (key,)
+        return sum(int(np.prod(ckpt.shape(k))) * reader.dtype(k).itemsize for k in keys)
 
     hf_dtypes = {}
     for leaf in plan:

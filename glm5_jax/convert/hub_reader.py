@@ -35,7 +35,7 @@ class HubReader:
         return key.endswith(".weight") and scale_key(key) in self.ckpt
 
     def dtype(self, key: str) -> np.dtype:
-        return self.ckpt.raw(key).dtype            # a memory-map view: reads no data
+        return self.ckpt.location[key].entries[key][0]
 
     def check(self, plan: list[LeafPlan]) -> None:
         """Raise `CheckpointError` naming the first problem; return silently when the checkpoint fits."""
@@ -76,17 +76,17 @@ class HubReader:
 
     def block(self, key: str, rows: slice, cols: slice | None) -> np.ndarray:
         """Hub tensor `key` restricted to a row range (and column range for 2-D tensors); FP8 dequantised."""
-        w = self.ckpt.raw(key)
+        w = self.ckpt.read_rows(key, rows)          # whole rows; a column range is cut from them
         if cols is None:
-            return w[rows]
+            return w
         if not self.is_fp8(key):
-            return w[rows, cols]
+            return w[:, cols]
         br, bc = self.block_size
-        s = self.ckpt.raw(scale_key(key))[rows.start // br: -(-rows.stop // br), cols.start // bc: -(-cols.stop // bc)]
+        s = self.ckpt.read_rows(scale_key(key), slice(0, self.ckpt.shape(scale_key(key))[0]))[rows.start // br: -(-rows.stop // br), cols.start // bc: -(-cols.stop // bc)]
         s = np.repeat(np.repeat(s.astype(np.float32), br, 0), bc, 1)
         r0, c0 = rows.start % br, cols.start % bc
         s = s[r0: r0 + rows.stop - rows.start, c0: c0 + cols.stop - cols.start]
-        return w[rows, cols].astype(np.float32) * s
+        return w[:, cols].astype(np.float32) * s
 
     def read_ours(self, key: str, layout: str, heads: int | None, index: tuple[slice, ...]) -> np.ndarray:
         """``to_ours(tensor)[index]`` reading only the hub rows and columns the slice covers."""
