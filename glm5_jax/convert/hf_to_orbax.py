@@ -81,7 +81,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
             hf_dtypes[leaf.name] = dtypes.pop().name
     progress = Progress("hf-to-orbax", sum(hub_bytes(k) for leaf in plan for k in leaf.hub_keys()), stream)
     with atomic_output_dir(out_dir, overwrite) as tmp:
-        writer = LeafWriter(tmp)
+        writer = LeafWriter(tmp, {"hf_config": hf, "model_config": config_to_json(cfg), "hf_dtypes": hf_dtypes})
         for leaf in plan:
             leaf_dtype = np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
             sharding = leaf_sharding(device_mesh, leaf.shape, leaf.logical_axes)
@@ -91,5 +91,5 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
             del array
             keys = leaf.hub_keys()
             progress.advance(sum(hub_bytes(k) for k in keys), len(keys))
-        writer.finalize({"hf_config": hf, "model_config": config_to_json(cfg), "hf_dtypes": hf_dtypes})
+        writer.finalize()
     return progress.summary()

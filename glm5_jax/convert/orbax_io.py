@@ -56,13 +56,16 @@ def _save_context():
 
 
 class LeafWriter:
-    """Adds leaves to step 0 of a new checkpoint in batches of about `flush_bytes`."""
+    """Adds leaves to step 0 of a new checkpoint in batches of about `flush_bytes`. One batch is written
+    in the background while the caller builds the next, so at most two batches are alive at once."""
 
-    def __init__(self, ckpt_dir: str, flush_bytes: int = FLUSH_BYTES):
+    def __init__(self, ckpt_dir: str, custom_metadata: dict, flush_bytes: int = FLUSH_BYTES):
         self.path = step_dir(ckpt_dir)
+        self.custom_metadata = custom_metadata          # stored with the first batch
         self.flush_bytes = flush_bytes
         self._pending: dict = {}
         self._pending_bytes = 0
+        self._in_flight = None
 
     def add(self, collection: str, path: tuple[str, ...], array: jax.Array) -> None:
         _merge(self._pending, _nest(collection, path, array))
@@ -70,15 +73,26 @@ class LeafWriter:
         if self._pending_bytes >= self.flush_bytes:
             self.flush()
 
-    def flush(self, custom_metadata=None) -> None:
-        if self._pending or custom_metadata is not None:
+    def _wait(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
+
+    def flush(self) -> None:
+        if self._pending:
+            self._wait()
             with _save_context():
-                ocp_partial.save(self.path, self._pending, custom_metadata=custom_metadata)
+                self._in_flight = ocp_partial.save_async(self.path, self._pending, custom_metadata=self.custom_metadata)
+            self.custom_metadata = None
         self._pending, self._pending_bytes = {}, 0
 
-    def finalize(self, custom_metadata: dict) -> None:
-        self.flush(custom_metadata)
-        ocp_partial.finalize(self.path)
+    def finalize(self) -> None:
+        self.flush()
+        self._wait()
+        if self.custom_metadata is not None:
+            raise ValueError("LeafWriter.finalize: no leaves were added")
+        with _save_context():
+            ocp_partial.finalize(self.path)
 
 
 def _state_dir(ckpt_dir: str) -> str:

@@ -88,3 +88,17 @@ def test_deepseek_v32_checkpoint(tmp_path):
     assert json.load(open(tmp_path / "back" / "config.json"))["model_type"] == "deepseek_v32"
     tokens = np.random.default_rng(1).integers(0, 128, (1, 24))
     np.testing.assert_array_equal(hf_logits(str(tmp_path / "back"), tokens), hf_logits(src, tokens))
+
+
+def test_leaf_writer_batches_and_metadata(tmp_path):
+    """Every add flushing (the last one included) still commits all leaves and the metadata once."""
+    from glm5_jax.convert.orbax_io import LeafWriter, leaf_metadata, read_custom_metadata, restore_leaf
+    writer = LeafWriter(str(tmp_path), {"model_config": {"x": 1}}, flush_bytes=1)
+    for i in range(3):
+        writer.add("params", ("block", f"w{i}"), jax.numpy.full((4, 2), i, jax.numpy.bfloat16))
+    writer.finalize()
+    assert read_custom_metadata(str(tmp_path))["model_config"] == {"x": 1}
+    meta = leaf_metadata(str(tmp_path))
+    assert sorted(meta) == [("params", "block", f"w{i}") for i in range(3)]
+    np.testing.assert_array_equal(restore_leaf(str(tmp_path), "params", ("block", "w2"), *meta[("params", "block", "w2")]),
+                                  np.full((4, 2), 2, np.float32))
