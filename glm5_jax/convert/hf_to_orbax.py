@@ -18,7 +18,7 @@ from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
 from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, scale_key
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import LeafWriter
-from glm5_jax.convert.plan import build_plan
+from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress
 from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
@@ -54,6 +54,12 @@ def config_from_json(fields: dict) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def build_leaf(reader: HubReader, leaf: LeafPlan, dtype, mesh) -> jax.Array:
+    """One leaf as a (sharded) jax.Array; each device's callback reads only its slice."""
+    sharding = leaf_sharding(mesh, leaf.shape, leaf.logical_axes)
+    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: read_leaf_slice(reader, leaf, index, dtype))
+
+
 def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | None = None,
                 overwrite: bool = False, stream=None) -> dict:
     """Convert; returns the summary (tensors, bytes read, seconds, bytes/s, peak RSS)."""
@@ -84,11 +90,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
         writer = LeafWriter(tmp, {"hf_config": hf, "model_config": config_to_json(cfg), "hf_dtypes": hf_dtypes})
         for leaf in plan:
             leaf_dtype = np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
-            sharding = leaf_sharding(device_mesh, leaf.shape, leaf.logical_axes)
-            array = jax.make_array_from_callback(
-                leaf.shape, sharding, lambda index, leaf=leaf, dt=leaf_dtype: read_leaf_slice(reader, leaf, index, dt))
-            writer.add(leaf.collection, leaf.path, array)
-            del array
+            writer.add(leaf.collection, leaf.path, build_leaf(reader, leaf, leaf_dtype, device_mesh))
             keys = leaf.hub_keys()
             progress.advance(sum(hub_bytes(k) for k in keys), len(keys))
         writer.finalize()

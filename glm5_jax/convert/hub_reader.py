@@ -88,12 +88,15 @@ class HubReader:
         s = s[r0: r0 + rows.stop - rows.start, c0: c0 + cols.stop - cols.start]
         return w[:, cols].astype(np.float32) * s
 
-    def read_ours(self, key: str, layout: str, heads: int | None, index: tuple[slice, ...]) -> np.ndarray:
-        """``to_ours(tensor)[index]`` reading only the hub rows and columns the slice covers."""
+    def read_ours(self, key: str, layout: str, heads: int | None, index: tuple[slice, ...],
+                  hub_order: bool = False) -> np.ndarray:
+        """``to_ours(tensor)[index]`` reading only the hub rows and columns the slice covers. With
+        `hub_order`, `index` and the result are in the split hub layout (`split_dims`, before the
+        transpose to ours)."""
         rows, cols = split_dims(self.ckpt.shape(key), layout, heads)
         perm = layout_perm(layout, len(rows + cols))
-        split_index = [None] * len(perm)
-        for our_axis, sl in enumerate(index):
+        split_index = list(index) if hub_order else [None] * len(perm)
+        for our_axis, sl in enumerate(() if hub_order else index):
             split_index[perm[our_axis]] = sl
         row_span, row_local = _span(rows, split_index[:len(rows)])
         col_span, col_local = _span(cols, split_index[len(rows):]) if cols else (None, ())
@@ -102,7 +105,8 @@ class HubReader:
         split_shape = (n_rows // math.prod(rows[1:]),) + rows[1:]
         if cols:
             split_shape += ((col_span.stop - col_span.start) // math.prod(cols[1:]),) + cols[1:]
-        return block.reshape(split_shape)[row_local + col_local].transpose(perm)
+        block = block.reshape(split_shape)[row_local + col_local]
+        return block if hub_order else block.transpose(perm)
 
 
 def _span(dims, slices):
@@ -127,21 +131,37 @@ def normalize_index(index, shape) -> tuple[slice, ...]:
 
 
 def read_leaf_slice(reader: HubReader, leaf: LeafPlan, index, dtype) -> np.ndarray:
-    """``leaf[index]`` in our layout as a new array of `dtype`, assembled from hub tensors."""
+    """``leaf[index]`` in our layout as a new array of `dtype`, assembled from hub tensors: they are
+    read straight into place in hub order (`leaf.hub_order_shape`), then one transpose of the whole
+    slice gives our layout (much faster than transposing tensor by tensor)."""
+    perm = leaf.hub_to_ours_perm
     index = normalize_index(index, leaf.shape)
-    out = np.empty(tuple(s.stop - s.start for s in index), dtype)
+    hub_index = [None] * len(perm)
+    for our_axis, sl in enumerate(index):
+        hub_index[perm[our_axis]] = sl
+    out = np.empty(tuple(s.stop - s.start for s in hub_index), dtype)
     if leaf.stacked:
-        layer_range, rest = range(index[0].start, index[0].stop), index[1:]
+        layer_range, rest = range(hub_index[0].start, hub_index[0].stop), hub_index[1:]
         for j, layer in enumerate(layer_range):
             _read_source(reader, leaf.sources[layer], rest, out[j])
     else:
-        _read_source(reader, leaf.sources[0], index, out)
-    return out
+        _read_source(reader, leaf.sources[0], hub_index, out)
+    return out if perm == tuple(range(len(perm))) else np.ascontiguousarray(out.transpose(perm))
 
 
-def _read_source(reader: HubReader, src: HubSource, index, out):
+def _read_source(reader: HubReader, src: HubSource, hub_index, out):
     if src.experts:
-        for j, e in enumerate(range(index[0].start, index[0].stop)):
-            out[j] = reader.read_ours(src.key.format(e=e), src.layout, src.heads, index[1:])
+        for j, e in enumerate(range(hub_index[0].start, hub_index[0].stop)):
+            _read_tensor(reader, src.key.format(e=e), src, hub_index[1:], out[j])
     else:
-        out[...] = reader.read_ours(src.key, src.layout, src.heads, index)
+        _read_tensor(reader, src.key, src, hub_index, out)
+
+
+def _read_tensor(reader: HubReader, key: str, src: HubSource, hub_index, out):
+    """One hub tensor's slice (in split hub layout) into `out`."""
+    rows, cols = split_dims(reader.ckpt.shape(key), src.layout, src.heads)
+    whole = all(sl.start == 0 and sl.stop == n for sl, n in zip(hub_index, rows + cols))
+    if whole and not reader.is_fp8(key) and reader.dtype(key) == out.dtype:
+        reader.ckpt.read_rows(key, slice(0, reader.ckpt.shape(key)[0]), out)     # straight into place
+    else:
+        out[...] = reader.read_ours(key, src.layout, src.heads, hub_index, hub_order=True)

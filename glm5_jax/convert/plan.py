@@ -12,8 +12,8 @@ import jax
 from flax.core import meta
 
 from glm5_jax.hf_checkpoint import FP32_LEAVES
-from glm5_jax.hf_layout import (GLOBAL_TENSORS, heads_for, hub_shape, layer_slots, layer_tensor_maps,
-                                mtp_extra_tensors)
+from glm5_jax.hf_layout import (GLOBAL_TENSORS, heads_for, hub_shape, layer_slots, layer_tensor_maps, layout_perm,
+                                mtp_extra_tensors, split_dims)
 from glm5_jax.param_count import abstract_variables
 from glm5_jax.safetensors_io import CheckpointError
 
@@ -52,6 +52,26 @@ class LeafPlan:
     @property
     def hub_shape(self) -> tuple[int, ...]:
         return hub_shape(self.element_shape, self.sources[0].layout)
+
+    @property
+    def _lead(self) -> tuple[int, ...]:
+        """Leading stacked axes (layers, experts) in front of one hub tensor's axes."""
+        full = self.shape
+        return full[: len(full) - len(self.element_shape)]
+
+    @property
+    def hub_order_shape(self) -> tuple[int, ...]:
+        """The leaf as hub tensors stacked in their split hub layout (before the transpose to ours)."""
+        src = self.sources[0]
+        rows, cols = split_dims(self.hub_shape, src.layout, src.heads)
+        return self._lead + rows + cols
+
+    @property
+    def hub_to_ours_perm(self) -> tuple[int, ...]:
+        """``hub_order_array.transpose(perm)`` is the leaf in our layout."""
+        n = len(self._lead)
+        inner = layout_perm(self.sources[0].layout, len(self.hub_order_shape) - n)
+        return tuple(range(n)) + tuple(n + p for p in inner)
 
     @property
     def keep_fp32(self) -> bool:
