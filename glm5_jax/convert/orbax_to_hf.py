@@ -22,7 +22,6 @@ from glm5_jax.convert.hub_reader import scale_key
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
-from glm5_jax.hf_layout import to_hf
 from glm5_jax.safetensors_io import DTYPES, CheckpointError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -78,14 +77,16 @@ def _out_dtype(leaf: LeafPlan, stored: np.dtype, hf_dtypes: dict, dtype: str | N
 
 
 def _hub_tensors(leaf: LeafPlan, array: np.ndarray):
-    """(hub key, hub [out, in] tensor) for every hub tensor of the leaf, in `leaf.hub_keys()` order."""
-    elements = list(array) if leaf.stacked else [array]
+    """(hub key, hub [out, in] tensor) for every hub tensor of the leaf, in `leaf.hub_keys()` order.
+    The whole leaf is transposed to hub order once; each tensor is then a contiguous view."""
+    hub = np.ascontiguousarray(array.transpose(np.argsort(leaf.hub_to_ours_perm)))
+    elements = list(hub) if leaf.stacked else [hub]
     for src, element in zip(leaf.sources, elements):
         if src.experts:
             for e, key in enumerate(src.keys()):
-                yield key, to_hf(element[e], src.layout)
+                yield key, element[e].reshape(leaf.hub_shape)
         else:
-            yield src.key, to_hf(element, src.layout)
+            yield src.key, element.reshape(leaf.hub_shape)
 
 
 def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8: bool = False,
