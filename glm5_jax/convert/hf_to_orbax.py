@@ -1,9 +1,10 @@
 """HF hub checkpoint directory -> our orbax checkpoint, streamed leaf by leaf.
 
 Each leaf of ``variables`` (stacked over scanned layers, routed experts stacked) is built with
-`jax.make_array_from_callback`: every device's callback reads only the hub rows/columns of its
-shard from the memory-mapped safetensors (FP8 blocks dequantised on the fly), and the leaf is handed
-to orbax before the next is read. Everything is validated before the output directory is created.
+`jax.make_array_from_callback`: every device's callback reads only the hub rows of its shard with
+positional file reads (nothing stays mapped, so RSS does not grow with bytes read; FP8 blocks are
+dequantised on the fly), and the leaf is handed to orbax (written in the background in ~64 MiB
+batches) before the next is read. Everything is validated before the output directory is created.
 """
 from __future__ import annotations
 

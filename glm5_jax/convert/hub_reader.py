@@ -3,7 +3,8 @@
 `HubReader.check(plan)` compares the checkpoint with what config.json implies before anything is
 written: every expected tensor present with the expected shape and a float dtype, nothing unexpected,
 every FP8 weight with a ``weight_scale_inv`` of the right block shape. `read_leaf_slice` then builds any
-rectangular slice of a leaf from only the hub rows/columns it covers, so a device on a mesh reads
+rectangular slice of a leaf from only the hub rows it covers (a column range is cut from whole rows,
+so sharding a hub tensor's input dimension over-reads by that factor), so a device on a mesh reads
 just its shard and a single host never holds more than the leaf being built.
 """
 from __future__ import annotations
