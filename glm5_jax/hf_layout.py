@@ -22,30 +22,55 @@ class TensorMap:
     collection: str = "params"
 
 
-def to_ours(w_OI: np.ndarray, layout: str, heads: int | None = None) -> np.ndarray:
-    """One HF tensor (any non-expert layout) in our layout."""
+# How each layout turns a hub tensor into ours: the hub tensor (``[out, in]`` or a vector) is split
+# into `row_dims` x `col_dims` (a head count splits one of them), then transposed by `perm`. Both steps
+# are numpy views, so a slice of our layout reads only the hub rows/columns it needs.
+#   layout        hub          split to            ours
+#   vector        [n], [V, d]  unchanged           unchanged
+#   linear        [out, in]    [out, in]           [in, out]
+#   linear_heads  [H*dh, in]   [H, dh, in]         [in, H, dh]
+#   o_proj        [d, H*dv]    [d, H, dv]          [H, dv, d]
+#   experts       [out, in]    per expert e        [E, in, out] (stacked over e)
+LAYOUT_PERM = {"linear": (1, 0), "experts": (1, 0), "linear_heads": (2, 0, 1), "o_proj": (1, 2, 0)}
+
+
+def layout_perm(layout: str, ndim: int) -> tuple[int, ...]:
+    """Axis permutation from the split hub tensor to ours ("vector" tensors keep their axes)."""
+    return tuple(range(ndim)) if layout == "vector" else LAYOUT_PERM[layout]
+
+
+def split_dims(hub_shape, layout: str, heads: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(row_dims, col_dims) of a hub tensor of `hub_shape` under `layout` (see the table above)."""
     if layout == "vector":
-        return w_OI
-    if layout == "linear":
-        return w_OI.T
-    if layout == "linear_heads":              # [H*dh, in] -> [in, H, dh]
-        return w_OI.T.reshape(w_OI.shape[1], heads, -1)
-    if layout == "o_proj":                    # [d, H*dv] -> [H, dv, d]
-        return w_OI.T.reshape(heads, -1, w_OI.shape[0])
+        return tuple(hub_shape[:1]), tuple(hub_shape[1:])
+    out, inp = hub_shape
+    if layout in ("linear", "experts"):
+        return (out,), (inp,)
+    if layout == "linear_heads":
+        return (heads, out // heads), (inp,)
+    if layout == "o_proj":
+        return (out,), (heads, inp // heads)
     raise ValueError(layout)
+
+
+def to_ours(w_OI: np.ndarray, layout: str, heads: int | None = None) -> np.ndarray:
+    """One HF tensor (any non-expert layout; one expert for "experts") in our layout, as a view."""
+    rows, cols = split_dims(w_OI.shape, layout, heads)
+    return w_OI.reshape(rows + cols).transpose(layout_perm(layout, len(rows + cols)))
 
 
 def to_hf(w: np.ndarray, layout: str) -> np.ndarray:
     """Inverse of `to_ours`."""
+    return w.transpose(np.argsort(layout_perm(layout, w.ndim))).reshape(hub_shape(w.shape, layout))
+
+
+def hub_shape(our_shape, layout: str) -> tuple[int, ...]:
+    """Shape of the hub tensor whose `to_ours` has `our_shape` (one expert for "experts")."""
     if layout == "vector":
-        return w
-    if layout == "linear":
-        return w.T
-    if layout == "linear_heads":              # [in, H, dh] -> [H*dh, in]
-        return w.reshape(w.shape[0], -1).T
-    if layout == "o_proj":                    # [H, dv, d] -> [d, H*dv]
-        return w.reshape(-1, w.shape[-1]).T
-    raise ValueError(layout)
+        return tuple(our_shape)
+    split = [our_shape[a] for a in np.argsort(LAYOUT_PERM[layout])]
+    n_rows = 2 if layout == "linear_heads" else 1
+    return (int(np.prod(split[:n_rows])), int(np.prod(split[n_rows:])))
 
 
 def layer_tensor_maps(cfg, kind: LayerKind) -> list[TensorMap]:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -70,6 +71,7 @@ class SafetensorsFile:
                                       f"section but the file holds {data_len}")
             self.entries[name] = (dtype, shape, begin)
         self._mmap = None
+        self._fd = None
 
     def tensor(self, name: str) -> np.ndarray:
         """A read-only view of one tensor (memory-mapped; copy it to keep it)."""
@@ -79,6 +81,30 @@ class SafetensorsFile:
         count = math.prod(shape)
         start = self._data_start + begin
         return self._mmap[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+    def read_rows(self, name: str, rows: slice, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[rows.start, rows.stop)`` of a tensor read with plain positional reads into `out` (a
+        C-contiguous array of the right dtype and size) or a new array. Unlike `tensor`, nothing stays
+        mapped in this process, so a streaming reader's resident memory does not grow with what it read."""
+        dtype, shape, begin = self.entries[name]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        n_rows = rows.stop - rows.start
+        if out is None:
+            out = np.empty((n_rows,) + tuple(shape[1:]), dtype)
+        elif out.dtype != dtype or out.nbytes != n_rows * row_bytes or not out.flags.c_contiguous:
+            raise ValueError(f"read_rows({name!r}): out {out.dtype}{list(out.shape)} does not fit {n_rows} rows")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        offset, done = self._data_start + begin + rows.start * row_bytes, 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: truncated while reading tensor {name!r}")
+            done += n
+        return out
 
 
 class SafetensorsCheckpoint:
@@ -131,6 +157,9 @@ class SafetensorsCheckpoint:
 
     def raw(self, name: str) -> np.ndarray:
         return self._file(name).tensor(name)
+
+    def read_rows(self, name: str, rows: slice, out: np.ndarray | None = None) -> np.ndarray:
+        return self._file(name).read_rows(name, rows, out)
 
     def get(self, name: str, block_size=(128, 128)) -> np.ndarray:
         """Tensor `name`; FP8 weights with a ``weight_scale_inv`` sibling come back dequantised (fp32)."""

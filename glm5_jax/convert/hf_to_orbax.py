@@ -1,0 +1,98 @@
+"""HF hub checkpoint directory -> our orbax checkpoint, streamed leaf by leaf.
+
+Each leaf of ``variables`` (stacked over scanned layers, routed experts stacked) is built with
+`jax.make_array_from_callback`: every device's callback reads only the hub rows of its shard with
+positional file reads (nothing stays mapped, so RSS does not grow with bytes read; FP8 blocks are
+dequantised on the fly), and the leaf is handed to orbax (written in the background in ~64 MiB
+batches) before the next is read. Everything is validated before the output directory is created.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
+from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, scale_key
+from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
+from glm5_jax.convert.orbax_io import LeafWriter
+from glm5_jax.convert.plan import LeafPlan, build_plan
+from glm5_jax.convert.progress import Progress
+from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{hf_dir}: missing config.json")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return hf
+
+
+def config_from_hf(hf: dict, hf_dir: str, dtype: str) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(hf, dtype=dtype, param_dtype=dtype)
+    except (ConfigError, ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{hf_dir}/config.json: invalid model config: {e}") from None
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+    fields["rope_scaling"] = cfg.rope_scaling_dict
+    return json.loads(json.dumps(fields))
+
+
+def config_from_json(fields: dict) -> ModelConfig:
+    return ModelConfig(**fields)
+
+
+def build_leaf(reader: HubReader, leaf: LeafPlan, dtype, mesh) -> jax.Array:
+    """One leaf as a (sharded) jax.Array; each device's callback reads only its slice."""
+    sharding = leaf_sharding(mesh, leaf.shape, leaf.logical_axes)
+    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: read_leaf_slice(reader, leaf, index, dtype))
+
+
+def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | None = None,
+                overwrite: bool = False, stream=None) -> dict:
+    """Convert; returns the summary (tensors, bytes read, seconds, bytes/s, peak RSS)."""
+    check_output_dir(out_dir, overwrite)
+    hf = read_hf_config(hf_dir)
+    cfg = config_from_hf(hf, hf_dir, dtype)
+    ckpt = SafetensorsCheckpoint(hf_dir)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in ckpt.keys()):
+        cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)     # HF save_pretrained drops MTP weights
+    block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    reader = HubReader(ckpt, block)
+    plan = build_plan(cfg)
+    reader.check(plan)
+    device_mesh = parse_mesh(mesh)
+
+    def hub_bytes(key):
+        keys = (key, scale_key(key)) if reader.is_fp8(key) else (key,)
+        return sum(int(np.prod(ckpt.shape(k))) * reader.dtype(k).itemsize for k in keys)
+
+    hf_dtypes = {}
+    for leaf in plan:
+        dtypes = {reader.dtype(k) for k in leaf.hub_keys()}
+        if len(dtypes) == 1 and FP8_DTYPE not in dtypes:
+            hf_dtypes[leaf.name] = dtypes.pop().name
+    progress = Progress("hf-to-orbax", sum(hub_bytes(k) for leaf in plan for k in leaf.hub_keys()), stream)
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        writer = LeafWriter(tmp, {"hf_config": hf, "model_config": config_to_json(cfg), "hf_dtypes": hf_dtypes})
+        for leaf in plan:
+            leaf_dtype = np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
+            writer.add(leaf.collection, leaf.path, build_leaf(reader, leaf, leaf_dtype, device_mesh))
+            keys = leaf.hub_keys()
+            progress.advance(sum(hub_bytes(k) for k in keys), len(keys))
+        writer.finalize()
+    return progress.summary()

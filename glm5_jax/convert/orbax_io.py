@@ -1,0 +1,131 @@
+"""Our orbax checkpoint, written and read one leaf (or a few) at a time.
+
+Layout (a `CheckpointManager` directory holding step 0)::
+
+    <ckpt_dir>/0/state/                  orbax PyTree {"params": {...}, "moe_bias": {...}} (OCDBT)
+    <ckpt_dir>/0/_CHECKPOINT_METADATA    custom_metadata: {"hf_config": <source config.json>,
+                                         "model_config": <ModelConfig fields>, "hf_dtypes": {leaf: dtype}}
+
+Written with orbax's partial save (each call adds leaves; `finalize` commits the step atomically), so
+the converter never holds more than one flush worth of arrays. Restore in training code with
+``ocp.CheckpointManager(ckpt_dir).restore(0, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))``
+where ``abstract = {"params": ..., "moe_bias": ...}`` of ShapeDtypeStructs with target shardings.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental import v1 as ocp_v1
+from orbax.checkpoint.experimental.v1 import partial as ocp_partial
+
+from glm5_jax.safetensors_io import CheckpointError
+
+STEP = 0
+STATE_ITEM = "state"
+FLUSH_BYTES = 64 * 2**20
+
+
+def step_dir(ckpt_dir: str) -> str:
+    return os.path.join(ckpt_dir, str(STEP))
+
+
+def _nest(collection: str, path: tuple[str, ...], value) -> dict:
+    tree = value
+    for p in reversed((collection,) + path):
+        tree = {p: tree}
+    return tree
+
+
+def _merge(a: dict, b: dict) -> dict:
+    for k, v in b.items():
+        a[k] = _merge(a.get(k, {}), v) if isinstance(v, dict) else v
+    return a
+
+
+def _save_context():
+    """Replica-parallel saving slices every replicated shard with a freshly compiled jit (seconds per
+    leaf on a mesh); each replica group's first device writes whole shards instead. Weights barely
+    compress, so zstd is off (restore reads either)."""
+    context = ocp_v1.Context()
+    context.array.saving.use_replica_parallel = False
+    context.array.saving.use_compression = False
+    return context
+
+
+class LeafWriter:
+    """Adds leaves to step 0 of a new checkpoint in batches of about `flush_bytes`. One batch is written
+    in the background while the caller builds the next, so at most two batches are alive at once."""
+
+    def __init__(self, ckpt_dir: str, custom_metadata: dict, flush_bytes: int = FLUSH_BYTES):
+        self.path = step_dir(ckpt_dir)
+        self.custom_metadata = custom_metadata          # stored with the first batch
+        self.flush_bytes = flush_bytes
+        self._pending: dict = {}
+        self._pending_bytes = 0
+        self._in_flight = None
+
+    def add(self, collection: str, path: tuple[str, ...], array: jax.Array) -> None:
+        _merge(self._pending, _nest(collection, path, array))
+        self._pending_bytes += array.nbytes
+        if self._pending_bytes >= self.flush_bytes:
+            self.flush()
+
+    def _wait(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
+
+    def flush(self) -> None:
+        if self._pending:
+            self._wait()
+            with _save_context():
+                self._in_flight = ocp_partial.save_async(self.path, self._pending, custom_metadata=self.custom_metadata)
+            self.custom_metadata = None
+        self._pending, self._pending_bytes = {}, 0
+
+    def finalize(self) -> None:
+        self.flush()
+        self._wait()
+        if self.custom_metadata is not None:
+            raise ValueError("LeafWriter.finalize: no leaves were added")
+        with _save_context():
+            ocp_partial.finalize(self.path)
+
+
+def _state_dir(ckpt_dir: str) -> str:
+    path = os.path.join(step_dir(ckpt_dir), STATE_ITEM)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{ckpt_dir}: not a converted orbax checkpoint (no step {STEP} with item "
+                              f"{STATE_ITEM!r} at {path})")
+    return path
+
+
+def read_custom_metadata(ckpt_dir: str) -> dict:
+    _state_dir(ckpt_dir)
+    manager = ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True))
+    metadata = manager.metadata(STEP).custom_metadata or {}
+    if "model_config" not in metadata:
+        raise CheckpointError(f"{ckpt_dir}: checkpoint metadata lacks 'model_config'; was it written by "
+                              f"glm5_jax.convert?")
+    return metadata
+
+
+def leaf_metadata(ckpt_dir: str) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+    """(collection, *path) -> (shape, dtype) of every stored leaf."""
+    tree = ocp.PyTreeCheckpointer().metadata(_state_dir(ckpt_dir)).item_metadata.tree
+    return {tuple(k.key for k in path): (tuple(m.shape), np.dtype(m.dtype))
+            for path, m in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def restore_leaf(ckpt_dir: str, collection: str, path: tuple[str, ...], shape, dtype) -> np.ndarray:
+    """One stored leaf as a host numpy array (orbax reads only that leaf)."""
+    abstract = _nest(collection, path, jax.ShapeDtypeStruct(shape, dtype))
+    restore_args = _nest(collection, path, ocp.RestoreArgs(restore_type=np.ndarray))
+    tree = ocp.PyTreeCheckpointer().restore(
+        _state_dir(ckpt_dir), args=ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=True))
+    for p in (collection,) + path:
+        tree = tree[p]
+    return tree

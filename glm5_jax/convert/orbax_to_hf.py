@@ -1,0 +1,146 @@
+"""Our orbax checkpoint -> HF hub directory (config.json, sharded safetensors, index json), streamed.
+
+Leaves are restored one at a time; each layer / expert slice is turned back into a hub ``[out, in]``
+tensor, cast (or block-quantised to FP8 with ``--fp8``) and written straight into its shard, whose
+header was fixed up front from the full tensor list.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.convert import fp8 as fp8_layout
+from glm5_jax.convert import orbax_io
+from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
+from glm5_jax.convert.hf_to_orbax import config_from_json
+from glm5_jax.convert.hub_reader import scale_key
+from glm5_jax.convert.plan import LeafPlan, build_plan
+from glm5_jax.convert.progress import Progress
+from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
+from glm5_jax.safetensors_io import DTYPES, CheckpointError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """"5GB" -> 5e9 bytes; also KB/MB/TB, KiB/MiB/GiB and plain byte counts."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise CheckpointError(f"--shard_size={text!r}: expected a size like 5GB, 500MB or 1GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def load_model_config(ckpt_dir: str) -> ModelConfig:
+    return config_from_json(orbax_io.read_custom_metadata(ckpt_dir)["model_config"])
+
+
+def export_hf_config(cfg: ModelConfig, source_hf: dict | None, dtype_name: str, fp8: bool) -> dict:
+    """``ModelConfig.to_hf``; a model it cannot express (DeepSeek-V3.2's half-split indexer RoPE) keeps
+    its source config.json, which must describe the same architecture."""
+    try:
+        hf = cfg.to_hf()
+    except ValueError as e:
+        if source_hf is None:
+            raise CheckpointError(f"cannot write config.json: {e}") from None
+        hf = {k: v for k, v in source_hf.items() if k != "quantization_config"}
+        same = ModelConfig.from_hf(hf, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        if cfg.num_nextn_predict_layers == 0:
+            hf["num_nextn_predict_layers"] = 0
+            same = same.replace(num_nextn_predict_layers=0, mtp_depth=0)
+        if same != cfg:
+            raise CheckpointError(f"cannot write config.json: {e}; the stored source config does not match") from None
+    if source_hf:   # from_hf maps a null token id to ModelConfig's GLM-5 default; keep the source's ids
+        hf.update({k: source_hf[k] for k in TOKEN_ID_KEYS if k in source_hf})
+    hf["dtype"] = dtype_name
+    hf.pop("torch_dtype", None)
+    if fp8:
+        hf["quantization_config"] = fp8_layout.quantization_config(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    return hf
+
+
+def _out_dtype(leaf: LeafPlan, stored: np.dtype, hf_dtypes: dict, dtype: str | None) -> np.dtype:
+    if dtype and not leaf.keep_fp32:
+        return np.dtype(dtype)
+    if leaf.name in hf_dtypes:
+        return DTYPES[{v.name: k for k, v in DTYPES.items()}[hf_dtypes[leaf.name]]]
+    return stored
+
+
+def _hub_tensors(leaf: LeafPlan, array: np.ndarray):
+    """(hub key, hub [out, in] tensor) for every hub tensor of the leaf, in `leaf.hub_keys()` order.
+    The whole leaf is transposed to hub order once; each tensor is then a contiguous view."""
+    hub = np.ascontiguousarray(array.transpose(np.argsort(leaf.hub_to_ours_perm)))
+    elements = list(hub) if leaf.stacked else [hub]
+    for src, element in zip(leaf.sources, elements):
+        if src.experts:
+            for e, key in enumerate(src.keys()):
+                yield key, element[e].reshape(leaf.hub_shape)
+        else:
+            yield src.key, element.reshape(leaf.hub_shape)
+
+
+def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8: bool = False,
+                dtype: str | None = None, overwrite: bool = False, stream=None) -> dict:
+    """Export; returns the summary (tensors, bytes written, seconds, bytes/s, peak RSS)."""
+    check_output_dir(out_dir, overwrite)
+    max_shard = parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size)
+    metadata = orbax_io.read_custom_metadata(ckpt_dir)
+    cfg = config_from_json(metadata["model_config"])
+    hf_dtypes = metadata.get("hf_dtypes") or {}
+    stored = orbax_io.leaf_metadata(ckpt_dir)
+    plan = build_plan(cfg)
+    for leaf in plan:
+        key = (leaf.collection,) + leaf.path
+        if key not in stored:
+            raise CheckpointError(f"{ckpt_dir}: leaf {leaf.name} of the model is missing from the checkpoint")
+        if stored[key][0] != leaf.shape:
+            raise CheckpointError(f"{ckpt_dir}: leaf {leaf.name} has shape {list(stored[key][0])}, "
+                                  f"model_config implies {list(leaf.shape)}")
+    extra = sorted(set(stored) - {(lp.collection,) + lp.path for lp in plan})
+    if extra:
+        raise CheckpointError(f"{ckpt_dir}: unexpected leaves {['/'.join(e) for e in extra[:5]]}")
+
+    tensors, out_dtypes = [], {}
+    for leaf in plan:
+        out_dtypes[leaf.name] = _out_dtype(leaf, stored[(leaf.collection,) + leaf.path][1], hf_dtypes, dtype)
+        for key in leaf.hub_keys():
+            if fp8 and fp8_layout.is_quantised(key):
+                tensors.append((key, np.dtype(ml_dtypes.float8_e4m3fn), leaf.hub_shape))
+                tensors.append((scale_key(key), np.dtype(np.float32), fp8_layout.scale_shape(leaf.hub_shape)))
+            else:
+                tensors.append((key, out_dtypes[leaf.name], leaf.hub_shape))
+    layout = ShardLayout(tensors, max_shard)
+    head_dtype = out_dtypes["params/lm_head"]
+    hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name, fp8)
+
+    progress = Progress("orbax-to-hf", layout.total_size, stream)
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        writer = ShardedSafetensorsWriter(tmp, layout)
+        for leaf in plan:
+            array = orbax_io.restore_leaf(ckpt_dir, leaf.collection, leaf.path, leaf.shape,
+                                          stored[(leaf.collection,) + leaf.path][1])
+            for key, w in _hub_tensors(leaf, array):
+                if fp8 and fp8_layout.is_quantised(key):
+                    w8, scale = fp8_layout.quantise_blocks(np.asarray(w, np.float32))
+                    writer.write(key, w8)
+                    writer.write(scale_key(key), scale)
+                    progress.advance(w8.nbytes + scale.nbytes)
+                else:
+                    w = np.asarray(w, out_dtypes[leaf.name])
+                    writer.write(key, w)
+                    progress.advance(w.nbytes)
+            del array
+        writer.close()
+    return progress.summary()
