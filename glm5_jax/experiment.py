@@ -145,23 +145,25 @@ def apply_overrides(cfg, overrides: list[str]):
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        cfg = _replace_path(cfg, key.strip().split("."), raw, key)
+        cfg = _replace_path(cfg, key.strip().split("."), raw, key, "")
     return cfg
 
 
-def _replace_path(obj, path, raw, full_key):
+def _replace_path(obj, path, raw, full_key, prefix):
     fields = {f.name: f for f in dataclasses.fields(obj)}
     name = path[0]
     if name not in fields:
-        raise ValueError(f"--set {full_key}: unknown key {name!r}; valid keys: {', '.join(_field_names(obj))}")
+        valid = ", ".join(prefix + n for n in _field_names(obj))
+        raise ValueError(f"--set {full_key}: unknown key {name!r}; valid keys: {valid}")
     current = getattr(obj, name)
     if len(path) > 1:
         if not dataclasses.is_dataclass(current):
             raise ValueError(f"--set {full_key}: {name!r} has no sub-keys")
-        return dataclasses.replace(obj, **{name: _replace_path(current, path[1:], raw, full_key)})
+        return dataclasses.replace(obj, **{name: _replace_path(current, path[1:], raw, full_key,
+                                                               f"{prefix}{name}.")})
     if dataclasses.is_dataclass(current):
-        raise ValueError(f"--set {full_key}: {name!r} is a group; set one of its keys: "
-                         f"{', '.join(_field_names(current))}")
+        valid = ", ".join(f"{prefix}{name}.{n}" for n in _field_names(current))
+        raise ValueError(f"--set {full_key}: {name!r} is a group; set one of its keys: {valid}")
     hints = typing.get_type_hints(type(obj))
     try:
         value = _parse(raw, hints[name])

@@ -20,8 +20,8 @@ def mean_visible_keys(seq_len: int, topk: int | None) -> float:
     return sum(keys) / seq_len
 
 
-def train_flops_per_token(cfg, seq_len: int, sparse: bool = True) -> dict[str, float]:
-    counts = count_params(cfg)
+def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
+    counts = count_params(cfg, params)
     matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size   # drop the embedding table
     H, L = cfg.num_attention_heads, cfg.num_hidden_layers
     attended = mean_visible_keys(seq_len, cfg.index_topk if (sparse and cfg.use_indexer) else None)

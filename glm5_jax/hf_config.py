@@ -53,7 +53,8 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.json model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-    kwargs: dict[str, Any] = {k: hf[k] for k in _SAME_NAME if k in hf and hf[k] is not None}
+    nullable = ("bos_token_id", "pad_token_id")
+    kwargs: dict[str, Any] = {k: hf[k] for k in _SAME_NAME if k in hf and (hf[k] is not None or k in nullable)}
     if "num_key_value_heads" in hf and hf["num_key_value_heads"] != hf.get("num_attention_heads"):
         raise ValueError("config.json: MLA needs num_key_value_heads == num_attention_heads, got "
                          f"{hf['num_key_value_heads']} vs {hf.get('num_attention_heads')}")

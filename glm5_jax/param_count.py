@@ -18,11 +18,12 @@ def abstract_variables(cfg):
     return jax.eval_shape(lambda t: Transformer(cfg).init(jax.random.PRNGKey(0), t), tokens)
 
 
-def count_params(cfg) -> dict[str, int]:
+def count_params(cfg, params=None) -> dict[str, int]:
     """Main-stack parameters (embedding, layers, final norm, head) as "total"; those one token uses
     ("active": K of E routed experts, spec §1.2; "active_without_embeddings" also drops the embedding
-    table and the head); "mtp": the MTP module's own parameters (it shares embedding and head)."""
-    params = meta.unbox(abstract_variables(cfg)["params"])
+    table and the head); "mtp": the MTP module's own parameters (it shares embedding and head).
+    `params` (arrays or shapes) saves tracing the model when the caller already has them."""
+    params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)
     total = mtp = routed = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         names = [getattr(k, "key", str(k)) for k in path]

@@ -50,7 +50,9 @@ class Trainer:
         self.model = Transformer(self.model_cfg)
         self.tx = make_optimizer(exp_cfg.train)
         self.lr_schedule = learning_rate_schedule(exp_cfg.train)
-        abstract = jax.eval_shape(self._init_boxed, jax.random.PRNGKey(0))
+        self._init_boxed_jit = jax.jit(self._init_boxed)      # traced once: for shapes here and for init
+        with self._context():
+            abstract = self._init_boxed_jit.eval_shape(jax.random.PRNGKey(0))
         unboxed = meta.unbox(abstract)
         # optax marks frozen subtrees with MaskedNode (no arrays); keep them out of the sharding tree
         is_masked = lambda x: isinstance(x, MaskedNode)
@@ -74,7 +76,7 @@ class Trainer:
 
     def init_state(self, seed: int) -> TrainState:
         with self._context():
-            init = jax.jit(lambda r: meta.unbox(self._init_boxed(r)), out_shardings=self.state_shardings)
+            init = jax.jit(lambda r: meta.unbox(self._init_boxed_jit(r)), out_shardings=self.state_shardings)
             return init(jax.random.PRNGKey(seed))
 
     def _context(self):
