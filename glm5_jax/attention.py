@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.kernel_sharding import logical_shard_map
 from glm5_jax.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
@@ -100,8 +101,7 @@ class MLAttention(nn.Module):
 
         if cfg.mla_form == "absorbed":
             if sparse:
-                o_lat, _ = sparse_mla_ops.sparse_mla(q_abs, latent_BSC.astype(dt), *selection,
-                                                     scale=cfg.softmax_scale, v_dim=R, impl=cfg.attention_impl)
+                o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection)
             else:
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
@@ -124,8 +124,7 @@ class MLAttention(nn.Module):
                                                      positions_BT)
         selection = prev_selection
         if cfg.attention_mode == "sparse":
-            selection = indexer_ops.indexer_topk(q_i, k_i, w_i, positions_BT, positions_BT, segment_ids_BT,
-                                                 segment_ids_BT, topk=cfg.index_topk, impl="xla")
+            selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, segment_ids_BT)
         if cfg.indexer_loss == "none":
             return selection, None
         idx, valid = selection if cfg.indexer_loss == "sparse" else (None, None)
@@ -134,6 +133,35 @@ class MLAttention(nn.Module):
             positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
             stage=cfg.indexer_loss, idx_BTK=idx, valid_BTK=valid)
         return selection, kl
+
+    def _indexer_topk(self, q_i, k_i, w_i, positions_BT, segment_ids_BT):
+        """Top-k selection; a Pallas impl runs per batch shard (scores sum over indexer heads)."""
+        cfg = self.cfg
+
+        def topk(q, k, w, pos, seg):
+            return indexer_ops.indexer_topk(q, k, w, pos, pos, seg, seg, topk=cfg.index_topk, impl=cfg.attention_impl)
+
+        if cfg.attention_impl == "xla":
+            return topk(q_i, k_i, w_i, positions_BT, segment_ids_BT)
+        bt = ("batch", None)
+        return logical_shard_map(topk, in_axes=(("batch", None, None, None), ("batch", None, None), ("batch", None, None),
+                                                bt, bt),
+                                 out_axes=(("batch", None, None), ("batch", None, None)))(
+            q_i, k_i, w_i, positions_BT, segment_ids_BT)
+
+    def _sparse_core(self, q_abs, latent_BSC, idx, valid):
+        """Absorbed sparse attention -> o_lat [B,T,H,R]; a Pallas impl runs per (batch, head) shard."""
+        cfg = self.cfg
+
+        def core(q, kv, i, v):
+            return sparse_mla_ops.sparse_mla(q, kv, i, v, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
+                                             impl=cfg.attention_impl)[0]
+
+        if cfg.attention_impl == "xla":
+            return core(q_abs, latent_BSC, idx, valid)
+        heads = ("batch", None, "act_heads", None)
+        return logical_shard_map(core, in_axes=(heads, ("batch", None, None), ("batch", None, None),
+                                                ("batch", None, None)), out_axes=heads)(q_abs, latent_BSC, idx, valid)
 
     def _mha(self, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, allowed_BTS):
         """Naive form (§4.1): per-head keys [k_nope; k_rot], values v, masked softmax in fp32."""
