@@ -23,20 +23,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.lightning_indexer.reference import _chunked_over_queries
+from pallas_kernels.tpu_utils import mxu_precision, round_up
 
 _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the block-skip bounds
-
-
-def _round_up(x, m):
-    return -(-x // m) * m
-
-
-def _precision(*operands):
-    """Explicit MXU precision: exact fp32 passes for fp32 operands, native for bf16. Explicit so a global
-    ``jax_default_matmul_precision`` cannot ask Mosaic for an fp32 contraction of bf16 operands."""
-    if all(x.dtype == jnp.float32 for x in operands):
-        return jax.lax.Precision.HIGHEST
-    return jax.lax.Precision.DEFAULT
 
 
 def _pad_axis(x, axis, size, value=0):
@@ -69,7 +58,7 @@ def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B 
         def add_head(h, acc_ST):
             q_TD = q_ref[0, h]
             dots_ST = jax.lax.dot_general(k_SD, q_TD, (((1,), (1,)), ((), ())),
-                                          precision=_precision(k_SD, q_TD), preferred_element_type=jnp.float32)
+                                          precision=mxu_precision(k_SD, q_TD), preferred_element_type=jnp.float32)
             w_1T = w_ref[0, pl.ds(h, 1), :]
             return acc_ST + w_1T * jnp.maximum(dots_ST, 0.0)
 
@@ -93,9 +82,9 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
     """Masked indexer scores [B, T, S] fp32 from the Pallas kernel (-inf where not visible)."""
     B, T, H, D = q_BTHD.shape
     S = k_BSD.shape[1]
-    block_t = min(block_t, _round_up(T, 128))
-    block_s = min(block_s, _round_up(S, 128))
-    T_pad, S_pad = _round_up(T, block_t), _round_up(S, block_s)
+    block_t = min(block_t, round_up(T, 128))
+    block_s = min(block_s, round_up(S, 128))
+    T_pad, S_pad = round_up(T, block_t), round_up(S, block_s)
 
     # Padding rows/keys get segment 0, which makes them invisible (masking.visible_mask).
     q_BHTD = _pad_axis(jnp.transpose(q_BTHD, (0, 2, 1, 3)), 2, T_pad)

@@ -32,29 +32,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu_utils import mxu_precision, round_up
+
 QUERIES_PER_BLOCK = 8  # TQ
-
-
-def _round_up(x, m):
-    return -(-x // m) * m
-
-
-def _precision(*operands):
-    """Explicit MXU precision: exact fp32 passes for fp32 operands, native for bf16. Explicit so a global
-    ``jax_default_matmul_precision`` cannot ask Mosaic for an fp32 contraction of bf16 operands."""
-    if all(x.dtype == jnp.float32 for x in operands):
-        return jax.lax.Precision.HIGHEST
-    return jax.lax.Precision.DEFAULT
 
 
 def _mm(a, b):
     """a @ b with fp32 accumulation."""
-    return jnp.dot(a, b, precision=_precision(a, b), preferred_element_type=jnp.float32)
+    return jnp.dot(a, b, precision=mxu_precision(a, b), preferred_element_type=jnp.float32)
 
 
 def _mm_nt(a, b):
     """a @ b^T with fp32 accumulation (contract the last dims; the MXU's native transposed form)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=mxu_precision(a, b),
                                preferred_element_type=jnp.float32)
 
 
@@ -192,8 +182,8 @@ def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k):
     """Pad T to TQ and k to block_k; invalid/padded slots point at row 0 (gathered, then masked)."""
     B, T, H, C = q_BTHC.shape
     K = idx_BTK.shape[2]
-    block_k = min(block_k, _round_up(K, 128))
-    T_pad, K_pad = _round_up(T, QUERIES_PER_BLOCK), _round_up(K, block_k)
+    block_k = min(block_k, round_up(K, 128))
+    T_pad, K_pad = round_up(T, QUERIES_PER_BLOCK), round_up(K, block_k)
     valid = _pad_axis(_pad_axis(valid_BTK, 2, K_pad, False), 1, T_pad, False)
     idx = jnp.where(valid, jnp.clip(_pad_axis(_pad_axis(idx_BTK, 2, K_pad), 1, T_pad), 0, S - 1), 0)
     return dict(B=B, T=T, H=H, C=C, K=K, T_pad=T_pad, K_pad=K_pad, block_k=block_k,

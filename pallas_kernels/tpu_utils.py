@@ -1,0 +1,15 @@
+"""Small helpers shared by the Pallas TPU kernels."""
+import jax
+import jax.numpy as jnp
+
+
+def round_up(x, m):
+    return -(-x // m) * m
+
+
+def mxu_precision(*operands):
+    """Explicit MXU precision: exact fp32 passes for fp32 operands, native for bf16. Explicit so a global
+    ``jax_default_matmul_precision`` cannot ask Mosaic for an fp32 contraction of bf16 operands."""
+    if all(x.dtype == jnp.float32 for x in operands):
+        return jax.lax.Precision.HIGHEST
+    return jax.lax.Precision.DEFAULT
