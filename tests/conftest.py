@@ -7,6 +7,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# AOT compiles for TPU topologies load libtpu; without this a second process using libtpu at the same
+# time (another test run, a compile_only job) makes it abort on /tmp/libtpu_lockfile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402  (after the flags above)
 
