@@ -53,12 +53,14 @@ def update_routing_bias(moe_bias, layers_aux, rate: float):
     """b_i += γ · sign(mean load − load_i) per MoE layer, from the step's global expert loads (§5.3)."""
 
     def walk(bias_node, aux_node):
+        if aux_node is None:                # a block that did not run (e.g. MTP with mtp_depth=0)
+            return bias_node
         if "e_score_correction_bias" in bias_node:
             load = aux_node["expert_load"]
             mean = jnp.mean(load, axis=-1, keepdims=True)
             return {"e_score_correction_bias":
                     bias_node["e_score_correction_bias"] + rate * jnp.sign(mean - load).astype(jnp.float32)}
-        return {k: walk(v, aux_node[k]) for k, v in bias_node.items()}
+        return {k: walk(v, aux_node.get(k)) for k, v in bias_node.items()}
 
     return walk(moe_bias, layers_aux)
 
