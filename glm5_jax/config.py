@@ -17,7 +17,7 @@ ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
 MLA_FORMS = ("absorbed", "mha")
 ATTENTION_MODES = ("sparse", "dense")
 INDEXER_LOSSES = ("none", "warmup", "sparse")
-MOE_IMPLS = ("ragged_dot",)
+MOE_IMPLS = ("ragged_dot", "blocked")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -84,7 +84,7 @@ class ModelConfig:
     mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
     indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)
-    moe_impl: str = "ragged_dot"
+    moe_impl: str = "ragged_dot"              # "ragged_dot" (reference) or "blocked" (fast on CPU)
     remat_policy: str = "full"
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
 

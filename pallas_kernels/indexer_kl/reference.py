@@ -12,7 +12,9 @@ an exact log-softmax (Megatron adds 1e-10 inside both logs; the difference is O(
 d loss / d I[t, s] = (softmax(I_t) - p_t)[s] / n_tokens on the set and 0 elsewhere.
 
 Memory: queries are processed in chunks under ``jax.checkpoint``, so forward and backward hold at most
-[B, T_chunk, H, S] attention logits (warm-up) and never [B, T, S, H].
+[B, T_chunk, H, S] attention logits (warm-up) and never [B, T, S, H]. In the sparse stage the target
+p [B, T_chunk, k] is computed outside the checkpoint (it has no gradient) and kept for the backward
+pass, so only the cheap indexer scores are recomputed there, not the gathered [B, T_chunk, k, C] rows.
 """
 import jax
 import jax.numpy as jnp
@@ -55,10 +57,13 @@ def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, *, scale):
     return kl_per_token(p, index_scores(iq, ik, iw, visible), visible)
 
 
-def _sparse_chunk(q, kv, iq, ik, iw, idx, valid, *, scale):
+def _sparse_target(q, kv, idx, valid, *, scale):
     rows_BTKC = jax.vmap(lambda kv_SC, i: kv_SC[i])(kv, idx)
     logits = jnp.einsum("bthc,btkc->bthk", q, rows_BTKC, preferred_element_type=jnp.float32) * scale
-    p = head_summed_target(logits, valid)
+    return head_summed_target(logits, valid)
+
+
+def _sparse_chunk_kl(p, iq, ik, iw, idx, valid):
     # Indexer scores of the selected keys only: I[t, j] = sum_h w[t, h] ReLU(q[t, h] . k[idx[t, j]]).
     keys_BTKD = jax.vmap(lambda k_SD, i: k_SD[i])(ik, idx).astype(jnp.float32)
     dots = jnp.einsum("bthd,btkd->bthk", iq.astype(jnp.float32), keys_BTKD, precision=jax.lax.Precision.HIGHEST)
@@ -95,9 +100,11 @@ def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
 
         def chunk_kl(xs, ik):
             q, iq, iw, idx, valid = xs
-            return _sparse_chunk(q, kv_BSC, iq, ik, iw, idx, valid, scale=scale)
+            p = _sparse_target(q, kv_BSC, idx, valid, scale=scale)     # no gradient: not rematerialised
+            return jax.checkpoint(_sparse_chunk_kl)(p, iq, ik, iw, idx, valid)
 
-    chunk_kl = jax.checkpoint(chunk_kl)
+    if stage == "warmup":
+        chunk_kl = jax.checkpoint(chunk_kl)
 
     def step(totals, xs):  # totals = (sum of per-token KL, number of tokens with a non-empty set)
         kl, has_set = chunk_kl(xs, index_k_BSD)

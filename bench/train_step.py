@@ -1,0 +1,119 @@
+"""Train-step throughput and MFU of our Trainer vs HF transformers' GlmMoeDsaForCausalLM on CPU.
+
+One step = forward + backward + optimizer update (AdamW) of configs/bench_small.py on random tokens,
+timed in steady state (median of --steps after warm-up) at each sequence length. MFU uses
+glm5_jax.flops.train_flops_per_token (6 x active matmul params + attention over the attended keys +
+indexer) and the fp32 matmul peak measured in the same run.
+
+    python bench/train_step.py --out=bench/results/train_step.json          # T = 1024, 4096
+    python bench/train_step.py --quick --skip_hf                             # smoke run, tiny dims
+    python bench/train_step.py --set=model.moe_impl=ragged_dot               # try a model setting
+
+Speed settings of configs/bench_small.py (XLA:CPU; relative timings of fwd+bwd pieces at T=1024, B=2):
+moe_impl="blocked" (one MoE layer ~6x faster than ragged_dot), mla_form="mha" (the DSA selection as a
+mask over all keys: ~2x faster than gathering k latent rows per query, whose backward is a scatter-add),
+remat_policy="dots_with_no_batch_dims_saveable" (keeps projection outputs, recomputes attention, so
+T=4096 fits in memory). The HF baseline runs no MTP module; our step does (its FLOPs are not counted).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.hf_step import hf_step_seconds  # noqa: E402
+from glm5_jax.experiment import apply_overrides, load_config_file  # noqa: E402
+from glm5_jax.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
+from glm5_jax.sharding import build_mesh  # noqa: E402
+from glm5_jax.train_step import Trainer  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "bench_small.py")
+QUICK = ["model.vocab_size=512", "model.hidden_size=64", "model.num_hidden_layers=3", "model.intermediate_size=128",
+         "model.num_attention_heads=2", "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.moe_intermediate_size=32",
+         "model.index_topk=32", "data.vocab_size=512"]
+
+
+def random_batch(batch, seq_len, vocab, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq_len), dtype=np.int32)
+    return {"tokens": tokens, "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
+            "segment_ids": np.ones((batch, seq_len), np.int32)}
+
+
+def ours_step_seconds(exp_cfg, steps: int, warmup: int) -> list[float]:
+    trainer = Trainer(exp_cfg, build_mesh(exp_cfg.mesh))
+    state = trainer.init_state(exp_cfg.train.seed)
+    batch = trainer.put_batch(random_batch(exp_cfg.data.batch_size, exp_cfg.data.seq_len, exp_cfg.model.vocab_size))
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, metrics = trainer.step(state, batch)
+        jax.block_until_ready((state, metrics))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    loss = float(metrics["loss"])
+    if not np.isfinite(loss):
+        raise RuntimeError(f"non-finite loss {loss}")
+    return times
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=CONFIG)
+    p.add_argument("--seq_lens", default="1024,4096")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per measurement (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    p.add_argument("--quick", action="store_true", help="tiny dims, for a smoke run")
+    p.add_argument("--skip_hf", action="store_true", help="time our step only")
+    p.add_argument("--hf_threads", type=int, default=2, help="torch.set_num_threads for the HF baseline")
+    p.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    base = apply_overrides(load_config_file(args.config), (QUICK if args.quick else []) + args.set)
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    peak = measure_matmul_peak(dtype=jnp.float32)
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    rows = []
+    for T in seq_lens:
+        exp_cfg = apply_overrides(base, [f"data.seq_len={T}"]).validate()
+        tokens = exp_cfg.data.batch_size * T
+        flops = train_flops_per_token(exp_cfg.model, T, sparse=exp_cfg.train.stage == "sparse")
+        ours = statistics.median(ours_step_seconds(exp_cfg, args.steps, args.warmup))
+        row = {"T": T, "batch": exp_cfg.data.batch_size, "flops_per_token": flops["total"],
+               "ours_step_s": ours, "ours_tokens_per_sec": tokens / ours,
+               "mfu": tokens / ours * flops["total"] / (peak * jax.device_count())}
+        if not args.skip_hf:
+            hf = statistics.median(hf_step_seconds(exp_cfg.model, exp_cfg.data.batch_size, T, args.steps,
+                                                   args.warmup, args.hf_threads))
+            row.update(hf_step_s=hf, hf_tokens_per_sec=tokens / hf, ratio_vs_hf=hf / ours)
+        rows.append(row)
+        print(f"T={T}: {flops['total'] / 1e6:.1f} MFLOP/token (matmul {flops['matmul'] / 1e6:.1f}, attention "
+              f"{flops['attention'] / 1e6:.1f}, indexer {flops['indexer'] / 1e6:.1f})", flush=True)
+    print_table(rows)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"peak_flops": peak, "config": os.path.basename(args.config), "quick": args.quick,
+                       "overrides": args.set, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+def print_table(rows):
+    cell = lambda r, k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
+    print(f"{'T':>6} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8} {'MFU':>6} {'ours s/step':>12} {'HF s/step':>10}")
+    for r in rows:
+        print(f"{r['T']:>6} {cell(r, 'ours_tokens_per_sec', '.0f'):>11} {cell(r, 'hf_tokens_per_sec', '.0f'):>9} "
+              f"{cell(r, 'ratio_vs_hf', '.2f'):>8} {r['mfu']:>6.1%} {cell(r, 'ours_step_s', '.3f'):>12} "
+              f"{cell(r, 'hf_step_s', '.3f'):>10}")
+
+
+if __name__ == "__main__":
+    main()
