@@ -89,6 +89,8 @@ class Trainer:
                                        return_aux=True)
         total, parts = lm_losses(logits, aux, batch["tokens"], batch["segment_ids"], self.exp.train,
                                  self.model_cfg, self.exp.train.stage)
+        if "moe_dropped" in aux:
+            parts = {**parts, "moe_dropped": jnp.sum(aux["moe_dropped"])}
         return total, (parts, aux["layers"], aux.get("expert_load"))
 
     def _accumulated_grads(self, params, moe_bias, batch):
