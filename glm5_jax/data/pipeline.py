@@ -8,7 +8,8 @@
 Per process: documents are shuffled globally (a fresh permutation each epoch, same on every process),
 then loader shard s of S (DataConfig.loader_shards; default one per process) takes every S-th one starting
 at s, tokenizes it, appends EOS, cuts it into seq_len chunks and packs the chunks into rows. Each process
-runs its S / process_count shards and puts their rows side by side.
+runs its S / process_count shards and puts their rows side by side. Eval batches are packed from all eval
+documents in every process, which keeps its own rows.
 """
 from __future__ import annotations
 
@@ -102,6 +103,13 @@ def make_dataset(config: DataConfig, documents: Sequence[Document], tokenizer: T
     if not documents:
         raise DataError(f"no {'training' if train else 'eval'} documents "
                         f"(eval_fraction={config.eval_fraction}, source={config.source})")
+    if not train:
+        # every process packs all eval documents and keeps its rows: the same number of batches everywhere
+        # (the eval step is collective) and the same global batches for any process count
+        rows = config.per_process_batch(process_count)
+        lo = process_index * rows
+        return _loader_shard(config, documents, tokenizer, False, 0, 1).map(
+            lambda batch: {k: v[lo:lo + rows] for k, v in batch.items()})
     shards, total = config.shards_of_process(process_index, process_count)
     parts = [_loader_shard(config, documents, tokenizer, train, s, total) for s in shards]
     if len(parts) == 1:
