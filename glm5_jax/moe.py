@@ -86,7 +86,7 @@ class MoE(nn.Module):
                                         precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32 (P8)
         expert_idx, gates = route(scores, nn.unbox(bias.value), cfg)
         dropped = None
-        if cfg.moe_ep == "none":
+        if cfg.moe_ep == "none" or self.is_initializing():   # init's dummy batch need not split over the mesh
             y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt)
         else:   # expert parallel over the mesh in context (glm5_jax/moe_ep.py)
             y_NKD, dropped = expert_parallel_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, cfg)

@@ -172,6 +172,7 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
         return y, jax.lax.psum(dropped, batch) if batch else dropped
 
     w_in, w_out = P(ep, None, mlp), P(ep, mlp, None)
+    dt = cfg.jnp_dtype            # weights cast before the shard_map: FSDP gathers them in the compute dtype
     return jax.shard_map(local, in_specs=(tok, tok, w_in, w_in, w_out),
                          out_specs=(P(batch or None, None, None), P()), check_vma=False)(
-        x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        x_ND, expert_idx_NK, w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))
