@@ -62,7 +62,18 @@ def compile_train_step(exp_cfg, topology: str) -> dict:
         lowered = trainer._step.lower(trainer.abstract_state, batch)
     t_lower = time.perf_counter() - t0
     log.info("lowered in %.1f s; compiling for %s (%d devices, mesh %s)", t_lower, topology, len(devices), sizes)
-    compiled = lowered.compile()
+    header = {"topology": topology, "num_devices": len(devices), "mesh": sizes,
+              "batch_size": exp_cfg.data.batch_size, "seq_len": exp_cfg.data.seq_len,
+              "remat_policy": exp_cfg.model.remat_policy, "moe_ep": exp_cfg.model.moe_ep,
+              "hbm_bytes_per_device": hbm}
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # the TPU compiler refuses programs that cannot fit HBM: report that instead of failing
+        return {**header, "fits": False, "compile_error": str(e).splitlines()[0],
+                "compile_seconds": round(time.perf_counter() - t0 - t_lower, 1)}
     t_compile = time.perf_counter() - t0 - t_lower
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -126,6 +137,9 @@ def write_compile_report(exp_cfg, topology: str, workdir: str) -> dict:
     path = os.path.join(workdir, "compile_report.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
+    if "compile_error" in report:
+        log.info("%s: does not fit -> %s: %s", topology, path, report["compile_error"])
+        return report
     gib = report["per_device_bytes"]["total"] / 2**30
     log.info("%s: %.2f GiB per chip of %.0f GiB (fits=%s); compiler step %.3g s, MFU %s -> %s", topology, gib,
              report["hbm_bytes_per_device"] / 2**30, report["fits"], report["estimated_step_seconds"],
