@@ -26,8 +26,8 @@ def model_config() -> ModelConfig:
 
 
 def get_config() -> ExperimentConfig:
-    """2048 v5p chips: FSDP 256 x expert-parallel 8, 2048 sequences of 4096 tokens (8.4M tokens) per step."""
+    """2048 v5p chips: FSDP 128 x expert-parallel 8 x tensor 2, 1024 sequences of 4096 tokens (4.2M) per step."""
     model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25)
-    data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=2048)
+    data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
-    return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=256, expert=8))
+    return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=128, expert=8, tensor=2))
