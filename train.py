@@ -15,6 +15,8 @@ flags.DEFINE_integer("host_devices", None, "Simulate this many CPU devices (sets
 flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0 (jax.distributed).")
 flags.DEFINE_integer("num_processes", None, "Multi-process: total number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
+flags.DEFINE_bool("compile_only", False, "AOT-compile the train step for --topology and write compile_report.json.")
+flags.DEFINE_string("topology", None, "TPU topology for --compile_only, e.g. v5p:8x16x16 (needs libtpu).")
 
 
 def main(argv):
@@ -28,7 +30,6 @@ def main(argv):
         jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                    num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
     from glm5_jax.experiment import apply_overrides, load_config_file
-    from glm5_jax.training import run_training
 
     from absl import logging as absl_logging
 
@@ -40,6 +41,15 @@ def main(argv):
     run_log.setLevel(logging.INFO)
     run_log.propagate = False
     cfg = apply_overrides(load_config_file(FLAGS.config), FLAGS.set)
+    if FLAGS.compile_only:
+        if not FLAGS.topology:
+            raise app.UsageError("--compile_only needs --topology (e.g. v5p:8x16x16)")
+        from glm5_jax.compile_report import write_compile_report
+
+        write_compile_report(cfg, FLAGS.topology, FLAGS.workdir)
+        return
+    from glm5_jax.training import run_training
+
     run_training(cfg, FLAGS.workdir)
 
 

@@ -1,5 +1,13 @@
-"""The real GLM-5 (zai-org/GLM-5; spec/ARCHITECTURE.md §1.1): 743.9B parameters, ~40B active per token."""
+"""The real GLM-5 (zai-org/GLM-5; spec/ARCHITECTURE.md §1.1): 743.9B parameters, ~40B active per token.
+
+`get_config()` is the pod run checked by ahead-of-time compilation (bench/results/compile_744b.md):
+
+    python train.py --config=configs/glm5_744b.py --compile_only --topology=v5p:8x16x16 --workdir=DIR
+"""
 from glm5_jax.config import ModelConfig
+from glm5_jax.data import DataConfig
+from glm5_jax.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.sharding import MeshConfig
 
 
 def model_config() -> ModelConfig:
@@ -15,3 +23,11 @@ def model_config() -> ModelConfig:
         eos_token_id=(154820, 154827, 154829), pad_token_id=154820,
         dtype="bfloat16", param_dtype="float32",
     )
+
+
+def get_config() -> ExperimentConfig:
+    """2048 v5p chips: FSDP 128 x expert-parallel 8 x tensor 2, 1024 sequences of 4096 tokens (4.2M) per step."""
+    model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25)
+    data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
+    train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
+    return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=128, expert=8, tensor=2))

@@ -18,7 +18,8 @@ MLA_FORMS = ("absorbed", "mha")
 ATTENTION_MODES = ("sparse", "dense")
 INDEXER_LOSSES = ("none", "warmup", "sparse")
 MOE_IMPLS = ("ragged_dot", "blocked")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+MOE_EP = ("none", "a2a", "ragged_a2a")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -85,6 +86,10 @@ class ModelConfig:
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
     indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)
     moe_impl: str = "ragged_dot"              # "ragged_dot" (reference) or "blocked" (fast on CPU)
+    # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/moe_ep.py): "none" (GSPMD
+    # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
+    moe_ep: str = "none"
+    moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
     remat_policy: str = "full"
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
 
@@ -186,11 +191,12 @@ class ModelConfig:
         for f, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS),
                            ("mla_form", MLA_FORMS), ("attention_mode", ATTENTION_MODES),
                            ("indexer_loss", INDEXER_LOSSES),
-                           ("moe_impl", MOE_IMPLS), ("remat_policy", REMAT_POLICIES)):
+                           ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES)):
             need(getattr(self, f) in allowed, f, f"must be one of {allowed}")
         need(self.indexer_loss != "sparse" or self.attention_mode == "sparse", "indexer_loss",
              'the sparse-stage KL needs attention_mode="sparse"')
         need(self.indexer_loss == "none" or self.use_indexer, "indexer_loss", "needs a model with an indexer")
+        need(self.moe_capacity_factor > 0, "moe_capacity_factor", "must be positive")
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
 
     # ------------------------------------------------------------------ HF config.json

@@ -19,6 +19,8 @@ REMAT_POLICIES = {
     "full": None,   # save nothing, recompute the layer in the backward pass
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 

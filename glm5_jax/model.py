@@ -11,6 +11,7 @@ segments. Missing ``positions`` restart at 0 at each segment start. ``aux`` hold
 * ``expert_load`` [MoE layers, E]: routed assignments of non-padding tokens, in layer order (MTP last);
 * ``balance_loss`` [MoE layers]: the sequence-wise balance term Σ f_i P_i (spec §5.3);
 * ``indexer_kl`` [full-indexer layers] when ``cfg.indexer_loss`` is set (MTP last);
+* ``moe_dropped`` [MoE layers]: assignments over expert capacity (expert-parallel ``cfg.moe_ep`` only);
 * ``layers``: the same per-layer quantities as a tree mirroring the parameter tree
   (``decoder/<segment>/layer_i/...`` stacked over repeats, ``mtp/block/...`` summed over depths),
   which is what the routing-bias update walks.
@@ -113,7 +114,7 @@ def collect_aux(cfg, layers_aux, mtp_logits):
     aux = {"layers": layers_aux}
     mtp_block = layers_aux.get("mtp", {}).get("block", {})
     for name, path in (("expert_load", ("moe", "expert_load")), ("balance_loss", ("moe", "balance_loss")),
-                       ("indexer_kl", ("indexer_kl",))):
+                       ("indexer_kl", ("indexer_kl",)), ("moe_dropped", ("moe", "dropped"))):
         parts = [flatten_in_layer_order(cfg, layers_aux["decoder"], path)]
         node = mtp_block
         for k in path:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.layers import SwiGLU, constrain, logical_param, normal_init
+from glm5_jax.moe_ep import expert_parallel_swiglu
 
 MOE_BLOCK = 256                # rows per block of the "blocked" grouped matmul
 BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, never by gradients (P12)
@@ -127,7 +128,11 @@ class MoE(nn.Module):
         scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
                                         precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32 (P8)
         expert_idx, gates = route(scores, nn.unbox(bias.value), cfg)
-        y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.moe_impl)
+        dropped = None
+        if cfg.moe_ep == "none" or self.is_initializing():   # init's dummy batch need not split over the mesh
+            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.moe_impl)
+        else:   # expert parallel over the mesh in context (glm5_jax/moe_ep.py)
+            y_NKD, dropped = expert_parallel_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, cfg)
         routed = jnp.einsum("nk,nkd->nd", gates, y_NKD)                                 # fp32 accumulation
         out = routed.reshape(B, T, D)
         if cfg.n_shared_experts:
@@ -140,4 +145,6 @@ class MoE(nn.Module):
             "balance_loss": sequence_balance_loss(scores.reshape(B, T, E), expert_idx.reshape(B, T, -1),
                                                   token_mask_BT, E, cfg.num_experts_per_tok),
         }
+        if dropped is not None:
+            aux["dropped"] = dropped.astype(jnp.float32)          # assignments over expert capacity
         return constrain(out.astype(dt), ("batch", "seq", "act_embed")), aux

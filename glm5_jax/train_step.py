@@ -52,7 +52,8 @@ class Trainer:
         self.lr_schedule = learning_rate_schedule(exp_cfg.train)
         self._init_boxed_jit = jax.jit(self._init_boxed)      # traced once: for shapes here and for init
         with self._context():
-            abstract = self._init_boxed_jit.eval_shape(jax.random.PRNGKey(0))
+            # an abstract key: nothing runs here (the mesh may be an AOT topology without devices)
+            abstract = self._init_boxed_jit.eval_shape(jax.ShapeDtypeStruct((2,), jnp.uint32))
         unboxed = meta.unbox(abstract)
         # optax marks frozen subtrees with MaskedNode (no arrays); keep them out of the sharding tree
         is_masked = lambda x: isinstance(x, MaskedNode)
@@ -89,6 +90,8 @@ class Trainer:
                                        return_aux=True)
         total, parts = lm_losses(logits, aux, batch["tokens"], batch["segment_ids"], self.exp.train,
                                  self.model_cfg, self.exp.train.stage)
+        if "moe_dropped" in aux:
+            parts = {**parts, "moe_dropped": jnp.sum(aux["moe_dropped"])}
         return total, (parts, aux["layers"], aux.get("expert_load"))
 
     def _accumulated_grads(self, params, moe_bias, batch):

@@ -30,6 +30,10 @@ class DataConfig:
     packing_bins: int | None = None    # rows packed at once (first-fit); None: max(2 * per-process batch, 16)
     read_threads: int = 2              # grain threads that read and tokenize documents
     prefetch_buffer: int = 16          # documents read ahead per process
+    # Loader shards: the documents are split over this many independent packers, each yielding
+    # batch_size // loader_shards rows; every process runs loader_shards // process_count of them.
+    # 0: one per process. A fixed value makes the global batches independent of the process count.
+    loader_shards: int = 0
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -42,7 +46,17 @@ class DataConfig:
             raise DataError(
                 f"batch_size={self.batch_size} is not divisible by process_count={process_count}: "
                 "every process must yield the same number of rows")
+        self.shards_of_process(0, process_count)          # checks loader_shards
         return self.batch_size // process_count
+
+    def shards_of_process(self, process_index: int, process_count: int) -> tuple[range, int]:
+        """(loader shards this process runs, total loader shards)."""
+        total = self.loader_shards or process_count
+        if total % process_count or self.batch_size % total:
+            raise DataError(f"DataConfig.loader_shards={total} must be a multiple of process_count="
+                            f"{process_count} and divide batch_size={self.batch_size}")
+        per = total // process_count
+        return range(process_index * per, (process_index + 1) * per), total
 
     def validate(self) -> None:
         if not self.sources:
@@ -61,6 +75,8 @@ class DataConfig:
             raise DataError(f"DataConfig.max_corpus_bytes must be >= 1 or None, got {self.max_corpus_bytes}")
         if self.num_epochs is not None and self.num_epochs < 1:
             raise DataError(f"DataConfig.num_epochs must be >= 1 or None, got {self.num_epochs}")
+        if self.loader_shards < 0:
+            raise DataError(f"DataConfig.loader_shards must be >= 0, got {self.loader_shards}")
         if self.packing_bins is not None and self.packing_bins < 1:
             raise DataError(f"DataConfig.packing_bins must be >= 1 or None, got {self.packing_bins}")
         if not self.text_field:

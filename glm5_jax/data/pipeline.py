@@ -6,8 +6,10 @@
     batch["tokens"], batch["segment_ids"], batch["positions"]      # int32 [B, T] each
 
 Per process: documents are shuffled globally (a fresh permutation each epoch, same on every process),
-then process p takes every process_count-th one starting at p, tokenizes it, appends EOS, cuts it into
-seq_len chunks and packs the chunks into rows.
+then loader shard s of S (DataConfig.loader_shards; default one per process) takes every S-th one starting
+at s, tokenizes it, appends EOS, cuts it into seq_len chunks and packs the chunks into rows. Each process
+runs its S / process_count shards and puts their rows side by side. Eval batches are packed from all eval
+documents in every process, which keeps its own rows.
 """
 from __future__ import annotations
 
@@ -97,22 +99,40 @@ def make_dataset(config: DataConfig, documents: Sequence[Document], tokenizer: T
     """
     config.validate()
     process_index, process_count = resolve_process(process_index, process_count)
-    batch_size = config.per_process_batch(process_count)
+    config.per_process_batch(process_count)
     if not documents:
         raise DataError(f"no {'training' if train else 'eval'} documents "
                         f"(eval_fraction={config.eval_fraction}, source={config.source})")
+    if not train:
+        # every process packs all eval documents and keeps its rows: the same number of batches everywhere
+        # (the eval step is collective) and the same global batches for any process count
+        rows = config.per_process_batch(process_count)
+        lo = process_index * rows
+        return _loader_shard(config, documents, tokenizer, False, 0, 1).map(
+            lambda batch: {k: v[lo:lo + rows] for k, v in batch.items()})
+    shards, total = config.shards_of_process(process_index, process_count)
+    parts = [_loader_shard(config, documents, tokenizer, train, s, total) for s in shards]
+    if len(parts) == 1:
+        return parts[0]
+    # several loader shards in this process: their rows side by side, in shard order
+    return grain.experimental.ZipIterDataset(parts).map(
+        lambda batches: {k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+
+
+def _loader_shard(config, documents, tokenizer, train, shard, num_shards) -> grain.IterDataset:
+    batch_size = config.batch_size // num_shards
     shuffle = train and config.shuffle
     docs = grain.MapDataset.source(list(documents))
     if shuffle:
         docs = docs.seed(config.seed).shuffle()  # shuffle before repeat: a new permutation every epoch
     docs = docs.repeat(config.num_epochs if train else 1)
-    # Slicing after the global shuffle: processes see disjoint documents that together cover each epoch.
-    docs = docs[process_index::process_count]
+    # Slicing after the global shuffle: shards see disjoint documents that together cover each epoch.
+    docs = docs[shard::num_shards]
     tokens = docs.map(TokenizeDocument(DocumentReader(config.text_field), tokenizer)).to_iter_dataset(
         grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.prefetch_buffer))
     return pack_and_batch(tokens, seq_len=config.seq_len, batch_size=batch_size,
                           packing_bins=config.packing_bins or max(2 * batch_size, 16),
-                          seed=config.seed + process_index, shuffle_rows=shuffle, drop_remainder=train)
+                          seed=config.seed + shard, shuffle_rows=shuffle, drop_remainder=train)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,3 +140,24 @@ def test_build_pipeline_defaults_to_jax_process(workdir):
     assert (data.process_index, data.process_count) == (0, 1)
     batch = next(iter(data.train_dataset()))
     check_row_invariants(batch, 2, SEQ)
+
+
+def test_loader_shards_make_batches_independent_of_process_count(small_pipeline):
+    tok, docs = small_pipeline.tokenizer, small_pipeline.train_documents
+    config = _config(batch_size=4, loader_shards=2)
+    one = iter(make_dataset(config, docs, tok, train=True, process_index=0, process_count=1))
+    two = [iter(make_dataset(config, docs, tok, train=True, process_index=p, process_count=2)) for p in range(2)]
+    for _ in range(5):
+        whole = next(one)
+        halves = [next(it) for it in two]
+        assert whole["tokens"].shape == (4, SEQ) and halves[0]["tokens"].shape == (2, SEQ)
+        for key in whole:
+            np.testing.assert_array_equal(whole[key], np.concatenate([h[key] for h in halves]))
+    state = one.get_state()                    # the zipped iterator is checkpointable too
+    expected = next(one)
+    resumed = iter(make_dataset(config, docs, tok, train=True, process_index=0, process_count=1))
+    resumed.set_state(state)
+    np.testing.assert_array_equal(next(resumed)["tokens"], expected["tokens"])
+    with pytest.raises(ValueError, match="loader_shards=3 must be a multiple of process_count=2"):
+        make_dataset(_config(batch_size=4, loader_shards=3), docs, tok, train=True, process_index=0,
+                     process_count=2)

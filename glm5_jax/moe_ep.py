@@ -1,0 +1,178 @@
+"""Expert-parallel routed experts: a `shard_map` over the mesh in context (DESIGN §5).
+
+Tokens arrive sharded over the batch axes, experts over the mesh axis the logical "exp" axis maps to
+(mesh names come from the current logical-axis rules, never from model code). Per token shard:
+
+    assignments (token, expert) -> rank within their expert -> capacity check -> transport to the expert's
+    shard -> grouped SwiGLU over the local experts (`ragged_dot`) -> reverse transport -> [N, K, D]
+
+Each (source shard, expert) pair carries at most ``C = ceil(capacity_factor * N_local * K / E)``
+assignments; later ones (in token order) are dropped: their expert output is zero and they are counted
+in ``dropped``. Both transports keep exactly the same assignments, so they compute the same function:
+
+* ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU);
+* ``"ragged_a2a"``: only the kept rows travel, with `jax.lax.ragged_all_to_all` (TPU/GPU only).
+
+Expert weights enter with their F (``mlp_moe``) dimension still sharded; the partial down-projections
+are summed over that mesh axis.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+    """Mesh axes the current rules give a logical axis (possibly none)."""
+    spec = nn.logical_to_mesh_axes((logical,))
+    entry = spec[0] if spec is not None and len(spec) else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _single(axes: tuple[str, ...], what: str) -> str | None:
+    if len(axes) > 1:
+        raise ValueError(f"expert parallelism needs the logical {what!r} axis on one mesh axis, got {axes}")
+    return axes[0] if axes else None
+
+
+def capacity(tokens_local: int, top_k: int, n_experts: int, factor: float) -> int:
+    """Slots per (source shard, expert): factor x the fair share of this shard's assignments."""
+    return max(1, math.ceil(factor * tokens_local * top_k / n_experts))
+
+
+def _rank_within_expert(flat_e, n_experts):
+    """order (assignments sorted by expert, stable), each assignment's rank among its expert's, counts [E]."""
+    counts = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
+    order = jnp.argsort(flat_e, stable=True)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(flat_e.shape[0], dtype=jnp.int32) - starts[flat_e[order]]
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    return order, rank, counts
+
+
+def _swiglu_rows(rows, group_sizes, w_gate, w_up, w_down, dtype):
+    """Grouped SwiGLU of rows grouped by local expert (rows past sum(group_sizes) come out zero); fp32."""
+    def gmm(lhs, rhs):
+        return jax.lax.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes,
+                                  preferred_element_type=jnp.float32)
+
+    h = (jax.nn.silu(gmm(rows, w_gate)) * gmm(rows, w_up)).astype(dtype)
+    return gmm(h, w_down)
+
+
+def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype):
+    """Capacity-padded all_to_all transport. Shapes are per shard."""
+    n, K = idx.shape
+    El, D = w_gate.shape[0], x.shape[-1]
+    n_ep = jax.lax.axis_size(ep) if ep else 1
+    E = El * n_ep
+    flat_e = idx.reshape(-1)
+    _, rank, _ = _rank_within_expert(flat_e, E)
+    kept = rank < cap
+    slot = jnp.where(kept, flat_e * cap + rank, E * cap)                 # E * cap: out of range -> dropped
+    token_rows = x.astype(dtype)[jnp.arange(n * K) // K]
+    send = jnp.zeros((E * cap, D), dtype).at[slot].set(token_rows, mode="drop")   # [dest, El, C] rows
+    recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
+    by_expert = recv.reshape(n_ep, El, cap, D).transpose(1, 0, 2, 3).reshape(El * n_ep * cap, D)
+    y = _swiglu_rows(by_expert, jnp.full((El,), n_ep * cap, jnp.int32), w_gate, w_up, w_down, dtype)
+    if mlp:
+        y = jax.lax.psum(y, mlp)
+    back = y.astype(dtype).reshape(El, n_ep, cap, D).transpose(1, 0, 2, 3).reshape(E * cap, D)
+    returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
+    y_assign = returned.at[slot].get(mode="fill", fill_value=0)
+    return y_assign.reshape(n, K, D).astype(jnp.float32), jnp.sum(~kept).astype(jnp.int32)
+
+
+def _exclusive_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype):
+    """ragged_all_to_all transport of the kept rows only (same kept set as `_a2a_experts`)."""
+    n, K = idx.shape
+    El, D = w_gate.shape[0], x.shape[-1]
+    n_ep = jax.lax.axis_size(ep)
+    E, A, R = El * n_ep, n * K, n_ep * El * cap
+    me = jax.lax.axis_index(ep)
+    flat_e = idx.reshape(-1)
+    order, rank, counts = _rank_within_expert(flat_e, E)
+    kept = rank < cap
+    kept_counts = jnp.minimum(counts, cap)                                # [E]
+    # kept assignments, sorted by expert (hence by destination shard), packed to the front
+    kept_sorted = kept[order]
+    packed_pos = jnp.where(kept_sorted, jnp.cumsum(kept_sorted) - 1, A)
+    row_of_sorted = jnp.zeros((A,), jnp.int32).at[packed_pos].set(order.astype(jnp.int32), mode="drop")
+    send = x.astype(dtype)[row_of_sorted // K]                            # rows past the kept ones: unused
+    send_sizes = kept_counts.reshape(n_ep, El).sum(-1)                    # [dest]
+    all_kept = jax.lax.all_gather(kept_counts, ep)                        # [src, E]
+    sent = all_kept.reshape(n_ep, n_ep, El).sum(-1)                       # sent[src, dest]
+    input_offsets = _exclusive_cumsum(send_sizes)
+    output_offsets = _exclusive_cumsum(sent, axis=0)[me]                  # where my rows land on each dest
+    recv_sizes = sent[:, me]
+    recv = jax.lax.ragged_all_to_all(send, jnp.zeros((R, D), dtype), input_offsets, send_sizes,
+                                     output_offsets, recv_sizes, axis_name=ep)
+    # received rows: for each source, for each local expert, its kept rows; then padding
+    cnt = jax.lax.dynamic_slice_in_dim(all_kept, me * El, El, axis=1)     # [src, El]
+    ends = jnp.cumsum(cnt.reshape(-1))
+    piece = jnp.searchsorted(ends, jnp.arange(R), side="right")           # (src, el) index; n_ep*El = padding
+    local_e = jnp.where(piece < n_ep * El, piece % El, El)
+    by_expert_order = jnp.argsort(local_e, stable=True)
+    y = _swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype)
+    if mlp:
+        y = jax.lax.psum(y, mlp)
+    y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y.astype(dtype))
+    recv_offsets = _exclusive_cumsum(recv_sizes)
+    back_offsets = _exclusive_cumsum(sent, axis=1)[:, me]                 # my rows' offsets in each source
+    returned = jax.lax.ragged_all_to_all(y_recv, jnp.zeros((A, D), dtype), recv_offsets, recv_sizes,
+                                         back_offsets, send_sizes, axis_name=ep)
+    # assignment -> its packed row (kept) or zero (dropped)
+    packed_of_assignment = jnp.zeros((A,), jnp.int32).at[order].set(packed_pos.astype(jnp.int32))
+    y_assign = returned.at[packed_of_assignment].get(mode="fill", fill_value=0)
+    return y_assign.reshape(n, K, D).astype(jnp.float32), jnp.sum(~kept).astype(jnp.int32)
+
+
+TRANSPORTS = {"a2a": _a2a_experts, "ragged_a2a": _ragged_a2a_experts}
+
+
+def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, cfg):
+    """Routed-expert outputs y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, K, D] fp32, dropped count).
+
+    Must run under a mesh (`jax.set_mesh`) and Flax logical-axis rules; the mesh axes are those of the
+    logical "batch", "exp" and "mlp_moe" axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError(f"moe_ep={cfg.moe_ep!r} needs a mesh in context (jax.set_mesh) and logical axis rules")
+    batch = tuple(a for a in _mesh_axes("batch") if mesh.shape[a] > 1)
+    ep = _single(_mesh_axes("exp"), "exp")
+    mlp = _single(_mesh_axes("mlp_moe"), "mlp_moe")
+    ep = ep if ep and mesh.shape[ep] > 1 else None
+    mlp = mlp if mlp and mesh.shape[mlp] > 1 else None
+    if cfg.moe_ep == "ragged_a2a" and ep is None:
+        raise ValueError("moe_ep='ragged_a2a' needs the 'exp' axis on a mesh axis of size > 1")
+    if ep and ep not in batch:
+        raise ValueError(f"expert axis {ep!r} must also shard the batch (tokens) for expert parallelism")
+    if mlp and mlp in batch:
+        raise ValueError(f"mesh axis {mlp!r} cannot shard both tokens and expert widths")
+    N, K = expert_idx_NK.shape
+    shards = math.prod(mesh.shape[a] for a in batch)
+    if N % shards:
+        raise ValueError(f"{N} tokens do not split over the {shards} token shards {batch}")
+    cap = capacity(N // shards, K, cfg.n_routed_experts, cfg.moe_capacity_factor)
+    body = TRANSPORTS[cfg.moe_ep]
+    tok = P(batch or None, None)
+
+    def local(x, idx, wg, wu, wd):
+        y, dropped = body(x, idx, wg, wu, wd, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype)
+        return y, jax.lax.psum(dropped, batch) if batch else dropped
+
+    w_in, w_out = P(ep, None, mlp), P(ep, mlp, None)
+    dt = cfg.jnp_dtype            # weights cast before the shard_map: FSDP gathers them in the compute dtype
+    return jax.shard_map(local, in_specs=(tok, tok, w_in, w_in, w_out),
+                         out_specs=(P(batch or None, None, None), P()), check_vma=False)(
+        x_ND, expert_idx_NK, w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))

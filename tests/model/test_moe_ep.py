@@ -1,0 +1,107 @@
+"""Expert-parallel MoE (all_to_all over expert=4 fake CPU devices) equals the single-device MoE."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.core import meta
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.moe import MoE, grouped_swiglu, route
+from glm5_jax.moe_ep import capacity
+from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh
+
+CFG = ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+                  intermediate_size=32, num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8,
+                  qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=4,
+                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=12,
+                  initializer_range=0.3, remat_policy="none")
+B, T = 8, 16
+
+
+def _inputs():
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, CFG.hidden_size), jnp.float32)
+    mask = jnp.ones((B, T), bool).at[3, 10:].set(False)
+    return x, mask
+
+
+def _params():
+    x, mask = _inputs()
+    variables = meta.unbox(MoE(CFG).init(jax.random.PRNGKey(0), x, mask))
+    # a non-zero routing bias so selection and gates differ, as in training
+    bias = jax.random.normal(jax.random.PRNGKey(2), (CFG.n_routed_experts,)) * 0.1
+    variables["moe_bias"]["e_score_correction_bias"] = bias
+    return variables
+
+
+def _loss_and_grads(cfg, variables, mesh=None, tensor_rules=DEFAULT_RULES):
+    x, mask = _inputs()
+
+    def loss(params, x):
+        out, aux = MoE(cfg).apply({**variables, "params": params}, x, mask)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), (out, aux)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    if mesh is None:
+        return fn(variables["params"], x)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(tensor_rules):
+        return fn(variables["params"], x)
+
+
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=1, fsdp=2, expert=4, tensor=1),
+                                      MeshConfig(data=1, fsdp=1, expert=4, tensor=2)],
+                         ids=["fsdp2_expert4", "expert4_tensor2"])
+def test_all_to_all_ep_equals_single_device(mesh_cfg):
+    variables = _params()
+    (ref_loss, (ref_out, ref_aux)), ref_grads = _loss_and_grads(CFG, variables)
+    # capacity factor E / K: every (shard, expert) pair can hold all of a shard's tokens -> nothing dropped
+    ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=CFG.n_routed_experts / CFG.num_experts_per_tok)
+    mesh = build_mesh(mesh_cfg, jax.devices()[:8])
+    (loss, (out, aux)), grads = _loss_and_grads(ep_cfg, variables, mesh)
+    assert float(aux["dropped"]) == 0.0
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(aux["expert_load"], ref_aux["expert_load"])
+    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_all_to_all_ep_reports_and_zeroes_dropped_assignments():
+    variables = _params()
+    mesh = build_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), jax.devices()[:8])
+    x, mask = _inputs()
+    factor = 0.5
+    ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=factor, n_shared_experts=0)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+        out, aux = jax.jit(lambda v, x: MoE(ep_cfg).apply(v, x, mask))(variables, x)
+    # expected drops: per token shard (16 tokens each), assignments past `cap` for each expert, in token order
+    x_ND = x.reshape(-1, CFG.hidden_size)
+    scores = jax.nn.sigmoid(x_ND @ variables["params"]["router"])
+    idx, gates = route(scores, variables["moe_bias"]["e_score_correction_bias"], CFG)
+    shards = 8
+    n_local = B * T // shards
+    cap = capacity(n_local, CFG.num_experts_per_tok, CFG.n_routed_experts, factor)
+    assert cap == 2
+    kept = np.zeros(idx.shape, bool)
+    for s in range(shards):
+        seen = {}
+        for n in range(s * n_local, (s + 1) * n_local):
+            for k in range(CFG.num_experts_per_tok):
+                e = int(idx[n, k])
+                kept[n, k] = seen.get(e, 0) < cap
+                seen[e] = seen.get(e, 0) + 1
+    expected_dropped = int((~kept).sum())
+    assert expected_dropped > 0
+    assert float(aux["dropped"]) == expected_dropped
+    # the output is the single-device MoE with dropped assignments' gates set to zero
+    p = variables["params"]
+    y = grouped_swiglu(x_ND, idx, p["gate_proj"], p["up_proj"], p["down_proj"], jnp.float32)
+    expected = jnp.einsum("nk,nkd->nd", jnp.where(kept, gates, 0.0), y).reshape(B, T, -1)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_ep_needs_a_mesh():
+    variables = _params()
+    x, mask = _inputs()
+    with pytest.raises(ValueError, match="needs a mesh in context"):
+        MoE(CFG.replace(moe_ep="a2a")).apply(variables, x, mask)
