@@ -13,3 +13,13 @@ def mxu_precision(*operands):
     if all(x.dtype == jnp.float32 for x in operands):
         return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.DEFAULT
+
+
+def pad_axis(x, axis, size, value=0):
+    """x padded at the end of `axis` to `size` with `value` (block shapes must tile the array)."""
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)

@@ -23,18 +23,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.lightning_indexer.reference import _chunked_over_queries
-from pallas_kernels.tpu_utils import mxu_precision, round_up
+from pallas_kernels.tpu_utils import mxu_precision, pad_axis, round_up
 
 _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the block-skip bounds
-
-
-def _pad_axis(x, axis, size, value=0):
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B * n_t], [B * n_s]
@@ -87,11 +78,11 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
     T_pad, S_pad = round_up(T, block_t), round_up(S, block_s)
 
     # Padding rows/keys get segment 0, which makes them invisible (masking.visible_mask).
-    q_BHTD = _pad_axis(jnp.transpose(q_BTHD, (0, 2, 1, 3)), 2, T_pad)
-    w_BHT = _pad_axis(jnp.transpose(w_BTH.astype(jnp.float32), (0, 2, 1)), 2, T_pad)
-    k_BSD = _pad_axis(k_BSD.astype(q_BTHD.dtype), 1, S_pad)
-    q_pos, q_seg = (_pad_axis(x.astype(jnp.int32), 1, T_pad) for x in (q_pos_BT, q_seg_BT))
-    kv_pos, kv_seg = (_pad_axis(x.astype(jnp.int32), 1, S_pad) for x in (kv_pos_BS, kv_seg_BS))
+    q_BHTD = pad_axis(jnp.transpose(q_BTHD, (0, 2, 1, 3)), 2, T_pad)
+    w_BHT = pad_axis(jnp.transpose(w_BTH.astype(jnp.float32), (0, 2, 1)), 2, T_pad)
+    k_BSD = pad_axis(k_BSD.astype(q_BTHD.dtype), 1, S_pad)
+    q_pos, q_seg = (pad_axis(x.astype(jnp.int32), 1, T_pad) for x in (q_pos_BT, q_seg_BT))
+    kv_pos, kv_seg = (pad_axis(x.astype(jnp.int32), 1, S_pad) for x in (kv_pos_BS, kv_seg_BS))
 
     q_max_pos = _block_bounds(q_pos, q_seg, block_t, jnp.max, -_NO_POS)
     kv_min_pos = _block_bounds(kv_pos, kv_seg, block_s, jnp.min, _NO_POS)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_utils import mxu_precision, round_up
+from pallas_kernels.tpu_utils import mxu_precision, pad_axis, round_up
 
 QUERIES_PER_BLOCK = 8  # TQ
 
@@ -46,15 +46,6 @@ def _mm_nt(a, b):
     """a @ b^T with fp32 accumulation (contract the last dims; the MXU's native transposed form)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=mxu_precision(a, b),
                                preferred_element_type=jnp.float32)
-
-
-def _pad_axis(x, axis, size, value=0):
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def _row_to_column(row_1H):
@@ -184,8 +175,8 @@ def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k):
     K = idx_BTK.shape[2]
     block_k = min(block_k, round_up(K, 128))
     T_pad, K_pad = round_up(T, QUERIES_PER_BLOCK), round_up(K, block_k)
-    valid = _pad_axis(_pad_axis(valid_BTK, 2, K_pad, False), 1, T_pad, False)
-    idx = jnp.where(valid, jnp.clip(_pad_axis(_pad_axis(idx_BTK, 2, K_pad), 1, T_pad), 0, S - 1), 0)
+    valid = pad_axis(pad_axis(valid_BTK, 2, K_pad, False), 1, T_pad, False)
+    idx = jnp.where(valid, jnp.clip(pad_axis(pad_axis(idx_BTK, 2, K_pad), 1, T_pad), 0, S - 1), 0)
     return dict(B=B, T=T, H=H, C=C, K=K, T_pad=T_pad, K_pad=K_pad, block_k=block_k,
                 idx_flat=idx.astype(jnp.int32).reshape(-1), valid=valid.astype(jnp.int32))
 
@@ -210,7 +201,7 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
     B, H, C, T_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["block_k"]
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
-    q = _pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
+    q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k),
         grid=grid,
@@ -241,10 +232,10 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
     B, H, C, T_pad, K_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["K_pad"], d["block_k"]
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
-    q = _pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
-    dout = _pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
-    lse = _pad_axis(lse_BTH.astype(jnp.float32), 1, T_pad, -jnp.inf)
-    delta = _pad_axis(delta_BTH.astype(jnp.float32), 1, T_pad)
+    q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
+    dout = pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
+    lse = pad_axis(lse_BTH.astype(jnp.float32), 1, T_pad, -jnp.inf)
+    delta = pad_axis(delta_BTH.astype(jnp.float32), 1, T_pad)
     dq, drows = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k),
         grid=grid,
