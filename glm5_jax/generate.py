@@ -104,6 +104,16 @@ def decode_config(cfg):
 def generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, rng=None, eos_ids=(), speculative: bool = False,
              cache_dtype=None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` per row (see the module docstring)."""
+    fn, args = prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_p=top_p, top_k=top_k, rng=rng, eos_ids=eos_ids,
+                                speculative=speculative, cache_dtype=cache_dtype)
+    return fn(*args)
+
+
+def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature=1.0,
+                     top_p=1.0, top_k=0, rng=None, eos_ids=(), speculative=False, cache_dtype=None):
+    """Validate the request; return (jitted program, its arguments) so callers can compile it ahead."""
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     if prompt_tokens.ndim != 2:
@@ -134,7 +144,7 @@ def generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: i
                          f"({cfg.max_position_embeddings})")
     fn = _compiled(decode_config(cfg), int(max_new_tokens), sampler, tuple(int(e) for e in eos_ids),
                    bool(speculative), None if cache_dtype is None else jnp.dtype(cache_dtype).name)
-    return fn(variables, prompt_tokens, prompt_lengths, rng)
+    return fn, (variables, prompt_tokens, prompt_lengths, rng)
 
 
 @functools.lru_cache(maxsize=32)
@@ -286,3 +296,8 @@ def _speculative_loop(cfg, N, sampler, eos_ids, cache_dtype, variables, prompt_B
     keep = jnp.arange(N)[None] < count[:, None]
     return GenerationResult(jnp.where(keep, out_tokens[:, :N], 0), count,
                             jnp.where(keep, out_logprobs[:, :N], 0.0), drafted, accepted)
+
+
+if __name__ == "__main__":
+    from glm5_jax.generate_cli import run
+    run()
