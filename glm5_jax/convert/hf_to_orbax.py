@@ -9,7 +9,6 @@ batches) before the next is read. Everything is validated before the output dire
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import numpy as np
