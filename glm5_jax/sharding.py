@@ -30,8 +30,10 @@ DEFAULT_RULES = (
     ("mlp", "tensor"),
     ("exp", "expert"),
     ("mlp_moe", "tensor"),
-    ("q_lora", None),
-    ("kv_lora", None),
+    # the MLA / indexer up-projections [q_lora|kv_lora, heads, ...] are FSDP-sharded on their LoRA rank
+    # (their other dims are heads or small); the down-projections keep fsdp on "embed", which wins
+    ("q_lora", "fsdp"),
+    ("kv_lora", "fsdp"),
     ("kv", None),
     ("index_dim", None),
     ("mtp_concat", None),
@@ -77,8 +79,9 @@ def check_mesh_fits_model(sizes: dict[str, int], model_cfg, global_batch: int) -
         problems.append(f"tensor={sizes['tensor']} does not divide num_attention_heads={model_cfg.num_attention_heads}")
     if model_cfg.num_moe_layers and model_cfg.n_routed_experts % sizes["expert"]:
         problems.append(f"expert={sizes['expert']} does not divide n_routed_experts={model_cfg.n_routed_experts}")
-    if model_cfg.hidden_size % sizes["fsdp"]:
-        problems.append(f"fsdp={sizes['fsdp']} does not divide hidden_size={model_cfg.hidden_size}")
+    for field in ("hidden_size", "q_lora_rank", "kv_lora_rank"):
+        if getattr(model_cfg, field) % sizes["fsdp"]:
+            problems.append(f"fsdp={sizes['fsdp']} does not divide {field}={getattr(model_cfg, field)}")
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if global_batch % batch_shards:
         problems.append(f"global batch {global_batch} is not divisible by data*fsdp*expert={batch_shards}")
