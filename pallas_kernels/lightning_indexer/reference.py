@@ -10,6 +10,7 @@ slots hold a visible key, because top-k over fewer than k visible keys also retu
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunking import chunked_over_queries
 from pallas_kernels.masking import visible_mask
 
 
@@ -22,26 +23,6 @@ def index_scores(q_BTHD, k_BSD, w_BTH, visible_BTS):
     return jnp.where(visible_BTS, scores_BTS, -jnp.inf)
 
 
-def _chunked_over_queries(fn, q_chunk, T, *arrays_BT):
-    """Apply ``fn`` to query chunks of every [B, T, ...] array and concatenate along T."""
-    if T <= q_chunk:
-        return fn(*arrays_BT)
-    n_chunks = -(-T // q_chunk)
-    pad = n_chunks * q_chunk - T
-
-    def split(x):
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(x.shape[0], n_chunks, q_chunk, *x.shape[2:]), 1, 0)
-
-    outs = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays_BT))
-
-    def merge(y):
-        y = jnp.moveaxis(y, 0, 1)
-        return y.reshape(y.shape[0], n_chunks * q_chunk, *y.shape[3:])[:, :T]
-
-    return jax.tree.map(merge, outs)
-
-
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk, q_chunk=512):
     """Top-k key indices per query: (idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S)."""
     k = min(topk, k_BSD.shape[1])
@@ -52,4 +33,4 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
         top_scores, idx = jax.lax.top_k(scores, k)
         return idx.astype(jnp.int32), top_scores > -jnp.inf
 
-    return _chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)
+    return chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)

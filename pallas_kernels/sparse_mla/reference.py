@@ -8,7 +8,7 @@ marked invalid are excluded; a row with no valid slot returns zeros and lse = -i
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.lightning_indexer.reference import _chunked_over_queries
+from pallas_kernels.chunking import chunked_over_queries
 
 
 def _masked_softmax(logits, allowed):
@@ -33,7 +33,7 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=256)
                          preferred_element_type=jnp.float32)
         return out.astype(q.dtype), lse
 
-    return _chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, idx_BTK, valid_BTK)
+    return chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, idx_BTK, valid_BTK)
 
 
 def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
@@ -46,4 +46,4 @@ def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
                          preferred_element_type=jnp.float32)
         return out.astype(q.dtype), lse
 
-    return _chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, visible_BTS)
+    return chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, visible_BTS)
