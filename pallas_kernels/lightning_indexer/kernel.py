@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.lightning_indexer.reference import _chunked_over_queries
+from pallas_kernels.chunking import chunked_over_queries
 from pallas_kernels.tpu_utils import mxu_precision, pad_axis, round_up
 
 _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the block-skip bounds
@@ -124,4 +124,4 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
         top_scores, idx = jax.lax.top_k(scores, k)
         return idx.astype(jnp.int32), top_scores > -jnp.inf
 
-    return _chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)
+    return chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)

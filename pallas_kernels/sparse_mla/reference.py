@@ -8,32 +8,38 @@ marked invalid are excluded; a row with no valid slot returns zeros and lse = -i
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.lightning_indexer.reference import _chunked_over_queries
+from pallas_kernels.chunking import chunked_over_queries
 
 
-def _masked_softmax(logits, allowed):
-    """fp32 softmax over the last axis restricted to ``allowed`` -> (probs, lse); empty rows give 0, -inf."""
+def _masked_softmax(logits, allowed, axis=-1):
+    """fp32 softmax over ``axis`` restricted to ``allowed`` -> (probs, lse); empty rows give 0, -inf."""
     logits = jnp.where(allowed, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    lse = jax.nn.logsumexp(logits, axis=axis)
+    probs = jnp.exp(logits - jnp.expand_dims(jnp.where(jnp.isfinite(lse), lse, 0.0), axis))
     return probs, lse
 
 
-def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=256):
+def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=64):
     """Attention of q [B,T,H,C] over the rows idx [B,T,k] of latent kv [B,S,C] (valid slots only).
 
     Returns (out [B,T,H,v_dim] in q's dtype, lse [B,T,H] fp32).
+
+    Layout (XLA:CPU speed, same maths): per query the logits are computed key-major, [k, C] @ [C, H]
+    -> [k, H], and the softmax runs over that k axis; with the few heads as the small matmul side this
+    is several times faster than [H, C] @ [C, k]. The value product uses the whole gathered row and
+    slices v_dim afterwards (slicing the rows first materialises a copy of them). Small query chunks
+    keep one chunk's gathered rows [B, q_chunk, k, C] cache-sized.
     """
 
     def chunk(q, idx, valid):
         rows_BTKC = jax.vmap(lambda kv, i: kv[i])(kv_BSC, idx)
-        logits = jnp.einsum("bthc,btkc->bthk", q, rows_BTKC, preferred_element_type=jnp.float32) * scale
-        probs, lse = _masked_softmax(logits, valid[:, :, None, :])
-        out = jnp.einsum("bthk,btkv->bthv", probs.astype(kv_BSC.dtype), rows_BTKC[..., :v_dim],
-                         preferred_element_type=jnp.float32)
+        logits_BTKH = jnp.einsum("btkc,bthc->btkh", rows_BTKC, q, preferred_element_type=jnp.float32) * scale
+        probs_BTKH, lse = _masked_softmax(logits_BTKH, valid[:, :, :, None], axis=2)
+        out = jnp.einsum("btkh,btkc->bthc", probs_BTKH.astype(kv_BSC.dtype), rows_BTKC,
+                         preferred_element_type=jnp.float32)[..., :v_dim]
         return out.astype(q.dtype), lse
 
-    return _chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, idx_BTK, valid_BTK)
+    return chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, idx_BTK, valid_BTK)
 
 
 def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
@@ -46,4 +52,4 @@ def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
                          preferred_element_type=jnp.float32)
         return out.astype(q.dtype), lse
 
-    return _chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, visible_BTS)
+    return chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, visible_BTS)
