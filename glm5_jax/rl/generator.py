@@ -32,6 +32,17 @@ from glm5_jax.sharding import build_mesh
 log = logging.getLogger("glm5_jax.rl")
 
 
+def may_start(ordinal: int, consumed: int, tau: int) -> bool:
+    """Global back-pressure (AReaL's capacity rule, ASYNC_RL.md §6.2): batch `ordinal` may start while it is
+    at most tau ahead of the ordinals the learner has consumed, counted over all generators."""
+    return ordinal <= consumed + tau
+
+
+def lockstep_version(ordinal: int, tau: int) -> int:
+    """Lockstep mode: batch o is sampled with exactly version max(0, o - tau)."""
+    return max(0, ordinal - tau)
+
+
 def sampling_key(seed: int, generator: int, seq: int):
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), generator), seq)
 
@@ -80,10 +91,10 @@ class Generator:
         if latest is None or self.finished(latest):
             return None
         if rl.lockstep:
-            target = max(0, ordinal - rl.tau)
+            target = lockstep_version(ordinal, rl.tau)
             return target if self.reader.has_version(target) else None
         meta = self.meta(latest)
-        if ordinal > meta["next_ordinal"] + rl.tau:
+        if not may_start(ordinal, meta["next_ordinal"], rl.tau):
             return None
         unconsumed = [s for s in self.dirs.seqs_of(self.gen) if s >= meta["watermark"][str(self.gen)]]
         if len(unconsumed) >= rl.max_ready:

@@ -52,6 +52,16 @@ def split_ordinal(ordinal: int, num_generators: int) -> tuple[int, int]:
     return ordinal % num_generators, ordinal // num_generators
 
 
+def staleness_of(version: int, batch_versions) -> int:
+    """Learner version minus the oldest policy version that produced any sample of the batch."""
+    return int(version - int(np.min(batch_versions)))
+
+
+def admit(version: int, batch_versions, tau: int) -> bool:
+    """GLM-5 §4.1.1: a sample is dropped if w' - w0 > tau."""
+    return staleness_of(version, batch_versions) <= tau
+
+
 def watermark(next_ordinal: int, num_generators: int) -> dict[str, int]:
     """Per generator: the first seq not yet consumed (every ordinal below next_ordinal is)."""
     return {str(g): max(0, -(-(next_ordinal - g) // num_generators)) for g in range(num_generators)}
@@ -177,9 +187,9 @@ class Learner:
                 meta = self._advance(meta, {**entry, "status": "rejected_corrupt"}, rejected=1)
                 continue
             sampled_with = int(batch.versions.min())
-            staleness = version - sampled_with
+            staleness = staleness_of(version, batch.versions)
             entry.update(sha256=sha, sampled_with=sampled_with, trained_at=version)
-            if staleness > rl.tau:                     # GLM-5 §4.1.1: drop if w' - w0 > tau
+            if not admit(version, batch.versions, rl.tau):
                 log.info("dropping ordinal %d: sampled with version %d, %d > tau=%d behind", ordinal,
                          sampled_with, staleness, rl.tau)
                 meta = self._advance(meta, {**entry, "status": "dropped_stale"}, dropped=1)
