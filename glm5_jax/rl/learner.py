@@ -14,6 +14,7 @@ killed at any moment resumes from its latest committed version and re-reads what
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -67,6 +68,29 @@ def watermark(next_ordinal: int, num_generators: int) -> dict[str, int]:
     return {str(g): max(0, -(-(next_ordinal - g) // num_generators)) for g in range(num_generators)}
 
 
+@functools.lru_cache(maxsize=4)
+def train_step_fn(model_cfg, rl):
+    """The jitted update (one per (model, rl) config in a process, shared by Learner instances)."""
+    from glm5_jax.model import Transformer
+
+    model, tx = Transformer(model_cfg), make_optimizer(rl)
+
+    def train_step(variables, opt_state, batch):
+        def loss_fn(params):
+            logp = completion_logprobs(model, {**variables, "params": params}, batch["prompt_tokens"],
+                                       batch["prompt_lengths"], batch["completion_tokens"],
+                                       batch["completion_lengths"], rl.temperature)
+            return policy_loss(logp, batch["logprobs"], batch["advantages"], batch["loss_mask"], rl.loss,
+                               rl.eps_low, rl.eps_high, rl.icepop_beta)
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
+        updates, opt_state = tx.update(grads, opt_state, variables["params"])
+        params = optax.apply_updates(variables["params"], updates)
+        return {**variables, "params": params}, opt_state, {**stats, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return jax.jit(train_step, donate_argnums=(1,))
+
+
 class Learner:
     def __init__(self, exp, workdir: str, sft_cfg, sft_workdir: str):
         self.exp, self.rl = exp, exp.rl
@@ -81,7 +105,7 @@ class Learner:
         self.tx = make_optimizer(self.rl)
         self.writer = PolicyWriter(self.workdir, self.rl.keep_versions)
         self.metrics_path = os.path.join(self.workdir, METRICS)
-        self._train = jax.jit(self._train_step, donate_argnums=(1,))
+        self._train = train_step_fn(self.policy.cfg, self.rl)
         self.abstract_opt_state = self.policy.abstract_opt_state(self.tx)
         self._committed_next_ordinal = 0     # next_ordinal of the newest version known to be committed
         self._published_next_ordinal = 0     # ... of the newest version whose save was started
@@ -101,10 +125,10 @@ class Learner:
             ensure_sft(self.sft_cfg, self.sft_workdir)
             variables = load_sft_variables(self.sft_cfg, self.sft_workdir, self.policy)
             opt_state = jax.jit(self.tx.init)(variables["params"])
-            meta = self._fresh_meta()
+            meta = {**self._fresh_meta(), "record": {"time": time.time()}}
             self._truncate_metrics(-1)
             self._publish(0, variables, opt_state, meta)
-            self._log_version(variables, meta, {"time": time.time()})
+            self._log_version(variables, meta, meta["record"])
             log.info("published version 0 (the SFT policy)")
             return variables, opt_state, meta
         variables, opt_state, meta = self.writer.restore(latest, self.policy.abstract_variables,
@@ -112,30 +136,14 @@ class Learner:
         if meta["num_generators"] != self.rl.num_generators:
             raise ValueError(f"{self.workdir} was run with {meta['num_generators']} generators; rl.num_generators="
                              f"{self.rl.num_generators} would change the batch order. Use a new workdir.")
-        self._truncate_metrics(latest)
+        if self._truncate_metrics(latest) < latest and "record" in meta:
+            self._log_version(variables, meta, meta["record"])    # killed between publish and logging
         self._committed_next_ordinal = self._published_next_ordinal = meta["next_ordinal"]
         self._collect_garbage()
         log.info("resumed at version %d (next ordinal %d)", latest, meta["next_ordinal"])
         return variables, opt_state, meta
 
     # ------------------------------------------------------------------ training
-    def _train_step(self, variables, opt_state, batch):
-        rl = self.rl
-        model = self.policy.model
-
-        def loss_fn(params):
-            logp = completion_logprobs(model, {**variables, "params": params}, batch["prompt_tokens"],
-                                       batch["prompt_lengths"], batch["completion_tokens"],
-                                       batch["completion_lengths"], rl.temperature)
-            return policy_loss(logp, batch["logprobs"], batch["advantages"], batch["loss_mask"], rl.loss,
-                               rl.eps_low, rl.eps_high, rl.icepop_beta)
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
-        updates, opt_state = self.tx.update(grads, opt_state, variables["params"])
-        params = optax.apply_updates(variables["params"], updates)
-        stats = {**stats, "loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return {**variables, "params": params}, opt_state, stats
-
     def train_on(self, variables, opt_state, batch: ro.RolloutBatch):
         adv = group_advantages(jnp.asarray(batch.rewards), self.rl.group_size, self.rl.advantage_std_norm)
         arrays = {name: jnp.asarray(getattr(batch, name)) for name in
@@ -161,8 +169,11 @@ class Learner:
 
     # ------------------------------------------------------------------ loop
     def wait_for(self, path: str) -> float:
+        """Seconds spent waiting until `path` exists in ready/ or was already moved to rejected/ (by this
+        learner before a crash: it is rejected again, deterministically)."""
         start = time.perf_counter()
-        while not os.path.exists(path):
+        rejected = os.path.join(self.dirs.rejected, os.path.basename(path))
+        while not os.path.exists(path) and not os.path.exists(rejected):
             time.sleep(self.rl.poll_seconds)
         return time.perf_counter() - start
 
@@ -177,13 +188,16 @@ class Learner:
             wait_seconds = self.wait_for(path)
             entry = {"ordinal": ordinal, "generator": generator, "seq": seq}
             try:
+                if not os.path.exists(path):
+                    raise ro.CorruptRollout(f"{path} was rejected before")
                 batch, sha = ro.read_batch(path)
                 if (batch.meta.get("generator"), batch.meta.get("seq")) != (generator, seq):
                     raise ro.CorruptRollout(f"{path} holds generator/seq {batch.meta.get('generator')}/"
                                             f"{batch.meta.get('seq')}")
             except ro.CorruptRollout as e:
                 log.warning("rejecting %s: %s", path, e)
-                self.dirs.reject(path)
+                if os.path.exists(path):
+                    self.dirs.reject(path)
                 meta = self._advance(meta, {**entry, "status": "rejected_corrupt"}, rejected=1)
                 continue
             sampled_with = int(batch.versions.min())
@@ -199,14 +213,15 @@ class Learner:
             train_seconds = time.perf_counter() - t0
             version += 1
             meta = self._advance(meta, {**entry, "status": "used"}, version=version, staleness=staleness)
+            # the metrics of a version travel in its meta, so a learner killed after the publish logs them
+            meta["record"] = {"mean_reward": float(np.mean(batch.rewards)), "staleness": staleness, **stats,
+                              "sample_seconds": batch.meta.get("sample_seconds"), "train_seconds": train_seconds,
+                              "wait_seconds": wait_seconds, "time": time.time()}
             t0 = time.perf_counter()
             self._publish(version, variables, opt_state, meta)
             handoff_seconds = time.perf_counter() - t0
             self._collect_garbage()
-            record = {"mean_reward": float(np.mean(batch.rewards)), "staleness": staleness, **stats,
-                      "sample_seconds": batch.meta.get("sample_seconds"), "train_seconds": train_seconds,
-                      "handoff_seconds": handoff_seconds, "wait_seconds": wait_seconds, "time": time.time()}
-            self._log_version(variables, meta, record)
+            self._log_version(variables, meta, {**meta["record"], "handoff_seconds": handoff_seconds})
         self.writer.wait()
         self._committed_next_ordinal = self._published_next_ordinal
         self._collect_garbage()
@@ -243,13 +258,15 @@ class Learner:
                     except FileNotFoundError:
                         pass
 
-    def _truncate_metrics(self, version: int):
-        """Drops metrics lines past `version` (logged by a learner killed before they were committed)."""
+    def _truncate_metrics(self, version: int) -> int:
+        """Drops metrics lines past `version` (logged by a learner killed before that version committed);
+        returns the last version still logged (-1: none)."""
         if not os.path.exists(self.metrics_path):
-            return
+            return -1
         with open(self.metrics_path) as f:
             kept = [line for line in f if line.strip() and json.loads(line)["version"] <= version]
         ro.write_atomically(self.metrics_path, "".join(kept).encode(), self.workdir)
+        return json.loads(kept[-1])["version"] if kept else -1
 
     def _log_version(self, variables, meta, record):
         version = meta["version"]

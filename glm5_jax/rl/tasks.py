@@ -36,9 +36,13 @@ class Task(abc.ABC):
 
 
 class SortTask(Task):
-    """Sort NUM_DIGITS digits; reward 1 for the exact sorted answer followed by EOS, else 0 (ASYNC_RL §7)."""
+    """Sort NUM_DIGITS digits; reward 1 for the exact sorted answer followed by EOS, else 0 (ASYNC_RL §7).
+    partial_credit: the fraction of the NUM_DIGITS + 1 answer positions that are right (a dense reward)."""
 
     eos_ids = (sort_task.EOS_ID,)
+
+    def __init__(self, partial_credit: bool = False):
+        self.partial_credit = partial_credit
 
     def _batch(self, seed, split, first, n):
         # RL prompts come from their own stream ("rl"), disjoint from the SFT demos and the eval prompts
@@ -55,10 +59,13 @@ class SortTask(Task):
     def reward(self, prompt_ids, completion_ids):
         digits = np.asarray(prompt_ids[1:1 + sort_task.NUM_DIGITS]) - sort_task.DIGIT0_ID
         target = sort_task.correct_answer_ids(digits)
+        if self.partial_credit:
+            n = min(len(completion_ids), len(target))
+            return float(np.sum(np.asarray(completion_ids[:n]) == target[:n]) / len(target))
         return float(len(completion_ids) == len(target) and np.array_equal(completion_ids, target))
 
 
-TASKS = {"sort": SortTask}
+TASKS = {"sort": SortTask, "sort_partial": lambda: SortTask(partial_credit=True)}
 
 
 def make_task(name: str) -> Task:

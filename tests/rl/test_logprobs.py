@@ -22,7 +22,7 @@ def test_generator_logprobs_equal_learner_recomputation():
     cfg = tiny_model_config(initializer_range=0.5)          # a peaked random policy: varied lengths and EOS
     mesh_cfg = MeshConfig(data=1, fsdp=1)
     policy = Policy(cfg, build_mesh(mesh_cfg, jax.devices()[:1]), mesh_cfg.rules)
-    variables = policy.model.init(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.jit(policy.model.init)(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))
     variables = jax.tree.map(lambda x: getattr(x, "value", x), variables,
                              is_leaf=lambda x: hasattr(x, "value"))
     rng = np.random.default_rng(0)
