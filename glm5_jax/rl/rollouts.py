@@ -158,8 +158,19 @@ def write_batch(dirs: RolloutDirs, generator: int, seq: int, batch: RolloutBatch
     return path
 
 
+def content_sha256(batch: RolloutBatch) -> str:
+    """sha256 of the TITO arrays (not the meta, whose timings differ between identical batches)."""
+    digest = hashlib.sha256()
+    for name in RolloutBatch.ARRAYS:
+        a = getattr(batch, name)
+        digest.update(f"{name}|{a.dtype}|{a.shape}|".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
 def read_batch(path: str) -> tuple[RolloutBatch, str]:
-    """(batch, sha256 of the file); raises CorruptRollout for anything but a whole valid file."""
+    """(batch, content_sha256 of it); raises CorruptRollout for anything but a whole valid file."""
     with open(path, "rb") as f:
         blob = f.read()
-    return decode(blob, path), hashlib.sha256(blob).hexdigest()
+    batch = decode(blob, path)
+    return batch, content_sha256(batch)
