@@ -63,14 +63,19 @@ class Indexer(nn.Module):
 class MLAttention(nn.Module):
     """One layer's MLA attention + DSA. `indexer_kind` is "full", "shared" or "none".
 
-    Returns (output, selection, indexer_kl); indexer_kl is None unless this is a full layer and
+    Returns (output, selection, indexer_kl, cache); indexer_kl is None unless this is a full layer and
     ``cfg.indexer_loss`` asks for the warm-up or sparse-stage KL (spec §7.1).
+
+    With a decode ``cache`` ({"latent": [B, S, C], "index_key": [B, S, d_I] on full layers}, see
+    `glm5_jax.kv_cache`) the new tokens' rows are written at slots = their positions, and the queries
+    attend over the whole cache instead of over themselves: slot s is visible from position p iff s <= p
+    (every such slot has been written by then). The updated cache is returned; without one, None.
     """
     cfg: object
     indexer_kind: str
 
     @nn.compact
-    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection):
+    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None):
         cfg = self.cfg
         init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
         H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -91,17 +96,24 @@ class MLAttention(nn.Module):
         c = RMSNorm(cfg.latent_norm_eps, "kv_lora", pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
         k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)          # what a decode cache keeps (§4.1)
+        kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
+        if cache is not None:
+            cache = dict(cache, latent=write_rows(cache["latent"], latent_BSC, positions_BT))
+            latent_BSC = cache["latent"]
+            kv_positions_BS, kv_segments_BS = cache_slots(latent_BSC)
 
         w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]                # [R, H, dn], [R, H, dv]
         q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
-        selection, indexer_kl = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
-                                             q_abs, latent_BSC)
+        selection, indexer_kl, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
+                                                    q_abs, latent_BSC, cache)
         sparse = cfg.attention_mode == "sparse" and self.indexer_kind != "none"
-        visible = visible_mask(positions_BT, positions_BT, segment_ids_BT, segment_ids_BT)
+        visible = visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
 
-        if cfg.mla_form == "absorbed":
+        if cfg.mla_form == "absorbed" or cache is not None:
             if sparse:
-                o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection)
+                # decode steps are tiny: the XLA gather path, whatever the training impl
+                impl = "xla" if cache is not None else cfg.attention_impl
+                o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection, impl=impl)
             else:
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
@@ -110,29 +122,38 @@ class MLAttention(nn.Module):
             allowed = visible & _selection_mask(selection, visible.shape[-1]) if sparse else visible
             o = self._mha(q_nope, q_rot, c, k_rot, w_kvb, allowed)
         o = constrain(o, ("batch", "seq", "act_heads", None))
-        return einsum("bthv,hvd->btd", o, w_o, dt), selection, indexer_kl
+        return einsum("bthv,hvd->btd", o, w_o, dt), selection, indexer_kl, cache
 
-    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC):
-        """(selection, indexer KL): this layer's top-k (full), the previous full layer's (shared), or
-        pass-through (none / dense attention)."""
+    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache):
+        """(selection, indexer KL, cache): this layer's top-k (full), the previous full layer's (shared),
+        or pass-through (none / dense attention)."""
         cfg = self.cfg
         if self.indexer_kind != "full":
-            return prev_selection, None
+            return prev_selection, None, cache
         # The indexer is trained only by its KL loss: its inputs are detached (spec §7.1, P13); top-k
         # indices carry no gradient, so the LM loss never reaches the indexer.
         q_i, k_i, w_i = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
                                                      positions_BT)
+        if cache is not None:
+            cache = dict(cache, index_key=write_rows(cache["index_key"], k_i, positions_BT))
+            k_i = cache["index_key"].astype(jnp.float32)
+            kv_positions_BS, kv_segments_BS = cache_slots(k_i)
+            selection = prev_selection
+            if cfg.attention_mode == "sparse":
+                selection = indexer_ops.indexer_topk(q_i, k_i, w_i, positions_BT, kv_positions_BS, segment_ids_BT,
+                                                     kv_segments_BS, topk=cfg.index_topk, impl="xla")
+            return selection, None, cache
         selection = prev_selection
         if cfg.attention_mode == "sparse":
             selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, segment_ids_BT)
         if cfg.indexer_loss == "none":
-            return selection, None
+            return selection, None, cache
         idx, valid = selection if cfg.indexer_loss == "sparse" else (None, None)
         kl = indexer_kl_ops.indexer_kl_loss(
             jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC.astype(q_abs.dtype)), q_i, k_i, w_i,
             positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
             stage=cfg.indexer_loss, idx_BTK=idx, valid_BTK=valid)
-        return selection, kl
+        return selection, kl, cache
 
     def _indexer_topk(self, q_i, k_i, w_i, positions_BT, segment_ids_BT):
         """Top-k selection; a Pallas impl runs per batch shard (scores sum over indexer heads)."""
@@ -149,15 +170,15 @@ class MLAttention(nn.Module):
                                  out_axes=(("batch", None, None), ("batch", None, None)))(
             q_i, k_i, w_i, positions_BT, segment_ids_BT)
 
-    def _sparse_core(self, q_abs, latent_BSC, idx, valid):
+    def _sparse_core(self, q_abs, latent_BSC, idx, valid, impl):
         """Absorbed sparse attention -> o_lat [B,T,H,R]; a Pallas impl runs per (batch, head) shard."""
         cfg = self.cfg
 
         def core(q, kv, i, v):
             return sparse_mla_ops.sparse_mla(q, kv, i, v, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
-                                             impl=cfg.attention_impl)[0]
+                                             impl=impl)[0]
 
-        if cfg.attention_impl == "xla":
+        if impl == "xla":
             return core(q_abs, latent_BSC, idx, valid)
         heads = ("batch", None, "act_heads", None)
         return logical_shard_map(core, in_axes=(heads, ("batch", None, None), ("batch", None, None),
@@ -175,6 +196,19 @@ class MLAttention(nn.Module):
         lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         probs = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0))
         return jnp.einsum("bhts,bshv->bthv", probs.astype(dt), v, preferred_element_type=jnp.float32).astype(dt)
+
+
+def write_rows(cache_BSX, rows_BTX, positions_BT):
+    """Write each row's T new entries at slots positions[b, 0] .. positions[b, 0] + T - 1 (contiguous)."""
+    def one(c, r, start):
+        return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), start, axis=0)
+    return jax.vmap(one)(cache_BSX, rows_BTX, positions_BT[:, 0])
+
+
+def cache_slots(cache_BSX):
+    """(positions, segment ids) of a decode cache's slots: slot s holds position s, all in segment 1."""
+    B, S = cache_BSX.shape[:2]
+    return (jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)), jnp.ones((B, S), jnp.int32))
 
 
 def _selection_mask(selection, num_keys):

@@ -25,16 +25,19 @@ REMAT_POLICIES = {
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE."""
+    """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE.
+
+    Returns (h, selection, aux, cache); ``cache`` is this layer's decode cache (None when not decoding).
+    """
     cfg: object
     kind: LayerKind
 
     @nn.compact
-    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection):
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         a = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="input_norm")(h_BTD)
-        attn_out, selection, indexer_kl = MLAttention(cfg, self.kind.indexer, name="attention")(
-            a, positions_BT, segment_ids_BT, selection)
+        attn_out, selection, indexer_kl, cache = MLAttention(cfg, self.kind.indexer, name="attention")(
+            a, positions_BT, segment_ids_BT, selection, cache)
         h_BTD = constrain(h_BTD + attn_out, ACT_BTD)
         m = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="post_attention_norm")(h_BTD)
         aux = {} if indexer_kl is None else {"indexer_kl": indexer_kl}
@@ -42,7 +45,7 @@ class DecoderLayer(nn.Module):
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
             ffn_out, aux["moe"] = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
-        return constrain(h_BTD + ffn_out, ACT_BTD), selection, aux
+        return constrain(h_BTD + ffn_out, ACT_BTD), selection, aux, cache
 
 
 class LayerGroup(nn.Module):
@@ -50,41 +53,49 @@ class LayerGroup(nn.Module):
 
     Per-layer aux (router statistics, indexer KL) comes back as {"layer_i": aux} for the layers that have
     any, mirroring the parameter tree so it can be matched against it (e.g. the routing-bias update).
+    A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out.
     """
     cfg: object
     unit: tuple
 
     @nn.compact
-    def __call__(self, carry, positions_BT, segment_ids_BT):
+    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None):
         h, selection = carry
-        group_aux = {}
+        group_aux, new_cache = {}, {}
         for i, kind in enumerate(self.unit):
-            h, selection, aux = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(h, positions_BT, segment_ids_BT,
-                                                                                selection)
+            layer_cache = None if cache is None else cache[f"layer_{i}"]
+            h, selection, aux, layer_cache = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(
+                h, positions_BT, segment_ids_BT, selection, layer_cache)
             if aux:
                 group_aux[f"layer_{i}"] = aux
-        return (h, selection), group_aux
+            if layer_cache is not None:
+                new_cache[f"layer_{i}"] = layer_cache
+        return (h, selection), (group_aux, new_cache)
 
 
 class DecoderStack(nn.Module):
-    """All main layers: returns the final residual stream and {segment: {layer_i: aux [repeats, ...]}}."""
+    """All main layers: returns the final residual stream, {segment: {layer_i: aux [repeats, ...]}} and
+    the updated decode cache ({segment: {layer_i: {...} [repeats, ...]}}, or None when not decoding)."""
     cfg: object
 
     @nn.compact
-    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection):
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
         cfg = self.cfg
         group_cls = LayerGroup
         if cfg.remat_policy != "none":
             group_cls = nn.remat(LayerGroup, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
-        carry, stack_aux = (h_BTD, selection), {}
+        carry, stack_aux, new_cache = (h_BTD, selection), {}, {}
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
-                              split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
+                              split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: "layers"})
-            carry, aux = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT)
+            seg_cache = None if cache is None else cache[seg.name]
+            carry, (aux, seg_cache) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
+                                                                            seg_cache)
             if aux:
                 stack_aux[seg.name] = aux
-        return carry[0], stack_aux
+            new_cache[seg.name] = seg_cache
+        return carry[0], stack_aux, (None if cache is None else new_cache)
 
 
 def flatten_in_layer_order(cfg, stack_aux, key_path):

@@ -37,9 +37,9 @@ def positions_from_segments(segment_ids_BT):
     return (t - start_index).astype(jnp.int32)
 
 
-def empty_selection(cfg, B, T):
-    """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, T)]."""
-    k = min(cfg.index_topk, T) if cfg.use_indexer else 1
+def empty_selection(cfg, B, T, num_keys=None):
+    """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, keys)]."""
+    k = min(cfg.index_topk, T if num_keys is None else num_keys) if cfg.use_indexer else 1
     return jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
 
 
@@ -49,11 +49,14 @@ def shift_left(tokens_BT, k):
 
 
 class MTPModule(nn.Module):
-    """One MTP depth (§6.1): u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u)."""
+    """One MTP depth (§6.1): u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u).
+
+    Returns (h', shared_head_norm(h'), aux, cache); ``cache`` is this depth's decode cache or None.
+    """
     cfg: object
 
     @nn.compact
-    def __call__(self, h_prev_BTD, e_next_BTD, positions_BT, segment_ids_BT):
+    def __call__(self, h_prev_BTD, e_next_BTD, positions_BT, segment_ids_BT, cache=None):
         cfg, pdt, dt = self.cfg, self.cfg.jnp_param_dtype, self.cfg.jnp_dtype
         d = cfg.hidden_size
         e = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="enorm")(e_next_BTD)
@@ -62,45 +65,61 @@ class MTPModule(nn.Module):
         u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt)   # embedding half first (P16)
         kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
         B, T, _ = u.shape
-        h, _, aux = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT, empty_selection(cfg, B, T))
-        return h, RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="shared_head_norm")(h), aux
+        num_keys = T if cache is None else cache["latent"].shape[1]
+        h, _, aux, cache = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
+                                                                 empty_selection(cfg, B, T, num_keys), cache)
+        return h, RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="shared_head_norm")(h), aux, cache
 
 
 class Transformer(nn.Module):
+    """The causal LM. ``__call__`` is the training/scoring forward; ``decode`` and ``mtp_decode`` are the
+    same computation over a decode cache (`glm5_jax.kv_cache`), used by `glm5_jax.generate`."""
     cfg: object
 
-    @nn.compact
+    def setup(self):
+        cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
+        self.embedding = logical_param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                                       normal_init(cfg), pdt)
+        self.lm_head = logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                     normal_init(cfg), pdt)
+        self.decoder = DecoderStack(cfg)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, "embed", pdt)
+        if cfg.num_nextn_predict_layers:
+            self.mtp = MTPModule(cfg)
+
+    def embed(self, tokens_BT):
+        return constrain(jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.jnp_dtype), ACT_BTD)
+
+    def head(self, h_BTD):
+        return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, self.cfg.jnp_dtype, jnp.float32),
+                         ("batch", "seq", "act_vocab"))
+
+    def _main(self, tokens_BT, positions, segment_ids, cache):
+        """(logits, final hidden h, normed h, decoder aux, cache) of the main stack."""
+        B, T = tokens_BT.shape
+        num_keys = T if cache is None else _cache_len(cache)
+        h, stack_aux, cache = self.decoder(self.embed(tokens_BT), positions, segment_ids,
+                                           empty_selection(self.cfg, B, T, num_keys), cache)
+        h_normed = self.final_norm(h)
+        return self.head(h_normed), h, h_normed, stack_aux, cache
+
     def __call__(self, tokens_BT, positions=None, segment_ids=None, return_aux=False):
-        cfg, pdt, dt = self.cfg, self.cfg.jnp_param_dtype, self.cfg.jnp_dtype
+        cfg = self.cfg
         B, T = tokens_BT.shape
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
-        embedding = logical_param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
-                                  normal_init(cfg), pdt)
-        lm_head = logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
-                                normal_init(cfg), pdt)
-
-        def embed(tokens):
-            return constrain(jnp.take(embedding, tokens, axis=0).astype(dt), ACT_BTD)
-
-        def head(h_BTD):
-            return constrain(einsum("btd,dv->btv", h_BTD, lm_head, dt, jnp.float32), ("batch", "seq", "act_vocab"))
-
-        h, moe_aux = DecoderStack(cfg, name="decoder")(embed(tokens_BT), positions, segment_ids,
-                                                       empty_selection(cfg, B, T))
-        h_normed = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="final_norm")(h)
-        logits = head(h_normed)
-        layers_aux = {"decoder": moe_aux}
+        logits, h, h_normed, stack_aux, _ = self._main(tokens_BT, positions, segment_ids, None)
+        layers_aux = {"decoder": stack_aux}
         mtp_logits = []
         if (return_aux or self.is_initializing()) and cfg.num_nextn_predict_layers:
-            mtp = MTPModule(cfg, name="mtp")
             h_prev = h_normed if cfg.mtp_use_normed_hidden else h
             depth_aux = []
             for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
-                h_prev, h_mtp_normed, aux = mtp(h_prev, embed(shift_left(tokens_BT, depth)), positions, segment_ids)
-                mtp_logits.append(head(h_mtp_normed))
+                h_prev, h_mtp_normed, aux, _ = self.mtp(h_prev, self.embed(shift_left(tokens_BT, depth)),
+                                                        positions, segment_ids)
+                mtp_logits.append(self.head(h_mtp_normed))
                 depth_aux.append(aux)
             if cfg.mtp_depth > 0:
                 # each depth's losses count once; loads add up (they all go through the same router)
@@ -108,6 +127,28 @@ class Transformer(nn.Module):
         if not return_aux:
             return logits
         return logits, collect_aux(cfg, layers_aux, mtp_logits)
+
+    def decode(self, tokens_BT, positions_BT, segment_ids_BT, cache):
+        """Main stack over a decode cache: the rows' tokens sit at contiguous positions (slots).
+
+        Returns (logits [B,T,V], the hidden state MTP depth 1 takes [B,T,D], updated cache).
+        """
+        logits, h, h_normed, _, cache = self._main(tokens_BT, positions_BT, segment_ids_BT, cache)
+        return logits, (h_normed if self.cfg.mtp_use_normed_hidden else h), cache
+
+    def mtp_decode(self, h_prev_BTD, next_tokens_BT, positions_BT, segment_ids_BT, cache):
+        """One MTP depth over its decode cache: (h for the next depth, logits, updated cache)."""
+        h, h_normed, _, cache = self.mtp(h_prev_BTD, self.embed(next_tokens_BT), positions_BT, segment_ids_BT,
+                                         cache)
+        return h, self.head(h_normed), cache
+
+
+def _cache_len(cache):
+    """Number of slots S of a decoder cache ({segment: {layer_i: {"latent": [repeats, B, S, C], ...}}})."""
+    for seg in cache.values():
+        for layer in seg.values():
+            return layer["latent"].shape[-2]
+    raise ValueError("decode cache holds no layers")
 
 
 def collect_aux(cfg, layers_aux, mtp_logits):

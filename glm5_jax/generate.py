@@ -1,0 +1,303 @@
+"""Batched generation over the latent decode cache, with exact sampling logprobs and MTP speculation.
+
+    result = generate(cfg, variables, prompt_tokens_BT, prompt_lengths_B, max_new_tokens=64,
+                      temperature=1.0, top_p=1.0, top_k=0, rng=jax.random.key(0), eos_ids=(1,))
+    result.tokens [B, N], result.lengths [B], result.logprobs [B, N]
+
+Prompts are right-padded; row b's prompt is ``prompt_tokens[b, :prompt_lengths[b]]``. One jitted
+program runs the prefill and a ``lax.while_loop`` of decode steps over a static-size cache
+(`glm5_jax.kv_cache`), stopping when every row has emitted an EOS id or ``max_new_tokens``.
+
+``logprobs`` are the log-probabilities of the sampled tokens under the distribution actually sampled
+from: ``log_softmax(logits / temperature)`` restricted and renormalised to the top-k / top-p set. This is
+what the RL learner's importance ratio needs (token-in, token-out). Greedy decoding (``temperature=0``)
+samples from a point mass; there ``logprobs`` are those of the untempered model distribution instead.
+
+``speculative=True`` (greedy only) drafts ``cfg.mtp_depth`` tokens with the MTP module, verifies them in
+one forward of the main model and keeps the longest agreeing prefix plus the model's own next token, so
+the output equals plain greedy decoding; ``result.acceptance_rate`` is accepted / drafted tokens.
+
+CLI (an orbax checkpoint from train.py or the converter, and a tokenizer):
+
+    python -m glm5_jax.generate --checkpoint=DIR --tokenizer=PATH --prompt="def main(" [--max_new_tokens=64]
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.kv_cache import init_cache
+from glm5_jax.model import Transformer
+
+
+class GenerationResult(NamedTuple):
+    tokens: jax.Array      # [B, max_new_tokens] int32, 0 after each row's end
+    lengths: jax.Array     # [B] int32: new tokens per row, including a final EOS
+    logprobs: jax.Array    # [B, max_new_tokens] fp32 sampling log-probs of `tokens`, 0 after the end
+    drafted: jax.Array     # scalar int32: MTP draft tokens proposed to active rows (speculative only)
+    accepted: jax.Array    # scalar int32: of those, accepted by the verifier
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = int(self.drafted)
+        return float(self.accepted) / drafted if drafted else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def validate(self, vocab_size: int):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not 0 <= self.top_k <= vocab_size:
+            raise ValueError(f"top_k={self.top_k}: must be in [0, vocab_size={vocab_size}] (0 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def log_probs(self, logits_BV):
+        """Log-probabilities of the sampling distribution (-inf outside its support), fp32."""
+        logits = logits_BV.astype(jnp.float32)
+        if self.greedy:
+            return jax.nn.log_softmax(logits, axis=-1)
+        logits = logits / self.temperature
+        if self.top_k:
+            kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
+            logits = jnp.where(logits >= kth, logits, -jnp.inf)
+        if self.top_p < 1:
+            # keep the smallest set of most likely tokens whose mass reaches top_p (nucleus): a token stays
+            # if the mass strictly before it (in descending order) is below top_p
+            sorted_desc = -jnp.sort(-logits, axis=-1)
+            probs = jax.nn.softmax(sorted_desc, axis=-1)
+            mass_before = jnp.cumsum(probs, axis=-1) - probs
+            cutoff = jnp.min(jnp.where(mass_before < self.top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+            logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    def sample(self, logits_BV, rng):
+        """(tokens [B], their log-probs [B]) under the sampling distribution."""
+        logp = self.log_probs(logits_BV)
+        if self.greedy:
+            tokens = jnp.argmax(logp, axis=-1)
+        else:
+            tokens = jax.random.categorical(rng, logp, axis=-1)
+        return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def decode_config(cfg):
+    """The model config generation runs: same math, inference settings (absorbed MLA against the latent
+    cache, no remat, no EP transport, no indexer loss)."""
+    return dataclasses.replace(cfg, remat_policy="none", mla_form="absorbed", moe_ep="none", indexer_loss="none")
+
+
+def generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, rng=None, eos_ids=(), speculative: bool = False,
+             cache_dtype=None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` per row (see the module docstring)."""
+    fn, args = prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_p=top_p, top_k=top_k, rng=rng, eos_ids=eos_ids,
+                                speculative=speculative, cache_dtype=cache_dtype)
+    return fn(*args)
+
+
+def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature=1.0,
+                     top_p=1.0, top_k=0, rng=None, eos_ids=(), speculative=False, cache_dtype=None):
+    """Validate the request; return (jitted program, its arguments) so callers can compile it ahead."""
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens: expected [batch, time], got shape {prompt_tokens.shape}")
+    B, T = prompt_tokens.shape
+    if prompt_lengths.shape != (B,):
+        raise ValueError(f"prompt_lengths: expected shape ({B},), got {prompt_lengths.shape}")
+    lengths_np = np.asarray(prompt_lengths)
+    if lengths_np.min() < 1 or lengths_np.max() > T:
+        raise ValueError(f"prompt_lengths must be in [1, {T}], got {lengths_np.tolist()}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    sampler = Sampler(float(temperature), float(top_p), int(top_k))
+    sampler.validate(cfg.vocab_size)
+    if speculative:
+        if not (cfg.num_nextn_predict_layers and cfg.mtp_depth >= 1):
+            raise ValueError("speculative=True needs a model with an MTP module (num_nextn_predict_layers=1, "
+                             "mtp_depth >= 1)")
+        if not sampler.greedy:
+            raise ValueError("speculative=True is implemented for greedy decoding (temperature=0) only")
+    if rng is None:
+        if not sampler.greedy:
+            raise ValueError("sampling with temperature > 0 needs an explicit rng key")
+        rng = jax.random.key(0)
+    max_position = T + max_new_tokens + (cfg.mtp_depth if speculative else 0)
+    if max_position > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    fn = _compiled(decode_config(cfg), int(max_new_tokens), sampler, tuple(int(e) for e in eos_ids),
+                   bool(speculative), None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+    return fn, (variables, prompt_tokens, prompt_lengths, rng)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(cfg, max_new_tokens, sampler, eos_ids, speculative, cache_dtype):
+    loop = _speculative_loop if speculative else _sampling_loop
+    return jax.jit(functools.partial(loop, cfg, max_new_tokens, sampler, eos_ids, cache_dtype))
+
+
+def _is_eos(tokens, eos_ids):
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def _prefill(model, variables, prompt_BT, lengths_B, cache):
+    B, T = prompt_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    segments = (positions < lengths_B[:, None]).astype(jnp.int32)
+    logits, h, cache = model.apply(variables, prompt_BT, positions, segments, cache, method=Transformer.decode)
+    last_logits = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    return last_logits, h, positions, segments, cache
+
+
+def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, variables, prompt_BT, lengths_B, rng):
+    """Prefill, then one token per step: step s feeds token s-1 (at position length + s - 1)."""
+    model = Transformer(cfg)
+    B, T = prompt_BT.shape
+    cache = init_cache(cfg, B, T + N, cache_dtype)["decoder"]
+    last_logits, _, _, _, cache = _prefill(model, variables, prompt_BT, lengths_B, cache)
+    token, logprob = sampler.sample(last_logits, jax.random.fold_in(rng, 0))
+    out_tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(token)
+    out_logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(logprob)
+    done = _is_eos(token, eos_ids)
+    count = jnp.ones((B,), jnp.int32)
+    ones = jnp.ones((B, 1), jnp.int32)
+
+    def cond(state):
+        step, _, _, _, _, _, done = state
+        return (step < N) & ~jnp.all(done)
+
+    def body(state):
+        step, token, cache, out_tokens, out_logprobs, count, done = state
+        positions = (lengths_B + step - 1)[:, None]
+        logits, _, cache = model.apply(variables, token[:, None], positions, ones, cache,
+                                       method=Transformer.decode)
+        token, logprob = sampler.sample(logits[:, 0], jax.random.fold_in(rng, step))
+        live = ~done
+        out_tokens = out_tokens.at[:, step].set(jnp.where(live, token, 0))
+        out_logprobs = out_logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))
+        count = count + live
+        done = done | _is_eos(token, eos_ids)
+        return step + 1, token, cache, out_tokens, out_logprobs, count, done
+
+    state = (jnp.int32(1), token, cache, out_tokens, out_logprobs, count, done)
+    _, _, _, out_tokens, out_logprobs, count, _ = jax.lax.while_loop(cond, body, state)
+    zero = jnp.int32(0)
+    return GenerationResult(out_tokens, count, out_logprobs, zero, zero)
+
+
+def _mtp_drafts(model, variables, K, h_BWD, known_BW, anchor_B, positions_BW, segments_BW, mtp_cache):
+    """K greedy draft tokens following each row's anchor position, one MTP depth at a time.
+
+    Depth d at window index j combines depth d-1's hidden state there with the embedding of the token at
+    position j + d (spec §6.1): a known token when that position is at most anchor + 1, else an earlier
+    depth's draft. ``known_BW[:, j]`` is the token at window index j + 1 (valid up to the anchor).
+    Running every depth over the whole window also writes each depth's cache for these positions.
+    """
+    W = known_BW.shape[1]
+    drafts, new_cache, h = [], [], h_BWD
+    anchor = anchor_B[:, None]
+    for d in range(1, K + 1):
+        i = jnp.arange(W)[None, :] + d - 1                       # index into [known..., drafts...]
+        next_tokens = jnp.take_along_axis(known_BW, jnp.broadcast_to(jnp.minimum(i, W - 1), known_BW.shape), 1)
+        if drafts:
+            draft_BD = jnp.stack(drafts, axis=1)
+            from_drafts = jnp.take_along_axis(draft_BD, jnp.clip(i - anchor - 1, 0, d - 2), axis=1)
+            next_tokens = jnp.where(i <= anchor, next_tokens, from_drafts)
+        h, logits, cache_d = model.apply(variables, h, next_tokens, positions_BW, segments_BW, mtp_cache[d - 1],
+                                         method=Transformer.mtp_decode)
+        new_cache.append(cache_d)
+        drafts.append(jnp.argmax(jnp.take_along_axis(logits, anchor[:, :, None], axis=1)[:, 0], -1)
+                      .astype(jnp.int32))
+    return jnp.stack(drafts, axis=1), tuple(new_cache)
+
+
+def _speculative_loop(cfg, N, sampler, eos_ids, cache_dtype, variables, prompt_BT, lengths_B, rng):
+    """Greedy MTP speculation: verify [pending, d_1..d_K] in one forward, keep the agreeing prefix."""
+    del rng
+    model = Transformer(cfg)
+    K = cfg.mtp_depth
+    B, T = prompt_BT.shape
+    caches = init_cache(cfg, B, T + N + K, cache_dtype, mtp=True)
+    last_logits, h, positions, segments, cache = _prefill(model, variables, prompt_BT, lengths_B, caches["decoder"])
+    token, logprob = sampler.sample(last_logits, None)
+    # the token after window index j: the prompt's next token, and the first generated one after the prompt
+    known = jnp.where(jnp.arange(T)[None] == (lengths_B - 1)[:, None], token[:, None],
+                      jnp.pad(prompt_BT[:, 1:], ((0, 0), (0, 1))))
+    drafts, mtp_cache = _mtp_drafts(model, variables, K, h, known, lengths_B - 1, positions, segments,
+                                    caches["mtp"])
+    width = N + K + 1                                             # room for a full window past N
+    out_tokens = jnp.zeros((B, width), jnp.int32).at[:, 0].set(token)
+    out_logprobs = jnp.zeros((B, width), jnp.float32).at[:, 0].set(logprob)
+    done = _is_eos(token, eos_ids) | (N == 1)
+    count = jnp.ones((B,), jnp.int32)
+    window = jnp.arange(K + 1, dtype=jnp.int32)
+    ones = jnp.ones((B, K + 1), jnp.int32)
+
+    def cond(state):
+        return ~jnp.all(state[-3])
+
+    def body(state):
+        pending, pos, drafts, cache, mtp_cache, out_tokens, out_logprobs, count, done, drafted, accepted = state
+        tokens_W = jnp.concatenate([pending[:, None], drafts], axis=1)         # [B, K+1] at pos .. pos + K
+        positions_W = pos[:, None] + window
+        logits, h, cache = model.apply(variables, tokens_W, positions_W, ones, cache, method=Transformer.decode)
+        logp = sampler.log_probs(logits)
+        target = jnp.argmax(logp, axis=-1).astype(jnp.int32)                  # model's token after each slot
+        target_logp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+        n_accept = jnp.sum(jnp.cumprod(drafts == target[:, :K], axis=1), axis=1).astype(jnp.int32)
+        # emit target[:, :n_accept + 1], cut after the first EOS and at N tokens; finished rows emit nothing
+        emit = n_accept + 1
+        eos_hit = _is_eos(target, eos_ids) & (window[None] < emit[:, None])
+        emit = jnp.where(jnp.any(eos_hit, 1), jnp.argmax(eos_hit, 1) + 1, emit)
+        emit = jnp.where(done, 0, jnp.minimum(emit, N - count))
+        keep = window[None] < emit[:, None]
+
+        def write(buf, new, start, keep):
+            old = jax.lax.dynamic_slice_in_dim(buf, start, K + 1)
+            return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, new, old), start, 0)
+
+        out_tokens = jax.vmap(write)(out_tokens, target, count, keep)
+        out_logprobs = jax.vmap(write)(out_logprobs, target_logp, count, keep)
+        live = ~done
+        drafted = drafted + jnp.sum(jnp.where(live, K, 0))
+        accepted = accepted + jnp.sum(jnp.where(live, n_accept, 0))
+        count = count + emit
+        done = done | jnp.any(eos_hit & keep, 1) | (count >= N)
+        new_pending = jnp.take_along_axis(target, n_accept[:, None], 1)[:, 0]
+        new_drafts, mtp_cache = _mtp_drafts(model, variables, K, h, target, n_accept, positions_W, ones, mtp_cache)
+        pending = jnp.where(live, new_pending, pending)
+        drafts = jnp.where(live[:, None], new_drafts, drafts)
+        pos = jnp.where(live, pos + n_accept + 1, pos)
+        return pending, pos, drafts, cache, mtp_cache, out_tokens, out_logprobs, count, done, drafted, accepted
+
+    zero = jnp.int32(0)
+    state = (token, lengths_B, drafts, cache, mtp_cache, out_tokens, out_logprobs, count, done, zero, zero)
+    state = jax.lax.while_loop(cond, body, state)
+    out_tokens, out_logprobs, count, drafted, accepted = state[5], state[6], state[7], state[9], state[10]
+    keep = jnp.arange(N)[None] < count[:, None]
+    return GenerationResult(jnp.where(keep, out_tokens[:, :N], 0), count,
+                            jnp.where(keep, out_logprobs[:, :N], 0.0), drafted, accepted)
+
+
+if __name__ == "__main__":
+    from glm5_jax.generate_cli import run
+    run()

@@ -1,0 +1,53 @@
+"""The decode cache: per layer only what MLA + DSA need to attend to past tokens (spec §1.2, §4.1, §4.3).
+
+Per layer and token a slot holds the MLA latent row ``[c_kv (kv_lora_rank); k_rot (qk_rope_head_dim)]``
+(post-norm, post-RoPE: 512 + 64 for GLM-5) and, on layers with their own indexer, the indexer key
+(``index_head_dim``, 128). Keys and values are never expanded per head: attention runs in the absorbed
+form against the latent rows. Slot s holds position s, so a batch of prompts of different lengths
+shares one static-size cache and each row writes at its own positions.
+
+Layout (a plain pytree, so it can be donated, sharded or inspected):
+
+    {"decoder": {segment: {"layer_i": {"latent": [repeats, B, S, C], "index_key": [repeats, B, S, d_I]}}},
+     "mtp": ({"latent": [B, S, C], "index_key": [B, S, d_I]},) * mtp_depth}
+
+Shared-index layers have no ``index_key`` (they reuse the previous full layer's selection). Each MTP
+depth applies the one shared MTP block to different hidden states, so each depth has its own cache.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.layer_plan import plan_segments
+
+
+def _layer_cache(cfg, indexer_kind, batch, max_len, dtype, lead=()):
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    layer = {"latent": jnp.zeros(lead + (batch, max_len, width), dtype)}
+    if indexer_kind == "full":
+        layer["index_key"] = jnp.zeros(lead + (batch, max_len, cfg.index_head_dim), dtype)
+    return layer
+
+
+def init_cache(cfg, batch: int, max_len: int, dtype=None, *, mtp: bool = False) -> dict:
+    """A zero cache with ``max_len`` slots per row; ``dtype`` defaults to the model's compute dtype."""
+    dtype = jnp.dtype(dtype or cfg.jnp_dtype)
+    decoder = {seg.name: {f"layer_{u}": _layer_cache(cfg, kind.indexer, batch, max_len, dtype, (seg.repeats,))
+                          for u, kind in enumerate(seg.unit)}
+               for seg in plan_segments(cfg)}
+    cache = {"decoder": decoder}
+    if mtp:
+        kind = "full" if cfg.use_indexer else "none"
+        cache["mtp"] = tuple(_layer_cache(cfg, kind, batch, max_len, dtype) for _ in range(cfg.mtp_depth))
+    return cache
+
+
+def cache_bytes_per_token(cfg, dtype=None, *, mtp: bool = False) -> int:
+    """Bytes one token occupies in the cache across all layers (spec §1.2: ~110 KB for GLM-5 in bf16)."""
+    itemsize = np.dtype(jnp.dtype(dtype or cfg.jnp_dtype)).itemsize
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    per_layer = [width + (cfg.index_head_dim if t == "full" else 0) for t in cfg.layer_indexer_types]
+    if mtp and cfg.num_nextn_predict_layers:
+        per_layer += [width + (cfg.index_head_dim if cfg.use_indexer else 0)] * cfg.mtp_depth
+    return int(sum(per_layer) * itemsize)
