@@ -29,7 +29,7 @@ from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.handoff import PolicyWriter
 from glm5_jax.rl.loss import group_advantages, policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256
-from glm5_jax.rl.sampling import generate
+from glm5_jax.generate import generate
 from glm5_jax.rl.tasks import make_task
 from glm5_jax.sharding import build_mesh, replicated
 

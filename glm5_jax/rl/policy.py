@@ -20,8 +20,11 @@ from glm5_jax.train_step import _MeshAndRules
 
 
 def rl_model_config(sft_model_cfg):
-    """Sparse DSA attention, no indexer loss, no MTP head (RL trains only the main next-token head)."""
-    return sft_model_cfg.replace(attention_mode="sparse", indexer_loss="none")
+    """Sparse DSA attention, no indexer loss, and the sampler's MLA form (`generate.decode_config`:
+    absorbed latent attention) so learner and sampler compute the same numbers (TITO ratio = 1 on-policy)."""
+    from glm5_jax.generate import decode_config
+
+    return decode_config(sft_model_cfg).replace(attention_mode="sparse", indexer_loss="none")
 
 
 class Policy:
