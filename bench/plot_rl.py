@@ -49,7 +49,7 @@ def main():
     args = parser.parse_args()
     runs = {}
     for item in args.runs:
-        label, _, path = item.partition("=")
+        label, _, path = item.rpartition("=")      # labels may contain "=", paths do not
         runs[label] = read_rl_metrics(path or label)
     plot(runs, args.out, args.target)
     print(f"wrote {args.out}")
