@@ -28,7 +28,7 @@ import optax
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.handoff import PolicyWriter
 from glm5_jax.rl.loss import group_advantages, policy_loss
-from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256
+from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, rl_model_config
 from glm5_jax.generate import generate
 from glm5_jax.rl.tasks import make_task
 from glm5_jax.sharding import build_mesh, replicated
@@ -99,8 +99,6 @@ class Learner:
         self.task = make_task(self.rl.task)
         self.dirs = ro.RolloutDirs(self.workdir)
         mesh = build_mesh(exp.mesh)
-        from glm5_jax.rl.policy import rl_model_config
-
         self.policy = Policy(rl_model_config(sft_cfg.model), mesh, exp.mesh.rules)
         self.tx = make_optimizer(self.rl)
         self.writer = PolicyWriter(self.workdir, self.rl.keep_versions)
