@@ -19,13 +19,12 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.generate import generate
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.handoff import PolicyReader
 from glm5_jax.rl.policy import Policy, rl_model_config
-from glm5_jax.generate import generate
 from glm5_jax.rl.tasks import make_task
 from glm5_jax.sharding import build_mesh
 

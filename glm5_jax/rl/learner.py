@@ -25,13 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from glm5_jax.generate import generate
 from glm5_jax.rl import rollouts as ro
+from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.handoff import PolicyWriter
 from glm5_jax.rl.loss import group_advantages, policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, rl_model_config
-from glm5_jax.generate import generate
 from glm5_jax.rl.tasks import make_task
-from glm5_jax.sharding import build_mesh, replicated
+from glm5_jax.sharding import build_mesh
 
 log = logging.getLogger("glm5_jax.rl")
 METRICS = "rl_metrics.jsonl"
@@ -68,9 +69,17 @@ def watermark(next_ordinal: int, num_generators: int) -> dict[str, int]:
     return {str(g): max(0, -(-(next_ordinal - g) // num_generators)) for g in range(num_generators)}
 
 
-@functools.lru_cache(maxsize=4)
+UPDATE_FIELDS = ("temperature", "loss", "eps_low", "eps_high", "icepop_beta", "learning_rate", "b1", "b2",
+                 "clip_norm")
+
+
 def train_step_fn(model_cfg, rl):
-    """The jitted update (one per (model, rl) config in a process, shared by Learner instances)."""
+    """The jitted update, shared by every Learner in a process whose model and update settings agree."""
+    return _train_step_fn(model_cfg, RLConfig(**{f: getattr(rl, f) for f in UPDATE_FIELDS}))
+
+
+@functools.lru_cache(maxsize=4)
+def _train_step_fn(model_cfg, rl):
     from glm5_jax.model import Transformer
 
     model, tx = Transformer(model_cfg), make_optimizer(rl)
@@ -112,7 +121,8 @@ class Learner:
     def _fresh_meta(self) -> dict:
         return {"version": 0, "next_ordinal": 0, "num_generators": self.rl.num_generators,
                 "watermark": watermark(0, self.rl.num_generators), "ledger": [], "dropped_stale": 0,
-                "rejected_corrupt": 0, "staleness_max": 0, "rng": np.asarray(jax.random.PRNGKey(self.rl.seed)).tolist(), "start_time": time.time()}
+                "rejected_corrupt": 0, "staleness_max": 0, "start_time": time.time(),
+                "rng": np.asarray(jax.random.PRNGKey(self.rl.seed)).tolist()}   # unused by the update itself
 
     def start(self):
         """(variables, opt_state, meta) of the latest committed version, or version 0 = the SFT policy."""

@@ -66,7 +66,8 @@ class Supervisor:
     def make_sft(self) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, "sft.log"), "a") as out:
-            rc = subprocess.call(self._command("sft"), stdout=out, stderr=subprocess.STDOUT, env=child_env(self.compile_cache))
+            rc = subprocess.call(self._command("sft"), stdout=out, stderr=subprocess.STDOUT,
+                                 env=child_env(self.compile_cache))
         if rc:
             raise RuntimeError(f"SFT step failed (exit {rc}); see {self.log_dir}/sft.log")
 

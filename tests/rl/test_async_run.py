@@ -39,7 +39,7 @@ def _check_ledger(summary, versions):
     assert {e["generator"] for e in used} == {0, 1}
 
 
-@pytest.mark.slow   # ~3-4 minutes on 2 cores (process starts and compiles): run with -m slow
+@pytest.mark.slow   # ~2 minutes on 2 cores (process starts and compiles): run with -m slow
 def test_lockstep_run_survives_kills_bit_identically(tmp_path, monkeypatch):
     _child_env(monkeypatch, tmp_path / "cache")
     config = write_tiny_configs(tmp_path, num_versions=12, tau=TAU, lockstep=True,

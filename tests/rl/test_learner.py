@@ -117,3 +117,17 @@ def test_drops_rejects_and_crash_resume_are_exact(setup, tmp_path):
 def _sha(variables):
     from glm5_jax.rl.policy import params_sha256
     return params_sha256(variables)
+
+
+def test_optimizer_reset_on_publish(setup, tmp_path):
+    """GLM-5 §4.1.1: with rl.reset_optimizer_on_publish the published optimizer state is a fresh one."""
+    exp, variables, batches = setup
+    learner = _start_run(tmp_path, exp, variables, {o: batches[o] for o in (0, 1)}, num_versions=2,
+                         reset_optimizer_on_publish=True)
+    learner.run()
+    restored, opt_state, meta = Learner(learner.exp, str(tmp_path), SFT, "/unused").writer.restore(
+        2, learner.policy.abstract_variables, learner.abstract_opt_state)
+    adam = opt_state[1][0]
+    assert int(adam.count) == 0 and meta["version"] == 2
+    assert all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves(adam.mu))
+    assert _sha(restored) != _sha(variables)
