@@ -24,6 +24,12 @@ from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 from pallas_kernels.sparse_mla import reference as mla_reference
 
 
+# Decoding over a cache of at most this many times index_topk slots attends through the selection mask
+# (one matmul over all slots) instead of gathering the selected latent rows: same result, and on XLA a
+# gather of k rows per query costs more than k * DENSE_DECODE_FACTOR dense slots.
+DENSE_DECODE_FACTOR = 4
+
+
 def _rope(cfg, x, positions_BT, *, interleaved, head_axis: bool):
     cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
                             cfg.max_position_embeddings)
@@ -110,8 +116,13 @@ class MLAttention(nn.Module):
         visible = visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
 
         if cfg.mla_form == "absorbed" or cache is not None:
-            if sparse:
-                # decode steps are tiny: the XLA gather path, whatever the training impl
+            S, k = latent_BSC.shape[1], selection[0].shape[-1]
+            if sparse and cache is not None and S <= DENSE_DECODE_FACTOR * k:
+                # a short cache: the selected set as a mask over all slots beats gathering rows (XLA)
+                o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & _selection_mask(selection, S),
+                                                   scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
+            elif sparse:
+                # decode calls use the XLA gather path, whatever the training impl
                 impl = "xla" if cache is not None else cfg.attention_impl
                 o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection, impl=impl)
             else:

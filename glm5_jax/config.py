@@ -7,7 +7,6 @@ into the one model.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -203,21 +202,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any], **overrides) -> "ModelConfig":
         """Read an HF ``config.json`` (a dir, the file, or its dict): glm_moe_dsa, deepseek_v32, deepseek_v3."""
-        from glm5_jax.hf_config import config_kwargs_from_hf
+        from glm5_jax.hf_config import config_kwargs_from_hf, read_config_json
 
-        if isinstance(path_or_dict, dict):
-            hf = path_or_dict
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise ConfigError(f"no HF config at {path}")
-            try:
-                with open(path) as f:
-                    hf = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        hf = path_or_dict if isinstance(path_or_dict, dict) else read_config_json(path_or_dict)
         return cls(**{**config_kwargs_from_hf(hf), **overrides})
 
     def to_hf(self) -> dict[str, Any]:

@@ -7,8 +7,6 @@ checked against the shapes the model expects; missing or unexpected tensors are 
 """
 from __future__ import annotations
 
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ import numpy as np
 from flax.core import meta
 
 from glm5_jax.config import ModelConfig
+from glm5_jax.hf_config import read_config_json
 from glm5_jax.hf_layout import (GLOBAL_TENSORS, heads_for, layer_slots, layer_tensor_maps, mtp_extra_tensors,
                                 to_hf, to_ours)
 from glm5_jax.moe import BIAS_COLLECTION
@@ -26,8 +25,7 @@ FP32_LEAVES = {("moe", "router"), ("moe", "e_score_correction_bias")}   # kept f
 
 
 def _block_size(hf_dir):
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        quant = json.load(f).get("quantization_config") or {}
+    quant = read_config_json(hf_dir).get("quantization_config") or {}
     return tuple(quant.get("weight_block_size", (128, 128)))
 
 

@@ -1,7 +1,11 @@
 """Mapping between HF ``config.json`` dicts and `ModelConfig` fields (spec §1, §4.6)."""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
+
+from glm5_jax.config import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 
@@ -113,4 +117,22 @@ def config_to_hf(cfg) -> dict[str, Any]:
     })
     if cfg.indexer_types is not None:
         hf["indexer_types"] = list(cfg.indexer_types)
+    return hf
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The dict in an HF ``config.json`` (``path`` is the file or its directory); the one reader that
+    ModelConfig.from_hf, load_hf and the converter share. ConfigError names the problem and the path."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no HF config at {path} (missing config.json)")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON (invalid JSON: {e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: not a JSON object")
     return hf

@@ -9,6 +9,11 @@ sorted by expert and fed to a grouped matmul, so FLOPs are those of the K chosen
 * ``blocked``: each expert's rows are padded to a multiple of `MOE_BLOCK` and the padded row blocks run
   as one batched einsum against their expert's weights. Exact (nothing is dropped); at most E - 1
   blocks of padding rows. Much faster than ragged_dot on CPU.
+
+For few tokens (decode steps) ``blocked`` takes a shape-chosen shortcut, since sorting and padding would
+cost more than the matmuls: with N*K <= E assignments, ``per_assignment`` (each gathers its expert's
+weights, so only the chosen experts are read); when all E experts on N tokens are fewer rows than the
+padded blocks, ``all_experts`` (every expert on every token, then the chosen outputs are picked).
 """
 from __future__ import annotations
 
@@ -44,6 +49,14 @@ def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
     """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) via sort-by-expert + a grouped matmul -> [N, K, D] (fp32)."""
     N, K = expert_idx_NK.shape
     E = w_gate_EDF.shape[0]
+    if impl == "blocked" and N * K <= E:
+        impl = "per_assignment"
+    elif impl == "blocked" and N * E <= _blocked_rows(N * K, E):
+        impl = "all_experts"
+    if impl == "per_assignment":
+        return _per_assignment_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    if impl == "all_experts":
+        return _all_experts_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
     flat_expert = expert_idx_NK.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)             # assignments grouped by expert
     x_sorted = x_ND.astype(dtype)[order // K]
@@ -56,6 +69,38 @@ def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
         raise ValueError(f"grouped_swiglu: unknown impl {impl!r}")
     inverse = jnp.argsort(order)
     return y_sorted[inverse].reshape(N, K, -1)
+
+
+def _per_assignment_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """Each (token, slot) multiplies by its own gathered expert weights -> [N, K, D] fp32."""
+    x = x_ND.astype(dtype)
+
+    def mm(spec, lhs, w):
+        return jnp.einsum(spec, lhs, w.astype(dtype)[expert_idx_NK], preferred_element_type=jnp.float32)
+
+    h = (jax.nn.silu(mm("nd,nkdf->nkf", x, w_gate_EDF)) * mm("nd,nkdf->nkf", x, w_up_EDF)).astype(dtype)
+    return mm("nkf,nkfd->nkd", h, w_down_EFD)
+
+
+def _all_experts_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """Every expert on every token, one expert at a time (a scan: XLA:CPU runs batched dots with few
+    rows per batch slowly), then each token's chosen outputs -> [N, K, D] fp32."""
+    x = x_ND.astype(dtype)
+
+    def one_expert(_, w):
+        w_gate, w_up, w_down = (a.astype(dtype) for a in w)
+        h = jax.nn.silu(jnp.dot(x, w_gate, preferred_element_type=jnp.float32)) * jnp.dot(
+            x, w_up, preferred_element_type=jnp.float32)
+        return None, jnp.dot(h.astype(dtype), w_down, preferred_element_type=jnp.float32)
+
+    _, y_END = jax.lax.scan(one_expert, None, (w_gate_EDF, w_up_EDF, w_down_EFD))
+    return jnp.take_along_axis(jnp.swapaxes(y_END, 0, 1), expert_idx_NK[:, :, None], axis=1)
+
+
+def _blocked_rows(M, E, block=MOE_BLOCK):
+    """Rows the blocked impl computes for M assignments over E experts (its static padded buffer)."""
+    block = min(block, M)
+    return (-(-M // block) + E - 1) * block
 
 
 def _ragged_dot_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
@@ -74,8 +119,8 @@ def _blocked_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype
     """
     M, D = x_MD.shape
     E = group_sizes_E.shape[0]
+    n_blocks = _blocked_rows(M, E, block) // min(block, M)
     block = min(block, M)
-    n_blocks = -(-M // block) + E - 1
     padded_sizes = -(-group_sizes_E // block) * block
     padded_end = jnp.cumsum(padded_sizes)
     padded_start = padded_end - padded_sizes

@@ -9,7 +9,6 @@ batches) before the next is read. Everything is validated before the output dire
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import numpy as np
@@ -21,21 +20,15 @@ from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import LeafWriter
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress
+from glm5_jax.hf_config import read_config_json
 from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
 
 def read_hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{hf_dir}: missing config.json")
     try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return hf
+        return read_config_json(hf_dir)
+    except ConfigError as e:
+        raise CheckpointError(f"{hf_dir}: {e}") from None
 
 
 def config_from_hf(hf: dict, hf_dir: str, dtype: str) -> ModelConfig:

@@ -16,8 +16,11 @@ def _inputs(N, E, K, D, F, seed=0, skew=False):
     return x, idx, w(keys[2], (E, D, F)), w(keys[3], (E, D, F)), w(keys[4], (E, F, D))
 
 
-@pytest.mark.parametrize("N,E,K,skew", [(50, 8, 2, False), (64, 4, 3, True), (7, 16, 4, False)])
-def test_blocked_matches_ragged_dot_forward_and_gradient(N, E, K, skew):
+@pytest.mark.parametrize("N,E,K,skew,impl", [(50, 8, 2, False, "blocked"), (64, 4, 3, True, "blocked"),
+                                             (7, 16, 4, False, "blocked"),          # takes all_experts
+                                             (3, 16, 4, False, "blocked"),          # takes per_assignment
+                                             (9, 8, 2, True, "per_assignment"), (20, 8, 3, False, "all_experts")])
+def test_blocked_matches_ragged_dot_forward_and_gradient(N, E, K, skew, impl):
     x, idx, wg, wu, wd = _inputs(N, E, K, D=12, F=10, skew=skew)
     cot = jax.random.normal(jax.random.PRNGKey(9), (N, K, 12))
 
@@ -26,10 +29,10 @@ def test_blocked_matches_ragged_dot_forward_and_gradient(N, E, K, skew):
 
     args = (x, wg, wu, wd)
     ref = grouped_swiglu(x, idx, wg, wu, wd, jnp.float32, "ragged_dot")
-    got = grouped_swiglu(x, idx, wg, wu, wd, jnp.float32, "blocked")
+    got = grouped_swiglu(x, idx, wg, wu, wd, jnp.float32, impl)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     g_ref = jax.grad(lambda *a: loss("ragged_dot", *a), argnums=(0, 1, 2, 3))(*args)
-    g_got = jax.grad(lambda *a: loss("blocked", *a), argnums=(0, 1, 2, 3))(*args)
+    g_got = jax.grad(lambda *a: loss(impl, *a), argnums=(0, 1, 2, 3))(*args)
     for a, b in zip(g_got, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
