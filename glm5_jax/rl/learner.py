@@ -114,6 +114,7 @@ class Learner:
         self.metrics_path = os.path.join(self.workdir, METRICS)
         self._train = train_step_fn(self.policy.cfg, self.rl)
         self.abstract_opt_state = self.policy.abstract_opt_state(self.tx)
+        self._opt_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_opt_state)
         self._committed_next_ordinal = 0     # next_ordinal of the newest version known to be committed
         self._published_next_ordinal = 0     # ... of the newest version whose save was started
 
@@ -157,6 +158,10 @@ class Learner:
         arrays = {name: jnp.asarray(getattr(batch, name)) for name in
                   ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_lengths", "logprobs",
                    "loss_mask")}
+        # the same placement every call (restored, freshly initialised and updated trees alike), so the
+        # step compiles once; a no-op when the arrays are already there
+        variables = jax.device_put(variables, self.policy.shardings)
+        opt_state = jax.device_put(opt_state, self._opt_shardings)
         with self.policy.context():
             variables, opt_state, stats = self._train(variables, opt_state, {**arrays, "advantages": adv})
         if self.rl.reset_optimizer_on_publish:        # GLM-5 §4.1.1: reset after each weight push
