@@ -13,7 +13,8 @@ class DataError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # "stdlib", or paths: text files, directories (walked recursively), *.jsonl, *.arrayrecord.
-    # "stdlib" may also appear as one item of a tuple of paths.
+    # "stdlib" may also appear as one item of a tuple of paths. "sort": the generated sorting task
+    # (data/sort_task.py; its own fixed vocabulary, vocab_size and the document settings are unused).
     source: str | tuple[str, ...] = STDLIB
     text_field: str = "text"           # field holding the document in each .jsonl line
     tokenizer_path: str | None = None  # tokenizer.json; None: train (or reuse) a byte-level BPE in the workdir

@@ -24,6 +24,7 @@ import numpy as np
 from glm5_jax.data.config import DataConfig, DataError
 from glm5_jax.data.corpus import Document, select_within_budget, split_train_eval
 from glm5_jax.data.packing import pack_and_batch
+from glm5_jax.data.sort_task import SORT, SortPipeline
 from glm5_jax.data.sources import DocumentReader, index_sources
 from glm5_jax.data.tokenizer import Tokenizer, bpe_settings, cached_bpe, load_tokenizer
 
@@ -154,10 +155,12 @@ class DataPipeline:
 
 
 def build_data_pipeline(config: DataConfig, workdir: str, *, process_index: int | None = None,
-                        process_count: int | None = None, show_progress: bool = True) -> DataPipeline:
+                        process_count: int | None = None, show_progress: bool = True) -> DataPipeline | SortPipeline:
     """Indexes the sources, splits train/eval, loads or trains the tokenizer. Cheap after the first run."""
     process_index, process_count = resolve_process(process_index, process_count)
     config.per_process_batch(process_count)  # fail early on an indivisible batch
+    if config.source == SORT:                # generated task: fixed vocabulary, no documents
+        return SortPipeline(config, process_index, process_count)
     train_docs, eval_docs = load_documents(config)
     tokenizer = build_tokenizer(config, workdir, train_docs, show_progress)
     return DataPipeline(config, tokenizer, tuple(train_docs), tuple(eval_docs), process_index, process_count)

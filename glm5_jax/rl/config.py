@@ -1,0 +1,112 @@
+"""RL configuration: the async loop's knobs (`RLConfig`) and the experiment around them (`RLExperiment`).
+
+A config file defines ``get_config() -> RLExperiment``; ``--set=rl.tau=0`` etc. override fields with
+the same typed dotted syntax as train.py. The model is the SFT run's model (`sft_config`), so the RL
+policy is always the architecture that produced its starting checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+from glm5_jax.experiment import apply_overrides, load_config_file
+from glm5_jax.sharding import MeshConfig
+
+LOSSES = ("dis", "icepop", "ppo_clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    task: str = "sort"                  # a name in glm5_jax.rl.tasks.TASKS
+    num_versions: int = 60              # learner updates; the run ends when version num_versions is published
+    tau: int = 2                        # staleness bound (GLM-5 §4.1.1 τ; AReaL η): version lag allowed
+    lockstep: bool = False              # batch o uses exactly version max(0, o - tau): bit-reproducible
+    num_generators: int = 1             # fixed for a run (it defines the global batch order)
+    # sampling (TITO: the learner trains on exactly these tokens and their recorded logprobs)
+    prompts_per_batch: int = 32
+    group_size: int = 8                 # G completions per prompt (GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 7
+    # loss (ASYNC_RL.md §4): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
+    loss: str = "dis"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    icepop_beta: float = 2.0
+    advantage_std_norm: bool = True     # GRPO (R - mean) / std; False: GLM-5 agentic mean baseline only
+    # optimisation
+    learning_rate: float = 3e-5
+    b1: float = 0.9
+    b2: float = 0.99
+    clip_norm: float = 1.0
+    reset_optimizer_on_publish: bool = False   # GLM-5 §4.1.1 resets the optimizer after each weight push
+    # bookkeeping
+    seed: int = 0
+    eval_every: int = 5                 # versions between sampled exact-match evals (0: never)
+    eval_prompts: int = 512
+    max_to_keep: int = 0                # orbax versions kept; 0: tau + 3 (ASYNC_RL.md §6.1)
+    max_ready: int = 4                  # unconsumed rollout files a generator may have in ready/
+    poll_seconds: float = 0.02
+
+    def validate(self):
+        def need(ok, field, why):
+            if not ok:
+                raise ValueError(f"rl.{field}={getattr(self, field)!r}: {why}")
+        for f in ("num_versions", "num_generators", "prompts_per_batch", "group_size", "max_new_tokens",
+                  "eval_prompts", "max_ready"):
+            need(getattr(self, f) >= 1, f, "must be >= 1")
+        need(self.tau >= 0, "tau", "must be >= 0")
+        need(self.group_size >= 2, "group_size", "a GRPO group needs >= 2 completions")
+        need(self.loss in LOSSES, "loss", f"must be one of {LOSSES}")
+        need(0 <= self.eps_low < 1 and self.eps_high > 0, "eps_low", "need 0 <= eps_low < 1 and eps_high > 0")
+        need(self.icepop_beta > 1, "icepop_beta", "must be > 1")
+        need(self.temperature > 0, "temperature", "must be > 0")
+        need(0 < self.top_p <= 1, "top_p", "must lie in (0, 1]")
+        need(self.top_k >= 0, "top_k", "must be >= 0")
+        need(self.eval_every >= 0, "eval_every", "must be >= 0")
+        need(self.max_to_keep == 0 or self.max_to_keep >= self.tau + 2, "max_to_keep",
+             f"must be 0 (auto) or >= tau + 2 = {self.tau + 2} so a lockstep generator finds its version")
+        need(self.learning_rate > 0, "learning_rate", "must be > 0")
+
+    @property
+    def keep_versions(self) -> int:
+        return self.max_to_keep or self.tau + 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RLExperiment:
+    rl: RLConfig = RLConfig()
+    sft_config: str = "configs/sort_sft.py"   # train.py config of the starting policy (and its model)
+    sft_workdir: str = ""                      # where its checkpoint is found or made; "": <workdir>/sft
+    mesh: MeshConfig = MeshConfig(data=1, fsdp=-1)
+
+    def validate(self):
+        self.rl.validate()
+        return self
+
+
+def load_rl_config(path: str, overrides=()) -> RLExperiment:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"glm5_rl_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"{path} defines no get_config()")
+    cfg = module.get_config()
+    if not isinstance(cfg, RLExperiment):
+        raise TypeError(f"{path}: get_config() returned {type(cfg).__name__}, not RLExperiment")
+    return apply_overrides(cfg, list(overrides)).validate()
+
+
+def resolve_sft(exp: RLExperiment, workdir: str, config_dir: str | None = None):
+    """(SFT ExperimentConfig, absolute SFT workdir). A relative sft_config is looked up from the current
+    directory, then from the repository root."""
+    path = exp.sft_config
+    if not os.path.isabs(path) and not os.path.isfile(path):
+        root = config_dir or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.path.join(root, path)
+    sft_workdir = os.path.abspath(exp.sft_workdir or os.path.join(workdir, "sft"))
+    return load_config_file(path), sft_workdir

@@ -1,0 +1,97 @@
+"""The policy: the SFT run's GLM-5 in its RL form, its variables on a mesh, and token log-probs.
+
+RL keeps DSA in its sparse stage with the indexer frozen (GLM-5 §3.2: a changing indexer top-k
+destabilised RL) and the MoE routing bias fixed, so sampler and learner select the same keys and
+experts. The indexer gets no gradient anyway (top-k is discrete and the indexer KL is off).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+
+from glm5_jax.model import Transformer
+from glm5_jax.moe import BIAS_COLLECTION
+from glm5_jax.sharding import logical_shardings
+from glm5_jax.train_step import _MeshAndRules
+
+
+def rl_model_config(sft_model_cfg):
+    """Sparse DSA attention, no indexer loss, and the sampler's MLA form (`generate.decode_config`:
+    absorbed latent attention) so learner and sampler compute the same numbers (TITO ratio = 1 on-policy)."""
+    from glm5_jax.generate import decode_config
+
+    return decode_config(sft_model_cfg).replace(attention_mode="sparse", indexer_loss="none")
+
+
+class Policy:
+    """Model, abstract variables with this mesh's shardings, and the jitted helpers that need the mesh."""
+
+    def __init__(self, model_cfg, mesh, rules):
+        self.cfg = model_cfg
+        self.mesh, self.rules = mesh, rules
+        self.model = Transformer(model_cfg)
+        with self.context():
+            boxed = jax.eval_shape(lambda r: self.model.init(r, jnp.zeros((1, 8), jnp.int32)),
+                                   jax.ShapeDtypeStruct((2,), jnp.uint32))
+            shardings = meta.unbox(logical_shardings(boxed, mesh, rules))
+        unboxed = meta.unbox(boxed)
+        variables = {"params": unboxed["params"], BIAS_COLLECTION: unboxed.get(BIAS_COLLECTION, {})}
+        self.shardings = {"params": shardings["params"], BIAS_COLLECTION: shardings.get(BIAS_COLLECTION, {})}
+        self.abstract_variables = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), variables, self.shardings)
+
+    def abstract_opt_state(self, tx):
+        """tx.init's state tree with target shardings: moments inherit their parameter's logical axes."""
+        with self.context():
+            boxed = jax.eval_shape(lambda r: tx.init(self.model.init(r, jnp.zeros((1, 8), jnp.int32))["params"]),
+                                   jax.ShapeDtypeStruct((2,), jnp.uint32))
+            shardings = meta.unbox(logical_shardings(boxed, self.mesh, self.rules))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), meta.unbox(boxed),
+                            shardings)
+
+    def context(self):
+        return _MeshAndRules(self.mesh, self.rules)
+
+
+def sequence_layout(prompt_BP, prompt_lengths_B, completion_BC, completion_lengths_B):
+    """Token rows prompt[:len] + completion[:len] + padding (T = P + C), their segment ids (1 on real
+    tokens, 0 on padding) and, per completion token j, the position whose logits predict it."""
+    B, P = prompt_BP.shape
+    C = completion_BC.shape[1]
+    t_T = jnp.arange(P + C)[None, :]
+    rel_BT = t_T - prompt_lengths_B[:, None]                     # completion index at position t
+    in_prompt = t_T < prompt_lengths_B[:, None]
+    in_completion = (rel_BT >= 0) & (rel_BT < completion_lengths_B[:, None])
+    prompt_part = jnp.take_along_axis(jnp.pad(prompt_BP, ((0, 0), (0, C))), jnp.broadcast_to(t_T, (B, P + C)), 1)
+    completion_part = jnp.take_along_axis(completion_BC, jnp.clip(rel_BT, 0, C - 1), 1)
+    tokens_BT = jnp.where(in_prompt, prompt_part, jnp.where(in_completion, completion_part, 0))
+    segment_ids_BT = (in_prompt | in_completion).astype(jnp.int32)
+    predict_at_BC = prompt_lengths_B[:, None] - 1 + jnp.arange(C)[None, :]
+    return tokens_BT.astype(jnp.int32), segment_ids_BT, predict_at_BC
+
+
+def completion_logprobs(model, variables, prompt_BP, prompt_lengths_B, completion_BC, completion_lengths_B,
+                        temperature: float):
+    """log π(c_j | prompt, c_<j) at temperature `temperature`, float32 [B, C] (garbage after each end:
+    multiply by a mask). The learner's recomputation of the sampler's behaviour log-probs."""
+    tokens, segment_ids, predict_at = sequence_layout(prompt_BP, prompt_lengths_B, completion_BC,
+                                                      completion_lengths_B)
+    logits_BTV = model.apply(variables, tokens, segment_ids=segment_ids)
+    logits_BCV = jnp.take_along_axis(logits_BTV, predict_at[..., None], axis=1).astype(jnp.float32)
+    logp_BCV = jax.nn.log_softmax(logits_BCV / temperature, axis=-1)
+    return jnp.take_along_axis(logp_BCV, completion_BC[..., None], axis=-1)[..., 0]
+
+
+def params_sha256(variables) -> str:
+    """sha256 over every leaf's path, dtype, shape and bytes (host copy), in tree order."""
+    digest = hashlib.sha256()
+    leaves, _ = jax.tree_util.tree_flatten_with_path(variables)
+    for path, leaf in leaves:
+        a = np.asarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}|".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,176 @@
+"""Rollout batches on disk (TITO records, ASYNC_RL.md §6.1) and their crash-safe exchange.
+
+Layout under ``<workdir>/rollouts/``: ``tmp/`` partial writes, ``ready/g<gen>_s<seq>.rollout`` whole
+files only (I2: temp file -> fsync -> rename -> fsync of the directory), ``rejected/`` files the
+learner found corrupt (counted, never trained on).
+
+File format: an ``.npz`` payload, then a 48-byte trailer ``sha256(payload) | len(payload) u64 | MAGIC``.
+A truncated or half-written file (which an ArrayRecord reader would see as *empty*, §5) fails the
+trailer or checksum test and raises `CorruptRollout`; it is never admitted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import struct
+
+import numpy as np
+
+MAGIC = b"GLM5RL01"
+_TRAILER = struct.Struct("<32sQ8s")
+_NAME = re.compile(r"^g(\d{3})_s(\d{7})\.rollout$")
+
+
+class CorruptRollout(ValueError):
+    """A rollout file that is truncated, half-written, or does not hold a valid batch."""
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """N = prompts x group_size samples of one batch; C = max_new_tokens."""
+    prompt_tokens: np.ndarray       # int32 [N, P] right-padded with 0
+    prompt_lengths: np.ndarray      # int32 [N]
+    completion_tokens: np.ndarray   # int32 [N, C] exactly the sampler's ids, 0 after each row's end
+    completion_lengths: np.ndarray  # int32 [N] generated tokens incl. EOS
+    logprobs: np.ndarray            # float32 [N, C] behaviour log-probs recorded by the sampler (0 after end)
+    loss_mask: np.ndarray           # float32 [N, C] 1 on model-generated tokens that enter the loss
+    rewards: np.ndarray             # float32 [N]
+    group_ids: np.ndarray           # int32 [N] samples of one prompt share a group id
+    versions: np.ndarray            # int32 [N, K] policy versions that produced each sample (K = 1 here)
+    meta: dict                      # generator, seq, ordinal, sampler settings, timings
+
+    ARRAYS = {"prompt_tokens": (np.int32, 2), "prompt_lengths": (np.int32, 1), "completion_tokens": (np.int32, 2),
+              "completion_lengths": (np.int32, 1), "logprobs": (np.float32, 2), "loss_mask": (np.float32, 2),
+              "rewards": (np.float32, 1), "group_ids": (np.int32, 1), "versions": (np.int32, 2)}
+
+    def validate(self) -> "RolloutBatch":
+        n = None
+        for name, (dtype, ndim) in self.ARRAYS.items():
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim:
+                raise CorruptRollout(f"field {name}: expected {np.dtype(dtype).name} with {ndim} dims, got "
+                                     f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+            if n is None:
+                n = a.shape[0]
+            if a.shape[0] != n:
+                raise CorruptRollout(f"field {name} has {a.shape[0]} rows, prompt_tokens has {n}")
+        C = self.completion_tokens.shape[1]
+        for name in ("logprobs", "loss_mask"):
+            if getattr(self, name).shape[1] != C:
+                raise CorruptRollout(f"field {name} has width {getattr(self, name).shape[1]}, completions {C}")
+        if np.any(self.completion_lengths < 0) or np.any(self.completion_lengths > C):
+            raise CorruptRollout(f"completion_lengths outside [0, {C}]")
+        if np.any(self.prompt_lengths < 1) or np.any(self.prompt_lengths > self.prompt_tokens.shape[1]):
+            raise CorruptRollout("prompt_lengths outside [1, P]")
+        if not np.all(np.isfinite(self.logprobs)):
+            raise CorruptRollout("non-finite logprobs")
+        return self
+
+
+def rollout_name(generator: int, seq: int) -> str:
+    return f"g{generator:03d}_s{seq:07d}.rollout"
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    m = _NAME.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+class RolloutDirs:
+    def __init__(self, workdir: str):
+        root = os.path.join(os.path.abspath(workdir), "rollouts")
+        self.tmp, self.ready, self.rejected = (os.path.join(root, d) for d in ("tmp", "ready", "rejected"))
+        for d in (self.tmp, self.ready, self.rejected):
+            os.makedirs(d, exist_ok=True)
+
+    def path(self, generator: int, seq: int) -> str:
+        return os.path.join(self.ready, rollout_name(generator, seq))
+
+    def seqs_of(self, generator: int) -> list[int]:
+        """Sequence numbers of this generator's files in ready/, sorted."""
+        found = (parse_name(n) for n in os.listdir(self.ready))
+        return sorted(s for g_s in found if g_s and g_s[0] == generator for s in [g_s[1]])
+
+    def clear_tmp(self, generator: int) -> None:
+        """Removes this generator's partial writes (from a previous life of it)."""
+        prefix = f"g{generator:03d}_"
+        for name in os.listdir(self.tmp):
+            if name.startswith(prefix):
+                os.unlink(os.path.join(self.tmp, name))
+
+    def reject(self, path: str) -> None:
+        os.replace(path, os.path.join(self.rejected, os.path.basename(path)))
+
+
+def encode(batch: RolloutBatch) -> bytes:
+    batch.validate()
+    buf = io.BytesIO()
+    arrays = {name: getattr(batch, name) for name in RolloutBatch.ARRAYS}
+    np.savez(buf, meta=np.frombuffer(json.dumps(batch.meta, sort_keys=True).encode(), np.uint8), **arrays)
+    payload = buf.getvalue()
+    return payload + _TRAILER.pack(hashlib.sha256(payload).digest(), len(payload), MAGIC)
+
+
+def decode(blob: bytes, where: str = "rollout") -> RolloutBatch:
+    if len(blob) < _TRAILER.size:
+        raise CorruptRollout(f"{where}: {len(blob)} bytes, shorter than the trailer (truncated)")
+    digest, length, magic = _TRAILER.unpack(blob[-_TRAILER.size:])
+    if magic != MAGIC:
+        raise CorruptRollout(f"{where}: no end marker (truncated or not a rollout file)")
+    payload = blob[:-_TRAILER.size]
+    if length != len(payload) or hashlib.sha256(payload).digest() != digest:
+        raise CorruptRollout(f"{where}: length or checksum mismatch (half-written or damaged)")
+    try:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as z:
+            if set(z.files) != set(RolloutBatch.ARRAYS) | {"meta"}:
+                raise CorruptRollout(f"{where}: fields {sorted(z.files)}")
+            fields = {name: z[name] for name in RolloutBatch.ARRAYS}
+            meta = json.loads(z["meta"].tobytes().decode())
+    except CorruptRollout:
+        raise
+    except Exception as e:
+        raise CorruptRollout(f"{where}: unreadable payload: {e}") from None
+    return RolloutBatch(meta=meta, **fields).validate()
+
+
+def write_atomically(path: str, data: bytes, tmp_dir: str) -> None:
+    """tmp file -> fsync -> rename -> fsync(dir): `path` either does not exist or is complete (I2)."""
+    tmp = os.path.join(tmp_dir, f"{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_batch(dirs: RolloutDirs, generator: int, seq: int, batch: RolloutBatch) -> str:
+    path = dirs.path(generator, seq)
+    write_atomically(path, encode(batch), dirs.tmp)
+    return path
+
+
+def content_sha256(batch: RolloutBatch) -> str:
+    """sha256 of the TITO arrays (not the meta, whose timings differ between identical batches)."""
+    digest = hashlib.sha256()
+    for name in RolloutBatch.ARRAYS:
+        a = getattr(batch, name)
+        digest.update(f"{name}|{a.dtype}|{a.shape}|".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
+def read_batch(path: str) -> tuple[RolloutBatch, str]:
+    """(batch, content_sha256 of it); raises CorruptRollout for anything but a whole valid file."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    batch = decode(blob, path)
+    return batch, content_sha256(batch)

@@ -1,0 +1,146 @@
+"""The supervisor: makes the SFT checkpoint if needed, then runs the learner and N generators as
+processes, restarts any that dies, and stops when the learner has published its last version.
+
+    python -m glm5_jax.rl.run --config=configs/rl_sort.py --workdir=W [--generators=N] [--set=rl.lockstep=True]
+
+`--chaos_kills=K` is fault injection for tests and bench/rl.py: K times, after a random pause in
+`--chaos_interval` seconds, SIGKILL a random live child (learner or generator); the supervisor then
+restarts it like any other crash.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+log = logging.getLogger("glm5_jax.rl")
+
+
+def child_env(compile_cache: str | None = None) -> dict:
+    """This checkout's glm5_jax first on the children's path (not whatever else is installed), and a
+    persistent XLA compilation cache so a restarted process does not compile everything again."""
+    import glm5_jax
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(glm5_jax.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if compile_cache and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = compile_cache
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return env
+
+
+class Supervisor:
+    def __init__(self, config: str, workdir: str, overrides: list[str], num_generators: int, *,
+                 max_restarts: int = 100, log_dir: str | None = None):
+        self.workdir = os.path.abspath(workdir)
+        self.common = [f"--config={os.path.abspath(config)}", f"--workdir={self.workdir}"] + \
+                      [f"--set={o}" for o in overrides] + [f"--set=rl.num_generators={num_generators}"]
+        self.num_generators = num_generators
+        self.max_restarts = max_restarts
+        self.log_dir = log_dir or os.path.join(self.workdir, "logs")
+        self.compile_cache = os.path.join(self.workdir, "jax_cache")   # JAX_COMPILATION_CACHE_DIR overrides
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = {"learner": 0, **{f"gen{g}": 0 for g in range(num_generators)}}
+        self.kills: list[dict] = []
+
+    def _command(self, role: str) -> list[str]:
+        if role == "learner":
+            return [sys.executable, "-m", "glm5_jax.rl.learner", *self.common]
+        if role == "sft":
+            return [sys.executable, "-m", "glm5_jax.rl.sft", *self.common]
+        return [sys.executable, "-m", "glm5_jax.rl.generator", *self.common, f"--generator_id={role[3:]}"]
+
+    def _start(self, role: str) -> None:
+        out = open(os.path.join(self.log_dir, f"{role}.log"), "a")
+        self.procs[role] = subprocess.Popen(self._command(role), stdout=out, stderr=subprocess.STDOUT,
+                                            env=child_env(self.compile_cache))
+        out.close()
+
+    def make_sft(self) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, "sft.log"), "a") as out:
+            rc = subprocess.call(self._command("sft"), stdout=out, stderr=subprocess.STDOUT,
+                                 env=child_env(self.compile_cache))
+        if rc:
+            raise RuntimeError(f"SFT step failed (exit {rc}); see {self.log_dir}/sft.log")
+
+    def run(self, chaos_kills: int = 0, chaos_interval=(3.0, 7.0), chaos_seed: int = 0) -> dict:
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.make_sft()
+        start = time.time()
+        for role in self.restarts:
+            self._start(role)
+        rng = random.Random(chaos_seed)
+        next_kill = time.time() + rng.uniform(*chaos_interval) if chaos_kills else None
+        try:
+            while True:
+                learner_rc = self.procs["learner"].poll()
+                if learner_rc == 0:
+                    break
+                for role, proc in list(self.procs.items()):
+                    rc = proc.poll()
+                    if rc is None or (role != "learner" and rc == 0):
+                        continue              # running, or a generator that saw the last version and stopped
+                    self.restarts[role] += 1
+                    if sum(self.restarts.values()) > self.max_restarts:
+                        raise RuntimeError(f"more than {self.max_restarts} restarts; last: {role} exit {rc}; "
+                                           f"see {self.log_dir}/{role}.log")
+                    log.info("%s exited with %s: restarting", role, rc)
+                    self._start(role)
+                if next_kill is not None and time.time() >= next_kill:
+                    live = sorted(r for r, p in self.procs.items() if p.poll() is None)
+                    if live:
+                        victim = rng.choice(live)
+                        self.procs[victim].send_signal(signal.SIGKILL)
+                        self.kills.append({"role": victim, "at": time.time() - start})
+                        log.info("chaos: SIGKILL %s (%d/%d)", victim, len(self.kills), chaos_kills)
+                    next_kill = time.time() + rng.uniform(*chaos_interval) if len(self.kills) < chaos_kills else None
+                time.sleep(0.05)
+        finally:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in self.procs.values():
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        report = {"seconds": time.time() - start, "restarts": self.restarts, "kills": self.kills}
+        with open(os.path.join(self.workdir, "supervisor.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        return report
+
+
+def main(argv):
+    from absl import flags
+
+    from glm5_jax.rl.config import load_rl_config
+    from glm5_jax.rl.logs import setup_logging
+
+    FLAGS = flags.FLAGS
+    setup_logging("run")
+    exp = load_rl_config(FLAGS.config, FLAGS.set)          # fail here, not in every child
+    n = FLAGS.generators or exp.rl.num_generators
+    report = Supervisor(FLAGS.config, FLAGS.workdir, FLAGS.set, n).run(
+        FLAGS.chaos_kills, tuple(float(x) for x in FLAGS.chaos_interval), FLAGS.chaos_seed)
+    log.info("done in %.1f s; restarts %s", report["seconds"], report["restarts"])
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    from glm5_jax.rl.flags import define_common_flags
+
+    define_common_flags()
+    flags.DEFINE_integer("generators", 0, "Generator processes (0: rl.num_generators of the config).")
+    flags.DEFINE_integer("chaos_kills", 0, "Fault injection: SIGKILL this many random children.")
+    flags.DEFINE_list("chaos_interval", ["3", "7"], "Fault injection: seconds between kills (min,max).")
+    flags.DEFINE_integer("chaos_seed", 0, "Fault injection: which children and when.")
+    app.run(main)

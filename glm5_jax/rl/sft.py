@@ -1,0 +1,81 @@
+"""The RL run's starting point: find the SFT run's final checkpoint, or make it with train.py's loop.
+
+    python -m glm5_jax.rl.sft --config=configs/rl_sort.py --workdir=W     # what the supervisor runs first
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import orbax.checkpoint as ocp
+
+from glm5_jax.moe import BIAS_COLLECTION
+
+log = logging.getLogger("glm5_jax.rl")
+
+
+def sft_checkpoint_dir(sft_workdir: str) -> str:
+    return os.path.join(os.path.abspath(sft_workdir), "checkpoints")
+
+
+def final_sft_step(sft_cfg, sft_workdir: str) -> int | None:
+    """The SFT run's last step if its checkpoint is committed, else None."""
+    step = sft_cfg.train.steps
+    return step if os.path.isfile(os.path.join(sft_checkpoint_dir(sft_workdir), str(step), "commit_success.txt")) \
+        else None
+
+
+def ensure_sft(sft_cfg, sft_workdir: str) -> int:
+    """Trains (or finishes training) the SFT run unless its final checkpoint exists; returns its step."""
+    step = final_sft_step(sft_cfg, sft_workdir)
+    if step is None:
+        from glm5_jax.training import run_training
+
+        log.info("no finished SFT checkpoint in %s: training it (%d steps)", sft_workdir, sft_cfg.train.steps)
+        run_training(sft_cfg, sft_workdir)
+        step = final_sft_step(sft_cfg, sft_workdir)
+        if step is None:
+            raise RuntimeError(f"SFT training finished but {sft_checkpoint_dir(sft_workdir)} has no step "
+                               f"{sft_cfg.train.steps}")
+    return step
+
+
+def load_sft_variables(sft_cfg, sft_workdir: str, policy) -> dict:
+    """{"params", "moe_bias"} of the final SFT step, placed on `policy`'s mesh (restores only `state`)."""
+    import jax
+
+    from glm5_jax.train_step import Trainer
+
+    step = final_sft_step(sft_cfg, sft_workdir)
+    if step is None:
+        raise FileNotFoundError(f"no finished SFT checkpoint (step {sft_cfg.train.steps}) under "
+                                f"{sft_checkpoint_dir(sft_workdir)}")
+    abstract_state = Trainer(sft_cfg, policy.mesh).abstract_state
+    manager = ocp.CheckpointManager(sft_checkpoint_dir(sft_workdir), item_names=("state", "data", "meta"),
+                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+    manager.close()
+    variables = {"params": state.params, BIAS_COLLECTION: state.moe_bias}
+    # same tree as the policy's (RL drops nothing the SFT model has: MTP weights exist only if configured)
+    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), variables, policy.abstract_variables)
+
+
+def main(argv):
+    from absl import flags
+
+    from glm5_jax.rl.config import load_rl_config, resolve_sft
+    from glm5_jax.rl.logs import setup_logging
+
+    setup_logging("sft")
+    exp = load_rl_config(flags.FLAGS.config, flags.FLAGS.set)
+    sft_cfg, sft_workdir = resolve_sft(exp, flags.FLAGS.workdir)
+    ensure_sft(sft_cfg, sft_workdir)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    from glm5_jax.rl.flags import define_common_flags
+
+    define_common_flags()
+    app.run(main)

@@ -1,0 +1,133 @@
+"""The learner in-process on hand-made rollout files: global order, stale batches dropped and counted,
+corrupt files rejected and counted, every ordinal accounted for exactly once, and a learner that
+crashes right after starting a publish resumes to bit-identical final params (I3, I4)."""
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rl_helpers import tiny_model_config
+
+from glm5_jax.data import DataConfig
+from glm5_jax.experiment import ExperimentConfig
+from glm5_jax.rl import rollouts as ro
+from glm5_jax.rl.config import RLConfig, RLExperiment
+from glm5_jax.rl.learner import SUMMARY, Learner, admit, watermark
+from glm5_jax.rl.policy import completion_logprobs
+from glm5_jax.rl.tasks import SortTask
+
+TAU, VERSIONS = 1, 4
+# ordinal -> sampling version written into its file; ordinal 2 claims version 0 while the learner is at 2
+# (staleness 2 > tau: dropped); ordinal 3 is truncated on disk (rejected)
+SAMPLED_WITH = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 2}
+SFT = ExperimentConfig(model=tiny_model_config(), data=DataConfig(source="sort", seq_len=16, batch_size=16))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    exp = RLExperiment(rl=RLConfig(num_versions=VERSIONS, tau=TAU, prompts_per_batch=4, group_size=2,
+                                   eval_every=0, learning_rate=1e-2, max_new_tokens=7, poll_seconds=0.001))
+    learner = Learner(exp, "/nonexistent-unused", SFT, "/nonexistent-unused")
+    variables = jax.jit(learner.policy.model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    variables = jax.tree.map(lambda x: getattr(x, "value", x), variables, is_leaf=lambda x: hasattr(x, "value"))
+    variables = {"params": variables["params"], "moe_bias": variables["moe_bias"]}
+    task, rng = SortTask(partial_credit=True), np.random.default_rng(0)
+    logp_fn = jax.jit(lambda v, a, b, c, d: completion_logprobs(learner.policy.model, v, a, b, c, d, 1.0))
+    batches = {}
+    for o, version in SAMPLED_WITH.items():
+        prompts, lengths = task.prompts(0, 0, o, 4)
+        prompts, lengths = np.repeat(prompts, 2, 0), np.repeat(lengths, 2)
+        completion = np.concatenate([rng.integers(2, 12, (8, 6)), np.ones((8, 1))], 1).astype(np.int32)
+        clen = np.full(8, 7, np.int32)
+        with learner.policy.context():
+            logp = np.asarray(logp_fn(variables, prompts, lengths, completion, clen)) + rng.normal(0, 0.05, (8, 7))
+        batches[o] = ro.RolloutBatch(
+            prompt_tokens=prompts, prompt_lengths=lengths, completion_tokens=completion, completion_lengths=clen,
+            logprobs=logp.astype(np.float32), loss_mask=np.ones((8, 7), np.float32),
+            rewards=task.rewards(prompts, lengths, completion, clen), group_ids=np.arange(8, dtype=np.int32) // 2,
+            versions=np.full((8, 1), version, np.int32), meta={"generator": 0, "seq": o, "sample_seconds": 0.0})
+    return exp, variables, batches
+
+
+def _start_run(workdir, exp, variables, batches, **rl_changes):
+    exp = dataclasses.replace(exp, rl=dataclasses.replace(exp.rl, **rl_changes))
+    learner = Learner(exp, str(workdir), SFT, "/nonexistent-unused")
+    dirs = ro.RolloutDirs(str(workdir))
+    for o, batch in batches.items():
+        path = ro.write_batch(dirs, 0, o, batch)
+        if o == 3:                                  # damaged on disk after the rename
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+    if learner.writer.latest_version() is None:     # version 0: the starting policy (instead of an SFT run)
+        learner._publish(0, variables, jax.jit(learner.tx.init)(variables["params"]), learner._fresh_meta())
+        learner.writer.wait()
+    return learner
+
+
+def test_admission_rules():
+    assert admit(5, np.array([[3]]), 2) and not admit(5, np.array([[3], [2]]), 2)
+    assert watermark(0, 2) == {"0": 0, "1": 0} and watermark(5, 2) == {"0": 3, "1": 2}
+
+
+def test_drops_rejects_and_crash_resume_are_exact(setup, tmp_path):
+    exp, variables, batches = setup
+    clean = _start_run(tmp_path / "clean", exp, variables, batches)
+    clean.run()
+    summary = json.loads((tmp_path / "clean" / SUMMARY).read_text())
+    statuses = [(e["ordinal"], e["status"]) for e in summary["consumed"]]
+    assert statuses == [(0, "used"), (1, "used"), (2, "dropped_stale"), (3, "rejected_corrupt"), (4, "used"),
+                        (5, "used")]
+    assert summary["final_version"] == VERSIONS and summary["dropped_stale"] == 1
+    assert summary["rejected_corrupt"] == 1 and summary["staleness_max"] <= TAU
+    used = [e for e in summary["consumed"] if e["status"] == "used"]
+    assert [e["trained_at"] - e["sampled_with"] for e in used] == [0, 1, 1, 1]
+    assert os.listdir(tmp_path / "clean" / "rollouts" / "ready") == []       # all consumed files collected
+    assert os.listdir(tmp_path / "clean" / "rollouts" / "rejected") == ["g000_s0000003.rollout"]
+    metrics = [json.loads(line) for line in open(tmp_path / "clean" / "rl_metrics.jsonl")]
+    assert [m["version"] for m in metrics] == list(range(1, VERSIONS + 1))   # (version 0 was made by the test)
+    assert metrics[-1]["batches_consumed"] == 6 and metrics[1]["keep_fraction"] > 0.5
+
+    # the same run, crashing right after starting the publish of version 3 (before its metrics line)
+    crashing = _start_run(tmp_path / "crash", exp, variables, batches)
+    original = crashing._log_version
+
+    def crash_at_3(variables_, meta, record):
+        if meta["version"] == 3:
+            raise RuntimeError("simulated kill")
+        return original(variables_, meta, record)
+
+    crashing._log_version = crash_at_3
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        crashing.run()
+    crashing.writer.close()
+    resumed = Learner(crashing.exp, str(tmp_path / "crash"), SFT, "/nonexistent-unused")
+    assert resumed.writer.latest_version() in (2, 3)
+    resumed.run()
+    again = json.loads((tmp_path / "crash" / SUMMARY).read_text())
+    assert again["params_sha256"] == summary["params_sha256"]
+    assert again["consumed"] == summary["consumed"]
+    metrics = [json.loads(line) for line in open(tmp_path / "crash" / "rl_metrics.jsonl")]
+    assert [m["version"] for m in metrics] == list(range(1, VERSIONS + 1))  # no duplicated or missing line
+    assert summary["params_sha256"] != _sha(variables)                       # the params did move
+
+
+def _sha(variables):
+    from glm5_jax.rl.policy import params_sha256
+    return params_sha256(variables)
+
+
+def test_optimizer_reset_on_publish(setup, tmp_path):
+    """GLM-5 §4.1.1: with rl.reset_optimizer_on_publish the published optimizer state is a fresh one."""
+    exp, variables, batches = setup
+    learner = _start_run(tmp_path, exp, variables, {o: batches[o] for o in (0, 1)}, num_versions=2,
+                         reset_optimizer_on_publish=True)
+    learner.run()
+    restored, opt_state, meta = Learner(learner.exp, str(tmp_path), SFT, "/unused").writer.restore(
+        2, learner.policy.abstract_variables, learner.abstract_opt_state)
+    adam = opt_state[1][0]
+    assert int(adam.count) == 0 and meta["version"] == 2
+    assert all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves(adam.mu))
+    assert _sha(restored) != _sha(variables)
