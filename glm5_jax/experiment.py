@@ -78,7 +78,8 @@ class ExperimentConfig:
         return self
 
 
-def load_config_file(path: str) -> ExperimentConfig:
+def load_config_file(path: str, expected_type: type = ExperimentConfig):
+    """The ``get_config()`` of a Python config file, checked to be an ``expected_type``."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"glm5_config_{abs(hash(path))}", path)
@@ -87,8 +88,8 @@ def load_config_file(path: str) -> ExperimentConfig:
     if not hasattr(module, "get_config"):
         raise ValueError(f"{path} defines no get_config()")
     cfg = module.get_config()
-    if not isinstance(cfg, ExperimentConfig):
-        raise TypeError(f"{path}: get_config() returned {type(cfg).__name__}, not ExperimentConfig")
+    if not isinstance(cfg, expected_type):
+        raise TypeError(f"{path}: get_config() returned {type(cfg).__name__}, not {expected_type.__name__}")
     return cfg
 
 

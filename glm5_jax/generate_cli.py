@@ -29,9 +29,8 @@ flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype overrid
 
 def _default_tokenizer(checkpoint: str) -> str:
     found = sorted(glob.glob(os.path.join(checkpoint, "tokenizer", "*", "tokenizer.json")))
-    for candidate in (os.path.join(checkpoint, "tokenizer.json"),):
-        if os.path.isfile(candidate):
-            found.append(candidate)
+    if os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
+        found.append(os.path.join(checkpoint, "tokenizer.json"))
     if len(found) != 1:
         raise app.UsageError(f"--tokenizer is required: found {len(found)} tokenizer.json under {checkpoint}")
     return found[0]

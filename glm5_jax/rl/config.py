@@ -7,7 +7,6 @@ policy is always the architecture that produced its starting checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 
 from glm5_jax.experiment import apply_overrides, load_config_file
@@ -88,17 +87,7 @@ class RLExperiment:
 
 
 def load_rl_config(path: str, overrides=()) -> RLExperiment:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"glm5_rl_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"{path} defines no get_config()")
-    cfg = module.get_config()
-    if not isinstance(cfg, RLExperiment):
-        raise TypeError(f"{path}: get_config() returned {type(cfg).__name__}, not RLExperiment")
-    return apply_overrides(cfg, list(overrides)).validate()
+    return apply_overrides(load_config_file(path, RLExperiment), list(overrides)).validate()
 
 
 def resolve_sft(exp: RLExperiment, workdir: str, config_dir: str | None = None):
