@@ -13,6 +13,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.kernel_sharding import logical_shard_map
 from glm5_jax.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
@@ -28,6 +29,8 @@ from pallas_kernels.sparse_mla import reference as mla_reference
 # (one matmul over all slots) instead of gathering the selected latent rows: same result, and on XLA a
 # gather of k rows per query costs more than k * DENSE_DECODE_FACTOR dense slots.
 DENSE_DECODE_FACTOR = 4
+# name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
+SELECTION_NAME = "dsa_selection"
 
 
 def _rope(cfg, x, positions_BT, *, interleaved, head_axis: bool):
@@ -156,7 +159,8 @@ class MLAttention(nn.Module):
             return selection, None, cache
         selection = prev_selection
         if cfg.attention_mode == "sparse":
-            selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, segment_ids_BT)
+            selection = tuple(checkpoint_name(x, SELECTION_NAME)
+                              for x in self._indexer_topk(q_i, k_i, w_i, positions_BT, segment_ids_BT))
         if cfg.indexer_loss == "none":
             return selection, None, cache
         idx, valid = selection if cfg.indexer_loss == "sparse" else (None, None)

@@ -10,17 +10,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.attention import MLAttention
+from glm5_jax.attention import SELECTION_NAME, MLAttention
 from glm5_jax.layer_plan import LayerKind, plan_segments
 from glm5_jax.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
 from glm5_jax.moe import BIAS_COLLECTION, MoE
 
+_cp = jax.checkpoint_policies
+# The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
+# mask, [B, T, k] per full layer): recomputing it costs the indexer scores and a top-k in the backward.
+_keep_selection = _cp.save_only_these_names(SELECTION_NAME)
 REMAT_POLICIES = {
     "full": None,   # save nothing, recompute the layer in the backward pass
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
+    "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
+                                                                    _keep_selection),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload_dots": _cp.save_from_both_policies(_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+                                                _keep_selection),
 }
 
 

@@ -6,6 +6,7 @@ norms run in fp32 (DESIGN §2).
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.linen as nn
@@ -31,9 +32,53 @@ def constrain(x, axes):
 
 
 def einsum(spec: str, x, w, dtype, out_dtype=None):
-    """x, w cast to the compute dtype; fp32 accumulation; result in `out_dtype` (default: `dtype`)."""
-    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    """x, w cast to the compute dtype; fp32 accumulation; result in `out_dtype` (default: `dtype`).
+
+    `x` is an activation and `w` a weight; a projection without batch dimensions shared by all three
+    operands takes its weight gradient through `_weight_grad_einsum` (same maths, CPU-friendly layout).
+    """
+    x, w = x.astype(dtype), w.astype(dtype)
+    x_dims, rest = spec.split(",")
+    w_dims, out_dims = rest.split("->")
+    if set(x_dims) & set(w_dims) & set(out_dims):            # batched (e.g. per-head) products: plain
+        y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+    else:
+        y = _projection(spec, x, w)
     return y.astype(out_dtype or dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _projection(spec, x, w):
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _projection_fwd(spec, x, w):
+    return _projection(spec, x, w), (x, w)
+
+
+def _projection_bwd(spec, residuals, g):
+    """dx as JAX derives it; dw = x^T g with x^T materialised in [w's x-dims, summed dims] order first.
+
+    XLA:CPU otherwise runs x^T g as a dot contracting x's leading (token) dims, at about half the speed
+    of a plain [D, N] @ [N, F] matmul (measured 40 vs 84 GFLOP/s for [2048,512]^T @ [2048,8192]); the
+    optimization barrier keeps the transpose from being folded back into the dot. Other backends keep
+    the folded form (`platform_dependent`).
+    """
+    x, w = residuals
+    x_dims, rest = spec.split(",")
+    w_dims, out_dims = rest.split("->")
+    _, dx_fn = jax.vjp(lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=jnp.float32), x)
+    (dx,) = dx_fn(g)
+    summed = "".join(c for c in x_dims if c not in w_dims)
+    kept = "".join(c for c in x_dims if c in w_dims)
+    xt = jnp.einsum(f"{x_dims}->{kept}{summed}", x)
+    xt = jax.lax.platform_dependent(xt, cpu=jax.lax.optimization_barrier, default=lambda a: a)
+    dw = jnp.einsum(f"{kept}{summed},{out_dims}->{w_dims}", xt, g.astype(x.dtype),
+                    preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_projection.defvjp(_projection_fwd, _projection_bwd)
 
 
 class RMSNorm(nn.Module):

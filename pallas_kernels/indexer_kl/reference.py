@@ -59,15 +59,17 @@ def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, *, scale):
 
 def _sparse_target(q, kv, idx, valid, *, scale):
     rows_BTKC = jax.vmap(lambda kv_SC, i: kv_SC[i])(kv, idx)
-    logits = jnp.einsum("bthc,btkc->bthk", q, rows_BTKC, preferred_element_type=jnp.float32) * scale
-    return head_summed_target(logits, valid)
+    # key-major per query ([k, C] @ [C, H]): several times faster on XLA:CPU than [H, C] @ [C, k]
+    logits_BTKH = jnp.einsum("btkc,bthc->btkh", rows_BTKC, q, preferred_element_type=jnp.float32) * scale
+    return head_summed_target(jnp.swapaxes(logits_BTKH, 2, 3), valid)
 
 
 def _sparse_chunk_kl(p, iq, ik, iw, idx, valid):
     # Indexer scores of the selected keys only: I[t, j] = sum_h w[t, h] ReLU(q[t, h] . k[idx[t, j]]).
     keys_BTKD = jax.vmap(lambda k_SD, i: k_SD[i])(ik, idx).astype(jnp.float32)
-    dots = jnp.einsum("bthd,btkd->bthk", iq.astype(jnp.float32), keys_BTKD, precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.einsum("bth,bthk->btk", iw.astype(jnp.float32), jax.nn.relu(dots),
+    dots_BTKH = jnp.einsum("btkd,bthd->btkh", keys_BTKD, iq.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)      # key-major, as in _sparse_target
+    scores = jnp.einsum("btkh,bth->btk", jax.nn.relu(dots_BTKH), iw.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     return kl_per_token(p, scores, valid)
 

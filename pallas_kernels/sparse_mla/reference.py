@@ -39,7 +39,9 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=64):
                          preferred_element_type=jnp.float32)[..., :v_dim]
         return out.astype(q.dtype), lse
 
-    return chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, idx_BTK, valid_BTK)
+    # Rematerialised per chunk: differentiating the loop would otherwise stack every chunk's gathered
+    # rows [B, q_chunk, k, C] as residuals (k/S times the whole latent per query) and copy them back out.
+    return chunked_over_queries(jax.checkpoint(chunk), q_chunk, q_BTHC.shape[1], q_BTHC, idx_BTK, valid_BTK)
 
 
 def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
