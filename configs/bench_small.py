@@ -14,9 +14,9 @@ def get_config() -> ExperimentConfig:
         n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=256,
         num_nextn_predict_layers=1, mtp_depth=1, max_position_embeddings=8192, initializer_range=0.02,
         eos_token_id=(1,), pad_token_id=0, bos_token_id=None,
-        # CPU speed settings (bench/train_step.py docstring): grouped matmul as padded blocks, masked MHA
-        # attention (XLA:CPU gathers of k latent rows per query are slower than the masked matmuls)
-        moe_impl="blocked", mla_form="mha", remat_policy="dots_with_no_batch_dims_saveable")
+        # CPU speed settings (bench/train_step.py docstring): grouped matmul as padded blocks, absorbed
+        # (latent) sparse attention over the gathered top-k rows, projection outputs kept by remat
+        moe_impl="blocked", mla_form="absorbed", remat_policy="dots_with_no_batch_dims_saveable")
     data = DataConfig(source="stdlib", vocab_size=8192, seq_len=1024, batch_size=2)
     train = TrainConfig(stage="sparse", optimizer="adamw")
     return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=-1))

@@ -113,9 +113,10 @@ class MLAttention(nn.Module):
 
         w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]                # [R, H, dn], [R, H, dv]
         q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
-        selection, indexer_kl, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
-                                                    q_abs, latent_BSC, cache)
+        selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
+                                                       q_abs, latent_BSC, cache)
         sparse = cfg.attention_mode == "sparse" and self.indexer_kind != "none"
+        indexer_target = None
         visible = visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
 
         if cfg.mla_form == "absorbed" or cache is not None:
@@ -127,7 +128,13 @@ class MLAttention(nn.Module):
             elif sparse:
                 # decode calls use the XLA gather path, whatever the training impl
                 impl = "xla" if cache is not None else cfg.attention_impl
-                o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection, impl=impl)
+                if impl == "xla" and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
+                    # the KL target comes from these attention logits (same detached values, one gather)
+                    o_lat, _, indexer_target = sparse_mla_ops.sparse_mla(
+                        q_abs, latent_BSC.astype(dt), *selection, scale=cfg.softmax_scale, v_dim=R, impl="xla",
+                        with_target=True)
+                else:
+                    o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection, impl=impl)
             else:
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
@@ -136,11 +143,13 @@ class MLAttention(nn.Module):
             allowed = visible & _selection_mask(selection, visible.shape[-1]) if sparse else visible
             o = self._mha(q_nope, q_rot, c, k_rot, w_kvb, allowed)
         o = constrain(o, ("batch", "seq", "act_heads", None))
+        indexer_kl = indexer_kl_fn(indexer_target) if indexer_kl_fn is not None else None
         return einsum("bthv,hvd->btd", o, w_o, dt), selection, indexer_kl, cache
 
     def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache):
-        """(selection, indexer KL, cache): this layer's top-k (full), the previous full layer's (shared),
-        or pass-through (none / dense attention)."""
+        """(selection, indexer KL or None, cache): this layer's top-k (full), the previous full layer's
+        (shared), or pass-through (none / dense attention). The KL comes as a function of an optional
+        precomputed sparse-stage target (see indexer_kl reference), called once attention has run."""
         cfg = self.cfg
         if self.indexer_kind != "full":
             return prev_selection, None, cache
@@ -164,10 +173,12 @@ class MLAttention(nn.Module):
         if cfg.indexer_loss == "none":
             return selection, None, cache
         idx, valid = selection if cfg.indexer_loss == "sparse" else (None, None)
-        kl = indexer_kl_ops.indexer_kl_loss(
-            jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC.astype(q_abs.dtype)), q_i, k_i, w_i,
-            positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
-            stage=cfg.indexer_loss, idx_BTK=idx, valid_BTK=valid)
+
+        def kl(target_BTK=None):
+            return indexer_kl_ops.indexer_kl_loss(
+                jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC.astype(q_abs.dtype)), q_i, k_i, w_i,
+                positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
+                stage=cfg.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK)
         return selection, kl, cache
 
     def _indexer_topk(self, q_i, k_i, w_i, positions_BT, segment_ids_BT):

@@ -76,14 +76,19 @@ def _sparse_chunk_kl(p, iq, ik, iw, idx, valid):
 
 def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
                     q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, stage,
-                    idx_BTK=None, valid_BTK=None, q_chunk=128):
-    """Scalar indexer loss; gradients reach only index_q / index_k / index_w (q and kv are detached)."""
+                    idx_BTK=None, valid_BTK=None, target_BTK=None, q_chunk=128):
+    """Scalar indexer loss; gradients reach only index_q / index_k / index_w (q and kv are detached).
+
+    Sparse stage: ``target_BTK`` may carry the head-averaged attention probabilities over the selected
+    slots when the caller already has them (the XLA sparse attention computes them from the same
+    logits: `sparse_mla.reference.sparse_mla(..., with_target=True)`); q and kv are then unused.
+    """
     if stage not in STAGES:
         raise ValueError(f"indexer_kl_loss: stage must be one of {STAGES}, got {stage!r}")
     if stage == "sparse" and (idx_BTK is None or valid_BTK is None):
         raise ValueError("indexer_kl_loss: the sparse stage needs idx_BTK and valid_BTK")
     q_BTHC, kv_BSC = jax.lax.stop_gradient(q_BTHC), jax.lax.stop_gradient(kv_BSC)
-    B, T = q_BTHC.shape[:2]
+    B, T = index_q_BTHD.shape[:2]
     n_chunks = -(-T // q_chunk)
     pad = n_chunks * q_chunk - T
 
@@ -98,11 +103,14 @@ def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
             q, iq, iw, q_pos, q_seg = xs
             return _warmup_chunk(q, kv_BSC, iq, ik, iw, q_pos, kv_pos_BS, q_seg, kv_seg_BS, scale=scale)
     else:
-        per_query = (q_BTHC, index_q_BTHD, index_w_BTH, idx_BTK, valid_BTK)
+        given = target_BTK is not None
+        per_query = (jax.lax.stop_gradient(target_BTK) if given else q_BTHC, index_q_BTHD, index_w_BTH, idx_BTK,
+                     valid_BTK)
 
         def chunk_kl(xs, ik):
-            q, iq, iw, idx, valid = xs
-            p = _sparse_target(q, kv_BSC, idx, valid, scale=scale)     # no gradient: not rematerialised
+            q_or_p, iq, iw, idx, valid = xs
+            # the target has no gradient: it is kept for the backward pass, not rematerialised
+            p = q_or_p if given else _sparse_target(q_or_p, kv_BSC, idx, valid, scale=scale)
             return jax.checkpoint(_sparse_chunk_kl)(p, iq, ik, iw, idx, valid)
 
     if stage == "warmup":

@@ -16,9 +16,13 @@ IMPLS = ("xla", "pallas", "pallas_interpret")
 BWD_Q_CHUNK = 64  # queries per backward kernel call; the row gradients of one chunk live in HBM
 
 
-def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla"):
+def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla", with_target=False):
+    """(out, lse), or with ``with_target`` (XLA only) also the indexer KL target (reference.sparse_mla)."""
     if impl == "xla":
-        return reference.sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim)
+        return reference.sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim,
+                                    with_target=with_target)
+    if with_target:
+        raise ValueError(f"sparse_mla: with_target is only computed by the XLA reference, not impl {impl!r}")
     if impl in ("pallas", "pallas_interpret"):
         return _sparse_mla_pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim,
                                   impl == "pallas_interpret")

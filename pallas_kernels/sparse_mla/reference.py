@@ -19,10 +19,12 @@ def _masked_softmax(logits, allowed, axis=-1):
     return probs, lse
 
 
-def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=64):
+def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=64, with_target=False):
     """Attention of q [B,T,H,C] over the rows idx [B,T,k] of latent kv [B,S,C] (valid slots only).
 
-    Returns (out [B,T,H,v_dim] in q's dtype, lse [B,T,H] fp32).
+    Returns (out [B,T,H,v_dim] in q's dtype, lse [B,T,H] fp32); with ``with_target`` also the DSA
+    indexer's sparse-stage KL target [B,T,k] fp32 (no gradient): the attention probabilities averaged
+    over heads, i.e. head-summed and L1-normalised over the selected slots (spec §7.1), from these logits.
 
     Layout (XLA:CPU speed, same maths): per query the logits are computed key-major, [k, C] @ [C, H]
     -> [k, H], and the softmax runs over that k axis; with the few heads as the small matmul side this
@@ -37,6 +39,8 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=64):
         probs_BTKH, lse = _masked_softmax(logits_BTKH, valid[:, :, :, None], axis=2)
         out = jnp.einsum("btkh,btkc->bthc", probs_BTKH.astype(kv_BSC.dtype), rows_BTKC,
                          preferred_element_type=jnp.float32)[..., :v_dim]
+        if with_target:
+            return out.astype(q.dtype), lse, jax.lax.stop_gradient(jnp.mean(probs_BTKH, axis=-1))
         return out.astype(q.dtype), lse
 
     # Rematerialised per chunk: differentiating the loop would otherwise stack every chunk's gathered

@@ -136,3 +136,18 @@ def test_remat_policies_give_the_same_gradients(variables):
     for policy in ("dots_with_no_batch_dims_saveable",):
         for a, b in zip(jax.tree.leaves(grads(policy)), jax.tree.leaves(reference)):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_indexer_kl_same_in_absorbed_and_mha_forms(variables):
+    """Absorbed XLA attention hands its own probabilities to the sparse-stage KL; the mha form computes
+    the target separately from the detached latent: both give the same loss per full layer."""
+    ids = jnp.asarray(tokens(2, 4 * TINY.index_topk))
+
+    def kl(form):
+        cfg = TINY.replace(mla_form=form, indexer_loss="sparse")
+        _, aux = jax.jit(lambda v, t: Transformer(cfg).apply(v, t, return_aux=True))(variables, ids)
+        return np.asarray(aux["indexer_kl"])
+
+    absorbed, mha = kl("absorbed"), kl("mha")
+    assert absorbed.shape == (3,) and np.all(absorbed > 0)     # two full decoder layers + MTP
+    np.testing.assert_allclose(absorbed, mha, rtol=1e-4)

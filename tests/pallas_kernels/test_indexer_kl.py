@@ -84,6 +84,34 @@ def test_sparse_matches_direct_formula_on_selected_set():
         assert_close(g, w, 1e-5)
 
 
+def test_sparse_target_from_sparse_mla_gives_the_same_loss_and_grads():
+    """The XLA sparse attention's head-averaged probabilities (sparse_mla with_target) are the KL target."""
+    from pallas_kernels.sparse_mla import ops as sparse_mla_ops
+
+    x = make_inputs(seed=3)
+    idx, valid = selection(x, topk=7)
+    _, _, target = sparse_mla_ops.sparse_mla(x["q"], x["kv"], idx, valid, scale=SCALE, v_dim=C, impl="xla",
+                                             with_target=True)
+    q_pos, kv_pos, q_seg, kv_seg = x["pos_seg"]
+
+    def with_target(iq, ik, iw):
+        return ops.indexer_kl_loss(None, None, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, scale=SCALE,
+                                   stage="sparse", idx_BTK=idx, valid_BTK=valid, target_BTK=target)
+
+    value, grads = jax.jit(jax.value_and_grad(with_target, argnums=range(3)))(x["iq"], x["ik"], x["iw"])
+    direct_value, direct_grads = jax.jit(jax.value_and_grad(
+        lambda iq, ik, iw: direct_loss(dict(x, iq=iq, ik=ik, iw=iw), selected_mask(idx, valid)),
+        argnums=range(3)))(x["iq"], x["ik"], x["iw"])
+    assert value > 0
+    assert_close(value, direct_value, 1e-5)
+    for g, w in zip(grads, direct_grads):
+        assert np.abs(np.asarray(w)).max() > 0
+        assert_close(g, w, 1e-5)
+    with pytest.raises(ValueError, match="with_target"):
+        sparse_mla_ops.sparse_mla(x["q"], x["kv"], idx, valid, scale=SCALE, v_dim=C, impl="pallas_interpret",
+                                  with_target=True)
+
+
 def test_sparse_equals_warmup_when_every_visible_key_is_selected():
     x = make_inputs(seed=2)
     idx, valid = selection(x, topk=S)
