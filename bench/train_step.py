@@ -12,7 +12,7 @@ indexer) and the fp32 matmul peak measured in the same run.
 Speed settings of configs/bench_small.py (XLA:CPU; relative timings of fwd+bwd pieces at T=1024, B=2):
 moe_impl="blocked" (one MoE layer ~6x faster than ragged_dot), mla_form="absorbed" (sparse attention
 over the k gathered latent rows per query, key-major per-query products, chunks rematerialised; its
-probabilities double as the indexer KL target: at 3 layers, T=1024 one core, 9.6 s/step vs 13.7 s for
+probabilities double as the indexer KL target: at 3 layers, T=1024, one core, 11.0 s/step vs 13.7 s for
 mla_form="mha", the selection as a mask over all keys), remat_policy="dots_with_no_batch_dims_saveable"
 (keeps projection outputs and the top-k selection, recomputes attention, so T=4096 fits in memory).
 The HF baseline runs no MTP module; our step does (its FLOPs are not counted).
