@@ -10,7 +10,8 @@ indexer) and the fp32 matmul peak measured in the same run.
     python bench/train_step.py --set=model.moe_impl=ragged_dot               # try a model setting
 
 Speed settings of configs/bench_small.py (XLA:CPU; relative timings of fwd+bwd pieces at T=1024, B=2):
-moe_impl="blocked" (one MoE layer ~6x faster than ragged_dot), mla_form="absorbed" (sparse attention
+moe_impl="blocked" (a loop over 128-row blocks with a hand-written backward: one MoE layer ~6x faster
+than ragged_dot, and the 3-layer step 5.6% faster than one batched einsum over gathered weights), mla_form="absorbed" (sparse attention
 over the k gathered latent rows per query, key-major per-query products, chunks rematerialised; its
 probabilities double as the indexer KL target: at 3 layers, T=1024, one core, 11.0 s/step vs 13.7 s for
 mla_form="mha", the selection as a mask over all keys), remat_policy="dots_with_no_batch_dims_saveable"
