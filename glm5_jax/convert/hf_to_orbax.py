@@ -19,7 +19,7 @@ from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, s
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import LeafWriter
 from glm5_jax.convert.plan import LeafPlan, build_plan
-from glm5_jax.convert.progress import Progress
+from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.hf_config import read_config_json
 from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
@@ -79,13 +79,13 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
         dtypes = {reader.dtype(k) for k in leaf.hub_keys()}
         if len(dtypes) == 1 and FP8_DTYPE not in dtypes:
             hf_dtypes[leaf.name] = dtypes.pop().name
-    progress = Progress("hf-to-orbax", sum(hub_bytes(k) for leaf in plan for k in leaf.hub_keys()), stream)
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    leaf_bytes = {leaf.name: sum(hub_bytes(k) for k in leaf.hub_keys()) for leaf in plan}
+    progress = Progress("hf-to-orbax", sum(leaf_bytes.values()), stream)
+    with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
         writer = LeafWriter(tmp, {"hf_config": hf, "model_config": config_to_json(cfg), "hf_dtypes": hf_dtypes})
         for leaf in plan:
             leaf_dtype = np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
             writer.add(leaf.collection, leaf.path, build_leaf(reader, leaf, leaf_dtype, device_mesh))
-            keys = leaf.hub_keys()
-            progress.advance(sum(hub_bytes(k) for k in keys), len(keys))
+            progress.advance(leaf_bytes[leaf.name], len(leaf.hub_keys()))
         writer.finalize()
     return progress.summary()

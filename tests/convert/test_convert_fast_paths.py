@@ -48,3 +48,33 @@ def test_leaves_read_through_the_reused_buffer_match_the_reference(tmp_path, mon
             return to_ours(ckpt.raw(src.key), src.layout, src.heads)
         want = np.stack([element(s) for s in leaf.sources]) if leaf.stacked else element(leaf.sources[0])
         assert got.shape == want.shape and got.tobytes() == np.ascontiguousarray(want).tobytes(), leaf.name
+
+
+def test_leaf_buffers_are_aligned_so_jax_adopts_them():
+    """64-byte aligned results let jax's CPU client alias them instead of copying each leaf."""
+    import jax
+
+    src = np.arange(3 * 100 * 70, dtype=np.float32).reshape(3, 100, 70).astype(ml_dtypes.bfloat16)
+    out = transpose_copy(src, (0, 2, 1))
+    assert out.ctypes.data % hub_reader.ALIGN == 0
+    arr = jax.device_put(out)
+    np.testing.assert_array_equal(np.asarray(arr), src.transpose(0, 2, 1))
+    empty = hub_reader.aligned_empty((0, 5), np.float32)
+    assert empty.shape == (0, 5)
+
+
+def test_plan_traced_on_the_cheap_path_matches_the_model():
+    """build_plan traces the model with dense attention and no remat; shapes and logical axes must be
+    those of the model as configured."""
+    from flax.core import meta
+    import jax
+
+    from glm5_jax.param_count import abstract_variables
+
+    for hf in (CONFIG, {**CONFIG, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}):
+        cfg = ModelConfig.from_hf(hf)
+        leaves = jax.tree_util.tree_leaves_with_path(abstract_variables(cfg),
+                                                     is_leaf=lambda x: isinstance(x, meta.Partitioned))
+        want = {tuple(k.key for k in path): (tuple(meta.unbox(x).shape), tuple(x.names)) for path, x in leaves}
+        got = {(leaf.collection,) + leaf.path: (leaf.shape, leaf.logical_axes) for leaf in build_plan(cfg)}
+        assert got == want
