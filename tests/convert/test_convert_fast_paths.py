@@ -78,3 +78,41 @@ def test_plan_traced_on_the_cheap_path_matches_the_model():
         want = {tuple(k.key for k in path): (tuple(meta.unbox(x).shape), tuple(x.names)) for path, x in leaves}
         got = {(leaf.collection,) + leaf.path: (leaf.shape, leaf.logical_axes) for leaf in build_plan(cfg)}
         assert got == want
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 5000])
+def test_prefetched_export_round_trip_is_bit_identical(tmp_path, monkeypatch, batch_bytes):
+    """orbax-to-hf restores leaves in batches in a background thread; with tiny batches (one leaf each,
+    or a few) the round trip is still bit-identical, bf16 and the fp32 router alike."""
+    from convert_helpers import assert_same_tensors
+    from glm5_jax.convert import hf_to_orbax, orbax_to_hf
+
+    export_module = __import__("sys").modules["glm5_jax.convert.orbax_to_hf"]
+    monkeypatch.setattr(export_module, "RESTORE_BATCH_BYTES", batch_bytes)
+    write_random_hub_checkpoint(str(tmp_path / "hf"), CONFIG, dtype=ml_dtypes.bfloat16, max_shard_bytes=40_000)
+    hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"), dtype="bfloat16")
+    orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "back"), shard_size="30KB")
+    assert assert_same_tensors(str(tmp_path / "hf"), str(tmp_path / "back")) > 0
+
+
+def test_export_error_in_prefetch_thread_writes_nothing(tmp_path, monkeypatch):
+    """A restore failing in the background thread (here: the third batch) surfaces in the caller and
+    leaves no output or temporary directory behind."""
+    from convert_helpers import siblings
+    from glm5_jax.convert import hf_to_orbax, orbax_io, orbax_to_hf
+
+    export_module = __import__("sys").modules["glm5_jax.convert.orbax_to_hf"]
+    monkeypatch.setattr(export_module, "RESTORE_BATCH_BYTES", 1)
+    write_random_hub_checkpoint(str(tmp_path / "hf"), CONFIG, dtype=ml_dtypes.bfloat16)
+    hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"), dtype="bfloat16")
+    calls, real = [], orbax_io.restore_leaves
+
+    def failing(ckpt_dir, leaves):
+        calls.append(leaves)
+        if len(calls) == 3:
+            raise OSError("disk went away")
+        return real(ckpt_dir, leaves)
+    monkeypatch.setattr(orbax_io, "restore_leaves", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "back"))
+    assert siblings(str(tmp_path / "back")) == []
