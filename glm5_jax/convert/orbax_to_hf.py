@@ -8,10 +8,10 @@ it is complete, before the directory is renamed into place.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -20,7 +20,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.convert import fp8 as fp8_layout
 from glm5_jax.convert import orbax_io
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
-from glm5_jax.convert.hf_to_orbax import config_from_json
+from glm5_jax.convert.hf_to_orbax import config_from_json, prefetched
 from glm5_jax.convert.hub_reader import scale_key, transpose_copy
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
@@ -117,11 +117,8 @@ def _restored_leaves(ckpt_dir: str, plan: list[LeafPlan], stored: dict):
         return orbax_io.restore_leaves(ckpt_dir, [((leaf.collection,) + leaf.path, leaf.shape,
                                                    stored[(leaf.collection,) + leaf.path][1]) for leaf in batch])
 
-    with ThreadPoolExecutor(1, thread_name_prefix="orbax-to-hf-restore") as pool:
-        pending = pool.submit(restore, batches[0]) if batches else None
-        for i, batch in enumerate(batches):
-            arrays = pending.result()
-            pending = pool.submit(restore, batches[i + 1]) if i + 1 < len(batches) else None
+    with contextlib.closing(prefetched(batches, restore, "orbax-to-hf-restore")) as restored:
+        for batch, arrays in restored:
             yield from zip(batch, arrays)
             del arrays
 
@@ -167,17 +164,18 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
             f.flush()
             os.fsync(f.fileno())
         writer = ShardedSafetensorsWriter(tmp, layout)
-        for leaf, array in _restored_leaves(ckpt_dir, plan, stored):
-            for key, w in _hub_tensors(leaf, array):
-                if fp8 and fp8_layout.is_quantised(key):
-                    w8, scale = fp8_layout.quantise_blocks(np.asarray(w, np.float32))
-                    writer.write(key, w8)
-                    writer.write(scale_key(key), scale)
-                    progress.advance(w8.nbytes + scale.nbytes)
-                else:
-                    w = np.asarray(w, out_dtypes[leaf.name])
-                    writer.write(key, w)
-                    progress.advance(w.nbytes)
-            del array
+        with contextlib.closing(_restored_leaves(ckpt_dir, plan, stored)) as leaves:
+            for leaf, array in leaves:
+                for key, w in _hub_tensors(leaf, array):
+                    if fp8 and fp8_layout.is_quantised(key):
+                        w8, scale = fp8_layout.quantise_blocks(np.asarray(w, np.float32))
+                        writer.write(key, w8)
+                        writer.write(scale_key(key), scale)
+                        progress.advance(w8.nbytes + scale.nbytes)
+                    else:
+                        w = np.asarray(w, out_dtypes[leaf.name])
+                        writer.write(key, w)
+                        progress.advance(w.nbytes)
+                del array
         writer.close()
     return progress.summary()

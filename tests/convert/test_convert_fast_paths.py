@@ -116,3 +116,25 @@ def test_export_error_in_prefetch_thread_writes_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk went away"):
         orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "back"))
     assert siblings(str(tmp_path / "back")) == []
+
+
+def test_import_error_in_reader_thread_writes_nothing(tmp_path, monkeypatch):
+    """hf-to-orbax builds the next leaf in a background thread; a read failing there (a file shrinking
+    after validation) surfaces in the caller and leaves no output or temporary directory."""
+    from convert_helpers import siblings
+    from glm5_jax.convert import hf_to_orbax
+    from glm5_jax.safetensors_io import CheckpointError
+
+    write_random_hub_checkpoint(str(tmp_path / "hf"), CONFIG, dtype=ml_dtypes.bfloat16)
+    calls, real = [], hub_reader.read_leaf_slice
+    import_module = __import__("sys").modules["glm5_jax.convert.hf_to_orbax"]
+
+    def failing(reader, leaf, index, dtype):
+        calls.append(leaf.name)
+        if len(calls) == 5:
+            raise CheckpointError("shard truncated while reading")
+        return real(reader, leaf, index, dtype)
+    monkeypatch.setattr(import_module, "read_leaf_slice", failing)
+    with pytest.raises(CheckpointError, match="truncated while reading"):
+        hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"), dtype="bfloat16")
+    assert siblings(str(tmp_path / "orbax")) == []
