@@ -71,7 +71,8 @@ class ShardedSafetensorsWriter:
                              f"{array.dtype.name}{list(array.shape)}")
         if shard != self._shard:
             self._open(shard)
-        np.ascontiguousarray(array).tofile(self._file)
+        # Straight from the array's buffer (`tofile` dups the fd, fdopens and seeks on every call).
+        self._file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
         self._next += 1
 
     def _close_shard(self):
