@@ -100,6 +100,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
             hf_dtypes[leaf.name] = dtypes.pop().name
     leaf_bytes = {leaf.name: sum(hub_bytes(k) for k in leaf.hub_keys()) for leaf in plan}
     progress = Progress("hf-to-orbax", sum(leaf_bytes.values()), stream)
+
     def leaf_dtype(leaf):
         return np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
 
