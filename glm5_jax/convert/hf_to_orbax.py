@@ -4,11 +4,14 @@ Each leaf of ``variables`` (stacked over scanned layers, routed experts stacked)
 `jax.make_array_from_callback`: every device's callback reads only the hub rows of its shard with
 positional file reads (nothing stays mapped, so RSS does not grow with bytes read; FP8 blocks are
 dequantised on the fly), and the leaf is handed to orbax (written in the background in ~64 MiB
-batches) before the next is read. Everything is validated before the output directory is created.
+batches) while a reader thread builds the next one (one leaf ahead). Everything is validated before
+the output directory is created.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -19,7 +22,7 @@ from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, s
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import LeafWriter
 from glm5_jax.convert.plan import LeafPlan, build_plan
-from glm5_jax.convert.progress import Progress
+from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.hf_config import read_config_json
 from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
@@ -54,6 +57,22 @@ def build_leaf(reader: HubReader, leaf: LeafPlan, dtype, mesh) -> jax.Array:
     return jax.make_array_from_callback(leaf.shape, sharding, lambda index: read_leaf_slice(reader, leaf, index, dtype))
 
 
+def prefetched(items, build, name: str = "convert-prefetch"):
+    """``(item, build(item))`` for each item in order, with ``build`` of the next item running in one
+    background thread while the caller uses the current result: reading (positional reads) and the
+    numpy copies release the GIL, so on a machine with a spare core reading leaf i+1 overlaps handing
+    leaf i to orbax. At most one result waits besides the caller's; errors surface in order. Close the
+    generator (`contextlib.closing`) so an error in the caller also joins the thread."""
+    items = list(items)
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        pending = pool.submit(build, items[0]) if items else None
+        for i, item in enumerate(items):
+            result = pending.result()
+            pending = pool.submit(build, items[i + 1]) if i + 1 < len(items) else None
+            yield item, result
+            del result
+
+
 def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | None = None,
                 overwrite: bool = False, stream=None) -> dict:
     """Convert; returns the summary (tensors, bytes read, seconds, bytes/s, peak RSS)."""
@@ -79,13 +98,19 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
         dtypes = {reader.dtype(k) for k in leaf.hub_keys()}
         if len(dtypes) == 1 and FP8_DTYPE not in dtypes:
             hf_dtypes[leaf.name] = dtypes.pop().name
-    progress = Progress("hf-to-orbax", sum(hub_bytes(k) for leaf in plan for k in leaf.hub_keys()), stream)
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    leaf_bytes = {leaf.name: sum(hub_bytes(k) for k in leaf.hub_keys()) for leaf in plan}
+    progress = Progress("hf-to-orbax", sum(leaf_bytes.values()), stream)
+
+    def leaf_dtype(leaf):
+        return np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
+
+    with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
         writer = LeafWriter(tmp, {"hf_config": hf, "model_config": config_to_json(cfg), "hf_dtypes": hf_dtypes})
-        for leaf in plan:
-            leaf_dtype = np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
-            writer.add(leaf.collection, leaf.path, build_leaf(reader, leaf, leaf_dtype, device_mesh))
-            keys = leaf.hub_keys()
-            progress.advance(sum(hub_bytes(k) for k in keys), len(keys))
+        with contextlib.closing(prefetched(plan, lambda leaf: build_leaf(reader, leaf, leaf_dtype(leaf),
+                                                                         device_mesh))) as leaves:
+            for leaf, array in leaves:
+                writer.add(leaf.collection, leaf.path, array)
+                del array
+                progress.advance(leaf_bytes[leaf.name], len(leaf.hub_keys()))
         writer.finalize()
     return progress.summary()

@@ -10,6 +10,7 @@ just its shard and a single host never holds more than the leaf being built.
 from __future__ import annotations
 
 import math
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -31,6 +32,18 @@ class HubReader:
     def __init__(self, ckpt: SafetensorsCheckpoint, block_size=(128, 128)):
         self.ckpt = ckpt
         self.block_size = tuple(block_size)
+        self._scratch = threading.local()      # per-thread hub-order buffer, reused from leaf to leaf
+
+    def scratch(self, shape, dtype) -> np.ndarray:
+        """An uninitialised array of `shape` and `dtype` backed by this thread's reused buffer (grown to
+        the largest request). Reading hub tensors into fresh memory costs a page fault and a kernel
+        page clear per page; the buffer only ever holds data that is copied out before the next call."""
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._scratch.buf = None
+            buf = self._scratch.buf = np.empty(max(nbytes, 1), np.uint8)
+        return buf[:nbytes].view(dtype).reshape(shape)
 
     def is_fp8(self, key: str) -> bool:
         return key.endswith(".weight") and scale_key(key) in self.ckpt
@@ -140,14 +153,54 @@ def read_leaf_slice(reader: HubReader, leaf: LeafPlan, index, dtype) -> np.ndarr
     hub_index = [None] * len(perm)
     for our_axis, sl in enumerate(index):
         hub_index[perm[our_axis]] = sl
-    out = np.empty(tuple(s.stop - s.start for s in hub_index), dtype)
+    identity = perm == tuple(range(len(perm)))
+    hub_slice_shape = tuple(s.stop - s.start for s in hub_index)
+    # Without a transpose the hub-order array is the result; otherwise it is scratch, copied out below.
+    out = aligned_empty(hub_slice_shape, dtype) if identity else reader.scratch(hub_slice_shape, dtype)
     if leaf.stacked:
         layer_range, rest = range(hub_index[0].start, hub_index[0].stop), hub_index[1:]
         for j, layer in enumerate(layer_range):
             _read_source(reader, leaf.sources[layer], rest, out[j])
     else:
         _read_source(reader, leaf.sources[0], hub_index, out)
-    return out if perm == tuple(range(len(perm))) else np.ascontiguousarray(out.transpose(perm))
+    return out if identity else transpose_copy(out, perm)
+
+
+TRANSPOSE_BLOCK = 64
+ALIGN = 64
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """`np.empty` starting on a 64-byte boundary. jax's CPU client adopts such a buffer in
+    `device_put` / `make_array_from_callback` instead of copying it (a whole extra pass over every
+    leaf otherwise), so the caller must not write to it after handing it over; read_leaf_slice's
+    results are fresh arrays that nothing else references."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start: start + nbytes].view(dtype).reshape(shape)
+
+
+def transpose_copy(src: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
+    """``np.ascontiguousarray(src.transpose(perm))``, copied in blocks of `TRANSPOSE_BLOCK` along the
+    source axis that becomes the result's last axis: numpy's strided copy of a whole leaf walks the
+    source with a large stride and runs several times slower than these cache-sized blocks."""
+    result = aligned_empty(tuple(src.shape[p] for p in perm), src.dtype)
+    # Copy as same-width unsigned integers: numpy's own strided loops, not ml_dtypes' per-element
+    # copy functions for bfloat16 / float8 (a bit copy either way).
+    bits = np.dtype(f"u{src.dtype.itemsize}")
+    src, out = src.view(bits), result.view(bits)
+    axis = perm[-1]
+    n = src.shape[axis]
+    if n <= TRANSPOSE_BLOCK:
+        np.copyto(out, src.transpose(perm))
+        return result
+    for start in range(0, n, TRANSPOSE_BLOCK):
+        block = slice(start, min(start + TRANSPOSE_BLOCK, n))
+        src_index = (slice(None),) * axis + (block,)
+        out[..., block] = src[src_index].transpose(perm)
+    return result
 
 
 def _read_source(reader: HubReader, src: HubSource, hub_index, out):

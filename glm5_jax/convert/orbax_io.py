@@ -122,10 +122,23 @@ def leaf_metadata(ckpt_dir: str) -> dict[tuple[str, ...], tuple[tuple[int, ...],
 
 def restore_leaf(ckpt_dir: str, collection: str, path: tuple[str, ...], shape, dtype) -> np.ndarray:
     """One stored leaf as a host numpy array (orbax reads only that leaf)."""
-    abstract = _nest(collection, path, jax.ShapeDtypeStruct(shape, dtype))
-    restore_args = _nest(collection, path, ocp.RestoreArgs(restore_type=np.ndarray))
+    return restore_leaves(ckpt_dir, [((collection,) + tuple(path), shape, dtype)])[0]
+
+
+def restore_leaves(ckpt_dir: str, leaves) -> list[np.ndarray]:
+    """Several stored leaves, ``[((collection, *path), shape, dtype), ...]``, as host numpy arrays in
+    that order, with one partial restore (orbax reads only those leaves). Each restore call costs
+    ~20 ms of metadata and handler setup, so restoring small leaves together is several times faster."""
+    abstract, restore_args = {}, {}
+    for key, shape, dtype in leaves:
+        _merge(abstract, _nest(key[0], key[1:], jax.ShapeDtypeStruct(shape, dtype)))
+        _merge(restore_args, _nest(key[0], key[1:], ocp.RestoreArgs(restore_type=np.ndarray)))
     tree = ocp.PyTreeCheckpointer().restore(
         _state_dir(ckpt_dir), args=ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=True))
-    for p in (collection,) + path:
-        tree = tree[p]
-    return tree
+    out = []
+    for key, _, _ in leaves:
+        node = tree
+        for p in key:
+            node = node[p]
+        out.append(node)
+    return out

@@ -1,11 +1,14 @@
 """Our orbax checkpoint -> HF hub directory (config.json, sharded safetensors, index json), streamed.
 
-Leaves are restored one at a time; each layer / expert slice is turned back into a hub ``[out, in]``
-tensor, cast (or block-quantised to FP8 with ``--fp8``) and written straight into its shard, whose
-header was fixed up front from the full tensor list.
+Leaves are restored in batches of about 64 MiB (a larger leaf alone), the next batch in a background
+thread while the current one is written; each layer / expert slice is turned back into a hub
+``[out, in]`` tensor, cast (or block-quantised to FP8 with ``--fp8``) and written straight into its
+shard, whose header was fixed up front from the full tensor list. Each shard is fsynced once when
+it is complete, before the directory is renamed into place.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,10 +20,10 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.convert import fp8 as fp8_layout
 from glm5_jax.convert import orbax_io
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
-from glm5_jax.convert.hf_to_orbax import config_from_json
-from glm5_jax.convert.hub_reader import scale_key
+from glm5_jax.convert.hf_to_orbax import config_from_json, prefetched
+from glm5_jax.convert.hub_reader import scale_key, transpose_copy
 from glm5_jax.convert.plan import LeafPlan, build_plan
-from glm5_jax.convert.progress import Progress
+from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
 from glm5_jax.safetensors_io import DTYPES, CheckpointError
 
@@ -79,7 +82,9 @@ def _out_dtype(leaf: LeafPlan, stored: np.dtype, hf_dtypes: dict, dtype: str | N
 def _hub_tensors(leaf: LeafPlan, array: np.ndarray):
     """(hub key, hub [out, in] tensor) for every hub tensor of the leaf, in `leaf.hub_keys()` order.
     The whole leaf is transposed to hub order once; each tensor is then a contiguous view."""
-    hub = np.ascontiguousarray(array.transpose(np.argsort(leaf.hub_to_ours_perm)))
+    perm = tuple(int(a) for a in np.argsort(leaf.hub_to_ours_perm))
+    array = np.ascontiguousarray(array)
+    hub = array if perm == tuple(range(array.ndim)) else transpose_copy(array, perm)
     elements = list(hub) if leaf.stacked else [hub]
     for src, element in zip(leaf.sources, elements):
         if src.experts:
@@ -87,6 +92,35 @@ def _hub_tensors(leaf: LeafPlan, array: np.ndarray):
                 yield key, element[e].reshape(leaf.hub_shape)
         else:
             yield src.key, element.reshape(leaf.hub_shape)
+
+
+RESTORE_BATCH_BYTES = 64 * 2**20
+
+
+def _restored_leaves(ckpt_dir: str, plan: list[LeafPlan], stored: dict):
+    """(leaf, host array) in plan order. Leaves are restored in batches of about `RESTORE_BATCH_BYTES`
+    (a larger leaf alone); batch i+1 is read by a background thread while the caller writes batch i,
+    so at most two batches (plus the caller's copies) are alive. Errors surface in plan order."""
+    batches, batch, size = [], [], 0
+    for leaf in plan:
+        shape, dtype = stored[(leaf.collection,) + leaf.path]
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if batch and size + nbytes > RESTORE_BATCH_BYTES:
+            batches.append(batch)
+            batch, size = [], 0
+        batch.append(leaf)
+        size += nbytes
+    if batch:
+        batches.append(batch)
+
+    def restore(batch):
+        return orbax_io.restore_leaves(ckpt_dir, [((leaf.collection,) + leaf.path, leaf.shape,
+                                                   stored[(leaf.collection,) + leaf.path][1]) for leaf in batch])
+
+    with contextlib.closing(prefetched(batches, restore, "orbax-to-hf-restore")) as restored:
+        for batch, arrays in restored:
+            yield from zip(batch, arrays)
+            del arrays
 
 
 def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8: bool = False,
@@ -124,23 +158,24 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
     hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name, fp8)
 
     progress = Progress("orbax-to-hf", layout.total_size, stream)
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
         writer = ShardedSafetensorsWriter(tmp, layout)
-        for leaf in plan:
-            array = orbax_io.restore_leaf(ckpt_dir, leaf.collection, leaf.path, leaf.shape,
-                                          stored[(leaf.collection,) + leaf.path][1])
-            for key, w in _hub_tensors(leaf, array):
-                if fp8 and fp8_layout.is_quantised(key):
-                    w8, scale = fp8_layout.quantise_blocks(np.asarray(w, np.float32))
-                    writer.write(key, w8)
-                    writer.write(scale_key(key), scale)
-                    progress.advance(w8.nbytes + scale.nbytes)
-                else:
-                    w = np.asarray(w, out_dtypes[leaf.name])
-                    writer.write(key, w)
-                    progress.advance(w.nbytes)
-            del array
+        with contextlib.closing(_restored_leaves(ckpt_dir, plan, stored)) as leaves:
+            for leaf, array in leaves:
+                for key, w in _hub_tensors(leaf, array):
+                    if fp8 and fp8_layout.is_quantised(key):
+                        w8, scale = fp8_layout.quantise_blocks(np.asarray(w, np.float32))
+                        writer.write(key, w8)
+                        writer.write(scale_key(key), scale)
+                        progress.advance(w8.nbytes + scale.nbytes)
+                    else:
+                        w = np.asarray(w, out_dtypes[leaf.name])
+                        writer.write(key, w)
+                        progress.advance(w.nbytes)
+                del array
         writer.close()
     return progress.summary()

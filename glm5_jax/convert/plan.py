@@ -7,6 +7,7 @@ Routed experts name a key template with ``{e}``; that element is itself a stack 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from flax.core import meta
@@ -43,13 +44,13 @@ class LeafPlan:
     def name(self) -> str:
         return "/".join((self.collection,) + self.path)
 
-    @property
+    @functools.cached_property
     def element_shape(self) -> tuple[int, ...]:
         """Our shape of one hub tensor (one layer; one expert)."""
         shape = self.shape[1:] if self.stacked else self.shape
         return shape[1:] if self.sources[0].experts else shape
 
-    @property
+    @functools.cached_property
     def hub_shape(self) -> tuple[int, ...]:
         return hub_shape(self.element_shape, self.sources[0].layout)
 
@@ -59,14 +60,14 @@ class LeafPlan:
         full = self.shape
         return full[: len(full) - len(self.element_shape)]
 
-    @property
+    @functools.cached_property
     def hub_order_shape(self) -> tuple[int, ...]:
         """The leaf as hub tensors stacked in their split hub layout (before the transpose to ours)."""
         src = self.sources[0]
         rows, cols = split_dims(self.hub_shape, src.layout, src.heads)
         return self._lead + rows + cols
 
-    @property
+    @functools.cached_property
     def hub_to_ours_perm(self) -> tuple[int, ...]:
         """``hub_order_array.transpose(perm)`` is the leaf in our layout."""
         n = len(self._lead)
@@ -83,7 +84,10 @@ class LeafPlan:
 
 def _model_leaves(cfg) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple]]:
     """(collection, *path) -> (shape, logical axes) of every variable `Transformer(cfg)` creates."""
-    boxed = abstract_variables(cfg)
+    # Parameter shapes do not depend on how attention runs; tracing the dense path without remat takes
+    # about half the time of the default sparse one (the plan is traced on every conversion). A
+    # difference would still be caught: build_plan checks the model's leaves against the table.
+    boxed = abstract_variables(cfg.replace(attention_mode="dense", remat_policy="none"))
     leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, meta.Partitioned))
     out = {}
     for path, leaf in leaves:

@@ -3,7 +3,7 @@
 Every tensor's name, dtype and shape are known before the first byte is written (`ShardLayout`), so
 each shard's header is final when the shard is opened, the shard count is known for the
 ``model-0000i-of-0000n.safetensors`` names, and tensor data is written straight through in order:
-the writer never holds more than the tensor it is given.
+the writer never holds more than the tensor it is given. Each shard is fsynced once, when complete.
 """
 from __future__ import annotations
 
@@ -71,12 +71,21 @@ class ShardedSafetensorsWriter:
                              f"{array.dtype.name}{list(array.shape)}")
         if shard != self._shard:
             self._open(shard)
-        np.ascontiguousarray(array).tofile(self._file)
+        # Straight from the array's buffer (`tofile` dups the fd, fdopens and seeks on every call).
+        self._file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
         self._next += 1
 
-    def _open(self, shard: int):
+    def _close_shard(self):
+        """Flush and fsync the finished shard (once per shard, not per tensor), so that the directory
+        renamed into place on success holds data that is on disk."""
         if self._file:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
+            self._file = None
+
+    def _open(self, shard: int):
+        self._close_shard()
         self._shard = shard
         header = _header(self.layout.shards[shard])
         self._file = open(os.path.join(self.out_dir, self.layout.file_name(shard)), "wb")
@@ -86,9 +95,10 @@ class ShardedSafetensorsWriter:
     def close(self) -> None:
         if self._next != len(self._order):
             raise ValueError(f"writer closed after {self._next} of {len(self._order)} tensors")
-        if self._file:
-            self._file.close()
+        self._close_shard()
         weight_map = {name: self.layout.file_name(i) for i, shard in enumerate(self.layout.shards)
                       for name, _, _ in shard}
         with open(os.path.join(self.out_dir, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": self.layout.total_size}, "weight_map": weight_map}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
