@@ -14,8 +14,9 @@ moe_impl="blocked" (a loop over 128-row blocks with a hand-written backward: one
 than ragged_dot, and the 3-layer step 5.6% faster than one batched einsum over gathered weights), mla_form="absorbed" (sparse attention
 over the k gathered latent rows per query, key-major per-query products, chunks rematerialised; its
 probabilities double as the indexer KL target: at 3 layers, T=1024, one core, 11.0 s/step vs 13.7 s for
-mla_form="mha", the selection as a mask over all keys), remat_policy="dots_with_no_batch_dims_saveable"
-(keeps projection outputs and the top-k selection, recomputes attention, so T=4096 fits in memory).
+mla_form="mha", the selection as a mask over all keys), remat_policy="dots_attention_saveable" (keeps projection outputs,
+the top-k selection and the attention-core output, so the backward runs the attention core forward once
+rather than twice: 8% faster step than "dots_with_no_batch_dims_saveable" at 3 layers, T=1024).
 The HF baseline runs no MTP module; our step does (its FLOPs are not counted).
 """
 import argparse

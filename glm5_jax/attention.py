@@ -31,6 +31,8 @@ from pallas_kernels.sparse_mla import reference as mla_reference
 DENSE_DECODE_FACTOR = 4
 # name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
 SELECTION_NAME = "dsa_selection"
+# the absorbed attention core output and the indexer KL target it computes (remat policy "dots_attention_saveable")
+ATTENTION_CORE_NAMES = ("attention_core_out", "indexer_kl_target")
 
 
 def _rope(cfg, x, positions_BT, *, interleaved, head_axis: bool):
@@ -138,6 +140,9 @@ class MLAttention(nn.Module):
             else:
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
+            o_lat = checkpoint_name(o_lat, ATTENTION_CORE_NAMES[0])
+            if indexer_target is not None:
+                indexer_target = checkpoint_name(indexer_target, ATTENTION_CORE_NAMES[1])
             o = einsum("bthr,rhv->bthv", o_lat, w_uv, dt)
         else:
             allowed = visible & _selection_mask(selection, visible.shape[-1]) if sparse else visible

@@ -18,7 +18,8 @@ ATTENTION_MODES = ("sparse", "dense")
 INDEXER_LOSSES = ("none", "warmup", "sparse")
 MOE_IMPLS = ("ragged_dot", "blocked")
 MOE_EP = ("none", "a2a", "ragged_a2a")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload_dots")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
+                  "offload_dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

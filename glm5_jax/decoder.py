@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.attention import SELECTION_NAME, MLAttention
+from glm5_jax.attention import ATTENTION_CORE_NAMES, SELECTION_NAME, MLAttention
 from glm5_jax.layer_plan import LayerKind, plan_segments
 from glm5_jax.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
 from glm5_jax.moe import BIAS_COLLECTION, MoE
@@ -24,6 +24,11 @@ REMAT_POLICIES = {
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),
+    # also keep each layer's attention-core output and indexer KL target (ATTENTION_CORE_NAMES): the
+    # backward pass then runs the attention core's forward once (its own rematerialisation), not twice;
+    # costs B*T*H*d_c (+ B*T*k) values per layer
+    "dots_attention_saveable": _cp.save_from_both_policies(
+        _cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(SELECTION_NAME, *ATTENTION_CORE_NAMES)),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _cp.save_from_both_policies(_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
                                                 _keep_selection),

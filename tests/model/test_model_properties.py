@@ -133,7 +133,7 @@ def test_remat_policies_give_the_same_gradients(variables):
         return jax.jit(jax.grad(loss))(variables["params"])
 
     reference = grads("none")
-    for policy in ("dots_with_no_batch_dims_saveable",):
+    for policy in ("dots_attention_saveable",):   # keeps selection + attention outputs: the most names
         for a, b in zip(jax.tree.leaves(grads(policy)), jax.tree.leaves(reference)):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
