@@ -93,11 +93,21 @@ def _matmul_flops(shape: str, opcode: str, operand_shapes: list[str], attrs: str
         m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
         dims = [int(d) for d in m.group(1).split(",") if d] if m else []
         return 2.0 * out_elems * math.prod(lhs[d] for d in dims)
-    # convolution: per output element, (kernel elements / output features) multiply-adds
+    # convolution: per output element, (kernel elements / output features) multiply-adds, except that a
+    # window over a dilated input only meets ceil(size / lhs_dilate) real elements per spatial dim (the TPU
+    # compiler writes batched matmuls as convolutions with size = lhs_dilate = batch: one real tap)
     m = re.search(r"dim_labels=[^_]*_([^-]*)->", attrs)
     if not m or "o" not in m.group(1) or len(m.group(1)) != len(rhs):
         return 0.0
-    return 2.0 * out_elems * math.prod(rhs) / rhs[m.group(1).index("o")]
+    macs = math.prod(rhs) / rhs[m.group(1).index("o")]
+    size = re.search(r"window=\{[^}]*size=([0-9x]+)", attrs)
+    dilate = re.search(r"window=\{[^}]*lhs_dilate=([0-9x]+)", attrs)
+    if size and dilate:
+        sizes = [int(v) for v in size.group(1).split("x")]
+        dilations = [int(v) for v in dilate.group(1).split("x")]
+        for w, d in zip(sizes, dilations):
+            macs = macs / w * -(-w // d)
+    return 2.0 * out_elems * macs
 
 
 def parse_computations(hlo_text: str):
@@ -113,7 +123,7 @@ def parse_computations(hlo_text: str):
                 comps[current] = {}
                 if m.group(1):
                     entry = current
-        elif line == "}":
+        elif line.startswith("}"):                # "}" or "}, execution_thread=..."
             current = None
         elif line:
             parts = _split_instruction(line)

@@ -80,3 +80,25 @@ def test_scanned_matmuls_on_cpu(layers):
     xla = compiled.cost_analysis()
     xla = xla[0] if isinstance(xla, (list, tuple)) else xla
     assert xla["flops"] < 0.6 * cost.flops        # the undercount this module exists for
+
+
+def test_batched_matmul_written_as_dilated_convolution():
+    """The TPU compiler's form of a batched matmul [b, m, k] x [b, k, n]: batch as a spatial dim with
+    window size = lhs_dilate = b, so each window meets one real input element (from a v5p compile)."""
+    text = HAND_WRITTEN.replace(
+        "%dot.0 = f32[64,128]{1,0} dot(%x, %w.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "%a = bf16[128,4,80]{2,1,0} parameter(2)\n  %b = bf16[128,64,80]{2,1,0} parameter(3)\n"
+        "  %conv = f32[128,4,64]{2,1,0} convolution(%a, %b), window={size=128 stride=127 lhs_dilate=128}, "
+        "dim_labels=0bf_0oi->0bf\n  %dot.0 = f32[64,128]{1,0} parameter(4)")
+    cost = hlo_cost(text)
+    # 128 independent [4, 80] x [80, 64] products, plus the loop's 5 trips of the [64,128]x[128,128] matmul
+    assert cost.flops == 128 * 2 * 4 * 80 * 64 + 5 * 2 * M * D * D
+
+
+def test_computation_closed_with_attributes():
+    """'}, execution_thread="sparsecore"' closes a computation like '}' (the next one must still parse)."""
+    text = HAND_WRITTEN.replace("  ROOT %t = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(%next, %fusion.1, %w)\n}",
+                                "  ROOT %t = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(%next, %fusion.1, %w)\n"
+                                '}, execution_thread="sparsecore"')
+    assert text != HAND_WRITTEN
+    assert hlo_cost(text).flops == hlo_cost(HAND_WRITTEN).flops == 6 * 2 * M * D * D
