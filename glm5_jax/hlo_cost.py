@@ -93,20 +93,24 @@ def _matmul_flops(shape: str, opcode: str, operand_shapes: list[str], attrs: str
         m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
         dims = [int(d) for d in m.group(1).split(",") if d] if m else []
         return 2.0 * out_elems * math.prod(lhs[d] for d in dims)
-    # convolution: per output element, (kernel elements / output features) multiply-adds, except that a
-    # window over a dilated input only meets ceil(size / lhs_dilate) real elements per spatial dim (the TPU
-    # compiler writes batched matmuls as convolutions with size = lhs_dilate = batch: one real tap)
-    m = re.search(r"dim_labels=[^_]*_([^-]*)->", attrs)
-    if not m or "o" not in m.group(1) or len(m.group(1)) != len(rhs):
+    # convolution: per output element, (kernel elements / output features) multiply-adds over the window,
+    # but along each spatial dim a window only meets min(ceil(size / lhs_dilate), input size) real input
+    # elements: the TPU compiler writes batched matmuls as convolutions whose "spatial" dim is the batch,
+    # either dilated (size = lhs_dilate = batch) or padded (input size 1, pad = size - 1): one real tap
+    m = re.search(r"dim_labels=([^_]*)_([^-]*)->", attrs)
+    if not m or "o" not in m.group(2) or len(m.group(2)) != len(rhs) or len(m.group(1)) != len(lhs):
         return 0.0
-    macs = math.prod(rhs) / rhs[m.group(1).index("o")]
+    lhs_labels, rhs_labels = m.group(1), m.group(2)
+    macs = math.prod(rhs) / rhs[rhs_labels.index("o")]
     size = re.search(r"window=\{[^}]*size=([0-9x]+)", attrs)
-    dilate = re.search(r"window=\{[^}]*lhs_dilate=([0-9x]+)", attrs)
-    if size and dilate:
+    if size:
+        dilate = re.search(r"window=\{[^}]*lhs_dilate=([0-9x]+)", attrs)
         sizes = [int(v) for v in size.group(1).split("x")]
-        dilations = [int(v) for v in dilate.group(1).split("x")]
-        for w, d in zip(sizes, dilations):
-            macs = macs / w * -(-w // d)
+        dilations = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
+        spatial = [c for c in rhs_labels if c.isdigit()]
+        for c, w, d in zip(spatial, sizes, dilations):
+            n = lhs[lhs_labels.index(c)] if c in lhs_labels else w
+            macs = macs / w * min(-(-w // d), n)
     return 2.0 * out_elems * macs
 
 

@@ -2,7 +2,8 @@
 on v5p:2x2x1 (4 chips), checked for a sane compile_report.json.
 
 * `test_compile_only_small_glm5_on_v5p` (CI): the GLM-5 structure (MLA + DSA indexer, 1 dense + 2 MoE
-  layers + MTP, a2a expert parallelism, full remat) at configs/tiny.py widths: about a minute on one core.
+  layers + MTP, a2a expert parallelism, full remat) at configs/tiny.py widths: ~90 s on one core of the
+  shared host, 60-70 s of it libtpu's compile (fewer layers, no MTP or no remat do not make it faster).
 * `test_compile_only_reduced_glm5_on_v5p` (slow): production widths (hidden 6144, 64 heads, MLA/DSA dims,
   154880 vocab, expert width 2048), 1 dense + 1 MoE layer + MTP: ~4 minutes of libtpu compile on one core
   of the shared 2-core host (a single production-width layer alone takes over 100 s), so not in CI.

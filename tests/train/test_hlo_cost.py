@@ -102,3 +102,15 @@ def test_computation_closed_with_attributes():
                                 '}, execution_thread="sparsecore"')
     assert text != HAND_WRITTEN
     assert hlo_cost(text).flops == hlo_cost(HAND_WRITTEN).flops == 6 * 2 * M * D * D
+
+
+def test_batched_matmul_written_as_padded_convolution():
+    """The other TPU form, seen for per-head einsums of MLA ('bthv,hvd->btd'): heads as a spatial dim of
+    the kernel, the input's spatial dim of size 1 padded by size - 1 on both sides: one real tap each."""
+    text = HAND_WRITTEN.replace(
+        "%dot.0 = f32[64,128]{1,0} dot(%x, %w.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "%a = bf16[128,6144,1]{1,0,2} parameter(2)\n  %b = bf16[64,256,6144]{2,1,0} parameter(3)\n"
+        "  %conv = f32[128,64,256]{2,0,1} convolution(%a, %b), window={size=64 pad=63_63 rhs_reversal=1}, "
+        "dim_labels=bf0_0oi->b0f\n  %dot.0 = f32[64,128]{1,0} parameter(4)")
+    # 64 heads x [128, 6144] x [6144, 256]
+    assert hlo_cost(text).flops == 64 * 2 * 128 * 6144 * 256 + 5 * 2 * M * D * D
