@@ -97,9 +97,8 @@ def test_batched_matmul_written_as_dilated_convolution():
 
 def test_computation_closed_with_attributes():
     """'}, execution_thread="sparsecore"' closes a computation like '}' (the next one must still parse)."""
-    text = HAND_WRITTEN.replace("  ROOT %t = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(%next, %fusion.1, %w)\n}",
-                                "  ROOT %t = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(%next, %fusion.1, %w)\n"
-                                '}, execution_thread="sparsecore"')
+    root = "  ROOT %t = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}) tuple(%next, %fusion.1, %w)\n"
+    text = HAND_WRITTEN.replace(root + "}", root + '}, execution_thread="sparsecore"')
     assert text != HAND_WRITTEN
     assert hlo_cost(text).flops == hlo_cost(HAND_WRITTEN).flops == 6 * 2 * M * D * D
 
