@@ -2,10 +2,10 @@
 on v5p:2x2x1 (4 chips), checked for a sane compile_report.json.
 
 * `test_compile_only_small_glm5_on_v5p` (CI): the GLM-5 structure (MLA + DSA indexer, 1 dense + 2 MoE
-  layers + MTP, a2a expert parallelism, full remat) at configs/tiny.py widths: ~90 s on one core of the
-  shared host, 60-70 s of it libtpu's compile (fewer layers, no MTP or no remat do not make it faster).
+  layers + MTP, a2a expert parallelism, full remat) at configs/tiny.py widths: 60-90 s on one core of the
+  shared host, most of it libtpu's compile (fewer layers, no MTP or no remat do not make it faster).
 * `test_compile_only_reduced_glm5_on_v5p` (slow): production widths (hidden 6144, 64 heads, MLA/DSA dims,
-  154880 vocab, expert width 2048), 1 dense + 1 MoE layer + MTP: ~4 minutes of libtpu compile on one core
+  154880 vocab, expert width 2048), 1 dense + 1 MoE layer + MTP: 5-8 minutes of libtpu compile on one core
   of the shared 2-core host (a single production-width layer alone takes over 100 s), so not in CI.
 """
 import importlib.util
@@ -90,7 +90,7 @@ def test_compile_only_small_glm5_on_v5p(tmp_path):
     check_memory_and_flops(report, state_param_count(SMALL))
 
 
-@pytest.mark.slow   # ~4 minutes on one core: run with `pytest -m slow`
+@pytest.mark.slow   # 5-8 minutes on one core: run with `pytest -m slow`
 def test_compile_only_reduced_glm5_on_v5p(tmp_path):
     report = compile_only(tmp_path, REDUCED)
     assert report["num_hidden_layers"] == 2
