@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.layers import SwiGLU, constrain, logical_param, normal_init
+from glm5_jax.layers import SwiGLU, constrain, logical_param, materialised_on_cpu, normal_init
 from glm5_jax.moe_ep import expert_parallel_swiglu
 
 MOE_BLOCK = 128                # rows per block of the "blocked" grouped matmul
@@ -168,11 +168,6 @@ def _block_swiglu_fwd(x_nMD, expert_n, w_gate_EDF, w_up_EDF, w_down_EFD):
     return y, (x_nMD, expert_n, w_gate_EDF, w_up_EDF, w_down_EFD, gate, up)
 
 
-def _transposed(a):
-    # materialised transpose: XLA:CPU runs a^T b much faster from a [K, M] copy than folded into the dot
-    return jax.lax.platform_dependent(a.T, cpu=jax.lax.optimization_barrier, default=lambda t: t)
-
-
 def _block_swiglu_bwd(residuals, dy_nMD):
     x_nMD, expert_n, w_gate_EDF, w_up_EDF, w_down_EFD, gate_nMF, up_nMF = residuals
     dt = x_nMD.dtype
@@ -186,14 +181,14 @@ def _block_swiglu_bwd(residuals, dy_nMD):
         d_gate = (dh * up * sig * (1 + gate * (1 - sig))).astype(dt)      # silu'(g) = s (1 + g (1 - s))
         d_up = (dh * silu).astype(dt)
         dx = _mm(d_gate, _expert(w_gate_EDF, e).T) + _mm(d_up, _expert(w_up_EDF, e).T)
-        x_t = _transposed(x)
+        x_t = materialised_on_cpu(x.T)
 
         def add(acc_EXY, d_XY):
             return jax.lax.dynamic_update_index_in_dim(acc_EXY, _expert(acc_EXY, e) + d_XY, e, 0)
 
         dw_gate, dw_up, dw_down = acc
         acc = (add(dw_gate, _mm(x_t, d_gate)), add(dw_up, _mm(x_t, d_up)),
-               add(dw_down, _mm(_transposed(h), dy.astype(dt))))
+               add(dw_down, _mm(materialised_on_cpu(h.T), dy.astype(dt))))
         return acc, dx.astype(dt)
 
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w_gate_EDF, w_up_EDF, w_down_EFD))
