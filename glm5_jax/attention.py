@@ -21,6 +21,7 @@ from glm5_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
+from pallas_kernels.sparse_mla import masked_dense
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 from pallas_kernels.sparse_mla import reference as mla_reference
 
@@ -128,12 +129,11 @@ class MLAttention(nn.Module):
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & _selection_mask(selection, S),
                                                    scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
             elif sparse:
-                # decode calls use the XLA gather path, whatever the training impl
-                impl = "xla" if cache is not None else cfg.attention_impl
-                if impl == "xla" and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
-                    # the KL target comes from these attention logits (same detached values, one gather)
+                impl = self._sparse_impl(cache is not None, S, k)
+                if impl.startswith("xla") and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
+                    # the KL target comes from these attention probabilities (same detached values)
                     o_lat, _, indexer_target = sparse_mla_ops.sparse_mla(
-                        q_abs, latent_BSC.astype(dt), *selection, scale=cfg.softmax_scale, v_dim=R, impl="xla",
+                        q_abs, latent_BSC.astype(dt), *selection, scale=cfg.softmax_scale, v_dim=R, impl=impl,
                         with_target=True)
                 else:
                     o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection, impl=impl)
@@ -201,6 +201,19 @@ class MLAttention(nn.Module):
                                  out_axes=(("batch", None, None), ("batch", None, None)))(
             q_i, k_i, w_i, positions_BT, segment_ids_BT)
 
+    def _sparse_impl(self, decoding, num_keys, k):
+        """sparse_mla impl: decode calls gather (XLA) whatever the training impl; training on XLA gathers
+        or attends through the selection mask (config sparse_xla_form, "auto": by the work ratio)."""
+        cfg = self.cfg
+        if decoding:
+            return "xla"
+        if cfg.attention_impl != "xla":
+            return cfg.attention_impl
+        form = cfg.sparse_xla_form
+        if form == "auto":
+            form = "masked_dense" if masked_dense.worth_it(num_keys, k, masked_dense.Q_CHUNK) else "gather"
+        return "xla_masked_dense" if form == "masked_dense" else "xla"
+
     def _sparse_core(self, q_abs, latent_BSC, idx, valid, impl):
         """Absorbed sparse attention -> o_lat [B,T,H,R]; a Pallas impl runs per (batch, head) shard."""
         cfg = self.cfg
@@ -209,7 +222,7 @@ class MLAttention(nn.Module):
             return sparse_mla_ops.sparse_mla(q, kv, i, v, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
                                              impl=impl)[0]
 
-        if impl == "xla":
+        if impl in ("xla", "xla_masked_dense"):
             return core(q_abs, latent_BSC, idx, valid)
         heads = ("batch", None, "act_heads", None)
         return logical_shard_map(core, in_axes=(heads, ("batch", None, None), ("batch", None, None),

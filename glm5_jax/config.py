@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
 MLA_FORMS = ("absorbed", "mha")
+SPARSE_XLA_FORMS = ("auto", "gather", "masked_dense")
 ATTENTION_MODES = ("sparse", "dense")
 INDEXER_LOSSES = ("none", "warmup", "sparse")
 MOE_IMPLS = ("ragged_dot", "blocked")
@@ -83,6 +84,10 @@ class ModelConfig:
     param_dtype: str = "float32"             # master weights
     attention_impl: str = "xla"
     mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
+    # absorbed sparse training attention on attention_impl="xla": "gather" the k selected latent rows per
+    # query, "masked_dense" (one matmul per causal query block over the selection mask), or "auto"
+    # (masked_dense while its work is within sparse_mla.masked_dense.DENSE_WORK_FACTOR of the gather's)
+    sparse_xla_form: str = "auto"
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
     indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)
     moe_impl: str = "ragged_dot"              # "ragged_dot" (reference) or "blocked" (fast on CPU)
@@ -189,7 +194,8 @@ class ModelConfig:
             need("original_max_position_embeddings" in rs, "rope_scaling",
                  "yarn needs original_max_position_embeddings")
         for f, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS),
-                           ("mla_form", MLA_FORMS), ("attention_mode", ATTENTION_MODES),
+                           ("mla_form", MLA_FORMS), ("sparse_xla_form", SPARSE_XLA_FORMS),
+                           ("attention_mode", ATTENTION_MODES),
                            ("indexer_loss", INDEXER_LOSSES),
                            ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES)):
             need(getattr(self, f) in allowed, f, f"must be one of {allowed}")

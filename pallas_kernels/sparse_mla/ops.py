@@ -1,6 +1,8 @@
 """Sparse MLA attention behind an ``impl`` switch.
 
-"xla" is the reference (differentiated by JAX); "pallas" / "pallas_interpret" run the kernels of
+"xla" is the reference (differentiated by JAX); "xla_masked_dense" the same function as one matmul per
+causal query block over a selection mask, with a hand-written VJP (masked_dense.py: faster on XLA:CPU
+while T/2 is within a few times k; training rows only); "pallas" / "pallas_interpret" run the kernels of
 kernel.py (TPU / Pallas interpreter) under a ``jax.custom_vjp``, since JAX cannot differentiate through
 ``pallas_call``. The backward kernel returns dq and per-slot row gradients; d(kv) is their XLA
 scatter-add, done one query chunk at a time (memory O(B * T_chunk * k * C)).
@@ -10,19 +12,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_mla import kernel, reference
+from pallas_kernels.sparse_mla import kernel, masked_dense, reference
 
-IMPLS = ("xla", "pallas", "pallas_interpret")
+IMPLS = ("xla", "xla_masked_dense", "pallas", "pallas_interpret")
 BWD_Q_CHUNK = 64  # queries per backward kernel call; the row gradients of one chunk live in HBM
 
 
 def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla", with_target=False):
-    """(out, lse), or with ``with_target`` (XLA only) also the indexer KL target (reference.sparse_mla)."""
-    if impl == "xla":
-        return reference.sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim,
-                                    with_target=with_target)
+    """(out, lse), or with ``with_target`` (XLA impls) also the indexer KL target (reference.sparse_mla)."""
+    if impl in ("xla", "xla_masked_dense"):
+        fn = reference.sparse_mla if impl == "xla" else masked_dense.sparse_mla
+        return fn(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim, with_target=with_target)
     if with_target:
-        raise ValueError(f"sparse_mla: with_target is only computed by the XLA reference, not impl {impl!r}")
+        raise ValueError(f"sparse_mla: with_target is only computed by the XLA impls, not {impl!r}")
     if impl in ("pallas", "pallas_interpret"):
         return _sparse_mla_pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim,
                                   impl == "pallas_interpret")

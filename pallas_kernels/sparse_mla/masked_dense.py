@@ -1,0 +1,123 @@
+"""Token-sparse MLA attention computed densely over a selection mask, plain XLA (spec §4.5).
+
+The same function as ``reference.sparse_mla``, for hosts where gathering k latent rows per query is
+the slow part (XLA:CPU): the per-query products [k, C] @ [C, H] of the gather form run at a fraction of
+matmul speed, while scoring every earlier key with one matmul per query block, [T_q * H, C] @ [C, S_c],
+and masking to the selected set runs near the matmul peak. Worth it while the dense work, about T/2 keys
+per query, stays within a few times k (``worth_it``); at long T the gather form wins again.
+
+Causal key blocks: query block c (queries [c * T_q, (c + 1) * T_q)) scores only keys [0, (c + 1) * T_q).
+That is exact when every *selected* key sits at or before its query (true for training rows: top-k
+picks visible keys, and in a packed row a later index is a later position or another segment); a
+selected key past its query block would be dropped. Not for decode caches, whose slots can run ahead.
+
+A hand-written VJP keeps the backward matmul-shaped too (flash-attention style: residuals are q, kv,
+the selection, out and lse; the probabilities are recomputed per block).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+DENSE_WORK_FACTOR = 4.0  # use the dense form while its scored pairs <= this x the gathered pairs
+Q_CHUNK = 128  # queries per causal block (the [Q_CHUNK * H, C] @ [C, S_c] logits matmul)
+
+
+def dense_pairs(T, q_chunk):
+    """Query-key pairs scored by the causal block layout for T queries."""
+    n = -(-T // q_chunk)
+    return sum(min(T, (c + 1) * q_chunk) * min(q_chunk, T - c * q_chunk) for c in range(n))
+
+
+def worth_it(T, k, q_chunk, factor=DENSE_WORK_FACTOR):
+    """Whether the dense form's work is within ``factor`` of gathering k keys for each of T queries."""
+    return dense_pairs(T, q_chunk) <= factor * T * k
+
+
+def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=Q_CHUNK, with_target=False):
+    """(out [B,T,H,v_dim], lse [B,T,H] fp32) and with ``with_target`` the indexer KL target [B,T,k]
+    (head-mean of the attention probabilities at the selected slots, no gradient): see reference.py.
+    Keys are the first T rows of kv (training: queries and keys are the same tokens)."""
+    T = q_BTHC.shape[1]
+    if kv_BSC.shape[1] != T:
+        raise ValueError(f"masked-dense sparse_mla needs keys = queries (training rows); got T={T}, "
+                         f"S={kv_BSC.shape[1]}")
+    out, lse, target = _attend(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim, q_chunk)
+    if with_target:
+        return out, lse, jax.lax.stop_gradient(target)
+    return out, lse
+
+
+def _blocks(T, q_chunk):
+    """(query start, query end, key end) per causal block."""
+    return [(s, min(T, s + q_chunk), min(T, s + q_chunk)) for s in range(0, T, q_chunk)]
+
+
+def _selection_mask(idx_BTK, valid_BTK, num_keys):
+    """Scatter the selection into a boolean [B, T, num_keys] mask (slots past num_keys dropped)."""
+    B, T, _ = idx_BTK.shape
+    b = jnp.arange(B)[:, None, None]
+    t = jnp.arange(T)[None, :, None]
+    return jnp.zeros((B, T, num_keys), bool).at[b, t, idx_BTK].max(valid_BTK, mode="drop")
+
+
+def _block_probs(q, kv, mask_BTS, scale, lse=None):
+    """fp32 logits of one block -> (probs, lse); with ``lse`` given, probs from it (the backward)."""
+    logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale
+    allowed = mask_BTS[:, :, None, :]
+    if lse is None:
+        lse = jax.nn.logsumexp(jnp.where(allowed, logits, -jnp.inf), axis=-1)
+    probs = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    return probs, lse
+
+
+def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
+    outs, lses, targets = [], [], []
+    for t0, t1, s1 in _blocks(q_BTHC.shape[1], q_chunk):
+        kv = kv_BSC[:, :s1]
+        idx, valid = idx_BTK[:, t0:t1], valid_BTK[:, t0:t1]
+        probs, lse = _block_probs(q_BTHC[:, t0:t1], kv, _selection_mask(idx, valid, s1), scale)
+        outs.append(jnp.einsum("bths,bsv->bthv", probs.astype(kv.dtype), kv[..., :v_dim],
+                               preferred_element_type=jnp.float32).astype(q_BTHC.dtype))
+        lses.append(lse)
+        # KL target: head-mean probability of each selected slot (an invalid slot reads 0)
+        mean_BTS = jnp.mean(probs, axis=2)
+        targets.append(jnp.where(valid, jnp.take_along_axis(mean_BTS, jnp.where(valid, idx, 0), axis=-1), 0.0))
+    cat = functools.partial(jnp.concatenate, axis=1)
+    return cat(outs), cat(lses), cat(targets)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attend(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
+    return _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk)
+
+
+def _attend_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
+    out, lse, target = _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk)
+    return (out, lse, target), (q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse)
+
+
+def _attend_bwd(scale, v_dim, q_chunk, residuals, cotangents):
+    """Per block: dP = dO V^T, dS = P (dP - delta) (delta = rowsum(dO * O) - dlse), dq = dS K,
+    dK += dS^T q, dV += P^T dO. The KL target is used detached, so its cotangent is ignored."""
+    q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse_BTH = residuals
+    dout, dlse, _ = cotangents
+    dlse = jnp.where(jnp.isfinite(lse_BTH), dlse, 0.0)  # a query with no valid slot does not depend on q/kv
+    delta_BTH = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
+    dkv = jnp.zeros(kv_BSC.shape, jnp.float32)
+    dqs = []
+    for t0, t1, s1 in _blocks(q_BTHC.shape[1], q_chunk):
+        q, kv, do = q_BTHC[:, t0:t1], kv_BSC[:, :s1], dout[:, t0:t1]
+        mask = _selection_mask(idx_BTK[:, t0:t1], valid_BTK[:, t0:t1], s1)
+        probs, _ = _block_probs(q, kv, mask, scale, lse=lse_BTH[:, t0:t1])
+        dprobs = jnp.einsum("bthv,bsv->bths", do, kv[..., :v_dim], preferred_element_type=jnp.float32)
+        dlogits = (probs * (dprobs - delta_BTH[:, t0:t1, :, None]) * scale).astype(kv.dtype)
+        dqs.append(jnp.einsum("bths,bsc->bthc", dlogits, kv, preferred_element_type=jnp.float32))
+        dk = jnp.einsum("bths,bthc->bsc", dlogits, q, preferred_element_type=jnp.float32)
+        dv = jnp.einsum("bths,bthv->bsv", probs.astype(kv.dtype), do, preferred_element_type=jnp.float32)
+        dkv = dkv.at[:, :s1].add(dk.at[..., :v_dim].add(dv))
+    dq = jnp.concatenate(dqs, axis=1)
+    return dq.astype(q_BTHC.dtype), dkv.astype(kv_BSC.dtype), None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
