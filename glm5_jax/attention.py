@@ -124,12 +124,12 @@ class MLAttention(nn.Module):
 
         if cfg.mla_form == "absorbed" or cache is not None:
             S, k = latent_BSC.shape[1], selection[0].shape[-1]
+            impl = self._sparse_impl(cache is not None, S, k) if sparse else None
             if sparse and cache is not None and S <= DENSE_DECODE_FACTOR * k:
                 # a short cache: the selected set as a mask over all slots beats gathering rows (XLA)
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & _selection_mask(selection, S),
                                                    scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
             elif sparse:
-                impl = self._sparse_impl(cache is not None, S, k)
                 if impl.startswith("xla") and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
                     # the KL target comes from these attention probabilities (same detached values)
                     o_lat, _, indexer_target = sparse_mla_ops.sparse_mla(
@@ -140,7 +140,8 @@ class MLAttention(nn.Module):
             else:
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
-            o_lat = checkpoint_name(o_lat, ATTENTION_CORE_NAMES[0])
+            if impl != "xla_masked_dense":  # that core names its own out (SAVED_NAMES)
+                o_lat = checkpoint_name(o_lat, ATTENTION_CORE_NAMES[0])
             if indexer_target is not None:
                 indexer_target = checkpoint_name(indexer_target, ATTENTION_CORE_NAMES[1])
             o = einsum("bthr,rhv->bthv", o_lat, w_uv, dt)

@@ -14,6 +14,7 @@ from glm5_jax.attention import ATTENTION_CORE_NAMES, SELECTION_NAME, MLAttention
 from glm5_jax.layer_plan import LayerKind, plan_segments
 from glm5_jax.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
 from glm5_jax.moe import BIAS_COLLECTION, MoE
+from pallas_kernels.sparse_mla import masked_dense
 
 _cp = jax.checkpoint_policies
 # The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
@@ -24,11 +25,13 @@ REMAT_POLICIES = {
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),
-    # also keep each layer's attention-core output and indexer KL target (ATTENTION_CORE_NAMES): the
-    # backward pass then runs the attention core's forward once (its own rematerialisation), not twice;
-    # costs B*T*H*d_c (+ B*T*k) values per layer
+    # also keep each layer's attention-core output and indexer KL target (ATTENTION_CORE_NAMES; the
+    # masked-dense core's out and lse): the backward pass then runs the attention core's forward once
+    # (gather form: its own rematerialisation) or not at all (masked dense), not twice; costs
+    # B*T*H*d_c (+ B*T*k, + B*T*H) values per layer
     "dots_attention_saveable": _cp.save_from_both_policies(
-        _cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(SELECTION_NAME, *ATTENTION_CORE_NAMES)),
+        _cp.dots_with_no_batch_dims_saveable,
+        _cp.save_only_these_names(SELECTION_NAME, *ATTENTION_CORE_NAMES, *masked_dense.SAVED_NAMES)),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _cp.save_from_both_policies(_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
                                                 _keep_selection),

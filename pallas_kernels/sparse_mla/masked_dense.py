@@ -18,9 +18,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 DENSE_WORK_FACTOR = 4.0  # use the dense form while its scored pairs <= this x the gathered pairs
 Q_CHUNK = 128  # queries per causal block (the [Q_CHUNK * H, C] @ [C, S_c] logits matmul)
+SAVED_NAMES = ("masked_dense_out", "masked_dense_lse")  # the forward's results, for remat policies
 
 
 def dense_pairs(T, q_chunk):
@@ -37,15 +39,20 @@ def worth_it(T, k, q_chunk, factor=DENSE_WORK_FACTOR):
 def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=Q_CHUNK, with_target=False):
     """(out [B,T,H,v_dim], lse [B,T,H] fp32) and with ``with_target`` the indexer KL target [B,T,k]
     (head-mean of the attention probabilities at the selected slots, no gradient): see reference.py.
-    Keys are the first T rows of kv (training: queries and keys are the same tokens)."""
+    Keys are the first T rows of kv (training: queries and keys are the same tokens).
+
+    The forward runs on detached inputs and its out / lse are named (SAVED_NAMES) before `_with_grads`
+    attaches the gradient: a remat policy saving those names then never reruns the forward, which a
+    custom_vjp's own fwd rule would be (its residuals are not visible to the policy)."""
     T = q_BTHC.shape[1]
     if kv_BSC.shape[1] != T:
         raise ValueError(f"masked-dense sparse_mla needs keys = queries (training rows); got T={T}, "
                          f"S={kv_BSC.shape[1]}")
-    out, lse, target = _attend(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim, q_chunk)
-    if with_target:
-        return out, lse, jax.lax.stop_gradient(target)
-    return out, lse
+    out, lse, target = _forward(jax.lax.stop_gradient(q_BTHC), jax.lax.stop_gradient(kv_BSC), idx_BTK, valid_BTK,
+                                float(scale), v_dim, q_chunk)
+    out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
+    out, lse = _with_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse, float(scale), v_dim, q_chunk)
+    return (out, lse, target) if with_target else (out, lse)
 
 
 def _blocks(T, q_chunk):
@@ -53,22 +60,23 @@ def _blocks(T, q_chunk):
     return [(s, min(T, s + q_chunk), min(T, s + q_chunk)) for s in range(0, T, q_chunk)]
 
 
-def _selection_mask(idx_BTK, valid_BTK, num_keys):
-    """Scatter the selection into a boolean [B, T, num_keys] mask (slots past num_keys dropped)."""
+def _selection_bias(idx_BTK, valid_BTK, num_keys):
+    """Additive logit bias [B, T, num_keys]: 0 at selected keys, -inf elsewhere (slots past num_keys
+    dropped). Adding it, rather than a select on the [B, T, H, S] logits, keeps the masking to one add."""
     B, T, _ = idx_BTK.shape
     b = jnp.arange(B)[:, None, None]
     t = jnp.arange(T)[None, :, None]
-    return jnp.zeros((B, T, num_keys), bool).at[b, t, idx_BTK].max(valid_BTK, mode="drop")
+    bias = jnp.where(valid_BTK, 0.0, -jnp.inf).astype(jnp.float32)
+    return jnp.full((B, T, num_keys), -jnp.inf, jnp.float32).at[b, t, idx_BTK].max(bias, mode="drop")
 
 
-def _block_probs(q, kv, mask_BTS, scale, lse=None):
-    """fp32 logits of one block -> (probs, lse); with ``lse`` given, probs from it (the backward)."""
-    logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale
-    allowed = mask_BTS[:, :, None, :]
+def _block_probs(q, kv, bias_BTS, scale, lse=None):
+    """fp32 logits of one block -> (probs, lse); with ``lse`` given, probs from it (the backward).
+    A query with no selected key has lse = -inf and probs 0."""
+    logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale + bias_BTS[:, :, None, :]
     if lse is None:
-        lse = jax.nn.logsumexp(jnp.where(allowed, logits, -jnp.inf), axis=-1)
-    probs = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    return probs, lse
+        lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), lse
 
 
 def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
@@ -76,7 +84,7 @@ def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
     for t0, t1, s1 in _blocks(q_BTHC.shape[1], q_chunk):
         kv = kv_BSC[:, :s1]
         idx, valid = idx_BTK[:, t0:t1], valid_BTK[:, t0:t1]
-        probs, lse = _block_probs(q_BTHC[:, t0:t1], kv, _selection_mask(idx, valid, s1), scale)
+        probs, lse = _block_probs(q_BTHC[:, t0:t1], kv, _selection_bias(idx, valid, s1), scale)
         outs.append(jnp.einsum("bths,bsv->bthv", probs.astype(kv.dtype), kv[..., :v_dim],
                                preferred_element_type=jnp.float32).astype(q_BTHC.dtype))
         lses.append(lse)
@@ -87,37 +95,38 @@ def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
     return cat(outs), cat(lses), cat(targets)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attend(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
-    return _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _with_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse, scale, v_dim, q_chunk):
+    """Identity on (out, lse), the forward's results; its VJP is the attention's gradient w.r.t. q, kv."""
+    return out, lse
 
 
-def _attend_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
-    out, lse, target = _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk)
-    return (out, lse, target), (q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse)
+def _with_grads_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse, scale, v_dim, q_chunk):
+    return (out, lse), (q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse)
 
 
-def _attend_bwd(scale, v_dim, q_chunk, residuals, cotangents):
+def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
     """Per block: dP = dO V^T, dS = P (dP - delta) (delta = rowsum(dO * O) - dlse), dq = dS K,
-    dK += dS^T q, dV += P^T dO. The KL target is used detached, so its cotangent is ignored."""
+    dK += dS^T q, dV += P^T dO (flash-attention style: P recomputed from q, kv and lse)."""
     q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse_BTH = residuals
-    dout, dlse, _ = cotangents
+    dout, dlse = cotangents
     dlse = jnp.where(jnp.isfinite(lse_BTH), dlse, 0.0)  # a query with no valid slot does not depend on q/kv
     delta_BTH = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
     dkv = jnp.zeros(kv_BSC.shape, jnp.float32)
     dqs = []
     for t0, t1, s1 in _blocks(q_BTHC.shape[1], q_chunk):
         q, kv, do = q_BTHC[:, t0:t1], kv_BSC[:, :s1], dout[:, t0:t1]
-        mask = _selection_mask(idx_BTK[:, t0:t1], valid_BTK[:, t0:t1], s1)
-        probs, _ = _block_probs(q, kv, mask, scale, lse=lse_BTH[:, t0:t1])
+        bias = _selection_bias(idx_BTK[:, t0:t1], valid_BTK[:, t0:t1], s1)
+        probs, _ = _block_probs(q, kv, bias, scale, lse=lse_BTH[:, t0:t1])
         dprobs = jnp.einsum("bthv,bsv->bths", do, kv[..., :v_dim], preferred_element_type=jnp.float32)
         dlogits = (probs * (dprobs - delta_BTH[:, t0:t1, :, None]) * scale).astype(kv.dtype)
         dqs.append(jnp.einsum("bths,bsc->bthc", dlogits, kv, preferred_element_type=jnp.float32))
-        dk = jnp.einsum("bths,bthc->bsc", dlogits, q, preferred_element_type=jnp.float32)
-        dv = jnp.einsum("bths,bthv->bsv", probs.astype(kv.dtype), do, preferred_element_type=jnp.float32)
-        dkv = dkv.at[:, :s1].add(dk.at[..., :v_dim].add(dv))
+        # key gradients as [C, S] products, so the big [t h, s] operands stay in their natural layout
+        dk_BCS = jnp.einsum("bthc,bths->bcs", q, dlogits, preferred_element_type=jnp.float32)
+        dv_BVS = jnp.einsum("bthv,bths->bvs", do, probs.astype(kv.dtype), preferred_element_type=jnp.float32)
+        dkv = dkv.at[:, :s1].add(jnp.swapaxes(dk_BCS.at[:, :v_dim].add(dv_BVS), 1, 2))
     dq = jnp.concatenate(dqs, axis=1)
-    return dq.astype(q_BTHC.dtype), dkv.astype(kv_BSC.dtype), None, None
+    return dq.astype(q_BTHC.dtype), dkv.astype(kv_BSC.dtype), None, None, None, None
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_with_grads.defvjp(_with_grads_fwd, _with_grads_bwd)

@@ -119,13 +119,15 @@ def test_aux_outputs(variables):
     assert bias_paths == load_paths
 
 
-def test_remat_policies_give_the_same_gradients(variables):
+@pytest.mark.parametrize("sparse_form", ["gather", "masked_dense"])
+def test_remat_policies_give_the_same_gradients(variables, sparse_form):
     """Every remat policy (some keep the DSA selection, attention.SELECTION_NAME) differentiates to the
-    same gradients as no remat, in the sparse stage with the indexer KL loss."""
+    same gradients as no remat, in the sparse stage with the indexer KL loss, for both XLA forms of the
+    sparse attention core."""
     ids = jnp.asarray(tokens(2, 4 * TINY.index_topk))
 
     def grads(policy):
-        cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse")
+        cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse", sparse_xla_form=sparse_form)
 
         def loss(params):
             logits, aux = Transformer(cfg).apply({**variables, "params": params}, ids, return_aux=True)
@@ -151,3 +153,24 @@ def test_indexer_kl_same_in_absorbed_and_mha_forms(variables):
     absorbed, mha = kl("absorbed"), kl("mha")
     assert absorbed.shape == (3,) and np.all(absorbed > 0)     # two full decoder layers + MTP
     np.testing.assert_allclose(absorbed, mha, rtol=1e-4)
+
+
+def test_sparse_xla_forms_agree(variables):
+    """The gather and masked-dense XLA sparse cores give the same logits, per-layer indexer KL and
+    parameter gradients (sparse stage, KL target taken from each core's own probabilities)."""
+    ids = jnp.asarray(tokens(2, 4 * TINY.index_topk))
+
+    def run(form):
+        cfg = TINY.replace(sparse_xla_form=form, indexer_loss="sparse", remat_policy="none")
+
+        def loss(params):
+            logits, aux = Transformer(cfg).apply({**variables, "params": params}, ids, return_aux=True)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + jnp.sum(aux["indexer_kl"]), (logits, aux)
+        (_, (logits, aux)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+        return logits, aux["indexer_kl"], g
+
+    gather, dense = run("gather"), run("masked_dense")
+    np.testing.assert_allclose(dense[0], gather[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(dense[1], gather[1], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(dense[2]), jax.tree.leaves(gather[2])):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
