@@ -13,13 +13,14 @@ import jax.numpy as jnp
 from glm5_jax.attention import ATTENTION_CORE_NAMES, SELECTION_NAME, MLAttention
 from glm5_jax.layer_plan import LayerKind, plan_segments
 from glm5_jax.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
-from glm5_jax.moe import BIAS_COLLECTION, MoE
+from glm5_jax.moe import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 from pallas_kernels.sparse_mla import masked_dense
 
 _cp = jax.checkpoint_policies
 # The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
-# mask, [B, T, k] per full layer): recomputing it costs the indexer scores and a top-k in the backward.
-_keep_selection = _cp.save_only_these_names(SELECTION_NAME)
+# mask, [B, T, k] per full layer): recomputing it costs the indexer scores and a top-k in the backward;
+# and the blocked MoE's matmul results (moe.BLOCKED_MOE_NAMES, the dots of its block loop).
+_keep_selection = _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES)
 REMAT_POLICIES = {
     "full": None,   # save nothing, recompute the layer in the backward pass
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
@@ -31,7 +32,8 @@ REMAT_POLICIES = {
     # B*T*H*d_c (+ B*T*k, + B*T*H) values per layer
     "dots_attention_saveable": _cp.save_from_both_policies(
         _cp.dots_with_no_batch_dims_saveable,
-        _cp.save_only_these_names(SELECTION_NAME, *ATTENTION_CORE_NAMES, *masked_dense.SAVED_NAMES)),
+        _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_CORE_NAMES,
+                                  *masked_dense.SAVED_NAMES)),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _cp.save_from_both_policies(_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
                                                 _keep_selection),
