@@ -34,15 +34,18 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -
             "total": 6.0 * matmul_params + 3.0 * (attention_fwd + indexer_fwd)}
 
 
-def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5) -> float:
-    """Best achieved FLOP/s of a jitted n x n x n matmul on the default device."""
+def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5, min_seconds: float = 1.0) -> float:
+    """Best achieved FLOP/s of a jitted n x n x n matmul on the default device, over at least
+    ``repeats`` runs and ``min_seconds`` of them (a few runs can all land in a slow moment: CPU
+    frequency ramp-up, a neighbour's burst)."""
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
     f = jax.jit(lambda x, y: x @ y)
     f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
+    best, runs, start = float("inf"), 0, time.perf_counter()
+    while runs < repeats or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t0)
+        runs += 1
     return 2.0 * n ** 3 / best
