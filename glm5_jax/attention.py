@@ -20,7 +20,7 @@ from glm5_jax.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param
 from glm5_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
-from pallas_kernels.masking import visible_mask
+from pallas_kernels.masking import selection_mask, visible_mask
 from pallas_kernels.sparse_mla import masked_dense
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 from pallas_kernels.sparse_mla import reference as mla_reference
@@ -127,7 +127,7 @@ class MLAttention(nn.Module):
             impl = self._sparse_impl(cache is not None, S, k) if sparse else None
             if sparse and cache is not None and S <= DENSE_DECODE_FACTOR * k:
                 # a short cache: the selected set as a mask over all slots beats gathering rows (XLA)
-                o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & _selection_mask(selection, S),
+                o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & selection_mask(*selection, S),
                                                    scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
             elif sparse:
                 if impl.startswith("xla") and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
@@ -146,7 +146,7 @@ class MLAttention(nn.Module):
                 indexer_target = checkpoint_name(indexer_target, ATTENTION_CORE_NAMES[1])
             o = einsum("bthr,rhv->bthv", o_lat, w_uv, dt)
         else:
-            allowed = visible & _selection_mask(selection, visible.shape[-1]) if sparse else visible
+            allowed = visible & selection_mask(*selection, visible.shape[-1]) if sparse else visible
             o = self._mha(q_nope, q_rot, c, k_rot, w_kvb, allowed)
         o = constrain(o, ("batch", "seq", "act_heads", None))
         indexer_kl = indexer_kl_fn(indexer_target) if indexer_kl_fn is not None else None
@@ -254,12 +254,3 @@ def cache_slots(cache_BSX):
     """(positions, segment ids) of a decode cache's slots: slot s holds position s, all in segment 1."""
     B, S = cache_BSX.shape[:2]
     return (jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)), jnp.ones((B, S), jnp.int32))
-
-
-def _selection_mask(selection, num_keys):
-    """Scatter top-k (idx, valid) [B,T,k] into a boolean [B,T,S] selection mask."""
-    idx, valid = selection
-    B, T, _ = idx.shape
-    b = jnp.arange(B)[:, None, None]
-    t = jnp.arange(T)[None, :, None]
-    return jnp.zeros((B, T, num_keys), bool).at[b, t, idx].max(valid)

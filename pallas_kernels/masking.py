@@ -13,3 +13,12 @@ def visible_mask(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):
     not_padding = (q_seg_BT != 0)[:, :, None]
     causal = kv_pos_BS[:, None, :] <= q_pos_BT[:, :, None]
     return same_segment & not_padding & causal
+
+
+def selection_mask(idx_BTK, valid_BTK, num_keys):
+    """Boolean [B, T, num_keys]: key s is among query t's valid selected slots (DSA top-k); slots
+    pointing past num_keys are dropped."""
+    B, T, _ = idx_BTK.shape
+    b = jnp.arange(B)[:, None, None]
+    t = jnp.arange(T)[None, :, None]
+    return jnp.zeros((B, T, num_keys), bool).at[b, t, idx_BTK].max(valid_BTK, mode="drop")

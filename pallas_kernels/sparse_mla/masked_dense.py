@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels.masking import selection_mask
+
 DENSE_WORK_FACTOR = 4.0  # use the dense form while its scored pairs <= this x the gathered pairs
 Q_CHUNK = 128  # queries per causal block (the [Q_CHUNK * H, C] @ [C, S_c] logits matmul)
 SAVED_NAMES = ("masked_dense_out", "masked_dense_lse")  # the forward's results, for remat policies
@@ -56,18 +58,14 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=Q_CH
 
 
 def _blocks(T, q_chunk):
-    """(query start, query end, key end) per causal block."""
-    return [(s, min(T, s + q_chunk), min(T, s + q_chunk)) for s in range(0, T, q_chunk)]
+    """(start, end) of each causal block's queries; the block scores keys [0, end)."""
+    return [(s, min(T, s + q_chunk)) for s in range(0, T, q_chunk)]
 
 
 def _selection_bias(idx_BTK, valid_BTK, num_keys):
-    """Additive logit bias [B, T, num_keys]: 0 at selected keys, -inf elsewhere (slots past num_keys
-    dropped). Adding it, rather than a select on the [B, T, H, S] logits, keeps the masking to one add."""
-    B, T, _ = idx_BTK.shape
-    b = jnp.arange(B)[:, None, None]
-    t = jnp.arange(T)[None, :, None]
-    bias = jnp.where(valid_BTK, 0.0, -jnp.inf).astype(jnp.float32)
-    return jnp.full((B, T, num_keys), -jnp.inf, jnp.float32).at[b, t, idx_BTK].max(bias, mode="drop")
+    """Additive logit bias [B, T, num_keys]: 0 at selected keys, -inf elsewhere. Adding it, rather than
+    a select on the [B, T, H, S] logits, keeps the masking to one add."""
+    return jnp.where(selection_mask(idx_BTK, valid_BTK, num_keys), 0.0, -jnp.inf).astype(jnp.float32)
 
 
 def _block_probs(q, kv, bias_BTS, scale, lse=None):
@@ -81,10 +79,10 @@ def _block_probs(q, kv, bias_BTS, scale, lse=None):
 
 def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
     outs, lses, targets = [], [], []
-    for t0, t1, s1 in _blocks(q_BTHC.shape[1], q_chunk):
-        kv = kv_BSC[:, :s1]
+    for t0, t1 in _blocks(q_BTHC.shape[1], q_chunk):
+        kv = kv_BSC[:, :t1]
         idx, valid = idx_BTK[:, t0:t1], valid_BTK[:, t0:t1]
-        probs, lse = _block_probs(q_BTHC[:, t0:t1], kv, _selection_bias(idx, valid, s1), scale)
+        probs, lse = _block_probs(q_BTHC[:, t0:t1], kv, _selection_bias(idx, valid, t1), scale)
         outs.append(jnp.einsum("bths,bsv->bthv", probs.astype(kv.dtype), kv[..., :v_dim],
                                preferred_element_type=jnp.float32).astype(q_BTHC.dtype))
         lses.append(lse)
@@ -114,9 +112,9 @@ def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
     delta_BTH = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
     dkv = jnp.zeros(kv_BSC.shape, jnp.float32)
     dqs = []
-    for t0, t1, s1 in _blocks(q_BTHC.shape[1], q_chunk):
-        q, kv, do = q_BTHC[:, t0:t1], kv_BSC[:, :s1], dout[:, t0:t1]
-        bias = _selection_bias(idx_BTK[:, t0:t1], valid_BTK[:, t0:t1], s1)
+    for t0, t1 in _blocks(q_BTHC.shape[1], q_chunk):
+        q, kv, do = q_BTHC[:, t0:t1], kv_BSC[:, :t1], dout[:, t0:t1]
+        bias = _selection_bias(idx_BTK[:, t0:t1], valid_BTK[:, t0:t1], t1)
         probs, _ = _block_probs(q, kv, bias, scale, lse=lse_BTH[:, t0:t1])
         dprobs = jnp.einsum("bthv,bsv->bths", do, kv[..., :v_dim], preferred_element_type=jnp.float32)
         dlogits = (probs * (dprobs - delta_BTH[:, t0:t1, :, None]) * scale).astype(kv.dtype)
@@ -124,7 +122,7 @@ def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
         # key gradients as [C, S] products, so the big [t h, s] operands stay in their natural layout
         dk_BCS = jnp.einsum("bthc,bths->bcs", q, dlogits, preferred_element_type=jnp.float32)
         dv_BVS = jnp.einsum("bthv,bths->bvs", do, probs.astype(kv.dtype), preferred_element_type=jnp.float32)
-        dkv = dkv.at[:, :s1].add(jnp.swapaxes(dk_BCS.at[:, :v_dim].add(dv_BVS), 1, 2))
+        dkv = dkv.at[:, :t1].add(jnp.swapaxes(dk_BCS.at[:, :v_dim].add(dv_BVS), 1, 2))
     dq = jnp.concatenate(dqs, axis=1)
     return dq.astype(q_BTHC.dtype), dkv.astype(kv_BSC.dtype), None, None, None, None
 
