@@ -77,6 +77,11 @@ class LayerGroup(nn.Module):
     @nn.compact
     def __call__(self, carry, positions_BT, segment_ids_BT, cache=None):
         h, selection = carry
+        # Positions and segment ids are the same for every layer. Left loop-invariant, JAX's scan
+        # linearisation hoists all work that depends on them alone out of the layer loop and stores it
+        # (e.g. the indexer's visibility masks for every query chunk and key-window branch: GBs at
+        # T = 4096); tied to the carry here, that work stays in the layer where it is fused and cheap.
+        h, positions_BT, segment_ids_BT = jax.lax.optimization_barrier((h, positions_BT, segment_ids_BT))
         group_aux, new_cache = {}, {}
         for i, kind in enumerate(self.unit):
             layer_cache = None if cache is None else cache[f"layer_{i}"]
