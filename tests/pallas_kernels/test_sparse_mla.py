@@ -28,15 +28,14 @@ def make_inputs(B, T, S, H, C, topk, dtype=jnp.float32, seed=0):
     return q, kv, idx, valid
 
 
-def loss_of(impl, idx, valid, v_dim):
+def scalar_of(out, lse):
     """A scalar touching out and lse with non-trivial cotangents."""
+    lse_term = jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0)
+    return jnp.sum(jnp.cos(out.astype(jnp.float32))) + 0.5 * jnp.sum(lse_term)
 
-    def loss(q, kv):
-        out, lse = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=v_dim, impl=impl)
-        lse_term = jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0)
-        return jnp.sum(jnp.cos(out.astype(jnp.float32))) + 0.5 * jnp.sum(lse_term)
 
-    return loss
+def loss_of(impl, idx, valid, v_dim):
+    return lambda q, kv: scalar_of(*ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=v_dim, impl=impl))
 
 
 # (B, T, S, H, C, v_dim, topk, block_k): k not a multiple of block_k, T not a multiple of 8.
@@ -91,7 +90,7 @@ def test_reference_query_chunks_agree():
     def run(q_chunk):
         def loss(q, kv):
             out, lse = reference.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, q_chunk=q_chunk)
-            return jnp.sum(jnp.cos(out)) + 0.5 * jnp.sum(jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0)), (out, lse)
+            return scalar_of(out, lse), (out, lse)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(q, kv)
 
     (_, (out1, lse1)), grads1 = run(T)
