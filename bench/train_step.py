@@ -14,7 +14,9 @@ moe_impl="blocked" (a loop over 128-row blocks with a hand-written backward: one
 than ragged_dot, and the 3-layer step 5.6% faster than one batched einsum over gathered weights), mla_form="absorbed" (sparse attention
 over the k gathered latent rows per query, key-major per-query products, chunks rematerialised; its
 probabilities double as the indexer KL target: at 3 layers, T=1024, one core, 11.0 s/step vs 13.7 s for
-mla_form="mha", the selection as a mask over all keys), remat_policy="dots_attention_saveable" (keeps projection outputs,
+mla_form="mha", the selection as a mask over all keys; with sparse_xla_form="auto", T <= ~2k trains through
+masked_dense.sparse_mha instead: per-head keys over causal 128-query blocks, 256 vs 544 FLOPs per scored
+(query, key, head), measured 4.27-4.57 vs 4.64-4.77 s/step at T=1024 in alternating runs), remat_policy="dots_attention_saveable" (keeps projection outputs,
 the top-k selection and the attention-core output, so the backward runs the attention core forward once
 rather than twice: 8% faster step than "dots_with_no_batch_dims_saveable" at 3 layers, T=1024).
 HF's GlmMoeDsaForCausalLM has no MTP module, so the ratio and MFU time our step on that same model

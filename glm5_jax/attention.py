@@ -129,6 +129,10 @@ class MLAttention(nn.Module):
                 # a short cache: the selected set as a mask over all slots beats gathering rows (XLA)
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & selection_mask(*selection, S),
                                                    scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
+            elif impl == "xla_masked_dense":
+                o, indexer_target = self._masked_dense(q_nope, q_rot, c, k_rot, w_kvb, selection,
+                                                       with_target=indexer_kl_fn is not None
+                                                       and cfg.indexer_loss == "sparse")
             elif sparse:
                 if impl.startswith("xla") and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
                     # the KL target comes from these attention probabilities (same detached values)
@@ -141,10 +145,9 @@ class MLAttention(nn.Module):
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
             if impl != "xla_masked_dense":  # that core names its own out (SAVED_NAMES)
-                o_lat = checkpoint_name(o_lat, ATTENTION_CORE_NAMES[0])
+                o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_CORE_NAMES[0]), w_uv, dt)
             if indexer_target is not None:
                 indexer_target = checkpoint_name(indexer_target, ATTENTION_CORE_NAMES[1])
-            o = einsum("bthr,rhv->bthv", o_lat, w_uv, dt)
         else:
             allowed = visible & selection_mask(*selection, visible.shape[-1]) if sparse else visible
             o = self._mha(q_nope, q_rot, c, k_rot, w_kvb, allowed)
@@ -214,6 +217,20 @@ class MLAttention(nn.Module):
         if form == "auto":
             form = "masked_dense" if masked_dense.worth_it(num_keys, k, masked_dense.Q_CHUNK) else "gather"
         return "xla_masked_dense" if form == "masked_dense" else "xla"
+
+    def _masked_dense(self, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, selection, with_target):
+        """Training-row sparse attention as per-head products over the selection mask (XLA): the naive
+        form's keys [c W_uk; k_rot] and values c W_uv (§4.1), which score a key with fewer FLOPs than the
+        absorbed latent (masked_dense.sparse_mha) -> (o [B,T,H,d_v], indexer KL target or None)."""
+        cfg, dt, dn = self.cfg, self.cfg.jnp_dtype, self.cfg.qk_nope_head_dim
+        kv = einsum("bsr,rhk->bshk", c_BSR, w_kvb, dt)
+        B, S, H, _ = kv.shape
+        k_rot = jnp.broadcast_to(k_rot_BSr.astype(dt)[:, :, None], (B, S, H, k_rot_BSr.shape[-1]))  # shared by heads
+        q = jnp.concatenate([q_nope.astype(dt), q_rot.astype(dt)], axis=-1)
+        k = jnp.concatenate([kv[..., :dn], k_rot], axis=-1)
+        results = masked_dense.sparse_mha(q, k, kv[..., dn:], *selection, scale=cfg.softmax_scale,
+                                          with_target=with_target)
+        return results[0], results[2] if with_target else None
 
     def _sparse_core(self, q_abs, latent_BSC, idx, valid, impl):
         """Absorbed sparse attention -> o_lat [B,T,H,R]; a Pallas impl runs per (batch, head) shard."""

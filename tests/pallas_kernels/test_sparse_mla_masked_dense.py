@@ -83,3 +83,63 @@ def test_dense_work_counts_causal_blocks():
     assert masked_dense.dense_pairs(8, 16) == 64
     # T=1024 with 128-query blocks is 2.25x the pairs of 256 keys per query; T=4096 is 8.1x
     assert masked_dense.worth_it(1024, 256, 128) and not masked_dense.worth_it(4096, 256, 128)
+
+
+def per_head_inputs(B, T, H, R, d_nope, d_rope, d_v, topk, seed):
+    """The MLA pieces both forms are built from (spec §4.1) and a real top-k selection over T keys."""
+    rng = np.random.default_rng(seed)
+    _, _, idx, valid = make_inputs(B, T, T, H, 4, topk, seed=seed)
+    pieces = dict(q_nope=normal(rng, (B, T, H, d_nope)), q_rot=normal(rng, (B, T, H, d_rope)),
+                  c=normal(rng, (B, T, R)), k_rot=normal(rng, (B, T, d_rope)),
+                  w_uk=normal(rng, (R, H, d_nope)) * 0.3, w_uv=normal(rng, (R, H, d_v)) * 0.3)
+    return pieces, idx, valid
+
+
+def absorbed_attention(p, idx, valid, fn):
+    """Absorbed form: q_abs = [q_nope W_uk; q_rot] over the latent [c; k_rot], output through W_uv."""
+    q_abs = jnp.concatenate([jnp.einsum("bthn,rhn->bthr", p["q_nope"], p["w_uk"]), p["q_rot"]], -1)
+    latent = jnp.concatenate([p["c"], p["k_rot"]], -1)
+    o_lat, lse, target = fn(q_abs, latent, idx, valid, scale=SCALE, v_dim=p["c"].shape[-1], with_target=True)
+    return jnp.einsum("bthr,rhv->bthv", o_lat, p["w_uv"]), lse, target
+
+
+def per_head_attention(p, idx, valid, q_chunk):
+    """Naive form: per-head keys [c W_uk; k_rot] and values c W_uv."""
+    B, T, H, _ = p["q_nope"].shape
+    k_rot = jnp.broadcast_to(p["k_rot"][:, :, None], (B, T, H, p["k_rot"].shape[-1]))
+    k = jnp.concatenate([jnp.einsum("bsr,rhn->bshn", p["c"], p["w_uk"]), k_rot], -1)
+    v = jnp.einsum("bsr,rhv->bshv", p["c"], p["w_uv"])
+    q = jnp.concatenate([p["q_nope"], p["q_rot"]], -1)
+    return masked_dense.sparse_mha(q, k, v, idx, valid, scale=SCALE, q_chunk=q_chunk, with_target=True)
+
+
+@pytest.mark.parametrize("B,T,H,topk,q_chunk", [(2, 21, 3, 6, 8), (1, 40, 2, 20, 16)])
+def test_per_head_form_matches_absorbed_gather_reference(B, T, H, topk, q_chunk):
+    """sparse_mha over per-head keys/values = the absorbed gather reference through W_uv: out, lse, KL
+    target, and gradients w.r.t. every MLA piece (the masked-dense custom VJP vs JAX's autodiff)."""
+    pieces, idx, valid = per_head_inputs(B, T, H, R=12, d_nope=6, d_rope=4, d_v=5, topk=topk, seed=T)
+    got = jax.jit(lambda p: per_head_attention(p, idx, valid, q_chunk))(pieces)
+    want = jax.jit(lambda p: absorbed_attention(p, idx, valid, reference.sparse_mla))(pieces)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert_close(g, w, 1e-5)
+    assert np.isinf(np.asarray(want[1])).any()              # padded queries: no valid slot, lse = -inf
+
+    def scalar(results):
+        out, lse, target = results
+        return (jnp.sum(jnp.cos(out)) + 0.5 * jnp.sum(jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0))
+                + 3.0 * jnp.sum(target * target))            # the target is detached in both forms
+
+    grads = jax.jit(jax.grad(lambda p: scalar(per_head_attention(p, idx, valid, q_chunk))))(pieces)
+    want_grads = jax.jit(jax.grad(lambda p: scalar(absorbed_attention(p, idx, valid, reference.sparse_mla))))(pieces)
+    for name in pieces:
+        assert np.abs(np.asarray(want_grads[name])).max() > 0, name
+        assert_close(grads[name], want_grads[name], 1e-5)
+
+
+def test_per_head_form_needs_keys_equal_to_queries():
+    rng = np.random.default_rng(1)
+    q, k, v = normal(rng, (1, 4, 2, 8)), normal(rng, (1, 6, 2, 8)), normal(rng, (1, 6, 2, 4))
+    idx, valid = jnp.zeros((1, 4, 2), jnp.int32), jnp.ones((1, 4, 2), bool)
+    with pytest.raises(ValueError, match="keys = queries"):
+        masked_dense.sparse_mha(q, k, v, idx, valid, scale=SCALE)
