@@ -124,15 +124,16 @@ class MLAttention(nn.Module):
 
         if cfg.mla_form == "absorbed" or cache is not None:
             S, k = latent_BSC.shape[1], selection[0].shape[-1]
-            impl = self._sparse_impl(cache is not None, S, k) if sparse else None
+            impl = self._sparse_impl(cache is not None) if sparse else None
+            training_xla = sparse and impl == "xla" and cache is None
             if sparse and cache is not None and S <= DENSE_DECODE_FACTOR * k:
                 # a short cache: the selected set as a mask over all slots beats gathering rows (XLA)
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & selection_mask(*selection, S),
                                                    scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
-            elif impl == "xla_masked_dense":
-                o, indexer_target = self._masked_dense(q_nope, q_rot, c, k_rot, w_kvb, selection,
-                                                       with_target=indexer_kl_fn is not None
-                                                       and cfg.indexer_loss == "sparse")
+            elif training_xla:
+                o, indexer_target = self._training_sparse_xla(q_nope, q_rot, q_abs, c, k_rot, latent_BSC, w_kvb,
+                                                              selection, with_target=indexer_kl_fn is not None
+                                                              and cfg.indexer_loss == "sparse")
             elif sparse:
                 if impl.startswith("xla") and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
                     # the KL target comes from these attention probabilities (same detached values)
@@ -144,7 +145,7 @@ class MLAttention(nn.Module):
             else:
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
-            if impl != "xla_masked_dense":  # that core names its own out (SAVED_NAMES)
+            if not training_xla:   # (that path projects its own outputs)
                 o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_CORE_NAMES[0]), w_uv, dt)
             if indexer_target is not None:
                 indexer_target = checkpoint_name(indexer_target, ATTENTION_CORE_NAMES[1])
@@ -205,18 +206,40 @@ class MLAttention(nn.Module):
                                  out_axes=(("batch", None, None), ("batch", None, None)))(
             q_i, k_i, w_i, positions_BT, segment_ids_BT)
 
-    def _sparse_impl(self, decoding, num_keys, k):
-        """sparse_mla impl: decode calls gather (XLA) whatever the training impl; training on XLA gathers
-        or attends through the selection mask (config sparse_xla_form, "auto": by the work ratio)."""
-        cfg = self.cfg
-        if decoding:
-            return "xla"
-        if cfg.attention_impl != "xla":
-            return cfg.attention_impl
-        form = cfg.sparse_xla_form
+    def _sparse_impl(self, decoding):
+        """sparse_mla impl: "xla" when decoding whatever the training impl, else cfg.attention_impl (on
+        "xla", training splits queries between the masked-dense and gather forms, _training_sparse_xla)."""
+        return "xla" if decoding else self.cfg.attention_impl
+
+    def _dense_queries(self, T, k):
+        """How many leading training queries attend through the selection mask (cfg.sparse_xla_form)."""
+        form = self.cfg.sparse_xla_form
         if form == "auto":
-            form = "masked_dense" if masked_dense.worth_it(num_keys, k, masked_dense.Q_CHUNK) else "gather"
-        return "xla_masked_dense" if form == "masked_dense" else "xla"
+            return masked_dense.dense_prefix(T, k, masked_dense.Q_CHUNK, masked_dense.DENSE_BLOCK_FACTOR)
+        return T if form == "masked_dense" else 0
+
+    def _training_sparse_xla(self, q_nope, q_rot, q_abs, c, k_rot, latent_BSC, w_kvb, selection, with_target):
+        """Training-row sparse attention on XLA -> (o [B,T,H,d_v], indexer KL target or None): the first
+        queries through the selection mask in per-head form (masked_dense.sparse_mha: their causal blocks
+        score few keys), the rest over their k gathered latent rows (absorbed, spec §4.5)."""
+        cfg, dt, R = self.cfg, self.cfg.jnp_dtype, self.cfg.kv_lora_rank
+        T = q_nope.shape[1]
+        idx, valid = selection
+        n = self._dense_queries(T, idx.shape[-1])
+        outs, targets = [], []
+        if n:       # queries < n select keys < n only (top-k picks visible keys), so keys [0, n) suffice
+            o, target = self._masked_dense(q_nope[:, :n], q_rot[:, :n], c[:, :n], k_rot[:, :n], w_kvb,
+                                           (idx[:, :n], valid[:, :n]), with_target)
+            outs.append(o)
+            targets.append(target)
+        if n < T:
+            rows = sparse_mla_ops.sparse_mla(q_abs[:, n:], latent_BSC.astype(dt), idx[:, n:], valid[:, n:],
+                                             scale=cfg.softmax_scale, v_dim=R, impl="xla", with_target=with_target)
+            w_uv = w_kvb[..., cfg.qk_nope_head_dim:]
+            outs.append(einsum("bthr,rhv->bthv", checkpoint_name(rows[0], ATTENTION_CORE_NAMES[0]), w_uv, dt))
+            targets.append(rows[2] if with_target else None)
+        target = jnp.concatenate(targets, axis=1) if with_target else None
+        return jnp.concatenate(outs, axis=1), target
 
     def _masked_dense(self, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, selection, with_target):
         """Training-row sparse attention as per-head products over the selection mask (XLA): the naive
@@ -229,7 +252,7 @@ class MLAttention(nn.Module):
         q = jnp.concatenate([q_nope.astype(dt), q_rot.astype(dt)], axis=-1)
         k = jnp.concatenate([kv[..., :dn], k_rot], axis=-1)
         results = masked_dense.sparse_mha(q, k, kv[..., dn:], *selection, scale=cfg.softmax_scale,
-                                          with_target=with_target)
+                                          q_chunk=masked_dense.Q_CHUNK, with_target=with_target)
         return results[0], results[2] if with_target else None
 
     def _sparse_core(self, q_abs, latent_BSC, idx, valid, impl):
@@ -240,7 +263,7 @@ class MLAttention(nn.Module):
             return sparse_mla_ops.sparse_mla(q, kv, i, v, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
                                              impl=impl)[0]
 
-        if impl in ("xla", "xla_masked_dense"):
+        if impl == "xla":
             return core(q_abs, latent_BSC, idx, valid)
         heads = ("batch", None, "act_heads", None)
         return logical_shard_map(core, in_axes=(heads, ("batch", None, None), ("batch", None, None),

@@ -86,8 +86,8 @@ class ModelConfig:
     mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
     # absorbed sparse training attention on attention_impl="xla": "gather" the k selected latent rows per
     # query, "masked_dense" (per-head keys/values, one batched matmul per causal query block over the
-    # selection mask: masked_dense.sparse_mha), or "auto" (masked_dense while its work is within
-    # sparse_mla.masked_dense.DENSE_WORK_FACTOR of the gather's)
+    # selection mask: masked_dense.sparse_mha), or "auto" (masked_dense for the leading query blocks that
+    # score <= sparse_mla.masked_dense.DENSE_BLOCK_FACTOR x index_topk keys, gather for the rest)
     sparse_xla_form: str = "auto"
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
     indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)

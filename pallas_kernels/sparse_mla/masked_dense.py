@@ -3,8 +3,9 @@
 The same function as ``reference.sparse_mla``, for hosts where gathering k latent rows per query is
 the slow part (XLA:CPU): the per-query products [k, C] @ [C, H] of the gather form run at a fraction of
 matmul speed, while scoring every earlier key with one matmul per query block, [T_q * H, C] @ [C, S_c],
-and masking to the selected set runs near the matmul peak. Worth it while the dense work, about T/2 keys
-per query, stays within a few times k (``worth_it``); at long T the gather form wins again.
+and masking to the selected set runs near the matmul peak. A scored key runs several times cheaper than a
+gathered one, so the dense form wins for the query blocks that score at most a few times k keys
+(``dense_prefix``); later blocks of a long sequence gather.
 
 Causal key blocks: query block c (queries [c * T_q, (c + 1) * T_q)) scores only keys [0, (c + 1) * T_q).
 That is exact when every *selected* key sits at or before its query (true for training rows: top-k
@@ -28,7 +29,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.masking import selection_mask
 
-DENSE_WORK_FACTOR = 4.0  # use the dense form while its scored pairs <= this x the gathered pairs
+# a causal query block runs dense while it scores <= this x k keys per query. On XLA:CPU a scored
+# (query, key) pair of sparse_mha costs roughly 1/6 of a gathered one (fwd+bwd, bench_small sizes, from
+# step-time differences); the T=4096 bench_small step is flat from 4 to 8 (23.9 vs 24.6 s, alternating
+# runs) and ~5% faster than gathering every query (24.8 vs 26.1 s); 4 keeps the block logits smaller.
+DENSE_BLOCK_FACTOR = 4.0
 Q_CHUNK = 128  # queries per causal block (the [Q_CHUNK * H, C] @ [C, S_c] logits matmul)
 SAVED_NAMES = ("masked_dense_out", "masked_dense_lse")  # the forward's results, for remat policies
 
@@ -39,9 +44,10 @@ def dense_pairs(T, q_chunk):
     return sum(min(T, (c + 1) * q_chunk) * min(q_chunk, T - c * q_chunk) for c in range(n))
 
 
-def worth_it(T, k, q_chunk, factor=DENSE_WORK_FACTOR):
-    """Whether the dense form's work is within ``factor`` of gathering k keys for each of T queries."""
-    return dense_pairs(T, q_chunk) <= factor * T * k
+def dense_prefix(T, k, q_chunk, factor=DENSE_BLOCK_FACTOR):
+    """How many leading queries of T to attend densely: whole causal blocks that each score at most
+    ``factor * k`` keys (T when every block does). The rest gather their k keys."""
+    return min(T, int(factor * k) // q_chunk * q_chunk)
 
 
 def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=Q_CHUNK, with_target=False):

@@ -7,6 +7,7 @@ from flax.core import meta
 
 from glm5_jax import ModelConfig, Transformer
 from glm5_jax.model import positions_from_segments
+from pallas_kernels.sparse_mla import masked_dense
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, first_k_dense_replace=1,
                    intermediate_size=96, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32,
@@ -155,9 +156,10 @@ def test_indexer_kl_same_in_absorbed_and_mha_forms(variables):
     np.testing.assert_allclose(absorbed, mha, rtol=1e-4)
 
 
-def test_sparse_xla_forms_agree(variables):
-    """The gather and masked-dense XLA sparse cores give the same logits, per-layer indexer KL and
-    parameter gradients (sparse stage, KL target taken from each core's own probabilities)."""
+def test_sparse_xla_forms_agree(variables, monkeypatch):
+    """The gather and masked-dense XLA sparse cores, and "auto" splitting the queries between them, give
+    the same logits, per-layer indexer KL and parameter gradients (sparse stage, KL target taken from
+    each core's own probabilities)."""
     ids = jnp.asarray(tokens(2, 4 * TINY.index_topk))
 
     def run(form):
@@ -170,7 +172,13 @@ def test_sparse_xla_forms_agree(variables):
         return logits, aux["indexer_kl"], g
 
     gather, dense = run("gather"), run("masked_dense")
-    np.testing.assert_allclose(dense[0], gather[0], atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(dense[1], gather[1], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(dense[2]), jax.tree.leaves(gather[2])):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+    # tiny sizes: causal blocks of 8 queries, dense while a block scores <= 2 k keys -> 16 of 32 queries
+    monkeypatch.setattr(masked_dense, "Q_CHUNK", 8)
+    monkeypatch.setattr(masked_dense, "DENSE_BLOCK_FACTOR", 2.0)
+    assert masked_dense.dense_prefix(ids.shape[1], TINY.index_topk, 8, 2.0) == 16
+    split = run("auto")
+    for other in (dense, split):
+        np.testing.assert_allclose(other[0], gather[0], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(other[1], gather[1], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(other[2]), jax.tree.leaves(gather[2])):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)

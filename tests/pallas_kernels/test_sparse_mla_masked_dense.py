@@ -81,8 +81,11 @@ def test_dense_work_counts_causal_blocks():
     # blocks of 4 over T=10 score 4x4, 4x8 and 2x10 query-key pairs
     assert masked_dense.dense_pairs(10, 4) == 16 + 32 + 20
     assert masked_dense.dense_pairs(8, 16) == 64
-    # T=1024 with 128-query blocks is 2.25x the pairs of 256 keys per query; T=4096 is 8.1x
-    assert masked_dense.worth_it(1024, 256, 128) and not masked_dense.worth_it(4096, 256, 128)
+    # causal 128-query blocks scoring <= 4 x 256 keys: all of T=1024, the first 1024 queries of T=4096
+    assert masked_dense.dense_prefix(1024, 256, 128, 4.0) == 1024
+    assert masked_dense.dense_prefix(4096, 256, 128, 4.0) == 1024
+    assert masked_dense.dense_prefix(4096, 400, 128, 4.0) == 1536   # whole blocks only: 1600 -> 1536
+    assert masked_dense.dense_prefix(4096, 16, 128, 4.0) == 0       # small k: every block gathers
 
 
 def per_head_inputs(B, T, H, R, d_nope, d_rope, d_v, topk, seed):
