@@ -21,7 +21,7 @@ from glm5_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import selection_mask, visible_mask
-from pallas_kernels.sparse_mla import masked_dense
+from pallas_kernels.sparse_mla import gather_saved, masked_dense
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 from pallas_kernels.sparse_mla import reference as mla_reference
 
@@ -221,7 +221,8 @@ class MLAttention(nn.Module):
     def _training_sparse_xla(self, q_nope, q_rot, q_abs, c, k_rot, latent_BSC, w_kvb, selection, with_target):
         """Training-row sparse attention on XLA -> (o [B,T,H,d_v], indexer KL target or None): the first
         queries through the selection mask in per-head form (masked_dense.sparse_mha: their causal blocks
-        score few keys), the rest over their k gathered latent rows (absorbed, spec §4.5)."""
+        score few keys), the rest over their k gathered latent rows (absorbed, spec §4.5; gather_saved keeps
+        the probabilities for its backward instead of rerunning the forward)."""
         cfg, dt, R = self.cfg, self.cfg.jnp_dtype, self.cfg.kv_lora_rank
         T = q_nope.shape[1]
         idx, valid = selection
@@ -233,8 +234,11 @@ class MLAttention(nn.Module):
             outs.append(o)
             targets.append(target)
         if n < T:
-            rows = sparse_mla_ops.sparse_mla(q_abs[:, n:], latent_BSC.astype(dt), idx[:, n:], valid[:, n:],
-                                             scale=cfg.softmax_scale, v_dim=R, impl="xla", with_target=with_target)
+            # the hand-written VJP reuses the forward's probabilities while they fit its budget
+            B, H = q_abs.shape[0], q_abs.shape[2]
+            gather = gather_saved if gather_saved.fits(B, T - n, idx.shape[-1], H) else mla_reference
+            rows = gather.sparse_mla(q_abs[:, n:], latent_BSC.astype(dt), idx[:, n:], valid[:, n:],
+                                     scale=cfg.softmax_scale, v_dim=R, with_target=with_target)
             w_uv = w_kvb[..., cfg.qk_nope_head_dim:]
             outs.append(einsum("bthr,rhv->bthv", checkpoint_name(rows[0], ATTENTION_CORE_NAMES[0]), w_uv, dt))
             targets.append(rows[2] if with_target else None)
