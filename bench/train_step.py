@@ -9,16 +9,19 @@ indexer) and the fp32 matmul peak measured in the same run.
     python bench/train_step.py --quick --skip_hf                             # smoke run, tiny dims
     python bench/train_step.py --set=model.moe_impl=ragged_dot               # try a model setting
 
-Speed settings of configs/bench_small.py (XLA:CPU; relative timings of fwd+bwd pieces at T=1024, B=2):
-moe_impl="blocked" (a loop over 128-row blocks with a hand-written backward: one MoE layer ~6x faster
-than ragged_dot, and the 3-layer step 5.6% faster than one batched einsum over gathered weights), mla_form="absorbed" (sparse attention
-over the k gathered latent rows per query, key-major per-query products, chunks rematerialised; its
-probabilities double as the indexer KL target: at 3 layers, T=1024, one core, 11.0 s/step vs 13.7 s for
-mla_form="mha", the selection as a mask over all keys; with sparse_xla_form="auto", T <= ~2k trains through
-masked_dense.sparse_mha instead: per-head keys over causal 128-query blocks, 256 vs 544 FLOPs per scored
-(query, key, head), measured 4.27-4.57 vs 4.64-4.77 s/step at T=1024 in alternating runs), remat_policy="dots_attention_saveable" (keeps projection outputs,
-the top-k selection and the attention-core output, so the backward runs the attention core forward once
-rather than twice: 8% faster step than "dots_with_no_batch_dims_saveable" at 3 layers, T=1024).
+Speed settings of configs/bench_small.py (XLA:CPU; timings of fwd+bwd at B=2):
+- moe_impl="blocked": a loop over 128-row blocks with a hand-written backward (one MoE layer ~6x faster
+  than ragged_dot; the 3-layer step 5.6% faster than one batched einsum over gathered weights).
+- mla_form="absorbed" with sparse_xla_form="auto": the leading causal 128-query blocks that score <= 4k keys
+  attend through the top-k mask in per-head form (masked_dense.sparse_mha: 256 instead of the absorbed
+  masked form's 544 FLOPs per scored (query, key, head); T=1024 4.27-4.57 vs 4.64-4.77 s/step in
+  alternating runs), the rest over their k gathered latent rows with the probabilities kept for the backward
+  (sparse_mla/gather_saved.py: T=4096 25.5 vs 27.3 s/step against rerunning each chunk's forward, and
+  the split ~5% faster than gathering every query). The attention probabilities double as the indexer
+  KL target.
+- remat_policy="dots_attention_saveable": keeps projection outputs, the top-k selection and the
+  attention cores' named results, so the backward never reruns an attention forward (8% faster step than
+  "dots_with_no_batch_dims_saveable" at 3 layers, T=1024, when measured on the gather form).
 HF's GlmMoeDsaForCausalLM has no MTP module, so the ratio and MFU time our step on that same model
 (MTP off); the config's MTP module (one more decoder block and LM head) is timed as a second run,
 reported as ours_mtp_tokens_per_sec.

@@ -130,18 +130,12 @@ class MLAttention(nn.Module):
                 # a short cache: the selected set as a mask over all slots beats gathering rows (XLA)
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & selection_mask(*selection, S),
                                                    scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
-            elif training_xla:
+            elif training_xla:   # the KL target comes from these attention probabilities (same detached values)
                 o, indexer_target = self._training_sparse_xla(q_nope, q_rot, q_abs, c, k_rot, latent_BSC, w_kvb,
                                                               selection, with_target=indexer_kl_fn is not None
                                                               and cfg.indexer_loss == "sparse")
-            elif sparse:
-                if impl.startswith("xla") and indexer_kl_fn is not None and cfg.indexer_loss == "sparse":
-                    # the KL target comes from these attention probabilities (same detached values)
-                    o_lat, _, indexer_target = sparse_mla_ops.sparse_mla(
-                        q_abs, latent_BSC.astype(dt), *selection, scale=cfg.softmax_scale, v_dim=R, impl=impl,
-                        with_target=True)
-                else:
-                    o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection, impl=impl)
+            elif sparse:   # decoding (gather on XLA) or a Pallas impl (its KL target comes separately)
+                o_lat = self._sparse_core(q_abs, latent_BSC.astype(dt), *selection, impl=impl)
             else:
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible, scale=cfg.softmax_scale,
                                                    v_dim=R, q_chunk=cfg.attention_q_chunk)
