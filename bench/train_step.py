@@ -16,9 +16,9 @@ Speed settings of configs/bench_small.py (XLA:CPU; timings of fwd+bwd at B=2):
   attend through the top-k mask in per-head form (masked_dense.sparse_mha: 256 instead of the absorbed
   masked form's 544 FLOPs per scored (query, key, head); T=1024 4.27-4.57 vs 4.64-4.77 s/step in
   alternating runs), the rest over their k gathered latent rows with the probabilities kept for the backward
-  (sparse_mla/gather_saved.py: T=4096 25.5 vs 27.3 s/step against rerunning each chunk's forward, and
-  the split ~5% faster than gathering every query). The attention probabilities double as the indexer
-  KL target.
+  (sparse_mla/gather_saved.py: T=4096 25.5 vs 27.3 s/step against rerunning each chunk's forward). The
+  split: T=4096 22.7 vs 24.9 s/step for gathering every query (`python bench/step_ab.py --seq_len=4096
+  --steps=3 --a=model.sparse_xla_form=gather`). The attention probabilities double as the indexer KL target.
 - remat_policy="dots_attention_saveable": keeps projection outputs, the top-k selection and the
   attention cores' named results, so the backward never reruns an attention forward (8% faster step than
   "dots_with_no_batch_dims_saveable" at 3 layers, T=1024, when measured on the gather form).
