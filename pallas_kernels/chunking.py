@@ -16,17 +16,19 @@ def chunked_over_queries(fn, q_chunk, T, *arrays_BT):
     """
     if T <= q_chunk:
         return fn(*arrays_BT)
+    outs = jax.lax.map(lambda xs: fn(*xs), tuple(split_queries(a, q_chunk) for a in arrays_BT))
+    return jax.tree.map(lambda y: merge_queries(y, T), outs)
+
+
+def split_queries(x_BT, q_chunk, value=0):
+    """[B, T, ...] -> [n_chunks, B, q_chunk, ...], T padded with ``value`` up to a multiple of q_chunk."""
+    B, T = x_BT.shape[:2]
     n_chunks = -(-T // q_chunk)
-    pad = n_chunks * q_chunk - T
+    x = jnp.pad(x_BT, [(0, 0), (0, n_chunks * q_chunk - T)] + [(0, 0)] * (x_BT.ndim - 2), constant_values=value)
+    return jnp.moveaxis(x.reshape(B, n_chunks, q_chunk, *x.shape[2:]), 1, 0)
 
-    def split(x):
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(x.shape[0], n_chunks, q_chunk, *x.shape[2:]), 1, 0)
 
-    outs = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays_BT))
-
-    def merge(y):
-        y = jnp.moveaxis(y, 0, 1)
-        return y.reshape(y.shape[0], n_chunks * q_chunk, *y.shape[3:])[:, :T]
-
-    return jax.tree.map(merge, outs)
+def merge_queries(y, T):
+    """Inverse of `split_queries`: [n_chunks, B, q_chunk, ...] -> [B, T, ...] (padding cut)."""
+    y = jnp.moveaxis(y, 0, 1)
+    return y.reshape(y.shape[0], y.shape[1] * y.shape[2], *y.shape[3:])[:, :T]

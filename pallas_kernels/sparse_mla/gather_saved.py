@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels.chunking import chunked_over_queries
-from pallas_kernels.sparse_mla.reference import _masked_softmax, rows_q_chunk
+from pallas_kernels.chunking import chunked_over_queries, merge_queries, split_queries
+from pallas_kernels.sparse_mla.reference import attend_rows, gather_rows, rows_q_chunk
 
 SAVED_NAMES = ("sparse_mla_out", "sparse_mla_lse", "sparse_mla_probs")
 # Largest probability residual (bytes, per layer call) worth keeping; above it, e.g. GLM-5 sizes on the XLA
@@ -46,18 +46,9 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=None
     return (out, lse, target) if with_target else (out, lse)
 
 
-def _gather_rows(kv_BSC, idx_BtK):
-    return jax.vmap(lambda kv, i: kv[i])(kv_BSC, idx_BtK)                # [B, t, k, C]
-
-
 def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
     def chunk(q, idx, valid):
-        rows = _gather_rows(kv_BSC, idx)
-        logits_BtKH = jnp.einsum("btkc,bthc->btkh", rows, q, preferred_element_type=jnp.float32) * scale
-        probs, lse = _masked_softmax(logits_BtKH, valid[:, :, :, None], axis=2)
-        out = jnp.einsum("btkh,btkc->bthc", probs.astype(kv_BSC.dtype), rows,
-                         preferred_element_type=jnp.float32)[..., :v_dim]
-        return out.astype(q.dtype), lse, probs
+        return attend_rows(q, kv_BSC, idx, valid, scale, v_dim)
 
     return chunked_over_queries(chunk, q_chunk, q_BTHC.shape[1], q_BTHC, idx_BTK, valid_BTK)
 
@@ -78,18 +69,12 @@ def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
     dlse = jnp.where(jnp.isfinite(lse_BTH), dlse, 0.0)   # a query with no valid slot does not depend on q/kv
     delta_BTH = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
     B, S, C = kv_BSC.shape
-    T = q_BTHC.shape[1]
-    n_chunks = -(-T // q_chunk)
-    pad = n_chunks * q_chunk - T
     dt = kv_BSC.dtype
-
-    def split(x):  # [B, T, ...] -> [n_chunks, B, q_chunk, ...]; padded queries have no valid slot
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(B, n_chunks, q_chunk, *x.shape[2:]), 1, 0)
+    split = functools.partial(split_queries, q_chunk=q_chunk)   # padded queries: no valid slot, P = 0
 
     def step(dkv_BSC, chunk):
         q, idx, valid, do, delta, probs = chunk
-        rows = _gather_rows(kv_BSC, idx)                                             # [B, t, k, C]
+        rows = gather_rows(kv_BSC, idx)                                              # [B, t, k, C]
         dprobs = jnp.einsum("btkv,bthv->btkh", rows[..., :v_dim], do.astype(dt), preferred_element_type=jnp.float32)
         dlogits = (probs * (dprobs - delta[:, :, None, :]) * scale).astype(dt)    # 0 at invalid slots (P = 0)
         dq = jnp.einsum("btkh,btkc->bthc", dlogits, rows, preferred_element_type=jnp.float32)
@@ -102,7 +87,7 @@ def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
 
     chunks = (split(q_BTHC), split(idx_BTK), split(valid_BTK), split(dout), split(delta_BTH), split(probs_BTKH))
     dkv, dq = jax.lax.scan(step, jnp.zeros((B, S, C), jnp.float32), chunks)
-    dq = jnp.moveaxis(dq, 0, 1).reshape(B, n_chunks * q_chunk, *q_BTHC.shape[2:])[:, :T]
+    dq = merge_queries(dq, q_BTHC.shape[1])
     return dq.astype(q_BTHC.dtype), dkv.astype(kv_BSC.dtype), None, None, None, None, None
 
 

@@ -80,13 +80,18 @@ def _selection_bias(idx_BTK, valid_BTK, num_keys):
     return jnp.where(selection_mask(idx_BTK, valid_BTK, num_keys), 0.0, -jnp.inf).astype(jnp.float32)
 
 
-def _block_probs(q, kv, bias_BTS, scale, lse=None):
-    """fp32 logits of one block -> (probs, lse); with ``lse`` given, probs from it (the backward).
+def _probs_from_logits(logits, lse=None):
+    """(probs, lse) over the last axis of fp32 logits; with ``lse`` given, probs from it (the backward).
     A query with no selected key has lse = -inf and probs 0."""
-    logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale + bias_BTS[:, :, None, :]
     if lse is None:
         lse = jax.nn.logsumexp(logits, axis=-1)
     return jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), lse
+
+
+def _block_probs(q, kv, bias_BTS, scale, lse=None):
+    """fp32 logits of one block -> (probs [B, t, H, S], lse [B, t, H]) (`_probs_from_logits`)."""
+    logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale + bias_BTS[:, :, None, :]
+    return _probs_from_logits(logits, lse)
 
 
 def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
@@ -164,10 +169,7 @@ def sparse_mha(q_BTHD, k_BSHD, v_BSHV, idx_BTK, valid_BTK, *, scale, q_chunk=Q_C
 def _mha_block_probs(q_BHtD, k_BHSD, bias_BtS, scale, lse_BHt=None):
     """`_block_probs` for head-major per-head keys: (probs [B, H, t, S], lse [B, H, t])."""
     logits = jnp.einsum("bhtd,bhsd->bhts", q_BHtD, k_BHSD, preferred_element_type=jnp.float32) * scale
-    logits = logits + bias_BtS[:, None]
-    if lse_BHt is None:
-        lse_BHt = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.exp(logits - jnp.where(jnp.isfinite(lse_BHt), lse_BHt, 0.0)[..., None]), lse_BHt
+    return _probs_from_logits(logits + bias_BtS[:, None], lse_BHt)
 
 
 def _mha_forward(q_BHTD, k_BHSD, v_BHSV, idx_BTK, valid_BTK, scale, q_chunk):

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunking import merge_queries, split_queries
 from pallas_kernels.sparse_mla import kernel, masked_dense, reference
 
 IMPLS = ("xla", "xla_masked_dense", "pallas", "pallas_interpret")
@@ -60,13 +61,7 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
                      scale, v_dim, interpret, q_chunk=BWD_Q_CHUNK):
     """(dq [B,T,H,C] fp32, dkv [B,S,C] fp32): backward kernel per query chunk + scatter-add of rows."""
     B, S, C = kv_BSC.shape
-    T = q_BTHC.shape[1]
-    n_chunks = -(-T // q_chunk)
-    pad = n_chunks * q_chunk - T
-
-    def split(x, value=0):  # [B, T, ...] -> [n_chunks, B, q_chunk, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-        return jnp.moveaxis(x.reshape(B, n_chunks, q_chunk, *x.shape[2:]), 1, 0)
+    split = functools.partial(split_queries, q_chunk=q_chunk)
 
     def add_rows(dkv_BSC, idx_BK, valid_BK, rows_BKC):
         target = jnp.where(valid_BK, idx_BK, S)  # invalid slots scatter out of range -> dropped
@@ -79,10 +74,9 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
         dkv = jax.vmap(add_rows)(dkv, idx.reshape(B, -1), valid.reshape(B, -1), rows.reshape(B, -1, C))
         return dkv, dq
 
-    chunks = (split(q_BTHC), split(idx_BTK), split(valid_BTK, False), split(dout_BTHV),
-              split(lse_BTH, -jnp.inf), split(delta_BTH))
+    chunks = (split(q_BTHC), split(idx_BTK), split(valid_BTK, value=False), split(dout_BTHV),
+              split(lse_BTH, value=-jnp.inf), split(delta_BTH))
     dkv, dq = jax.lax.scan(step, jnp.zeros((B, S, C), jnp.float32), chunks)
-    dq = jnp.moveaxis(dq, 0, 1).reshape(B, n_chunks * q_chunk, *q_BTHC.shape[2:])[:, :T]
-    return dq, dkv
+    return merge_queries(dq, q_BTHC.shape[1]), dkv
 
 

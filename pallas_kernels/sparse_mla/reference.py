@@ -31,6 +31,21 @@ def rows_q_chunk(B, k, C, itemsize, budget=ROWS_CHUNK_BYTES):
     return 1 << (fit.bit_length() - 1)
 
 
+def gather_rows(kv_BSC, idx_BTK):
+    """The selected latent rows [B, T, k, C] of kv [B, S, C]."""
+    return jax.vmap(lambda kv, i: kv[i])(kv_BSC, idx_BTK)
+
+
+def attend_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim):
+    """One query chunk: (out [B,T,H,v_dim] in q's dtype, lse [B,T,H], probabilities [B,T,k,H] fp32)."""
+    rows_BTKC = gather_rows(kv_BSC, idx_BTK)
+    logits_BTKH = jnp.einsum("btkc,bthc->btkh", rows_BTKC, q_BTHC, preferred_element_type=jnp.float32) * scale
+    probs_BTKH, lse = _masked_softmax(logits_BTKH, valid_BTK[:, :, :, None], axis=2)
+    out = jnp.einsum("btkh,btkc->bthc", probs_BTKH.astype(kv_BSC.dtype), rows_BTKC,
+                     preferred_element_type=jnp.float32)[..., :v_dim]
+    return out.astype(q_BTHC.dtype), lse, probs_BTKH
+
+
 def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=None, with_target=False):
     """Attention of q [B,T,H,C] over the rows idx [B,T,k] of latent kv [B,S,C] (valid slots only).
 
@@ -48,14 +63,10 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=None
         q_chunk = rows_q_chunk(kv_BSC.shape[0], idx_BTK.shape[2], kv_BSC.shape[2], kv_BSC.dtype.itemsize)
 
     def chunk(q, idx, valid):
-        rows_BTKC = jax.vmap(lambda kv, i: kv[i])(kv_BSC, idx)
-        logits_BTKH = jnp.einsum("btkc,bthc->btkh", rows_BTKC, q, preferred_element_type=jnp.float32) * scale
-        probs_BTKH, lse = _masked_softmax(logits_BTKH, valid[:, :, :, None], axis=2)
-        out = jnp.einsum("btkh,btkc->bthc", probs_BTKH.astype(kv_BSC.dtype), rows_BTKC,
-                         preferred_element_type=jnp.float32)[..., :v_dim]
+        out, lse, probs_BTKH = attend_rows(q, kv_BSC, idx, valid, scale, v_dim)
         if with_target:
-            return out.astype(q.dtype), lse, jax.lax.stop_gradient(jnp.mean(probs_BTKH, axis=-1))
-        return out.astype(q.dtype), lse
+            return out, lse, jax.lax.stop_gradient(jnp.mean(probs_BTKH, axis=-1))
+        return out, lse
 
     # Rematerialised per chunk: differentiating the loop would otherwise stack every chunk's gathered
     # rows [B, q_chunk, k, C] as residuals (k/S times the whole latent per query) and copy them back out.
