@@ -11,14 +11,16 @@ Loss = mean over query tokens that have a non-empty set. KL is sum_s p log p - p
 an exact log-softmax (Megatron adds 1e-10 inside both logs; the difference is O(1e-10)). Then
 d loss / d I[t, s] = (softmax(I_t) - p_t)[s] / n_tokens on the set and 0 elsewhere.
 
-Memory: queries are processed in chunks under ``jax.checkpoint``, so forward and backward hold at most
-[B, T_chunk, H, S] attention logits (warm-up) and never [B, T, S, H]. In the sparse stage the target
-p [B, T_chunk, k] is computed outside the checkpoint (it has no gradient) and kept for the backward
-pass, so only the cheap indexer scores are recomputed there, not the gathered [B, T_chunk, k, C] rows.
+Memory: queries are processed in chunks, so forward and backward hold at most [B, T_chunk, H, S]
+attention logits (warm-up, whose chunks are rematerialised under ``jax.checkpoint``) and never
+[B, T, S, H]. In the sparse stage each chunk keeps O(B * T_chunk * k) values for the backward pass: the
+target p (no gradient) and the selected keys' scores, whose VJP (selected_scores.py) recomputes the
+per-head dots instead of keeping [B, T_chunk, k, H] of them.
 """
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.indexer_kl.selected_scores import gather_keys, selected_index_scores
 from pallas_kernels.lightning_indexer.reference import index_scores
 from pallas_kernels.masking import visible_mask
 
@@ -58,20 +60,16 @@ def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, *, scale):
 
 
 def _sparse_target(q, kv, idx, valid, *, scale):
-    rows_BTKC = jax.vmap(lambda kv_SC, i: kv_SC[i])(kv, idx)
+    rows_BTKC = gather_keys(kv, idx)
     # key-major per query ([k, C] @ [C, H]): several times faster on XLA:CPU than [H, C] @ [C, k]
     logits_BTKH = jnp.einsum("btkc,bthc->btkh", rows_BTKC, q, preferred_element_type=jnp.float32) * scale
     return head_summed_target(jnp.swapaxes(logits_BTKH, 2, 3), valid)
 
 
 def _sparse_chunk_kl(p, iq, ik, iw, idx, valid):
-    # Indexer scores of the selected keys only: I[t, j] = sum_h w[t, h] ReLU(q[t, h] . k[idx[t, j]]).
-    keys_BTKD = jax.vmap(lambda k_SD, i: k_SD[i])(ik, idx).astype(jnp.float32)
-    dots_BTKH = jnp.einsum("btkd,bthd->btkh", keys_BTKD, iq.astype(jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST)      # key-major, as in _sparse_target
-    scores = jnp.einsum("btkh,bth->btk", jax.nn.relu(dots_BTKH), iw.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
-    return kl_per_token(p, scores, valid)
+    # Indexer scores of the selected keys only: I[t, j] = sum_h w[t, h] ReLU(q[t, h] . k[idx[t, j]]);
+    # its VJP recomputes the per-head dots, so nothing [B, T_chunk, k, H] is kept for the backward
+    return kl_per_token(p, selected_index_scores(iq, ik, iw, idx), valid)
 
 
 def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
@@ -111,7 +109,7 @@ def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
             q_or_p, iq, iw, idx, valid = xs
             # the target has no gradient: it is kept for the backward pass, not rematerialised
             p = q_or_p if given else _sparse_target(q_or_p, kv_BSC, idx, valid, scale=scale)
-            return jax.checkpoint(_sparse_chunk_kl)(p, iq, ik, iw, idx, valid)
+            return _sparse_chunk_kl(p, iq, ik, iw, idx, valid)
 
     if stage == "warmup":
         chunk_kl = jax.checkpoint(chunk_kl)

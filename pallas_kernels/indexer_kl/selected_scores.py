@@ -1,0 +1,74 @@
+"""Indexer scores of the selected keys only, with a hand-written VJP (spec §4.3, §7.1 sparse stage):
+
+    I[t, j] = sum_h w[t, h] ReLU(q[t, h] . k[idx[t, j]])        -> [B, T, k] fp32
+
+The sparse-stage KL needs these scores and their gradient with respect to the indexer's q, k and w.
+Autodiff of the gather formula differentiates the key-major product "btkd,bthd->btkh" into two batched
+products per query, [H, k] @ [k, d] for dq and [k, H] @ [H, d] for the gathered keys' gradient; their
+narrow dimension (H_I = 4 heads at bench sizes) makes them several times slower on XLA:CPU than the
+same sums written as broadcast multiply-adds. The backward here recomputes the per-head dots (residuals
+are the inputs only: nothing of size [B, T, k, H] is kept) and, with g = dI * w * [dots > 0],
+
+    dw[t, h] = sum_j dI[t, j] ReLU(dots[t, j, h])
+    dq[t, h] = sum_j g[t, j, h] k[idx[t, j]]
+    dk[s]    = sum_{t, j : idx[t, j] = s} sum_h g[t, j, h] q[t, h]      (a scatter-add)
+
+with the two contractions as multiply-adds on CPU and as products elsewhere (`jax.lax.platform_dependent`
+picks by the platform compiled for).
+"""
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def gather_keys(k_BSD, idx_BTK):
+    """Row idx[b, t, j] of k[b] -> [B, T, k, D]."""
+    return jax.vmap(lambda k_SD, i: k_SD[i])(k_BSD, idx_BTK)
+
+
+def _dots(keys_BTKD, q_BTHD):
+    # key-major per query ([k, D] @ [D, H]), the fastest layout of this product on XLA:CPU
+    return jnp.einsum("btkd,bthd->btkh", keys_BTKD, q_BTHD, precision=_HIGHEST)
+
+
+@jax.custom_vjp
+def selected_index_scores(q_BTHD, k_BSD, w_BTH, idx_BTK):
+    """I[b, t, j] for the keys idx[b, t, j] (any index in [0, S); masking is the caller's) -> [B, T, k] fp32."""
+    return _forward(q_BTHD, k_BSD, w_BTH, idx_BTK)[0]
+
+
+def _f32(*xs):
+    return tuple(x.astype(jnp.float32) for x in xs)
+
+
+def _forward(q_BTHD, k_BSD, w_BTH, idx_BTK):
+    q, k, w = _f32(q_BTHD, k_BSD, w_BTH)
+    scores = jnp.sum(jax.nn.relu(_dots(gather_keys(k, idx_BTK), q)) * w[:, :, None, :], axis=-1)
+    return scores, (q_BTHD, k_BSD, w_BTH, idx_BTK)
+
+
+def _multiply_add_grads(g_BTKH, keys_BTKD, q_BTHD):
+    dq = jnp.sum(g_BTKH[..., None] * keys_BTKD[:, :, :, None, :], axis=2)
+    dkeys = sum(g_BTKH[..., h, None] * q_BTHD[:, :, None, h, :] for h in range(q_BTHD.shape[2]))
+    return dq, dkeys
+
+
+def _product_grads(g_BTKH, keys_BTKD, q_BTHD):
+    return (jnp.einsum("btkh,btkd->bthd", g_BTKH, keys_BTKD, precision=_HIGHEST),
+            jnp.einsum("btkh,bthd->btkd", g_BTKH, q_BTHD, precision=_HIGHEST))
+
+
+def _backward(residuals, d_scores_BTK):
+    q_BTHD, k_BSD, w_BTH, idx_BTK = residuals
+    q, k, w = _f32(q_BTHD, k_BSD, w_BTH)
+    keys = gather_keys(k, idx_BTK)
+    dots = _dots(keys, q)
+    dw = jnp.sum(d_scores_BTK[..., None] * jax.nn.relu(dots), axis=2)
+    g = jnp.where(dots > 0, d_scores_BTK[..., None] * w[:, :, None, :], 0.0)
+    dq, dkeys = jax.lax.platform_dependent(g, keys, q, cpu=_multiply_add_grads, default=_product_grads)
+    dk = jax.vmap(lambda z_SD, i, v: z_SD.at[i].add(v))(jnp.zeros_like(k), idx_BTK, dkeys)
+    return dq.astype(q_BTHD.dtype), dk.astype(k_BSD.dtype), dw.astype(w_BTH.dtype), None
+
+
+selected_index_scores.defvjp(_forward, _backward)
