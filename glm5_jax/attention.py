@@ -131,7 +131,7 @@ class MLAttention(nn.Module):
                 o_lat, _ = mla_reference.dense_mla(q_abs, latent_BSC.astype(dt), visible & selection_mask(*selection, S),
                                                    scale=cfg.softmax_scale, v_dim=R, q_chunk=cfg.attention_q_chunk)
             elif training_xla:   # the KL target comes from these attention probabilities (same detached values)
-                o, indexer_target = self._training_sparse_xla(q_nope, q_rot, q_abs, c, k_rot, latent_BSC, w_kvb,
+                o, indexer_target = self._training_sparse_xla(q_nope, q_rot, q_abs, latent_BSC, w_kvb,
                                                               selection, with_target=indexer_kl_fn is not None
                                                               and cfg.indexer_loss == "sparse")
             elif sparse:   # decoding (gather on XLA) or a Pallas impl (its KL target comes separately)
@@ -212,7 +212,7 @@ class MLAttention(nn.Module):
             return masked_dense.dense_prefix(T, k, masked_dense.Q_CHUNK, masked_dense.DENSE_BLOCK_FACTOR)
         return T if form == "masked_dense" else 0
 
-    def _training_sparse_xla(self, q_nope, q_rot, q_abs, c, k_rot, latent_BSC, w_kvb, selection, with_target):
+    def _training_sparse_xla(self, q_nope, q_rot, q_abs, latent_BSC, w_kvb, selection, with_target):
         """Training-row sparse attention on XLA -> (o [B,T,H,d_v], indexer KL target or None): the first
         queries through the selection mask in per-head form (masked_dense.sparse_mha: their causal blocks
         score few keys), the rest over their k gathered latent rows (absorbed, spec §4.5; gather_saved keeps
@@ -223,7 +223,7 @@ class MLAttention(nn.Module):
         n = self._dense_queries(T, idx.shape[-1])
         outs, targets = [], []
         if n:       # queries < n select keys < n only (top-k picks visible keys), so keys [0, n) suffice
-            o, target = self._masked_dense(q_nope[:, :n], q_rot[:, :n], c[:, :n], k_rot[:, :n], w_kvb,
+            o, target = self._masked_dense(q_nope[:, :n], q_rot[:, :n], latent_BSC[:, :n], w_kvb,
                                            (idx[:, :n], valid[:, :n]), with_target)
             outs.append(o)
             targets.append(target)
@@ -239,17 +239,15 @@ class MLAttention(nn.Module):
         target = jnp.concatenate(targets, axis=1) if with_target else None
         return jnp.concatenate(outs, axis=1), target
 
-    def _masked_dense(self, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, selection, with_target):
+    def _masked_dense(self, q_nope, q_rot, latent_BSC, w_kvb, selection, with_target):
         """Training-row sparse attention as per-head products over the selection mask (XLA): the naive
         form's keys [c W_uk; k_rot] and values c W_uv (§4.1), which score a key with fewer FLOPs than the
         absorbed latent (masked_dense.sparse_mha) -> (o [B,T,H,d_v], indexer KL target or None)."""
         cfg, dt, dn = self.cfg, self.cfg.jnp_dtype, self.cfg.qk_nope_head_dim
-        kv = einsum("bsr,rhk->bshk", c_BSR, w_kvb, dt)
-        B, S, H, _ = kv.shape
-        k_rot = jnp.broadcast_to(k_rot_BSr.astype(dt)[:, :, None], (B, S, H, k_rot_BSr.shape[-1]))  # shared by heads
+        k = einsum("bsc,chk->bshk", latent_BSC, _per_head_key_weight(w_kvb[..., :dn], latent_BSC.shape[-1]), dt)
+        v = einsum("bsr,rhv->bshv", latent_BSC[..., :cfg.kv_lora_rank], w_kvb[..., dn:], dt)
         q = jnp.concatenate([q_nope.astype(dt), q_rot.astype(dt)], axis=-1)
-        k = jnp.concatenate([kv[..., :dn], k_rot], axis=-1)
-        results = masked_dense.sparse_mha(q, k, kv[..., dn:], *selection, scale=cfg.softmax_scale,
+        results = masked_dense.sparse_mha(q, k, v, *selection, scale=cfg.softmax_scale,
                                           q_chunk=masked_dense.Q_CHUNK, with_target=with_target)
         return results[0], results[2] if with_target else None
 
@@ -279,6 +277,17 @@ class MLAttention(nn.Module):
         lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         probs = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0))
         return jnp.einsum("bhts,bshv->bthv", probs.astype(dt), v, preferred_element_type=jnp.float32).astype(dt)
+
+
+def _per_head_key_weight(w_uk_RHN, latent_width):
+    """W [C, H, d_nope + d_rot] with latent @ W = the per-head keys [c W_uk; k_rot] (§4.1): W_uk over the
+    c columns and an identity passing k_rot through, so one product builds the keys without a per-head
+    copy of k_rot concatenated on (k_rot is shared by the heads)."""
+    R, H, dn = w_uk_RHN.shape
+    dr = latent_width - R
+    rot = jnp.broadcast_to(jnp.eye(dr, dtype=w_uk_RHN.dtype)[:, None, :], (dr, H, dr))
+    return jnp.concatenate([jnp.concatenate([w_uk_RHN, jnp.zeros((R, H, dr), w_uk_RHN.dtype)], -1),
+                            jnp.concatenate([jnp.zeros((dr, H, dn), w_uk_RHN.dtype), rot], -1)], 0)
 
 
 def write_rows(cache_BSX, rows_BTX, positions_BT):
