@@ -15,18 +15,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
-from bench.train_step import CONFIG, QUICK, random_batch  # noqa: E402
+from bench.train_step import CONFIG, QUICK, OursStep, interleaved_seconds  # noqa: E402
 from glm5_jax.experiment import apply_overrides, load_config_file  # noqa: E402
-from glm5_jax.sharding import build_mesh  # noqa: E402
-from glm5_jax.train_step import Trainer  # noqa: E402
 
 
 def overrides(text):
@@ -53,21 +48,12 @@ def main(argv=None):
     runs = {}
     for name, extra in (("A", overrides(args.a)), ("B", overrides(args.b))):
         cfg = apply_overrides(load_config_file(args.config), base + extra).validate()
-        trainer = Trainer(cfg, build_mesh(cfg.mesh))
-        state = trainer.init_state(cfg.train.seed)
-        batch = trainer.put_batch(random_batch(cfg.data.batch_size, args.seq_len, cfg.model.vocab_size))
-        state, metrics = trainer.step(state, batch)            # compile + one untimed step
-        jax.block_until_ready((state, metrics))
-        runs[name] = {"trainer": trainer, "state": state, "batch": batch, "times": [], "overrides": extra,
-                      "tokens": cfg.data.batch_size * args.seq_len, "first_loss": float(metrics["loss"])}
-    for _ in range(args.steps):
-        for run in runs.values():
-            t0 = time.perf_counter()
-            run["state"], metrics = run["trainer"].step(run["state"], run["batch"])
-            jax.block_until_ready((run["state"], metrics))
-            run["times"].append(time.perf_counter() - t0)
-            if not np.isfinite(float(metrics["loss"])):
-                raise RuntimeError(f"non-finite loss {float(metrics['loss'])}")
+        runs[name] = {"step": OursStep(cfg), "overrides": extra, "tokens": cfg.data.batch_size * args.seq_len}
+        runs[name]["step"]()                                   # compile + one untimed step
+        runs[name]["first_loss"] = runs[name]["step"].loss
+    times = interleaved_seconds({name: run["step"] for name, run in runs.items()}, args.steps, warmup=0)
+    for name, run in runs.items():
+        run["times"] = times[name]
 
     rows = []
     print(f"{'':2} {'median s/step':>14} {'tok/s':>8} {'first loss':>11}  steps (s)            overrides")

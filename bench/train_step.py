@@ -1,7 +1,8 @@
 """Train-step throughput and MFU of our Trainer vs HF transformers' GlmMoeDsaForCausalLM on CPU.
 
 One step = forward + backward + optimizer update (AdamW) of configs/bench_small.py on random tokens,
-timed in steady state (median of --steps after warm-up) at each sequence length. MFU uses
+timed in steady state (median of --steps after warm-up) at each sequence length. Our step and HF's
+alternate (ours, ours+MTP, HF, ours, ...), so both medians see the same machine state. MFU uses
 glm5_jax.flops.train_flops_per_token (6 x active matmul params + attention over the attended keys +
 indexer) and the fp32 matmul peak measured in the same run.
 
@@ -40,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.hf_step import hf_step_seconds  # noqa: E402
+from bench.hf_step import HFStep  # noqa: E402
 from glm5_jax.experiment import apply_overrides, load_config_file  # noqa: E402
 from glm5_jax.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
 from glm5_jax.sharding import build_mesh  # noqa: E402
@@ -58,20 +59,38 @@ def random_batch(batch, seq_len, vocab, seed=0):
             "segment_ids": np.ones((batch, seq_len), np.int32)}
 
 
-def ours_step_seconds(exp_cfg, steps: int, warmup: int) -> list[float]:
-    trainer = Trainer(exp_cfg, build_mesh(exp_cfg.mesh))
-    state = trainer.init_state(exp_cfg.train.seed)
-    batch = trainer.put_batch(random_batch(exp_cfg.data.batch_size, exp_cfg.data.seq_len, exp_cfg.model.vocab_size))
-    times = []
-    for i in range(warmup + steps):
+class OursStep:
+    """A Trainer, its state and a fixed random batch; calling it runs one train step -> seconds."""
+
+    def __init__(self, exp_cfg):
+        self.trainer = Trainer(exp_cfg, build_mesh(exp_cfg.mesh))
+        self.state = self.trainer.init_state(exp_cfg.train.seed)
+        self.batch = self.trainer.put_batch(random_batch(exp_cfg.data.batch_size, exp_cfg.data.seq_len,
+                                                         exp_cfg.model.vocab_size))
+        self.loss = None
+
+    def __call__(self) -> float:
         t0 = time.perf_counter()
-        state, metrics = trainer.step(state, batch)
-        jax.block_until_ready((state, metrics))
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    loss = float(metrics["loss"])
-    if not np.isfinite(loss):
-        raise RuntimeError(f"non-finite loss {loss}")
+        self.state, metrics = self.trainer.step(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        seconds = time.perf_counter() - t0
+        self.loss = float(metrics["loss"])
+        if not np.isfinite(self.loss):
+            raise RuntimeError(f"non-finite loss {self.loss}")
+        return seconds
+
+
+def interleaved_seconds(steps_by_name: dict, steps: int, warmup: int) -> dict:
+    """``warmup`` untimed calls of each step (the first compiles), then ``steps`` rounds that call every
+    step once in turn -> {name: [seconds]}. Interleaving makes each side's median see the same machine
+    state: on a shared host step times drift by 5-30% over minutes (HF's T=1024 step here: 5.3-7.6 s)."""
+    for step in steps_by_name.values():
+        for _ in range(warmup):
+            step()
+    times = {name: [] for name in steps_by_name}
+    for _ in range(steps):
+        for name, step in steps_by_name.items():
+            times[name].append(step())
     return times
 
 
@@ -100,16 +119,21 @@ def main(argv=None):
         has_mtp = exp_cfg.model.num_nextn_predict_layers > 0
         same_as_hf = apply_overrides(exp_cfg, ["model.mtp_depth=0", "model.num_nextn_predict_layers=0"]) \
             if has_mtp else exp_cfg
-        ours = statistics.median(ours_step_seconds(same_as_hf, args.steps, args.warmup))
-        row = {"T": T, "batch": exp_cfg.data.batch_size, "flops_per_token": flops["total"],
-               "ours_step_s": ours, "ours_tokens_per_sec": tokens / ours}
+        steps = {"ours": OursStep(same_as_hf)}
         if has_mtp:
-            ours_mtp = statistics.median(ours_step_seconds(exp_cfg, args.steps, args.warmup))
-            row.update(ours_mtp_step_s=ours_mtp, ours_mtp_tokens_per_sec=tokens / ours_mtp)
+            steps["ours_mtp"] = OursStep(exp_cfg)
         if not args.skip_hf:
-            hf = statistics.median(hf_step_seconds(exp_cfg.model, exp_cfg.data.batch_size, T, args.steps,
-                                                   args.warmup, args.hf_threads))
-            row.update(hf_step_s=hf, hf_tokens_per_sec=tokens / hf, ratio_vs_hf=hf / ours)
+            steps["hf"] = HFStep(exp_cfg.model, exp_cfg.data.batch_size, T, args.hf_threads)
+        times = interleaved_seconds(steps, args.steps, args.warmup)
+        del steps
+        median = {name: statistics.median(ts) for name, ts in times.items()}
+        row = {"T": T, "batch": exp_cfg.data.batch_size, "flops_per_token": flops["total"],
+               "ours_step_s": median["ours"], "ours_tokens_per_sec": tokens / median["ours"], "step_seconds": times}
+        if has_mtp:
+            row.update(ours_mtp_step_s=median["ours_mtp"], ours_mtp_tokens_per_sec=tokens / median["ours_mtp"])
+        if not args.skip_hf:
+            row.update(hf_step_s=median["hf"], hf_tokens_per_sec=tokens / median["hf"],
+                       ratio_vs_hf=median["hf"] / median["ours"])
         rows.append(row)
         print(f"T={T}: {flops['total'] / 1e6:.1f} MFLOP/token (matmul {flops['matmul'] / 1e6:.1f}, attention "
               f"{flops['attention'] / 1e6:.1f}, indexer {flops['indexer'] / 1e6:.1f})", flush=True)
