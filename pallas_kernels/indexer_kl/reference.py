@@ -20,9 +20,10 @@ per-head dots instead of keeping [B, T_chunk, k, H] of them.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.indexer_kl.selected_scores import gather_keys, selected_index_scores
+from pallas_kernels.indexer_kl.selected_scores import selected_index_scores
 from pallas_kernels.lightning_indexer.reference import index_scores
 from pallas_kernels.masking import visible_mask
+from pallas_kernels.sparse_mla.reference import gather_rows
 
 STAGES = ("warmup", "sparse")
 
@@ -60,7 +61,7 @@ def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, *, scale):
 
 
 def _sparse_target(q, kv, idx, valid, *, scale):
-    rows_BTKC = gather_keys(kv, idx)
+    rows_BTKC = gather_rows(kv, idx)
     # key-major per query ([k, C] @ [C, H]): several times faster on XLA:CPU than [H, C] @ [C, k]
     logits_BTKH = jnp.einsum("btkc,bthc->btkh", rows_BTKC, q, preferred_element_type=jnp.float32) * scale
     return head_summed_target(jnp.swapaxes(logits_BTKH, 2, 3), valid)

@@ -19,12 +19,9 @@ picks by the platform compiled for).
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sparse_mla.reference import gather_rows, scatter_add_rows
+
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def gather_keys(k_BSD, idx_BTK):
-    """Row idx[b, t, j] of k[b] -> [B, T, k, D]."""
-    return jax.vmap(lambda k_SD, i: k_SD[i])(k_BSD, idx_BTK)
 
 
 def _dots(keys_BTKD, q_BTHD):
@@ -44,7 +41,7 @@ def _f32(*xs):
 
 def _forward(q_BTHD, k_BSD, w_BTH, idx_BTK):
     q, k, w = _f32(q_BTHD, k_BSD, w_BTH)
-    scores = jnp.sum(jax.nn.relu(_dots(gather_keys(k, idx_BTK), q)) * w[:, :, None, :], axis=-1)
+    scores = jnp.sum(jax.nn.relu(_dots(gather_rows(k, idx_BTK), q)) * w[:, :, None, :], axis=-1)
     return scores, (q_BTHD, k_BSD, w_BTH, idx_BTK)
 
 
@@ -62,12 +59,12 @@ def _product_grads(g_BTKH, keys_BTKD, q_BTHD):
 def _backward(residuals, d_scores_BTK):
     q_BTHD, k_BSD, w_BTH, idx_BTK = residuals
     q, k, w = _f32(q_BTHD, k_BSD, w_BTH)
-    keys = gather_keys(k, idx_BTK)
+    keys = gather_rows(k, idx_BTK)
     dots = _dots(keys, q)
     dw = jnp.sum(d_scores_BTK[..., None] * jax.nn.relu(dots), axis=2)
     g = jnp.where(dots > 0, d_scores_BTK[..., None] * w[:, :, None, :], 0.0)
     dq, dkeys = jax.lax.platform_dependent(g, keys, q, cpu=_multiply_add_grads, default=_product_grads)
-    dk = jax.vmap(lambda z_SD, i, v: z_SD.at[i].add(v))(jnp.zeros_like(k), idx_BTK, dkeys)
+    dk = scatter_add_rows(jnp.zeros_like(k), idx_BTK, dkeys)
     return dq.astype(q_BTHD.dtype), dk.astype(k_BSD.dtype), dw.astype(w_BTH.dtype), None
 
 

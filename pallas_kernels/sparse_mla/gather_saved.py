@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.chunking import chunked_over_queries, merge_queries, split_queries
-from pallas_kernels.sparse_mla.reference import attend_rows, gather_rows, rows_q_chunk
+from pallas_kernels.sparse_mla.reference import attend_rows, gather_rows, rows_q_chunk, scatter_add_rows
 
 SAVED_NAMES = ("sparse_mla_out", "sparse_mla_lse", "sparse_mla_probs")
 # Largest probability residual (bytes, per layer call) worth keeping; above it, e.g. GLM-5 sizes on the XLA
@@ -81,9 +81,7 @@ def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
         drows = jnp.einsum("btkh,bthc->btkc", dlogits, q, preferred_element_type=jnp.float32)
         drows = drows.at[..., :v_dim].add(jnp.einsum("btkh,bthv->btkv", probs.astype(dt), do.astype(dt),
                                                      preferred_element_type=jnp.float32))
-        target = jnp.where(valid, idx, S).reshape(B, -1)                        # invalid slots: dropped
-        dkv_BSC = jax.vmap(lambda d, i, r: d.at[i].add(r, mode="drop"))(dkv_BSC, target, drows.reshape(B, -1, C))
-        return dkv_BSC, dq
+        return scatter_add_rows(dkv_BSC, idx, drows, valid), dq
 
     chunks = (split(q_BTHC), split(idx_BTK), split(valid_BTK), split(dout), split(delta_BTH), split(probs_BTKH))
     dkv, dq = jax.lax.scan(step, jnp.zeros((B, S, C), jnp.float32), chunks)

@@ -38,12 +38,6 @@ Q_CHUNK = 128  # queries per causal block (the [Q_CHUNK * H, C] @ [C, S_c] logit
 SAVED_NAMES = ("masked_dense_out", "masked_dense_lse")  # the forward's results, for remat policies
 
 
-def dense_pairs(T, q_chunk):
-    """Query-key pairs scored by the causal block layout for T queries."""
-    n = -(-T // q_chunk)
-    return sum(min(T, (c + 1) * q_chunk) * min(q_chunk, T - c * q_chunk) for c in range(n))
-
-
 def dense_prefix(T, k, q_chunk, factor=DENSE_BLOCK_FACTOR):
     """How many leading queries of T to attend densely: whole causal blocks that each score at most
     ``factor * k`` keys (T when every block does). The rest gather their k keys."""

@@ -63,16 +63,11 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
     B, S, C = kv_BSC.shape
     split = functools.partial(split_queries, q_chunk=q_chunk)
 
-    def add_rows(dkv_BSC, idx_BK, valid_BK, rows_BKC):
-        target = jnp.where(valid_BK, idx_BK, S)  # invalid slots scatter out of range -> dropped
-        return dkv_BSC.at[target].add(rows_BKC, mode="drop")
-
     def step(dkv, chunk):
         q, idx, valid, dout, lse, delta = chunk
         dq, rows = kernel.sparse_mla_bwd_rows(q, kv_BSC, idx, valid, dout, lse, delta, scale=scale,
                                               v_dim=v_dim, interpret=interpret)
-        dkv = jax.vmap(add_rows)(dkv, idx.reshape(B, -1), valid.reshape(B, -1), rows.reshape(B, -1, C))
-        return dkv, dq
+        return reference.scatter_add_rows(dkv, idx, rows, valid), dq
 
     chunks = (split(q_BTHC), split(idx_BTK), split(valid_BTK, value=False), split(dout_BTHV),
               split(lse_BTH, value=-jnp.inf), split(delta_BTH))

@@ -36,6 +36,15 @@ def gather_rows(kv_BSC, idx_BTK):
     return jax.vmap(lambda kv, i: kv[i])(kv_BSC, idx_BTK)
 
 
+def scatter_add_rows(d_BSC, idx_BTK, rows_BTKC, valid_BTK=None):
+    """The transpose of `gather_rows`: d[b, idx[b, t, j]] += rows[b, t, j] for every slot, or for the
+    ``valid`` slots only (the others are sent out of range and dropped)."""
+    B, S, C = d_BSC.shape
+    target = idx_BTK if valid_BTK is None else jnp.where(valid_BTK, idx_BTK, S)
+    return jax.vmap(lambda d, i, r: d.at[i].add(r, mode="drop"))(d_BSC, target.reshape(B, -1),
+                                                                 rows_BTKC.reshape(B, -1, C))
+
+
 def attend_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim):
     """One query chunk: (out [B,T,H,v_dim] in q's dtype, lse [B,T,H], probabilities [B,T,k,H] fp32)."""
     rows_BTKC = gather_rows(kv_BSC, idx_BTK)

@@ -77,10 +77,7 @@ def test_keys_must_be_the_query_rows():
         masked_dense.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=4)
 
 
-def test_dense_work_counts_causal_blocks():
-    # blocks of 4 over T=10 score 4x4, 4x8 and 2x10 query-key pairs
-    assert masked_dense.dense_pairs(10, 4) == 16 + 32 + 20
-    assert masked_dense.dense_pairs(8, 16) == 64
+def test_dense_prefix_takes_whole_causal_blocks():
     # causal 128-query blocks scoring <= 4 x 256 keys: all of T=1024, the first 1024 queries of T=4096
     assert masked_dense.dense_prefix(1024, 256, 128, 4.0) == 1024
     assert masked_dense.dense_prefix(4096, 256, 128, 4.0) == 1024
