@@ -12,9 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 MLA_FORMS = ("absorbed", "mha")
-SPARSE_XLA_FORMS = ("auto", "gather", "masked_dense")
 ATTENTION_MODES = ("sparse", "dense")
 INDEXER_LOSSES = ("none", "warmup", "sparse")
 MOE_IMPLS = ("ragged_dot", "blocked")
@@ -84,11 +83,6 @@ class ModelConfig:
     param_dtype: str = "float32"             # master weights
     attention_impl: str = "xla"
     mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
-    # absorbed sparse training attention on attention_impl="xla": "gather" the k selected latent rows per
-    # query, "masked_dense" (per-head keys/values, one batched matmul per causal query block over the
-    # selection mask: masked_dense.sparse_mha), or "auto" (masked_dense for the leading query blocks that
-    # score <= sparse_mla.masked_dense.DENSE_BLOCK_FACTOR x index_topk keys, gather for the rest)
-    sparse_xla_form: str = "auto"
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
     indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)
     moe_impl: str = "ragged_dot"              # "ragged_dot" (reference) or "blocked" (fast on CPU)
@@ -139,6 +133,14 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
+        for f in ("dtype", "param_dtype"):     # jnp.float32 / np.dtype / "float32" all name the same dtype
+            value = getattr(self, f)
+            if not isinstance(value, str):
+                try:
+                    value = jnp.dtype(value).name
+                except TypeError as e:
+                    raise ConfigError(f"ModelConfig.{f}={value!r}: not a dtype ({e})") from None
+                object.__setattr__(self, f, value)
         if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
         if isinstance(self.rope_scaling, dict):
@@ -195,7 +197,7 @@ class ModelConfig:
             need("original_max_position_embeddings" in rs, "rope_scaling",
                  "yarn needs original_max_position_embeddings")
         for f, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS),
-                           ("mla_form", MLA_FORMS), ("sparse_xla_form", SPARSE_XLA_FORMS),
+                           ("mla_form", MLA_FORMS),
                            ("attention_mode", ATTENTION_MODES),
                            ("indexer_loss", INDEXER_LOSSES),
                            ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES)):

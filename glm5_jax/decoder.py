@@ -10,11 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.attention import ATTENTION_CORE_NAMES, SELECTION_NAME, MLAttention
+from glm5_jax.attention import ATTENTION_SAVED_NAMES, SELECTION_NAME, MLAttention
 from glm5_jax.layer_plan import LayerKind, plan_segments
 from glm5_jax.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
 from glm5_jax.moe import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
-from pallas_kernels.sparse_mla import gather_saved, masked_dense
 
 _cp = jax.checkpoint_policies
 # The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
@@ -26,14 +25,13 @@ REMAT_POLICIES = {
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),
-    # also keep each layer's attention-core output and indexer KL target (ATTENTION_CORE_NAMES; the
-    # masked-dense core's out and lse; the gather form's out, lse and probabilities): the backward pass
-    # then does not rerun the attention core's forward (the reference gather form: once, its own
-    # rematerialisation); costs B*T*H*d_c (+ B*T*k, + B*T*H, + B*T*k*H gathered) values per layer
+    # also keep each layer's attention-core output, indexer KL target and the residuals the attention
+    # impls name (attention.ATTENTION_SAVED_NAMES: the kernels' out and lse, the gather form's
+    # probabilities): the backward pass then does not rerun the attention core's forward; costs
+    # B*T*H*d_c (+ B*T*k, + B*T*H, + B*T*k*H for the gather form) values per layer
     "dots_attention_saveable": _cp.save_from_both_policies(
         _cp.dots_with_no_batch_dims_saveable,
-        _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_CORE_NAMES,
-                                  *masked_dense.SAVED_NAMES, *gather_saved.SAVED_NAMES)),
+        _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES)),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _cp.save_from_both_policies(_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
                                                 _keep_selection),

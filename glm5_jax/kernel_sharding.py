@@ -3,8 +3,14 @@
 Mosaic kernels cannot be partitioned automatically; on a mesh of more than one device they must run
 per shard. Model code states each operand's logical axes ("batch", "act_heads", ...); this module
 turns them into mesh axes with the sharding rules in context, so model code still never names a mesh.
+
+A logical axis whose size does not divide over its mesh axes (an init batch of 1, a batch-1 decode or
+eval batch on a data-parallel mesh) is not split: every shard along those mesh axes then runs the whole
+axis (replicated work, the same result), instead of failing.
 """
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -15,20 +21,43 @@ def _mesh_in_context():
     return None if mesh is None or mesh.empty or mesh.size == 1 else mesh
 
 
+def _mesh_axes_of(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _indivisible_axes(mesh, args, in_axes) -> set[str]:
+    """Logical axis names some operand cannot split evenly over the mesh axes the rules give them."""
+    bad = set()
+    for x, axes in zip(args, in_axes):
+        for size, name, entry in zip(x.shape, axes, nn.logical_to_mesh_axes(axes)):
+            shards = math.prod(mesh.shape[a] for a in _mesh_axes_of(entry))
+            if name is not None and size % shards:
+                bad.add(name)
+    return bad
+
+
 def logical_shard_map(fn, in_axes, out_axes):
     """`fn` applied per shard when a multi-device mesh is in context, else `fn` itself.
 
-    in_axes / out_axes: one tuple of logical axis names (or None) per operand / result.
+    in_axes / out_axes: one tuple of logical axis names (or None) per operand / result (out_axes may
+    also be a single tuple for a single result).
     """
+    single_out = not (isinstance(out_axes, tuple) and out_axes and isinstance(out_axes[0], tuple))
+
     def call(*args):
         mesh = _mesh_in_context()
         if mesh is None:
             return fn(*args)
-        spec = lambda axes: nn.logical_to_mesh_axes(axes)   # rules from the enclosing nn.logical_axis_rules
+        unsplit = _indivisible_axes(mesh, args, in_axes)
+
+        def spec(axes):   # rules from the enclosing nn.logical_axis_rules; unsplittable names replicated
+            return nn.logical_to_mesh_axes(tuple(None if a in unsplit else a for a in axes))
+
         in_specs = tuple(spec(a) for a in in_axes)
-        out_specs = tuple(spec(a) for a in out_axes) if isinstance(out_axes, tuple) and out_axes and \
-            isinstance(out_axes[0], tuple) else spec(out_axes)
-        # check_vma=False: Pallas calls do not carry varying-manual-axes types (JAX_NOTES §1.2).
+        out_specs = spec(out_axes) if single_out else tuple(spec(a) for a in out_axes)
+        # check_vma=False: Pallas calls carry no varying-manual-axes types, so the checker cannot type them
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     return call

@@ -108,6 +108,12 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
         out_shape=jax.ShapeDtypeStruct((B, T_pad, S_pad), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
+        name="lightning_indexer_scores",
+        # every tile's H dots of width D (causal skipping is data-dependent: about half the tiles run)
+        cost_estimate=pl.CostEstimate(
+            flops=2 * B * T_pad * S_pad * H * D + 3 * B * T_pad * S_pad * H, transcendentals=0,
+            bytes_accessed=q_BHTD.size * q_BHTD.dtype.itemsize + n_t * k_BSD.size * k_BSD.dtype.itemsize
+            + 4 * B * T_pad * S_pad),
     )(q_max_pos, kv_min_pos, q_BHTD, k_BSD, w_BHT,
       q_pos[:, None, :], q_seg[:, None, :], kv_pos[:, :, None], kv_seg[:, :, None])
     return scores if (T, S) == (T_pad, S_pad) else scores[:, :T, :S]

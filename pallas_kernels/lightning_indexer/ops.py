@@ -1,18 +1,30 @@
 """Lightning indexer + top-k behind an ``impl`` switch.
 
-"xla" is the reference; "pallas" runs the TPU score kernel (kernel.py) and "pallas_interpret" the same
-kernel through the Pallas interpreter (CPU tests). Indices are not differentiable; the indexer learns
-from the KL loss (pallas_kernels/indexer_kl), so no custom_vjp is needed here.
+"reference" and "xla" are the XLA reference (reference.py: query chunks scoring only the key window
+they can see); "pallas" runs the TPU score kernel (kernel.py) and "pallas_interpret" the same kernel
+through the Pallas interpreter (CPU tests).
+
+The selection carries no gradient: top-k indices are integers, and the indexer learns only from its KL
+loss (pallas_kernels/indexer_kl). The inputs are detached here, before any kernel runs, so automatic
+differentiation of a model that uses the indexer never asks ``pallas_call`` for a derivative.
 """
+import jax
+
 from pallas_kernels.lightning_indexer import kernel, reference
 
-IMPLS = ("xla", "pallas", "pallas_interpret")
+IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
+
+
+def check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"indexer_topk: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk, impl="xla"):
+    """(idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S): the top-k visible keys per query."""
+    check_impl(impl)
+    q_BTHD, k_BSD, w_BTH = (jax.lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
     args = (q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
-    if impl == "xla":
+    if impl in ("reference", "xla"):
         return reference.indexer_topk(*args, topk=topk)
-    if impl in ("pallas", "pallas_interpret"):
-        return kernel.indexer_topk(*args, topk=topk, interpret=impl == "pallas_interpret")
-    raise ValueError(f"indexer_topk: unknown impl {impl!r}; choose one of {IMPLS}")
+    return kernel.indexer_topk(*args, topk=topk, interpret=impl == "pallas_interpret")

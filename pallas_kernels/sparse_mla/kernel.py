@@ -195,6 +195,23 @@ def _grid_and_common_specs(d):
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"))
 
 
+def _cost(d, v_dim, itemsize, backward):
+    """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
+
+    Per (query, slot, head): logits 2C; forward adds p @ V 2v; the backward recomputes the logits (2C),
+    dP = dO V^T (2v), dq += dS rows (2C), drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered
+    rows, q and the per-query outputs; the backward also reads dO and writes the row gradients."""
+    B, T, H, C, K = d["B"], d["T_pad"], d["H"], d["C"], d["K_pad"]
+    pairs = B * T * K * H
+    rows = B * T * K * C * itemsize
+    per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
+    if not backward:
+        return pl.CostEstimate(flops=pairs * (2 * C + 2 * v_dim), transcendentals=pairs,
+                               bytes_accessed=rows + per_query)
+    return pl.CostEstimate(flops=pairs * (6 * C + 4 * v_dim), transcendentals=pairs,
+                           bytes_accessed=rows + 2 * per_query + B * T * H * C * 4 + B * T * K * C * 4)
+
+
 def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=512, interpret=False):
     """(out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32); same contract as reference.sparse_mla."""
     S = kv_BSC.shape[1]
@@ -217,6 +234,8 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
                         pltpu.VMEM((H, v_dim), jnp.float32)],
         compiler_params=_SEMANTICS,
         interpret=interpret,
+        name="sparse_mla_fwd",
+        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=False),
     )(d["idx_flat"], q, d["valid"], kv_BSC[:, :, None, :])
     T = d["T"]
     return (out, lse) if T == T_pad else (out[:, :T], lse[:, :T])
@@ -252,6 +271,8 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
         scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,))],
         compiler_params=_SEMANTICS,
         interpret=interpret,
+        name="sparse_mla_bwd",
+        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=True),
     )(d["idx_flat"], q, dout, lse, delta, d["valid"], kv_BSC[:, :, None, :])
     T, K = d["T"], d["K"]
     if (T, K) != (T_pad, K_pad):

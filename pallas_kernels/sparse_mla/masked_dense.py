@@ -14,12 +14,6 @@ selected key past its query block would be dropped. Not for decode caches, whose
 
 A hand-written VJP keeps the backward matmul-shaped too (flash-attention style: residuals are q, kv,
 the selection, out and lse; the probabilities are recomputed per block).
-
-``sparse_mha`` is the same attention in the per-head (naive, spec §4.1) form: keys [k_nope; k_rot] and
-values up-projected per head. Scoring every key of a block is then 2 * (d_qk + d_v) FLOPs per (query,
-key, head) instead of the absorbed 2 * (2 * kv_lora + d_rope), 256 vs 544 at bench_small's sizes, for
-one [S, kv_lora] @ [kv_lora, H * (d_nope + d_v)] up-projection; the model trains through it
-(glm5_jax/attention.py). Head-major inside ([B, H, T, D]: one batched matmul per (batch, head)).
 """
 import functools
 
@@ -29,10 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.masking import selection_mask
 
-# a causal query block runs dense while it scores <= this x k keys per query. On XLA:CPU a scored
-# (query, key) pair of sparse_mha costs roughly 1/6 of a gathered one (fwd+bwd, bench_small sizes, from
-# step-time differences); the T=4096 bench_small step is flat from 4 to 8 (23.9 vs 24.6 s, alternating
-# runs) and ~5% faster than gathering every query (24.8 vs 26.1 s); 4 keeps the block logits smaller.
+# a causal query block runs dense while it scores <= this x k keys per query: a scored key costs a
+# fraction of a gathered one (dense matmul vs per-query gather); bench/train_step.py has the measurements.
 DENSE_BLOCK_FACTOR = 4.0
 Q_CHUNK = 128  # queries per causal block (the [Q_CHUNK * H, C] @ [C, S_c] logits matmul)
 SAVED_NAMES = ("masked_dense_out", "masked_dense_lse")  # the forward's results, for remat policies
@@ -139,77 +131,3 @@ def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
 
 
 _with_grads.defvjp(_with_grads_fwd, _with_grads_bwd)
-
-
-def sparse_mha(q_BTHD, k_BSHD, v_BSHV, idx_BTK, valid_BTK, *, scale, q_chunk=Q_CHUNK, with_target=False):
-    """Per-head form of ``sparse_mla``: softmax(q k^T * scale over the selected keys) v for per-head keys
-    and values -> (out [B,T,H,d_v], lse [B,T,H] fp32) and with ``with_target`` the indexer KL target
-    [B,T,k]. With q = [q_nope; q_rot], k = [c W_uk; k_rot], v = c W_uv it equals the absorbed form's
-    out @ W_uv (spec §4.1). Keys are the first T rows (training rows), as for ``sparse_mla``; out and
-    lse are named SAVED_NAMES the same way."""
-    T = q_BTHD.shape[1]
-    if k_BSHD.shape[1] != T or v_BSHV.shape[1] != T:
-        raise ValueError(f"masked-dense sparse_mha needs keys = queries (training rows); got T={T}, "
-                         f"S={k_BSHD.shape[1]} keys, {v_BSHV.shape[1]} values")
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BTHD, k_BSHD, v_BSHV))       # head-major [B, H, T, D]
-    sg = jax.lax.stop_gradient
-    out, lse, target = _mha_forward(sg(q), sg(k), sg(v), idx_BTK, valid_BTK, float(scale), q_chunk)
-    out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
-    out, lse = _mha_with_grads(q, k, v, idx_BTK, valid_BTK, out, lse, float(scale), q_chunk)
-    out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
-    return (out, lse, target) if with_target else (out, lse)
-
-
-def _mha_block_probs(q_BHtD, k_BHSD, bias_BtS, scale, lse_BHt=None):
-    """`_block_probs` for head-major per-head keys: (probs [B, H, t, S], lse [B, H, t])."""
-    logits = jnp.einsum("bhtd,bhsd->bhts", q_BHtD, k_BHSD, preferred_element_type=jnp.float32) * scale
-    return _probs_from_logits(logits + bias_BtS[:, None], lse_BHt)
-
-
-def _mha_forward(q_BHTD, k_BHSD, v_BHSV, idx_BTK, valid_BTK, scale, q_chunk):
-    outs, lses, targets = [], [], []
-    for t0, t1 in _blocks(q_BHTD.shape[2], q_chunk):
-        idx, valid = idx_BTK[:, t0:t1], valid_BTK[:, t0:t1]
-        probs, lse = _mha_block_probs(q_BHTD[:, :, t0:t1], k_BHSD[:, :, :t1], _selection_bias(idx, valid, t1), scale)
-        outs.append(jnp.einsum("bhts,bhsv->bhtv", probs.astype(v_BHSV.dtype), v_BHSV[:, :, :t1],
-                               preferred_element_type=jnp.float32).astype(q_BHTD.dtype))
-        lses.append(lse)
-        # head mean as adds of [B, t, S] slices: XLA:CPU reduces a non-minor axis far slower
-        mean_BtS = sum(probs[:, h] for h in range(probs.shape[1])) / probs.shape[1]
-        targets.append(jnp.where(valid, jnp.take_along_axis(mean_BtS, jnp.where(valid, idx, 0), axis=-1), 0.0))
-    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2), jnp.concatenate(targets, axis=1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _mha_with_grads(q_BHTD, k_BHSD, v_BHSV, idx_BTK, valid_BTK, out, lse, scale, q_chunk):
-    """Identity on (out, lse); its VJP is the per-head attention's gradient w.r.t. q, k, v."""
-    return out, lse
-
-
-def _mha_with_grads_fwd(q_BHTD, k_BHSD, v_BHSV, idx_BTK, valid_BTK, out, lse, scale, q_chunk):
-    return (out, lse), (q_BHTD, k_BHSD, v_BHSV, idx_BTK, valid_BTK, out, lse)
-
-
-def _mha_with_grads_bwd(scale, q_chunk, residuals, cotangents):
-    """`_with_grads_bwd` per head: dP = dO V^T, dS = P (dP - delta), dq = dS K, dK += dS^T q, dV += P^T dO."""
-    q_BHTD, k_BHSD, v_BHSV, idx_BTK, valid_BTK, out, lse_BHT = residuals
-    dout, dlse = cotangents
-    dlse = jnp.where(jnp.isfinite(lse_BHT), dlse, 0.0)
-    delta_BHT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
-    dk, dv = jnp.zeros(k_BHSD.shape, jnp.float32), jnp.zeros(v_BHSV.shape, jnp.float32)
-    dqs = []
-    for t0, t1 in _blocks(q_BHTD.shape[2], q_chunk):
-        q, k, v, do = q_BHTD[:, :, t0:t1], k_BHSD[:, :, :t1], v_BHSV[:, :, :t1], dout[:, :, t0:t1]
-        bias = _selection_bias(idx_BTK[:, t0:t1], valid_BTK[:, t0:t1], t1)
-        probs, _ = _mha_block_probs(q, k, bias, scale, lse_BHt=lse_BHT[:, :, t0:t1])
-        dprobs = jnp.einsum("bhtv,bhsv->bhts", do, v, preferred_element_type=jnp.float32)
-        dlogits = (probs * (dprobs - delta_BHT[:, :, t0:t1, None]) * scale).astype(k.dtype)
-        dqs.append(jnp.einsum("bhts,bhsd->bhtd", dlogits, k, preferred_element_type=jnp.float32))
-        dk = dk.at[:, :, :t1].add(jnp.einsum("bhts,bhtd->bhsd", dlogits, q, preferred_element_type=jnp.float32))
-        dv = dv.at[:, :, :t1].add(jnp.einsum("bhts,bhtv->bhsv", probs.astype(v.dtype), do,
-                                             preferred_element_type=jnp.float32))
-    dq = jnp.concatenate(dqs, axis=2)
-    return (dq.astype(q_BHTD.dtype), dk.astype(k_BHSD.dtype), dv.astype(v_BHSV.dtype), None, None, None, None)
-
-
-_mha_with_grads.defvjp(_mha_with_grads_fwd, _mha_with_grads_bwd)

@@ -1,48 +1,133 @@
-"""Sparse MLA attention behind an ``impl`` switch.
+"""Sparse MLA attention: the one place that picks how the attention core runs, by ``impl``.
 
-"xla" is the reference (differentiated by JAX); "xla_masked_dense" the same function as one matmul per
-causal query block over a selection mask, with a hand-written VJP (masked_dense.py: faster on XLA:CPU
-while T/2 is within a few times k; training rows only); "pallas" / "pallas_interpret" run the kernels of
-kernel.py (TPU / Pallas interpreter) under a ``jax.custom_vjp``, since JAX cannot differentiate through
-``pallas_call``. The backward kernel returns dq and per-slot row gradients; d(kv) is their XLA
-scatter-add, done one query chunk at a time (memory O(B * T_chunk * k * C)).
+All impls compute the same function (reference.py): every query head attends, in the absorbed form,
+to the latent rows [c; k_rot] of its query's selected keys; the value is the first ``v_dim`` columns.
+
+* ``"reference"``: `reference.sparse_mla`, differentiated by JAX (the readable oracle).
+* ``"xla"``: plain XLA tuned for training rows (queries and keys are the same tokens). The leading
+  causal query blocks, which can see few keys, attend densely through the selection mask
+  (`masked_dense`, one matmul per block); the rest gather their k rows with a hand-written VJP that
+  keeps the probabilities while they fit a memory budget (`gather_saved`), else the reference.
+  Over a decode cache it attends through the selection mask while the cache holds at most
+  ``DENSE_DECODE_FACTOR * k`` slots, else it gathers.
+* ``"pallas"`` / ``"pallas_interpret"``: the TPU kernels of kernel.py (real Mosaic / the Pallas
+  interpreter on CPU). JAX cannot differentiate ``pallas_call``, so the forward runs on detached inputs
+  and `_with_grads`, an identity with a custom VJP, attaches the backward kernel. The forward's results
+  are named (``SAVED_NAMES``) so a remat policy keeping them never reruns the kernel.
+
+The indexer KL target (head-mean attention probabilities at the selected slots, no gradient) comes
+from the XLA impls' own probabilities (``with_target``); the Pallas kernels do not emit it, so the
+indexer KL computes it itself from the same selection (pallas_kernels/indexer_kl).
+
+Shapes: q [B,T,H,C], kv [B,S,C], idx / valid [B,T,k] -> out [B,T,H,v_dim], lse [B,T,H] (fp32).
 """
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.chunking import merge_queries, split_queries
-from pallas_kernels.sparse_mla import kernel, masked_dense, reference
+from pallas_kernels.masking import selection_mask
+from pallas_kernels.sparse_mla import gather_saved, kernel, masked_dense, reference
 
-IMPLS = ("xla", "xla_masked_dense", "pallas", "pallas_interpret")
+IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 BWD_Q_CHUNK = 64  # queries per backward kernel call; the row gradients of one chunk live in HBM
+# A decode cache of at most this many times k slots attends through the selection mask (one matmul over
+# every slot) instead of gathering k rows per query: the same result for a few times the FLOPs.
+DENSE_DECODE_FACTOR = 4
+PALLAS_SAVED_NAMES = ("sparse_mla_kernel_out", "sparse_mla_kernel_lse")
+# every residual an impl names for remat policies (decoder.REMAT_POLICIES keeps them)
+SAVED_NAMES = masked_dense.SAVED_NAMES + gather_saved.SAVED_NAMES + PALLAS_SAVED_NAMES
 
 
-def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla", with_target=False):
-    """(out, lse), or with ``with_target`` (XLA impls) also the indexer KL target (reference.sparse_mla)."""
-    if impl in ("xla", "xla_masked_dense"):
-        fn = reference.sparse_mla if impl == "xla" else masked_dense.sparse_mla
-        return fn(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim, with_target=with_target)
-    if with_target:
-        raise ValueError(f"sparse_mla: with_target is only computed by the XLA impls, not {impl!r}")
+def check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"sparse_mla: unknown impl {impl!r}; choose one of {IMPLS}")
+
+
+def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla", training_rows=True,
+               with_target=False):
+    """(out, lse), or with ``with_target`` (out, lse, target): the indexer KL target [B,T,k] where the
+    impl computes it (the XLA impls), else None.
+
+    ``training_rows``: the keys are the queries' own tokens (kv row t is query t), so causal blocks of
+    queries see only a prefix of the keys; False for a decode cache, whose slots may run ahead.
+    """
+    check_impl(impl)
+    results = _sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim, impl=impl,
+                          training_rows=training_rows, with_target=with_target)
+    return results if with_target else results[:2]
+
+
+def _sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl, training_rows, with_target):
+    """(out, lse, target or None)."""
     if impl in ("pallas", "pallas_interpret"):
-        return _sparse_mla_pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim,
-                                  impl == "pallas_interpret")
-    raise ValueError(f"sparse_mla: unknown impl {impl!r}; choose one of {IMPLS}")
+        out, lse = _pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim, impl == "pallas_interpret")
+        return out, lse, None
+    args = (q_BTHC, kv_BSC, idx_BTK, valid_BTK)
+    if impl == "reference":
+        return _with_optional_target(reference.sparse_mla, args, scale, v_dim, with_target)
+    if training_rows:
+        return _xla_training(*args, scale=scale, v_dim=v_dim, with_target=with_target)
+    S, k = kv_BSC.shape[1], idx_BTK.shape[-1]
+    if S <= DENSE_DECODE_FACTOR * k:
+        allowed = selection_mask(idx_BTK, valid_BTK, S)
+        out, lse = reference.dense_mla(q_BTHC, kv_BSC, allowed, scale=scale, v_dim=v_dim)
+        return out, lse, None
+    return _with_optional_target(reference.sparse_mla, args, scale, v_dim, with_target)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _sparse_mla_pallas(q, kv, idx, valid, scale, v_dim, interpret):
-    return kernel.sparse_mla_fwd(q, kv, idx, valid, scale=scale, v_dim=v_dim, interpret=interpret)
+def _with_optional_target(fn, args, scale, v_dim, with_target):
+    results = fn(*args, scale=scale, v_dim=v_dim, with_target=with_target)
+    return results if with_target else (*results, None)
 
 
-def _fwd(q, kv, idx, valid, scale, v_dim, interpret):
-    out, lse = kernel.sparse_mla_fwd(q, kv, idx, valid, scale=scale, v_dim=v_dim, interpret=interpret)
+def _xla_training(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, with_target):
+    """Queries [0, n) through the selection mask over keys [0, n) (top-k picks visible keys, so a query
+    before n selects keys before n); queries [n, T) over their gathered rows."""
+    T, k = q_BTHC.shape[1], idx_BTK.shape[-1]
+    B, H = q_BTHC.shape[0], q_BTHC.shape[2]
+    n = masked_dense.dense_prefix(T, k, masked_dense.Q_CHUNK, masked_dense.DENSE_BLOCK_FACTOR)
+    parts = []
+    if n:
+        dense = functools.partial(masked_dense.sparse_mla, q_chunk=masked_dense.Q_CHUNK)
+        parts.append(_with_optional_target(dense, (q_BTHC[:, :n], kv_BSC[:, :n], idx_BTK[:, :n], valid_BTK[:, :n]),
+                                           scale, v_dim, with_target))
+    if n < T:
+        gather = gather_saved if gather_saved.fits(B, T - n, k, H) else reference
+        parts.append(_with_optional_target(gather.sparse_mla, (q_BTHC[:, n:], kv_BSC, idx_BTK[:, n:], valid_BTK[:, n:]),
+                                           scale, v_dim, with_target))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(None if x[0] is None else jnp.concatenate(x, axis=1) for x in zip(*parts))
+
+
+def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
+    """Absorbed attention over every visible key (DSA's dense stage, or a sequence no longer than k):
+    (out, lse). One XLA implementation serves every impl."""
+    return reference.dense_mla(q_BTHC, kv_BSC, visible_BTS, scale=scale, v_dim=v_dim, q_chunk=q_chunk)
+
+
+# ----------------------------------------------------------------------------------------- Pallas path
+def _pallas(q, kv, idx, valid, scale, v_dim, interpret):
+    sg = jax.lax.stop_gradient
+    out, lse = kernel.sparse_mla_fwd(sg(q), sg(kv), idx, valid, scale=scale, v_dim=v_dim, interpret=interpret)
+    out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), PALLAS_SAVED_NAMES))
+    return _with_grads(q, kv, idx, valid, out, lse, scale, v_dim, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _with_grads(q, kv, idx, valid, out, lse, scale, v_dim, interpret):
+    """Identity on (out, lse), the forward kernel's results; its VJP runs the backward kernel."""
+    return out, lse
+
+
+def _with_grads_fwd(q, kv, idx, valid, out, lse, scale, v_dim, interpret):
     return (out, lse), (q, kv, idx, valid, out, lse)
 
 
-def _bwd(scale, v_dim, interpret, residuals, cotangents):
+def _with_grads_bwd(scale, v_dim, interpret, residuals, cotangents):
     q, kv, idx, valid, out, lse = residuals
     dout, dlse = cotangents
     # d lse / d s = p, so an lse cotangent enters exactly like -delta (see kernel.py docstring).
@@ -51,15 +136,16 @@ def _bwd(scale, v_dim, interpret, residuals, cotangents):
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
     dq, dkv = sparse_mla_grads(q, kv, idx, valid, dout, lse, delta, scale=scale, v_dim=v_dim,
                                interpret=interpret)
-    return dq.astype(q.dtype), dkv.astype(kv.dtype), None, None
+    return dq.astype(q.dtype), dkv.astype(kv.dtype), None, None, None, None
 
 
-_sparse_mla_pallas.defvjp(_fwd, _bwd)
+_with_grads.defvjp(_with_grads_fwd, _with_grads_bwd)
 
 
 def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
                      scale, v_dim, interpret, q_chunk=BWD_Q_CHUNK):
-    """(dq [B,T,H,C] fp32, dkv [B,S,C] fp32): backward kernel per query chunk + scatter-add of rows."""
+    """(dq [B,T,H,C] fp32, dkv [B,S,C] fp32): backward kernel per query chunk + scatter-add of rows
+    (memory O(B * T_chunk * k * C))."""
     B, S, C = kv_BSC.shape
     split = functools.partial(split_queries, q_chunk=q_chunk)
 
@@ -73,5 +159,3 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
               split(lse_BTH, value=-jnp.inf), split(delta_BTH))
     dkv, dq = jax.lax.scan(step, jnp.zeros((B, S, C), jnp.float32), chunks)
     return merge_queries(dq, q_BTHC.shape[1]), dkv
-
-

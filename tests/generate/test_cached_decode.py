@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax import Transformer, attention
+from glm5_jax import Transformer
+from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 from glm5_jax.generate import decode_config
 from glm5_jax.kv_cache import cache_bytes_per_token, init_cache
 from tests.generate.tiny_models import TINY, full_logits, init_variables
@@ -20,7 +21,7 @@ def test_prefill_and_each_decode_step_match_full_forward(cfg, dense_decode_facto
     """Prompts of 5 and 11 tokens in one batch, then one token per step up to 30 > index_topk = 8, so the
     decode-time top-k over the cache drops keys; logits at every position equal the full forward's.
     DSA attends to the selected slots either by gathering their rows or through a mask over the cache."""
-    monkeypatch.setattr(attention, "DENSE_DECODE_FACTOR", dense_decode_factor)
+    monkeypatch.setattr(sparse_mla_ops, "DENSE_DECODE_FACTOR", dense_decode_factor)
     variables = init_variables(cfg)
     B, T, P = 2, 30, 12
     lengths = np.array([5, 11])

@@ -91,3 +91,16 @@ def test_glm5_parameter_counts():
     assert round(counts["active"] / 1e9, 2) == 41.78
     assert round(counts["active_without_embeddings"] / 1e9, 2) == 39.88
     assert round(counts["mtp"] / 1e9, 2) == 9.95
+
+
+def test_dtypes_given_as_jax_or_numpy_dtypes():
+    import jax.numpy as jnp
+    import numpy as np
+
+    cfg = model_config().replace(dtype=jnp.bfloat16, param_dtype=np.float32)
+    assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
+    assert cfg == model_config().replace(dtype="bfloat16", param_dtype="float32")
+    with pytest.raises(ConfigError, match=r"ModelConfig\.dtype=.*not a dtype"):
+        model_config().replace(dtype=object())
+    with pytest.raises(ConfigError, match=r"ModelConfig\.dtype='int8'"):
+        model_config().replace(dtype=jnp.int8)

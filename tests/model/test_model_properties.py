@@ -120,15 +120,15 @@ def test_aux_outputs(variables):
     assert bias_paths == load_paths
 
 
-@pytest.mark.parametrize("sparse_form", ["gather", "masked_dense"])
-def test_remat_policies_give_the_same_gradients(variables, sparse_form):
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_remat_policies_give_the_same_gradients(variables, impl):
     """Every remat policy (some keep the DSA selection, attention.SELECTION_NAME) differentiates to the
-    same gradients as no remat, in the sparse stage with the indexer KL loss, for both XLA forms of the
-    sparse attention core."""
+    same gradients as no remat, in the sparse stage with the indexer KL loss, for the reference and the
+    tuned XLA impls of the sparse attention core."""
     ids = jnp.asarray(tokens(2, 4 * TINY.index_topk))
 
     def grads(policy):
-        cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse", sparse_xla_form=sparse_form)
+        cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse", attention_impl=impl)
 
         def loss(params):
             logits, aux = Transformer(cfg).apply({**variables, "params": params}, ids, return_aux=True)
@@ -157,13 +157,13 @@ def test_indexer_kl_same_in_absorbed_and_mha_forms(variables):
 
 
 def test_sparse_xla_forms_agree(variables, monkeypatch):
-    """The gather and masked-dense XLA sparse cores, and "auto" splitting the queries between them, give
-    the same logits, per-layer indexer KL and parameter gradients (sparse stage, KL target taken from
-    each core's own probabilities)."""
+    """The reference sparse core and the tuned XLA impl with its queries all gathered, all attended through
+    the selection mask (masked dense), or split between the two, give the same logits, per-layer indexer
+    KL and parameter gradients (sparse stage, KL target taken from each core's own probabilities)."""
     ids = jnp.asarray(tokens(2, 4 * TINY.index_topk))
 
-    def run(form):
-        cfg = TINY.replace(sparse_xla_form=form, indexer_loss="sparse", remat_policy="none")
+    def run(impl):
+        cfg = TINY.replace(attention_impl=impl, indexer_loss="sparse", remat_policy="none")
 
         def loss(params):
             logits, aux = Transformer(cfg).apply({**variables, "params": params}, ids, return_aux=True)
@@ -171,13 +171,18 @@ def test_sparse_xla_forms_agree(variables, monkeypatch):
         (_, (logits, aux)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
         return logits, aux["indexer_kl"], g
 
-    gather, dense = run("gather"), run("masked_dense")
+    gather = run("reference")
+    assert masked_dense.dense_prefix(ids.shape[1], TINY.index_topk, masked_dense.Q_CHUNK,
+                                     masked_dense.DENSE_BLOCK_FACTOR) == 0       # 128-query blocks: all gather
+    gather_saved = run("xla")
     # tiny sizes: causal blocks of 8 queries, dense while a block scores <= 2 k keys -> 16 of 32 queries
     monkeypatch.setattr(masked_dense, "Q_CHUNK", 8)
     monkeypatch.setattr(masked_dense, "DENSE_BLOCK_FACTOR", 2.0)
     assert masked_dense.dense_prefix(ids.shape[1], TINY.index_topk, 8, 2.0) == 16
-    split = run("auto")
-    for other in (dense, split):
+    split = run("xla")
+    monkeypatch.setattr(masked_dense, "DENSE_BLOCK_FACTOR", 100.0)
+    dense = run("xla")
+    for other in (gather_saved, dense, split):
         np.testing.assert_allclose(other[0], gather[0], atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(other[1], gather[1], rtol=1e-5)
         for a, b in zip(jax.tree.leaves(other[2]), jax.tree.leaves(gather[2])):
