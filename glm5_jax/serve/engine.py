@@ -1,0 +1,397 @@
+"""Continuous batching over a static latent cache, with prefix reuse keyed by token ids.
+
+The cache holds ``max_batch`` slots (batch rows) of ``max_seq_len + 1`` positions each; every jitted
+program has a fixed shape. A background thread repeats:
+
+1. admit waiting requests into free slots: pick the slot whose cached tokens share the longest prefix
+   with the prompt (copying a busy slot's row into a free one when that slot is the best match), prefill
+   only the rest of the prompt (padded to a power-of-two bucket) and sample the first token;
+2. run one decode step for all slots at once: each active slot feeds its last sampled token at its own
+   position; inactive slots write to the spare last position, which no query ever sees (a query at
+   position p attends to slots <= p, and p < max_seq_len);
+3. hand each new token to its request, finish requests on a stop id, a stop check, ``max_tokens`` or a
+   cancel, and free their slots between steps.
+
+A freed slot keeps its rows and the token ids they hold, so a later request that extends them (the next
+turn of a conversation, or n samples of one prompt) only prefills what is new. Slots are evicted least
+recently used first. New weights (`set_variables`) are swapped in between steps; cached prefixes computed
+with older weights are dropped.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.generate import Sampler, decode_config
+from glm5_jax.kv_cache import init_cache
+from glm5_jax.model import Transformer
+from glm5_jax.serve import cache_rows
+from glm5_jax.serve.model_step import decode_logits
+from glm5_jax.serve.sampling import sample_rows
+
+NUM_TOP_LOGPROBS = 20          # alternatives computed per token (OpenAI allows up to 20)
+MIN_PREFILL_BUCKET = 16
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (bad sampling parameters, token ids or lengths)."""
+
+
+@dataclasses.dataclass
+class Token:
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]     # (id, logprob) of the most likely alternatives, best first
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One completion. ``on_token(token)`` and ``on_finish(request)`` are called from the engine thread."""
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_ids: frozenset = frozenset()
+    num_top: int = 0
+    stop_check: Callable[[list[int]], bool] | None = None   # True: stop after this token (e.g. a stop string)
+    on_token: Callable[[Token], None] | None = None
+    on_finish: Callable[["Request"], None] | None = None
+    # filled in by the engine
+    tokens: list[Token] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None          # "stop", "length" or "abort"
+    cached_tokens: int = 0                    # prompt tokens reused from the prefix cache
+    weights_version: int | None = None
+    cancelled: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self):
+        """Ask the engine to stop this request and free its slot (safe from any thread)."""
+        self.cancelled = True
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    index: int
+    tokens: list[int] = dataclasses.field(default_factory=list)   # ids whose rows the cache holds, from 0
+    request: Request | None = None
+    pending: int = 0                  # the last sampled token, fed at position len(tokens) next step
+    key_data: np.ndarray | None = None
+    last_used: float = 0.0
+    version: int = 0                  # weights version its rows were computed with
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Engine:
+    """Serve `Request`s over one model; `start()` runs the batching thread, `submit()` queues work."""
+
+    def __init__(self, cfg, variables, *, max_batch: int = 8, max_seq_len: int = 1024, eos_ids=(),
+                 cache_dtype=None, weights_version: int = 0):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        if not 2 <= max_seq_len < cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len}: must be in [2, max_position_embeddings="
+                             f"{cfg.max_position_embeddings})")
+        self.cfg = decode_config(cfg)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.num_top = min(NUM_TOP_LOGPROBS, cfg.vocab_size)
+        self.variables = variables
+        self.weights_version = weights_version
+        self._cache = init_cache(self.cfg, max_batch, max_seq_len + 1, cache_dtype)["decoder"]
+        self._slots = [_Slot(i) for i in range(max_batch)]
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._next_variables = None
+        self._thread = None
+        self._stop = False
+        self.error: BaseException | None = None
+        self.stats = collections.Counter()        # prompt_tokens, cached_tokens, generated_tokens, requests
+        self._recent = collections.deque()        # (time, tokens) of recent steps, for tokens/s
+        self.buckets = sorted({min(1 << k, max_seq_len) for k in range(MIN_PREFILL_BUCKET.bit_length() - 1,
+                                                                       max_seq_len.bit_length() + 1)})
+        model = Transformer(self.cfg)
+        self._prefill = jax.jit(functools.partial(_prefill, model, self.num_top), donate_argnums=1)
+        self._decode = jax.jit(functools.partial(_decode, model, self.num_top), donate_argnums=1)
+        self._copy = jax.jit(cache_rows.copy_row, donate_argnums=0)
+
+    # ---- public API (any thread) ----
+
+    def validate(self, request: Request) -> None:
+        """Raise RequestError naming what is wrong with `request`."""
+        n = len(request.prompt)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in request.prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids must be in [0, {self.cfg.vocab_size}); got {bad[:5]}")
+        if n >= self.max_seq_len:
+            raise RequestError(f"the prompt has {n} tokens; this server's context is {self.max_seq_len} tokens "
+                               f"(prompt + completion), so prompts must be shorter than that")
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens={request.max_tokens}: must be >= 1")
+        if n + request.max_tokens > self.max_seq_len:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
+                               f"{self.max_seq_len} tokens")
+        try:
+            Sampler(float(request.temperature), float(request.top_p), int(request.top_k)).validate(self.cfg.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if not 0 <= request.num_top <= self.num_top:
+            raise RequestError(f"top logprobs = {request.num_top}: must be in [0, {self.num_top}]")
+
+    def submit(self, request: Request) -> Request:
+        self.validate(request)
+        request.stop_ids = frozenset(request.stop_ids) | self.eos_ids
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error!r}")
+        with self._cv:
+            self._waiting.append(request)
+            self._cv.notify()
+        return request
+
+    def generate(self, request: Request, timeout: float | None = None) -> Request:
+        """Submit and wait (for tests and offline use)."""
+        self.submit(request).done.wait(timeout)
+        return request
+
+    def set_variables(self, variables, version: int) -> None:
+        """Swap in new weights before the next step."""
+        with self._cv:
+            self._next_variables = (variables, version)
+            self._cv.notify()
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def warmup(self, prompt_lengths=(1,)) -> None:
+        """Compile the decode step and the prefill buckets for these prompt lengths (call before start)."""
+        for n in prompt_lengths:
+            self._run_prefill(self._slots[0], [0] * n, 0, Request([0] * n, 1, temperature=0.0))
+        self._decode_step(self._slots[:1], dry=True)
+        self._slots[0].tokens = []
+
+    def snapshot(self) -> dict:
+        """Numbers for /metrics (read without locking: approximate by a step at most)."""
+        now = time.monotonic()
+        while self._recent and self._recent[0][0] < now - 10:
+            self._recent.popleft()
+        window = (now - self._recent[0][0]) if len(self._recent) > 1 else 0.0
+        busy = [s for s in self._slots if s.request is not None]
+        return {
+            "queue_length": len(self._waiting),
+            "running": len(busy),
+            "max_batch": self.max_batch,
+            "tokens_per_second": sum(n for _, n in list(self._recent)[1:]) / window if window > 0 else 0.0,
+            "cache_used_fraction": sum(len(s.tokens) for s in busy) / (self.max_batch * self.max_seq_len),
+            "cache_held_fraction": sum(len(s.tokens) for s in self._slots) / (self.max_batch * self.max_seq_len),
+            "prefix_hit_rate": self.stats["cached_tokens"] / max(self.stats["prompt_tokens"], 1),
+            "weights_version": self.weights_version,
+            **{k: int(v) for k, v in self.stats.items()},
+        }
+
+    # ---- engine thread ----
+
+    def _run(self):
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._waiting or self._next_variables
+                               or any(s.request for s in self._slots)):
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    if self._next_variables is not None:
+                        (self.variables, self.weights_version), self._next_variables = self._next_variables, None
+                        for slot in self._slots:
+                            if slot.request is None:
+                                slot.tokens = []
+                self._drop_cancelled()
+                self._admit()
+                active = [s for s in self._slots if s.request is not None]
+                if active:
+                    self._decode_step(active)
+        except BaseException as e:   # fail every request rather than hang its client
+            self.error = e
+            for slot in self._slots:
+                if slot.request is not None:
+                    self._finish(slot, "abort")
+            with self._cv:
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            for request in waiting:
+                request.finish_reason = "abort"
+                request.done.set()
+                if request.on_finish:
+                    request.on_finish(request)
+            raise
+
+    def _drop_cancelled(self):
+        for slot in self._slots:
+            if slot.request is not None and slot.request.cancelled:
+                self._finish(slot, "abort")
+        with self._cv:
+            cancelled = [r for r in self._waiting if r.cancelled]
+            for r in cancelled:
+                self._waiting.remove(r)
+        for r in cancelled:
+            r.finish_reason = "abort"
+            r.done.set()
+            if r.on_finish:
+                r.on_finish(r)
+
+    def _admit(self):
+        while True:
+            free = [s for s in self._slots if s.request is None]
+            with self._cv:
+                if not free or not self._waiting:
+                    return
+                request = self._waiting.popleft()
+            slot, reuse = self._choose_slot(request.prompt, free)
+            request.weights_version = self.weights_version
+            request.cached_tokens = reuse
+            self.stats["requests"] += 1
+            self.stats["prompt_tokens"] += len(request.prompt)
+            self.stats["cached_tokens"] += reuse
+            slot.request, slot.version = request, self.weights_version
+            seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
+            slot.key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+            token = self._run_prefill(slot, request.prompt, reuse, request)
+            self._emit(slot, token)
+
+    def _choose_slot(self, prompt: list[int], free: list[_Slot]) -> tuple[_Slot, int]:
+        """(slot to run in, number of prompt tokens whose rows it already holds)."""
+        best, best_len = None, 0
+        for slot in self._slots:
+            n = _common_prefix(slot.tokens, prompt)
+            if n > best_len or (n == best_len and best is not None and best.request is not None
+                                and slot.request is None):
+                best, best_len = slot, n
+        reuse = min(best_len, len(prompt) - 1)        # at least one token is prefilled: it gives the logits
+        if reuse > 0 and best.request is None:
+            return best, reuse
+        target = min(free, key=lambda s: (s.last_used, s.index))     # least recently used
+        if reuse > 0:
+            self._cache = self._copy(self._cache, best.index, target.index)
+            target.tokens = best.tokens[:reuse]
+            return target, reuse
+        return target, 0
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _run_prefill(self, slot: _Slot, prompt: list[int], start: int, request: Request) -> Token:
+        """Write prompt[start:]'s rows into the slot (padded to a bucket) and sample the first token."""
+        T = self._bucket(len(prompt) - start)
+        start = min(start, self.max_seq_len + 1 - T)      # the padded chunk must fit in the slot's row
+        chunk = np.zeros((1, T), np.int32)
+        chunk[0, :len(prompt) - start] = prompt[start:]
+        key_data = slot.key_data if slot.key_data is not None else np.zeros(2, np.uint32)
+        self._cache, out = self._prefill(
+            self.variables, self._cache, np.int32(slot.index), chunk, np.int32(start), np.int32(len(prompt) - start),
+            np.float32(request.temperature), np.float32(request.top_p), np.int32(request.top_k), key_data,
+            np.int32(0))
+        slot.tokens = list(prompt)
+        return _tokens_from(*jax.device_get(out))[0]
+
+    def _decode_step(self, active: list[_Slot], dry: bool = False):
+        B = self.max_batch
+        tokens = np.zeros(B, np.int32)
+        positions = np.full(B, self.max_seq_len, np.int32)      # inactive slots write the spare position
+        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
+        top_k, index = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        key_data = np.zeros((B, 2), np.uint32)
+        for s in active:
+            tokens[s.index], positions[s.index] = s.pending, len(s.tokens)
+            if not dry:
+                r = s.request
+                temperature[s.index], top_p[s.index], top_k[s.index] = r.temperature, r.top_p, r.top_k
+                index[s.index] = len(r.tokens)
+                key_data[s.index] = s.key_data
+        self._cache, out = self._decode(self.variables, self._cache, tokens, positions, temperature, top_p, top_k,
+                                        key_data, index)
+        new = _tokens_from(*jax.device_get(out))
+        if dry:
+            return
+        for s in active:
+            s.tokens.append(s.pending)
+        self._recent.append((time.monotonic(), len(active)))
+        for s in active:
+            self._emit(s, new[s.index])
+
+    def _emit(self, slot: _Slot, token: Token):
+        request = slot.request
+        token.top = token.top[:request.num_top]
+        request.tokens.append(token)
+        slot.pending = token.id
+        self.stats["generated_tokens"] += 1
+        if request.on_token:
+            request.on_token(token)
+        ids = [t.id for t in request.tokens]
+        if token.id in request.stop_ids or (request.stop_check is not None and request.stop_check(ids)):
+            self._finish(slot, "stop")
+        elif len(request.tokens) >= request.max_tokens:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: _Slot, reason: str):
+        request, slot.request = slot.request, None
+        slot.last_used = time.monotonic()
+        if slot.version != self.weights_version:
+            slot.tokens = []                      # rows from older weights are not a valid prefix
+        request.finish_reason = reason
+        request.done.set()
+        if request.on_finish:
+            request.on_finish(request)
+
+
+def _tokens_from(token_B, logprob_B, top_ids_BK, top_logp_BK) -> list[Token]:
+    return [Token(int(t), float(lp), [(int(i), float(v)) for i, v in zip(ids, lps)])
+            for t, lp, ids, lps in zip(np.atleast_1d(token_B), np.atleast_1d(logprob_B),
+                                       np.atleast_2d(top_ids_BK), np.atleast_2d(top_logp_BK))]
+
+
+def _prefill(model, num_top, variables, cache, slot, chunk_1T, start, n_real, temperature, top_p, top_k, key_data,
+             index):
+    """Run a slot's prompt chunk at positions start.. and sample from the last real token's logits."""
+    T = chunk_1T.shape[1]
+    positions = start + jnp.arange(T, dtype=jnp.int32)[None]
+    segments = (jnp.arange(T)[None] < n_real).astype(jnp.int32)
+    logits, row = decode_logits(model, variables, chunk_1T, positions, segments, cache_rows.read_row(cache, slot))
+    cache = cache_rows.write_row(cache, row, slot)
+    last = jax.lax.dynamic_index_in_dim(logits[0], n_real - 1, keepdims=True)
+    out = sample_rows(last, temperature[None], top_p[None], top_k[None], key_data[None], index[None], num_top)
+    return cache, out
+
+
+def _decode(model, num_top, variables, cache, tokens_B, positions_B, temperature_B, top_p_B, top_k_B,
+            key_data_BK, index_B):
+    """One token for every slot at its own position; inactive slots sit at the spare position max_seq_len."""
+    ones = jnp.ones_like(tokens_B)[:, None]
+    logits, cache = decode_logits(model, variables, tokens_B[:, None], positions_B[:, None], ones, cache)
+    return cache, sample_rows(logits[:, 0], temperature_B, top_p_B, top_k_B, key_data_BK, index_B, num_top)
+
