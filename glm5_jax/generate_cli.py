@@ -36,6 +36,15 @@ def _default_tokenizer(checkpoint: str) -> str:
     return found[0]
 
 
+def cast_variables(cfg, variables, dtype: str):
+    """(config, variables) computing in `dtype`, the params cast once."""
+    import jax
+
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    return cfg, {"params": jax.tree.map(lambda x: x.astype(dtype), variables["params"]),
+                 **{k: v for k, v in variables.items() if k != "params"}}
+
+
 def main(argv):
     del argv
     from absl import logging as absl_logging
@@ -54,9 +63,7 @@ def main(argv):
     tokenizer = load_tokenizer(FLAGS.tokenizer or _default_tokenizer(FLAGS.checkpoint))
     cfg, variables, step = load_for_inference(FLAGS.checkpoint, FLAGS.step)
     if FLAGS.dtype:
-        cfg = cfg.replace(dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
-        variables = {"params": jax.tree.map(lambda x: x.astype(FLAGS.dtype), variables["params"]),
-                     **{k: v for k, v in variables.items() if k != "params"}}
+        cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)
     encoded = [tokenizer.encode(p) for p in FLAGS.prompt]
     if any(len(e) == 0 for e in encoded):
         raise app.UsageError("a prompt encodes to no tokens")

@@ -63,6 +63,11 @@ def _locate(path: str, step: int | None):
                           f"'meta' item)")
 
 
+def latest_step(path: str) -> int:
+    """The newest committed step of a checkpoint directory (as `load_for_inference` finds it)."""
+    return _locate(path, None)[1]
+
+
 def load_for_inference(path: str, step: int | None = None, sharding=None):
     """(ModelConfig, variables {"params", "moe_bias"}, step) from an orbax checkpoint directory."""
     directory, step, cfg = _locate(path, step)

@@ -64,6 +64,7 @@ class Request:
     seed: int | None = None
     stop_ids: frozenset = frozenset()
     num_top: int = 0
+    ignore_eos: bool = False                  # True: only stop_ids end the request, not the model's EOS ids
     stop_check: Callable[[list[int]], bool] | None = None   # True: stop after this token (e.g. a stop string)
     on_token: Callable[[Token], None] | None = None
     on_finish: Callable[["Request"], None] | None = None
@@ -103,7 +104,7 @@ class Engine:
     """Serve `Request`s over one model; `start()` runs the batching thread, `submit()` queues work."""
 
     def __init__(self, cfg, variables, *, max_batch: int = 8, max_seq_len: int = 1024, eos_ids=(),
-                 cache_dtype=None, weights_version: int = 0):
+                 cache_dtype=None, weights_version: int = 0, prefill_buckets=None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         if not 2 <= max_seq_len < cfg.max_position_embeddings:
@@ -125,12 +126,10 @@ class Engine:
         self.error: BaseException | None = None
         self.stats = collections.Counter()        # prompt_tokens, cached_tokens, generated_tokens, requests
         self._recent = collections.deque()        # (time, tokens) of recent steps, for tokens/s
-        self.buckets = sorted({min(1 << k, max_seq_len) for k in range(MIN_PREFILL_BUCKET.bit_length() - 1,
-                                                                       max_seq_len.bit_length() + 1)})
-        model = Transformer(self.cfg)
-        self._prefill = jax.jit(functools.partial(_prefill, model, self.num_top), donate_argnums=1)
-        self._decode = jax.jit(functools.partial(_decode, model, self.num_top), donate_argnums=1)
-        self._copy = jax.jit(cache_rows.copy_row, donate_argnums=0)
+        # prompt chunks are padded to one of these lengths (one compiled prefill each)
+        self.buckets = sorted({min(b, max_seq_len) for b in prefill_buckets or _powers_of_two(max_seq_len)}
+                              | {max_seq_len})
+        self._prefill, self._decode, self._copy = _programs(self.cfg, self.num_top)
 
     # ---- public API (any thread) ----
 
@@ -159,7 +158,7 @@ class Engine:
 
     def submit(self, request: Request) -> Request:
         self.validate(request)
-        request.stop_ids = frozenset(request.stop_ids) | self.eos_ids
+        request.stop_ids = frozenset(request.stop_ids) | (frozenset() if request.ignore_eos else self.eos_ids)
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error!r}")
         with self._cv:
@@ -367,6 +366,19 @@ class Engine:
         request.done.set()
         if request.on_finish:
             request.on_finish(request)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(MIN_PREFILL_BUCKET.bit_length() - 1, limit.bit_length())]
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(cfg, num_top):
+    """The jitted prefill, decode step and row copy; shared by engines of one config (compiled once)."""
+    model = Transformer(cfg)
+    return (jax.jit(functools.partial(_prefill, model, num_top), donate_argnums=1),
+            jax.jit(functools.partial(_decode, model, num_top), donate_argnums=1),
+            jax.jit(cache_rows.copy_row, donate_argnums=0))
 
 
 def _tokens_from(token_B, logprob_B, top_ids_BK, top_logp_BK) -> list[Token]:

@@ -1,0 +1,73 @@
+"""python -m glm5_jax.serve --checkpoint=DIR [--tokenizer=PATH] [--port=8000] [--max_batch=8] [--max_seq_len=2048]
+
+Serves an orbax checkpoint (a train.py workdir, its checkpoints/ folder or a converter output) over
+the HTTP API of `glm5_jax.serve.api`, on loopback by default. With --reload_interval_s > 0, newer
+committed steps in the same directory are loaded while serving.
+"""
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "train.py workdir, its checkpoints/ dir, or a converter output dir.",
+                    required=True)
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+flags.DEFINE_string("tokenizer", None, "tokenizer.json or a directory holding one (default: the workdir's BPE).")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port, printed at start).")
+flags.DEFINE_integer("max_batch", 8, "Slots in the running batch (cache rows).")
+flags.DEFINE_integer("max_seq_len", 2048, "Context per slot: prompt + completion tokens.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype override (weights cast once).")
+flags.DEFINE_string("model_name", None, "Model id reported by the API (default: the checkpoint folder's name).")
+flags.DEFINE_float("reload_interval_s", 0.0, "Poll for newer committed steps this often (0: never).")
+flags.DEFINE_multi_integer("warmup_prompt_len", [1], "Compile the prefill for these prompt lengths before serving.")
+
+
+def main(argv):
+    del argv
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    import socket
+
+    import uvicorn
+
+    from glm5_jax.generate_cli import _default_tokenizer, cast_variables
+    from glm5_jax.data.tokenizer import load_tokenizer
+    from glm5_jax.inference_checkpoint import load_for_inference
+    from glm5_jax.serve.api import create_app
+    from glm5_jax.serve.engine import Engine
+    from glm5_jax.serve.reload import WeightsWatcher
+    from glm5_jax.serve.text import ChatTemplate
+
+    tokenizer_path = FLAGS.tokenizer or _default_tokenizer(FLAGS.checkpoint)
+    tokenizer = load_tokenizer(tokenizer_path)
+    cfg, variables, step = load_for_inference(FLAGS.checkpoint, FLAGS.step)
+    if FLAGS.dtype:
+        cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)
+    engine = Engine(cfg, variables, max_batch=FLAGS.max_batch, max_seq_len=FLAGS.max_seq_len,
+                    eos_ids=set(cfg.eos_token_id) | {tokenizer.eos_id}, weights_version=step)
+    engine.warmup(FLAGS.warmup_prompt_len)
+    engine.start()
+    watcher = None
+    if FLAGS.reload_interval_s > 0:
+        watcher = WeightsWatcher(engine, FLAGS.checkpoint, cfg, step, FLAGS.reload_interval_s).start()
+    name = FLAGS.model_name or os.path.basename(os.path.abspath(FLAGS.checkpoint))
+    api = create_app(engine, tokenizer, name, ChatTemplate.for_tokenizer(tokenizer_path),
+                     on_metrics=watcher.metrics if watcher else None)
+    sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((FLAGS.host, FLAGS.port))
+    print(f"serving {name} (step {step}) on http://{FLAGS.host}:{sock.getsockname()[1]}", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(api, log_level="warning")).run(sockets=[sock])
+    finally:
+        if watcher:
+            watcher.stop()
+        engine.stop()
+
+
+if __name__ == "__main__":
+    app.run(main)

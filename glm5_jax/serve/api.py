@@ -1,0 +1,304 @@
+"""The HTTP API over an `Engine`: OpenAI-compatible completions and chat completions, token in / token out.
+
+    POST /v1/completions         prompt (text or ids), stream, logprobs, stop, max_tokens, n, seed, ...
+    POST /v1/chat/completions    messages rendered with the tokenizer's chat template
+    POST /v1/tokens              prompt_ids -> token ids + per-token logprobs (+ weights version)
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+Errors come back as ``{"error": {"message", "type", "param", "code"}}`` with status 400 for a bad request
+(validation messages name the field), 404/405 for a wrong route, 503 once the engine has failed.
+A client that disconnects cancels its requests, which frees their slots at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from glm5_jax.serve.engine import Engine, Request, RequestError, Token
+from glm5_jax.serve.metrics import prometheus_text
+from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, TokenRequest
+from glm5_jax.serve.text import ChatTemplate, TextStream
+
+DISCONNECT_POLL_S = 0.25
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append("the request body is not valid JSON")
+            continue
+        where = ".".join(loc) or "body"
+        param = param or where
+        parts.append(f"{where}: {err.get('msg')}")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+class _Streams:
+    """Forward engine callbacks (engine thread) to an asyncio queue: (choice index, Token or None at the end)."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def _put(self, item):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:        # the event loop is gone (server shutting down)
+            pass
+
+    def attach(self, index: int, request: Request) -> Request:
+        request.on_token = lambda token: self._put((index, token))
+        request.on_finish = lambda _: self._put((index, None))
+        return request
+
+
+def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_template: ChatTemplate | None = None,
+               on_metrics=None) -> FastAPI:
+    """The FastAPI app. `on_metrics()` may add extra gauges (dict) to /metrics."""
+    app = FastAPI(title="glm5_jax serve")
+    template = chat_template or ChatTemplate()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, exc):
+        return error_response(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
+                              else "invalid_request_error")
+
+    @app.exception_handler(RequestError)
+    async def _bad(_, exc):
+        return error_response(400, str(exc))
+
+    def check_alive():
+        if engine.error is not None:
+            raise _Unavailable(f"the engine stopped: {engine.error!r}")
+
+    @app.exception_handler(_Unavailable)
+    async def _down(_, exc):
+        return error_response(503, str(exc), kind="server_error")
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return error_response(503, f"the engine stopped: {engine.error!r}", kind="server_error")
+        return {"status": "ok", "weights_version": engine.weights_version}
+
+    @app.get("/metrics")
+    async def metrics():
+        extra = on_metrics() if on_metrics else {}
+        return PlainTextResponse(prometheus_text({**engine.snapshot(), **extra}))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "glm5_jax",
+                                            "max_model_len": engine.max_seq_len}]}
+
+    def encode(text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text)]
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def build(prompt_ids, body, max_tokens, num_top, stream: TextStream | None, copy: int) -> Request:
+        seed = None if body.seed is None else body.seed + copy
+        return Request(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                       seed=seed, num_top=num_top, stop_check=stream.stop_check() if stream else None,
+                       stop_ids=frozenset(getattr(body, "stop_token_ids", ())),
+                       ignore_eos=getattr(body, "ignore_eos", False))
+
+    async def run_all(http: HttpRequest, streams: _Streams, requests: list[Request]):
+        """Submit, then yield (index, Token | None) until every request finished; cancel on disconnect."""
+        for r in requests:
+            engine.submit(r)
+        remaining = len(requests)
+        try:
+            while remaining:
+                try:
+                    index, token = await asyncio.wait_for(streams.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    check_alive()
+                    continue
+                remaining -= token is None
+                yield index, token
+        finally:
+            for r in requests:
+                if not r.done.is_set():
+                    r.cancel()
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    def usage(requests):
+        prompt = sum(len(r.prompt) for r in requests)
+        completion = sum(len(r.tokens) for r in requests)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in requests)}}
+
+    # ---- /v1/completions ----
+
+    def completion_logprobs(tokens: list[Token], offset: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            s = token_text(t.id)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(t.logprob)
+            top = {}
+            for i, lp in t.top:              # ids that decode alike keep the best log-prob
+                top.setdefault(token_text(i), lp)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        check_alive()
+        try:
+            prompts = body.prompts()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        prompt_ids = [encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        streams, requests, texts = _Streams(), [], []
+        for ids in prompt_ids:
+            for copy in range(body.n):
+                text = TextStream(tokenizer, body.stop)
+                requests.append(streams.attach(len(requests), build(ids, body, body.max_tokens, body.logprobs or 0,
+                                                                    text, copy)))
+                texts.append(text)
+        for r in requests:
+            engine.validate(r)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+
+        if body.stream:
+            async def events():
+                offsets = [0] * len(requests)
+                async for index, token in run_all(http, streams, requests):
+                    r = requests[index]
+                    ids = [t.id for t in r.tokens]
+                    delta = texts[index].delta(ids, finished=token is None)
+                    choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
+                    if token is not None and body.logprobs is not None:
+                        choice["logprobs"] = completion_logprobs([token], offsets[index])
+                        offsets[index] += len(token_text(token.id))
+                    if token is None:
+                        choice["finish_reason"] = r.finish_reason
+                    if delta or token is None or choice["logprobs"]:
+                        yield sse({**head, "choices": [choice]})
+                if body.include_usage:
+                    yield sse({**head, "choices": [], "usage": usage(requests)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async for _ in run_all(http, streams, requests):
+            pass
+        check_alive()
+        choices = []
+        for i, (r, text) in enumerate(zip(requests, texts)):
+            choices.append({"index": i, "text": text.full_text([t.id for t in r.tokens])[0],
+                            "logprobs": completion_logprobs(r.tokens, 0) if body.logprobs is not None else None,
+                            "finish_reason": r.finish_reason})
+        return {**head, "choices": choices, "usage": usage(requests)}
+
+    # ---- /v1/chat/completions ----
+
+    def chat_logprobs(tokens: list[Token]) -> dict:
+        def entry(i, lp):
+            s = token_text(i)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in tokens]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HttpRequest):
+        check_alive()
+        if body.top_logprobs and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true")
+        try:
+            prompt = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        except Exception as e:   # a template's raise_exception, or a rendering error
+            raise RequestError(f"cannot apply the chat template: {e}") from None
+        ids = encode(prompt)
+        max_tokens = body.token_budget or max(engine.max_seq_len - len(ids), 1)
+        streams, requests, texts = _Streams(), [], []
+        for copy in range(body.n):
+            text = TextStream(tokenizer, body.stop)
+            requests.append(streams.attach(copy, build(ids, body, max_tokens, body.top_logprobs or 0, text, copy)))
+            texts.append(text)
+        for r in requests:
+            engine.validate(r)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": created, "model": model_name}
+
+        if body.stream:
+            async def events():
+                for i in range(len(requests)):
+                    yield sse({**head, "object": "chat.completion.chunk", "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+                async for index, token in run_all(http, streams, requests):
+                    r = requests[index]
+                    delta = texts[index].delta([t.id for t in r.tokens], finished=token is None)
+                    choice = {"index": index, "delta": {"content": delta} if delta else {},
+                              "logprobs": chat_logprobs([token]) if token is not None and body.logprobs else None,
+                              "finish_reason": r.finish_reason if token is None else None}
+                    if delta or token is None or choice["logprobs"]:
+                        yield sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
+                if body.include_usage:
+                    yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(requests)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async for _ in run_all(http, streams, requests):
+            pass
+        check_alive()
+        choices = [{"index": i, "message": {"role": "assistant", "content": text.full_text([t.id for t in r.tokens])[0]},
+                    "logprobs": chat_logprobs(r.tokens) if body.logprobs else None, "finish_reason": r.finish_reason}
+                   for i, (r, text) in enumerate(zip(requests, texts))]
+        return {**head, "object": "chat.completion", "choices": choices, "usage": usage(requests)}
+
+    # ---- /v1/tokens: token in, token out ----
+
+    @app.post("/v1/tokens")
+    async def tokens(body: TokenRequest, http: HttpRequest):
+        check_alive()
+        if body.stream:
+            raise RequestError("/v1/tokens does not stream")
+        streams = _Streams()
+        requests = [streams.attach(i, build(list(body.prompt_ids), body, body.max_tokens, body.top_logprobs, None, i))
+                    for i in range(body.n)]
+        for r in requests:
+            engine.validate(r)
+        async for _ in run_all(http, streams, requests):
+            pass
+        check_alive()
+        choices = [{"index": i, "token_ids": [t.id for t in r.tokens], "logprobs": [t.logprob for t in r.tokens],
+                    "top_logprobs": [[list(p) for p in t.top] for t in r.tokens] if body.top_logprobs else None,
+                    "finish_reason": r.finish_reason, "weights_version": r.weights_version}
+                   for i, r in enumerate(requests)]
+        return {"id": f"tok-{uuid.uuid4().hex}", "object": "tokens", "model": model_name,
+                "prompt_ids": list(body.prompt_ids), "choices": choices, "usage": usage(requests)}
+
+    return app
+
+
+class _Unavailable(Exception):
+    pass
