@@ -126,15 +126,17 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
         """Submit, then yield (index, Token | None) until every request finished; cancel on disconnect."""
         for r in requests:
             engine.submit(r)
-        remaining = len(requests)
+        remaining, last_check = len(requests), time.monotonic()
         try:
             while remaining:
-                try:
-                    index, token = await asyncio.wait_for(streams.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                if time.monotonic() - last_check >= DISCONNECT_POLL_S:
                     if await http.is_disconnected():
                         return
                     check_alive()
+                    last_check = time.monotonic()
+                try:
+                    index, token = await asyncio.wait_for(streams.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
                     continue
                 remaining -= token is None
                 yield index, token

@@ -259,6 +259,7 @@ class Engine:
             for r in cancelled:
                 self._waiting.remove(r)
         for r in cancelled:
+            self.stats["finished_abort"] += 1
             r.finish_reason = "abort"
             r.done.set()
             if r.on_finish:
@@ -360,6 +361,7 @@ class Engine:
     def _finish(self, slot: _Slot, reason: str):
         request, slot.request = slot.request, None
         slot.last_used = time.monotonic()
+        self.stats[f"finished_{reason}"] += 1
         if slot.version != self.weights_version:
             slot.tokens = []                      # rows from older weights are not a valid prefix
         request.finish_reason = reason

@@ -15,6 +15,9 @@ METRICS = {
     "prompt_tokens": ("counter", "Prompt tokens admitted."),
     "cached_tokens": ("counter", "Prompt tokens whose cache rows were reused."),
     "generated_tokens": ("counter", "Tokens generated."),
+    "finished_stop": ("counter", "Requests ended by a stop token or string."),
+    "finished_length": ("counter", "Requests ended by max_tokens."),
+    "finished_abort": ("counter", "Requests cancelled (client gone) or failed."),
 }
 PREFIX = "glm5_serve_"
 

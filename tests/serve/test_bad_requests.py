@@ -1,0 +1,98 @@
+"""Malformed requests get a 4xx naming the problem and the server keeps serving; a client that goes away
+frees its slot."""
+import json
+import time
+
+import httpx2
+import pytest
+
+from glm5_jax.serve.api import create_app
+from tests.serve.conftest import MAX_SEQ_LEN, LiveServer, make_engine, tokenizer
+
+C, CHAT, TOK = "/v1/completions", "/v1/chat/completions", "/v1/tokens"
+OK_CHAT = [{"role": "user", "content": "hi"}]
+# (method, path, body (dict or raw str), status, words the error message must contain)
+CASES = [
+    ("POST", C, "{not json", 400, "not valid JSON"),
+    ("POST", C, "[1, 2]", 400, "body"),
+    ("POST", C, {"max_tokens": 4}, 400, "prompt"),
+    ("POST", C, {"prompt": 5}, 400, "prompt"),
+    ("POST", C, {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("POST", C, {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("POST", C, {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("POST", C, {"prompt": "a", "n": 0}, 400, "n"),
+    ("POST", C, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("POST", C, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("POST", C, {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("POST", C, {"prompt": "a", "echo": True}, 400, "echo"),
+    ("POST", C, {"prompt": "", "max_tokens": 2}, 400, "empty"),
+    ("POST", C, {"prompt": [3, 99999]}, 400, "token ids"),
+    ("POST", C, {"prompt": [3] * MAX_SEQ_LEN}, 400, "context"),
+    ("POST", C, {"prompt": [3] * 10, "max_tokens": MAX_SEQ_LEN}, 400, "exceeds the context"),
+    ("POST", C, {"prompt": ["a", 3]}, 400, "prompt"),
+    ("POST", CHAT, {"messages": []}, 400, "messages"),
+    ("POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("POST", CHAT, {"messages": OK_CHAT, "top_logprobs": 2}, 400, "logprobs=true"),
+    ("POST", TOK, {"prompt_ids": [1, 2]}, 400, "max_tokens"),
+    ("POST", TOK, {"prompt_ids": ["1"], "max_tokens": 2}, 400, "prompt_ids"),
+    ("POST", TOK, {"prompt_ids": [1], "max_tokens": 2, "stream": True}, 400, "stream"),
+    ("GET", C, None, 405, "Method Not Allowed"),
+    ("POST", "/v1/nothing", {}, 404, "Not Found"),
+]
+
+
+class SlowDecode:
+    """The engine's decode program, 50 ms slower per step (so a request outlives its client here)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        time.sleep(0.05)
+        return self.fn(*args)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = make_engine()
+    engine._decode = SlowDecode(engine._decode)
+    engine.start()
+    live = LiveServer(create_app(engine, tokenizer(), "tiny"))
+    yield engine, live.url
+    live.close()
+    engine.stop()
+
+
+def test_malformed_requests_get_4xx_with_a_message(server):
+    engine, url = server
+    with httpx2.Client(base_url=url, timeout=30) as http:
+        for method, path, body, status, words in CASES:
+            content = body if isinstance(body, str) else None if body is None else json.dumps(body)
+            r = http.request(method, path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == status, (path, body, r.status_code, r.text)
+            message = r.json()["error"]["message"]
+            assert words.lower() in message.lower(), (body, message)
+        assert http.get("/health").json()["status"] == "ok"
+        ok = http.post(C, json={"prompt": "def", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert engine.snapshot()["requests"] == 1                 # no bad request reached the engine
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slot(server, stream):
+    engine, url = server
+    aborted = engine.stats["finished_abort"]
+    body = {"prompt_ids": [5], "max_tokens": MAX_SEQ_LEN - 1, "ignore_eos": True}
+    with httpx2.Client(base_url=url, timeout=0.5) as http:
+        if stream:
+            with http.stream("POST", C, json={"prompt": [5], "max_tokens": MAX_SEQ_LEN - 1, "stream": True}) as r:
+                next(r.iter_lines())                       # the first token arrived; then hang up
+        else:
+            with pytest.raises(httpx2.TimeoutException):
+                http.post(TOK, json=body)
+    deadline = time.monotonic() + 20
+    while engine.snapshot()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.snapshot()["running"] == 0
+    assert engine.stats["finished_abort"] == aborted + 1
+    assert engine.stats["generated_tokens"] < engine.stats["prompt_tokens"] + MAX_SEQ_LEN   # cut short

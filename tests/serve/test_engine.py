@@ -1,0 +1,101 @@
+"""The engine directly: per-row sampling, prefix reuse, seeds, cancellation and hot reload."""
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.convert.hf_to_orbax import config_to_json
+from glm5_jax.generate import Sampler
+from glm5_jax.serve.engine import Request
+from glm5_jax.serve.reload import WeightsWatcher
+from glm5_jax.serve.sampling import row_log_probs
+from tests.generate.tiny_models import init_variables
+from tests.serve.conftest import SERVE_CFG, greedy_reference, make_engine
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 1.0, 5), (1.3, 0.8, 0),
+                                                     (0.9, 0.6, 7)])
+def test_row_log_probs_equal_generates_sampler(temperature, top_p, top_k):
+    logits = jax.random.normal(jax.random.key(1), (3, 50)) * 3
+    want = Sampler(temperature, top_p, top_k).log_probs(logits)
+    got = jax.vmap(row_log_probs, (0, None, None, None))(logits, jnp.float32(temperature), jnp.float32(top_p),
+                                                         jnp.int32(top_k))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(np.where(np.isinf(want), 0, got), np.where(np.isinf(want), 0, want), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = make_engine().start()
+    yield engine
+    engine.stop()
+
+
+def _ids(request):
+    return [t.id for t in request.tokens]
+
+
+def test_next_turn_reuses_the_cached_prefix(engine):
+    first = engine.generate(Request([7, 8, 9, 10, 11], 6, temperature=0.0), timeout=60)
+    second_prompt = first.prompt + _ids(first) + [12, 13]
+    second = engine.generate(Request(second_prompt, 6, temperature=0.0), timeout=60)
+    # rows of the prompt and of every fed completion token (all but the last sampled one) are reused
+    assert second.cached_tokens == len(first.prompt) + len(first.tokens) - 1
+    (want1, lp1), (want2, lp2) = greedy_reference([first.prompt, second_prompt], 6)
+    assert _ids(first) == want1 and _ids(second) == want2
+    np.testing.assert_allclose([t.logprob for t in second.tokens], lp2, atol=1e-4)
+
+
+def test_parallel_samples_copy_a_busy_slots_prefix(engine):
+    prompt = [20, 21, 22, 23, 24, 25, 26]
+    requests = [engine.submit(Request(prompt, 5, temperature=0.0)) for _ in range(3)]
+    for r in requests:
+        assert r.done.wait(60)
+    (want, _), = greedy_reference([prompt], 5)
+    assert all(_ids(r) == want for r in requests)
+    assert sorted(r.cached_tokens for r in requests) == [0, len(prompt) - 1, len(prompt) - 1]
+
+
+def test_a_seed_gives_the_same_tokens_whatever_runs_beside_it(engine):
+    kw = dict(temperature=1.0, top_k=40, seed=123)
+    alone = engine.generate(Request([30, 31, 32], 10, **kw), timeout=60)
+    crowd = [engine.submit(Request([40 + i] * (i + 1), 10, temperature=1.0)) for i in range(5)]
+    again = engine.submit(Request([30, 31, 32], 10, **kw))
+    for r in crowd + [again]:
+        assert r.done.wait(60)
+    assert _ids(again) == _ids(alone) and [t.logprob for t in again.tokens] == [t.logprob for t in alone.tokens]
+
+
+def test_cancel_ends_a_request_and_frees_its_slot(engine):
+    request = Request([50, 51], 40, temperature=0.0, ignore_eos=True)
+    request.on_token = lambda token: request.cancel()
+    engine.generate(request, timeout=60)
+    assert request.finish_reason == "abort" and 1 <= len(request.tokens) <= 3
+    assert engine.snapshot()["running"] == 0
+
+
+def _save(directory, step, variables):
+    with ocp.CheckpointManager(directory, item_names=("state",)) as manager:
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(variables)),
+                     custom_metadata={"model_config": config_to_json(SERVE_CFG)})
+        manager.wait_until_finished()
+
+
+def test_hot_reload_serves_a_newer_committed_step(engine, tmp_path):
+    old, new = init_variables(SERVE_CFG), init_variables(SERVE_CFG, seed=1)
+    _save(str(tmp_path), 1, old)
+    watcher = WeightsWatcher(engine, str(tmp_path), SERVE_CFG, step=1)
+    assert not watcher.poll()
+    prompt = [60, 61, 62, 63]
+    before = engine.generate(Request(prompt, 6, temperature=0.0), timeout=60)
+    _save(str(tmp_path), 2, new)
+    assert watcher.poll() and watcher.step == 2
+    after = engine.generate(Request(prompt, 6, temperature=0.0), timeout=60)
+    assert after.weights_version == 2 and after.cached_tokens == 0        # old rows are not reused
+    (want_old, _), = greedy_reference([prompt], 6, old)
+    (want_new, lp_new), = greedy_reference([prompt], 6, new)
+    assert want_old != want_new
+    assert _ids(before) == want_old and _ids(after) == want_new
+    np.testing.assert_allclose([t.logprob for t in after.tokens], lp_new, atol=1e-4)
+    engine.set_variables(old, 0)
