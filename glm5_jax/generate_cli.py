@@ -6,8 +6,6 @@ and prints each continuation, then one line with tokens/s (compile time reported
 """
 from __future__ import annotations
 
-import glob
-import os
 import time
 
 from absl import app, flags
@@ -27,24 +25,6 @@ flags.DEFINE_bool("speculative", False, "Greedy MTP speculative decoding (needs 
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype override (weights cast once).")
 
 
-def _default_tokenizer(checkpoint: str) -> str:
-    found = sorted(glob.glob(os.path.join(checkpoint, "tokenizer", "*", "tokenizer.json")))
-    if os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
-        found.append(os.path.join(checkpoint, "tokenizer.json"))
-    if len(found) != 1:
-        raise app.UsageError(f"--tokenizer is required: found {len(found)} tokenizer.json under {checkpoint}")
-    return found[0]
-
-
-def cast_variables(cfg, variables, dtype: str):
-    """(config, variables) computing in `dtype`, the params cast once."""
-    import jax
-
-    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    return cfg, {"params": jax.tree.map(lambda x: x.astype(dtype), variables["params"]),
-                 **{k: v for k, v in variables.items() if k != "params"}}
-
-
 def main(argv):
     del argv
     from absl import logging as absl_logging
@@ -56,11 +36,11 @@ def main(argv):
 
     from glm5_jax.data.tokenizer import load_tokenizer
     from glm5_jax.generate import prepare_generate
-    from glm5_jax.inference_checkpoint import load_for_inference
+    from glm5_jax.inference_checkpoint import cast_variables, checkpoint_tokenizer, load_for_inference
 
     if not FLAGS.prompt:
         raise app.UsageError("give at least one --prompt")
-    tokenizer = load_tokenizer(FLAGS.tokenizer or _default_tokenizer(FLAGS.checkpoint))
+    tokenizer = load_tokenizer(FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint))
     cfg, variables, step = load_for_inference(FLAGS.checkpoint, FLAGS.step)
     if FLAGS.dtype:
         cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)

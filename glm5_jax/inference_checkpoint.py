@@ -10,6 +10,7 @@ placed on ``sharding`` when given, otherwise on the default device.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -83,3 +84,20 @@ def load_for_inference(path: str, step: int | None = None, sharding=None):
         state_dir, args=ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
             abstract), partial_restore=True))
     return cfg, {c: restored[c] for c in wanted}, step
+
+
+def checkpoint_tokenizer(checkpoint: str) -> str:
+    """The tokenizer.json of a checkpoint: the BPE a train.py workdir cached, or one beside a converter output."""
+    found = sorted(glob.glob(os.path.join(checkpoint, "tokenizer", "*", "tokenizer.json")))
+    if os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
+        found.append(os.path.join(checkpoint, "tokenizer.json"))
+    if len(found) != 1:
+        raise CheckpointError(f"--tokenizer is required: found {len(found)} tokenizer.json under {checkpoint}")
+    return found[0]
+
+
+def cast_variables(cfg, variables, dtype: str):
+    """(config, variables) computing in `dtype`, the params cast once."""
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    return cfg, {"params": jax.tree.map(lambda x: x.astype(dtype), variables["params"]),
+                 **{k: v for k, v in variables.items() if k != "params"}}

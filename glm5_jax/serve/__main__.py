@@ -34,15 +34,14 @@ def main(argv):
 
     import uvicorn
 
-    from glm5_jax.generate_cli import _default_tokenizer, cast_variables
     from glm5_jax.data.tokenizer import load_tokenizer
-    from glm5_jax.inference_checkpoint import load_for_inference
+    from glm5_jax.inference_checkpoint import cast_variables, checkpoint_tokenizer, load_for_inference
     from glm5_jax.serve.api import create_app
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.reload import WeightsWatcher
     from glm5_jax.serve.text import ChatTemplate
 
-    tokenizer_path = FLAGS.tokenizer or _default_tokenizer(FLAGS.checkpoint)
+    tokenizer_path = FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint)
     tokenizer = load_tokenizer(tokenizer_path)
     cfg, variables, step = load_for_inference(FLAGS.checkpoint, FLAGS.step)
     if FLAGS.dtype:
