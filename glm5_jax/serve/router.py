@@ -25,9 +25,10 @@ from glm5_jax.serve.routing import RoutingTable, prompt_items
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/v1/tokens")
 
 
-def create_router(replicas: list[str], health_interval_s: float = 1.0, timeout_s: float = 600.0) -> FastAPI:
+def create_router(replicas: list[str], health_interval_s: float = 1.0, timeout_s: float = 600.0,
+                  policy: str = "affinity") -> FastAPI:
     replicas = [r.rstrip("/") for r in replicas]
-    table = RoutingTable(len(replicas))
+    table = RoutingTable(len(replicas), policy=policy)
     state = {}
 
     async def check_health():
@@ -135,6 +136,7 @@ flags.DEFINE_list("replicas", None, "Comma-separated base URLs of glm5_jax.serve
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_float("health_interval_s", 1.0, "Seconds between replica health checks.")
+flags.DEFINE_enum("policy", "affinity", ["affinity", "round_robin"], "Routing policy (see routing.py).")
 
 
 def main(argv):
@@ -143,7 +145,7 @@ def main(argv):
 
     if not FLAGS.replicas:
         raise app.UsageError("give --replicas=URL,URL,...")
-    uvicorn.run(create_router(FLAGS.replicas, FLAGS.health_interval_s), host=FLAGS.host, port=FLAGS.port,
+    uvicorn.run(create_router(FLAGS.replicas, FLAGS.health_interval_s, policy=FLAGS.policy), host=FLAGS.host, port=FLAGS.port,
                 log_level="warning")
 
 

@@ -9,6 +9,8 @@
 * New sessions go to the live replica with the fewest requests in flight (ties: the one that was given
   the fewest requests so far, then the lowest index).
 * Replicas marked dead are skipped; their sessions move to a live replica on their next request.
+
+``policy="round_robin"`` ignores sessions, prefixes and load (the baseline bench/serve.py compares with).
 """
 from __future__ import annotations
 
@@ -35,9 +37,12 @@ def prefix_hashes(items) -> list[int]:
 
 
 class RoutingTable:
-    def __init__(self, num_replicas: int, max_entries: int = 65536):
+    def __init__(self, num_replicas: int, max_entries: int = 65536, policy: str = "affinity"):
         if num_replicas < 1:
             raise ValueError("the router needs at least one replica")
+        if policy not in ("affinity", "round_robin"):
+            raise ValueError(f"policy={policy!r}: must be 'affinity' or 'round_robin'")
+        self.policy, self._turn = policy, 0
         self.num_replicas = num_replicas
         self.alive = [True] * num_replicas
         self.in_flight = [0] * num_replicas
@@ -54,6 +59,12 @@ class RoutingTable:
     def choose(self, items, session: str | None = None, exclude=()) -> int | None:
         """The replica for a prompt (a sequence of items) and optional session id; None if all are dead."""
         usable = lambda r: r is not None and self.alive[r] and r not in exclude   # noqa: E731
+        if self.policy == "round_robin":
+            for _ in range(self.num_replicas):
+                self._turn = (self._turn + 1) % self.num_replicas
+                if usable(self._turn):
+                    return self._turn
+            return None
         if session is not None and usable(self._sessions.get(session)):
             self.stats["session_hits"] += 1
             return self._sessions[session]

@@ -1,18 +1,15 @@
 """A tiny model + BPE served in-process on a loopback port, and greedy references from `generate`."""
 import dataclasses
 import functools
-import socket
-import threading
-import time
 
 import numpy as np
 import pytest
-import uvicorn
 
 from glm5_jax.data.tokenizer import train_bpe
 from glm5_jax.generate import generate
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.engine import Engine
+from glm5_jax.serve.threaded import ThreadedServer
 from tests.generate.tiny_models import TINY, init_variables
 
 # two layers (dense + MoE, full + shared indexer) keep compiles short; the BPE below has < 512 ids
@@ -56,31 +53,10 @@ def greedy_reference(prompts, max_new_tokens, variables_=None):
     return [(np.asarray(out.tokens[i, :n]).tolist(), np.asarray(out.logprobs[i, :n])) for i, n in enumerate(lengths)]
 
 
-class LiveServer:
-    """uvicorn serving `app` on a free 127.0.0.1 port in a daemon thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="session")
 def served():
     engine = make_engine().start()
-    live = LiveServer(create_app(engine, tokenizer(), "tiny"))
+    live = ThreadedServer(create_app(engine, tokenizer(), "tiny"))
     yield engine, live.url
     live.close()
     engine.stop()

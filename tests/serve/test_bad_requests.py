@@ -7,7 +7,8 @@ import httpx2
 import pytest
 
 from glm5_jax.serve.api import create_app
-from tests.serve.conftest import MAX_SEQ_LEN, LiveServer, make_engine, tokenizer
+from glm5_jax.serve.threaded import ThreadedServer
+from tests.serve.conftest import MAX_SEQ_LEN, make_engine, tokenizer
 
 C, CHAT, TOK = "/v1/completions", "/v1/chat/completions", "/v1/tokens"
 OK_CHAT = [{"role": "user", "content": "hi"}]
@@ -57,7 +58,7 @@ def server():
     engine = make_engine()
     engine._decode = SlowDecode(engine._decode)
     engine.start()
-    live = LiveServer(create_app(engine, tokenizer(), "tiny"))
+    live = ThreadedServer(create_app(engine, tokenizer(), "tiny"))
     yield engine, live.url
     live.close()
     engine.stop()

@@ -1,9 +1,9 @@
 """The engine directly: per-row sampling, prefix reuse, seeds, cancellation and hot reload."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import jax
-import jax.numpy as jnp
 
 from glm5_jax.convert.hf_to_orbax import config_to_json
 from glm5_jax.generate import Sampler

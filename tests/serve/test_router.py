@@ -3,9 +3,10 @@ import httpx2
 import pytest
 
 from glm5_jax.serve.api import create_app
+from glm5_jax.serve.threaded import ThreadedServer
 from glm5_jax.serve.router import create_router
 from glm5_jax.serve.routing import RoutingTable, prompt_items
-from tests.serve.conftest import LiveServer, make_engine, tokenizer
+from tests.serve.conftest import make_engine, tokenizer
 
 
 def test_routing_table_policy():
@@ -29,14 +30,17 @@ def test_routing_table_policy():
     assert table.choose([5]) is None
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     longer = {"messages": chat["messages"] + [{"role": "assistant", "content": "yo"}]}
+    round_robin = RoutingTable(2, policy="round_robin")
+    round_robin.record(0, [1, 2], session="s")
+    assert [round_robin.choose([1, 2, 3], session="s") for _ in range(3)] == [1, 0, 1]
     assert prompt_items("/v1/chat/completions", longer)[:1] == prompt_items("/v1/chat/completions", chat)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     engines = [make_engine().start() for _ in range(2)]
-    replicas = [LiveServer(create_app(e, tokenizer(), "tiny")) for e in engines]
-    router = LiveServer(create_router([r.url for r in replicas], health_interval_s=0.2))
+    replicas = [ThreadedServer(create_app(e, tokenizer(), "tiny")) for e in engines]
+    router = ThreadedServer(create_router([r.url for r in replicas], health_interval_s=0.2))
     yield engines, replicas, router
     for server in [router] + replicas:
         server.close()

@@ -1,0 +1,144 @@
+"""Multi-turn environments, run token in / token out against a policy (e.g. `glm5_jax.serve` over HTTP).
+
+    env.reset(seed) -> observation token ids
+    env.step(action token ids) -> StepResult(observation ids, reward, done)
+
+`run_episode` alternates policy and environment: each turn the policy continues the whole episode so far
+(initial observation, then every action exactly as sampled and every observation), so no text round trip
+can change a token, and a server with a prefix cache prefills only the newest observation. The episode
+becomes one RL sample: prompt = the first observation, completion = the rest, loss mask 1 on the
+policy's tokens and 0 on the environment's, behaviour logprobs as the sampler reported them
+(`episodes_to_batch` gives the learner's `RolloutBatch`).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from glm5_jax.rl.rollouts import RolloutBatch
+
+
+@dataclasses.dataclass
+class StepResult:
+    observation: list[int]
+    reward: float
+    done: bool
+
+
+class Environment(abc.ABC):
+    @abc.abstractmethod
+    def reset(self, seed: int) -> list[int]:
+        """Start an episode; the first observation (non-empty)."""
+
+    @abc.abstractmethod
+    def step(self, action: list[int]) -> StepResult:
+        """Apply the policy's action (its sampled ids, including a final stop id)."""
+
+
+@dataclasses.dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]
+    weights_version: int | None = None
+    cached_tokens: int = 0
+
+
+# policy(context_ids, max_tokens, stop_token_ids) -> Sampled
+Policy = Callable[[list[int], int, list[int]], Sampled]
+
+
+@dataclasses.dataclass
+class Episode:
+    prompt: list[int]                                   # the first observation
+    completion: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)     # 0 on environment tokens
+    loss_mask: list[float] = dataclasses.field(default_factory=list)    # 1 on policy tokens
+    reward: float = 0.0
+    turns: int = 0
+    weights_versions: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: list[int] = dataclasses.field(default_factory=list)  # per turn, as the server reported
+    context_lengths: list[int] = dataclasses.field(default_factory=list)  # per turn: tokens the policy saw
+    action_lengths: list[int] = dataclasses.field(default_factory=list)
+
+
+def run_episode(policy: Policy, env: Environment, seed: int, *, max_turns: int, max_action_tokens: int,
+                stop_token_ids=()) -> Episode:
+    """Play one episode; rewards add up over turns. Ends when the environment says so or after max_turns."""
+    episode = Episode(prompt=list(env.reset(seed)))
+    if not episode.prompt:
+        raise ValueError(f"{type(env).__name__}.reset returned an empty observation")
+    while episode.turns < max_turns:
+        context = episode.prompt + episode.completion
+        out = policy(context, max_action_tokens, list(stop_token_ids))
+        episode.turns += 1
+        episode.context_lengths.append(len(context))
+        episode.action_lengths.append(len(out.token_ids))
+        episode.completion += out.token_ids
+        episode.logprobs += out.logprobs
+        episode.loss_mask += [1.0] * len(out.token_ids)
+        episode.weights_versions.append(-1 if out.weights_version is None else out.weights_version)
+        episode.cached_tokens.append(out.cached_tokens)
+        result = env.step(list(out.token_ids))
+        episode.reward += result.reward
+        if result.done:
+            break
+        episode.completion += result.observation
+        episode.logprobs += [0.0] * len(result.observation)
+        episode.loss_mask += [0.0] * len(result.observation)
+    return episode
+
+
+class ServerPolicy:
+    """A `Policy` served by `python -m glm5_jax.serve` (its /v1/tokens endpoint)."""
+
+    def __init__(self, url: str, *, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                 session_id: str | None = None, timeout_s: float = 600.0):
+        import httpx2
+
+        self.http = httpx2.Client(base_url=url, timeout=timeout_s)
+        self.temperature, self.top_p, self.seed, self.session_id = temperature, top_p, seed, session_id
+        self.calls = 0
+
+    def __call__(self, context, max_tokens, stop_token_ids) -> Sampled:
+        body = {"prompt_ids": list(context), "max_tokens": max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "stop_token_ids": list(stop_token_ids)}
+        if self.seed is not None:
+            body["seed"] = self.seed + self.calls          # a fresh stream per turn, reproducible
+        if self.session_id is not None:
+            body["session_id"] = self.session_id
+        self.calls += 1
+        r = self.http.post("/v1/tokens", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"policy server answered {r.status_code}: {r.text}")
+        out = r.json()
+        choice = out["choices"][0]
+        return Sampled(choice["token_ids"], choice["logprobs"], choice["weights_version"],
+                       out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    def close(self):
+        self.http.close()
+
+
+def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict) -> RolloutBatch:
+    """The learner's batch: one row per episode; ``versions`` holds each turn's weights version (-1 pad)."""
+    P = max(len(e.prompt) for e in episodes)
+    C = max(max(len(e.completion) for e in episodes), 1)
+    K = max(max(len(e.weights_versions) for e in episodes), 1)
+    n = len(episodes)
+    batch = RolloutBatch(
+        prompt_tokens=np.zeros((n, P), np.int32), prompt_lengths=np.array([len(e.prompt) for e in episodes], np.int32),
+        completion_tokens=np.zeros((n, C), np.int32),
+        completion_lengths=np.array([len(e.completion) for e in episodes], np.int32),
+        logprobs=np.zeros((n, C), np.float32), loss_mask=np.zeros((n, C), np.float32),
+        rewards=np.array([e.reward for e in episodes], np.float32), group_ids=np.asarray(group_ids, np.int32),
+        versions=np.full((n, K), -1, np.int32), meta=meta)
+    for i, e in enumerate(episodes):
+        batch.prompt_tokens[i, :len(e.prompt)] = e.prompt
+        batch.completion_tokens[i, :len(e.completion)] = e.completion
+        batch.logprobs[i, :len(e.logprobs)] = e.logprobs
+        batch.loss_mask[i, :len(e.loss_mask)] = e.loss_mask
+        batch.versions[i, :len(e.weights_versions)] = e.weights_versions
+    return batch.validate()
