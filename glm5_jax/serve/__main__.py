@@ -2,7 +2,8 @@
 
 Serves an orbax checkpoint (a train.py workdir, its checkpoints/ folder or a converter output) over
 the HTTP API of `glm5_jax.serve.api`, on loopback by default. With --reload_interval_s > 0, newer
-committed steps in the same directory are loaded while serving.
+committed steps in the same directory (or, with --policy_workdir, an RL run's policy versions) are loaded
+while serving.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ flags.DEFINE_integer("max_seq_len", 2048, "Context per slot: prompt + completion
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype override (weights cast once).")
 flags.DEFINE_string("model_name", None, "Model id reported by the API (default: the checkpoint folder's name).")
 flags.DEFINE_float("reload_interval_s", 0.0, "Poll for newer committed steps this often (0: never).")
+flags.DEFINE_string("policy_workdir", None, "Reload from this RL run's policy versions instead of --checkpoint.")
 flags.DEFINE_multi_integer("warmup_prompt_len", [1], "Compile the prefill for these prompt lengths before serving.")
 
 
@@ -38,7 +40,7 @@ def main(argv):
     from glm5_jax.inference_checkpoint import cast_variables, checkpoint_tokenizer, load_for_inference
     from glm5_jax.serve.api import create_app
     from glm5_jax.serve.engine import Engine
-    from glm5_jax.serve.reload import WeightsWatcher
+    from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
     from glm5_jax.serve.text import ChatTemplate
 
     tokenizer_path = FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint)
@@ -52,7 +54,10 @@ def main(argv):
     engine.start()
     watcher = None
     if FLAGS.reload_interval_s > 0:
-        watcher = WeightsWatcher(engine, FLAGS.checkpoint, cfg, step, FLAGS.reload_interval_s).start()
+        source = (PolicySource(FLAGS.policy_workdir, variables) if FLAGS.policy_workdir
+                  else CheckpointSource(FLAGS.checkpoint))
+        watcher = WeightsWatcher(engine, source, cfg, -1 if FLAGS.policy_workdir else step,
+                                 FLAGS.reload_interval_s).start()
     name = FLAGS.model_name or os.path.basename(os.path.abspath(FLAGS.checkpoint))
     api = create_app(engine, tokenizer, name, ChatTemplate.for_tokenizer(tokenizer_path),
                      on_metrics=watcher.metrics if watcher else None)

@@ -8,7 +8,8 @@ import pytest
 from glm5_jax.convert.hf_to_orbax import config_to_json
 from glm5_jax.generate import Sampler
 from glm5_jax.serve.engine import Request
-from glm5_jax.serve.reload import WeightsWatcher
+from glm5_jax.rl.handoff import PolicyWriter
+from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
 from glm5_jax.serve.sampling import row_log_probs
 from tests.generate.tiny_models import init_variables
 from tests.serve.conftest import SERVE_CFG, greedy_reference, make_engine
@@ -85,7 +86,7 @@ def _save(directory, step, variables):
 def test_hot_reload_serves_a_newer_committed_step(engine, tmp_path):
     old, new = init_variables(SERVE_CFG), init_variables(SERVE_CFG, seed=1)
     _save(str(tmp_path), 1, old)
-    watcher = WeightsWatcher(engine, str(tmp_path), SERVE_CFG, step=1)
+    watcher = WeightsWatcher(engine, CheckpointSource(str(tmp_path)), SERVE_CFG, step=1)
     assert not watcher.poll()
     prompt = [60, 61, 62, 63]
     before = engine.generate(Request(prompt, 6, temperature=0.0), timeout=60)
@@ -99,3 +100,18 @@ def test_hot_reload_serves_a_newer_committed_step(engine, tmp_path):
     assert _ids(before) == want_old and _ids(after) == want_new
     np.testing.assert_allclose([t.logprob for t in after.tokens], lp_new, atol=1e-4)
     engine.set_variables(old, 0)
+
+
+def test_reload_follows_an_rl_runs_policy_versions(engine, tmp_path):
+    new = init_variables(SERVE_CFG, seed=1)
+    watcher = WeightsWatcher(engine, PolicySource(str(tmp_path), engine.variables), SERVE_CFG, step=-1)
+    assert not watcher.poll()                                  # no policy published yet
+    writer = PolicyWriter(str(tmp_path), max_to_keep=3)
+    writer.publish(4, new, {"count": np.zeros((), np.int32)}, {"version": 4})
+    writer.wait()
+    writer.close()
+    assert watcher.poll() and engine.generate(Request([1, 2], 1), timeout=60).weights_version == 4
+    prompt = [60, 61, 62, 63]
+    (want, _), = greedy_reference([prompt], 6, new)
+    assert _ids(engine.generate(Request(prompt, 6, temperature=0.0), timeout=60)) == want
+    engine.set_variables(init_variables(SERVE_CFG), 0)
