@@ -182,7 +182,7 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
         for ids in prompt_ids:
             for copy in range(body.n):
                 text = TextStream(tokenizer, body.stop)
-                requests.append(streams.attach(len(requests), build(ids, body, body.max_tokens, body.logprobs or 0,
+                requests.append(streams.attach(len(requests), build(ids, body, body.max_tokens or 16, body.logprobs or 0,
                                                                     text, copy)))
                 texts.append(text)
         for r in requests:

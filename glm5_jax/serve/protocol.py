@@ -46,7 +46,7 @@ class TextSampling(Sampling):
 
 class CompletionRequest(TextSampling):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)          # null: 16, as OpenAI
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
