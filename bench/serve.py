@@ -65,6 +65,17 @@ def ask(http, prompt, max_tokens=NEW_TOKENS):
     return r.json()
 
 
+def run_threads(fn, n) -> float:
+    """Run fn(0) .. fn(n - 1) on n threads; wall seconds until all finished."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def load_run(url, clients, requests_per_client, seed):
     latencies, tokens = [], [0]
     lock = threading.Lock()
@@ -80,13 +91,7 @@ def load_run(url, clients, requests_per_client, seed):
                     latencies.append(time.perf_counter() - t0)
                     tokens[0] += out["usage"]["completion_tokens"]
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(client, clients)
     q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
     return {"clients": clients, "requests": len(latencies), "tokens_per_sec": tokens[0] / wall,
             "p50_latency_s": q[49], "p99_latency_s": q[98], "wall_s": wall}
@@ -109,13 +114,7 @@ def affinity_run(urls, policy, sessions, turns, seed):
                     generated[0] += out["usage"]["completion_tokens"]
                 prompt = prompt + out["choices"][0]["token_ids"] + rng.integers(2, 500, 8).tolist()
 
-    threads = [threading.Thread(target=session, args=(s,)) for s in range(sessions)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(session, sessions)
     router.close()
     return {"policy": policy, "sessions": sessions, "turns": turns, "prefix_hit_rate": cached[0] / prompt_tokens[0],
             "tokens_per_sec": generated[0] / wall, "wall_s": wall}

@@ -182,8 +182,8 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
         for ids in prompt_ids:
             for copy in range(body.n):
                 text = TextStream(tokenizer, body.stop)
-                requests.append(streams.attach(len(requests), build(ids, body, body.max_tokens or 16, body.logprobs or 0,
-                                                                    text, copy)))
+                request = build(ids, body, body.max_tokens or 16, body.logprobs or 0, text, copy)
+                requests.append(streams.attach(len(requests), request))
                 texts.append(text)
         for r in requests:
             engine.validate(r)
@@ -272,7 +272,8 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
         async for _ in run_all(http, streams, requests):
             pass
         check_alive()
-        choices = [{"index": i, "message": {"role": "assistant", "content": text.full_text([t.id for t in r.tokens])[0]},
+        choices = [{"index": i,
+                    "message": {"role": "assistant", "content": text.full_text([t.id for t in r.tokens])[0]},
                     "logprobs": chat_logprobs(r.tokens) if body.logprobs else None, "finish_reason": r.finish_reason}
                    for i, (r, text) in enumerate(zip(requests, texts))]
         return {**head, "object": "chat.completion", "choices": choices, "usage": usage(requests)}

@@ -145,8 +145,8 @@ def main(argv):
 
     if not FLAGS.replicas:
         raise app.UsageError("give --replicas=URL,URL,...")
-    uvicorn.run(create_router(FLAGS.replicas, FLAGS.health_interval_s, policy=FLAGS.policy), host=FLAGS.host, port=FLAGS.port,
-                log_level="warning")
+    router = create_router(FLAGS.replicas, FLAGS.health_interval_s, policy=FLAGS.policy)
+    uvicorn.run(router, host=FLAGS.host, port=FLAGS.port, log_level="warning")
 
 
 if __name__ == "__main__":
