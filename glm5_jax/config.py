@@ -8,23 +8,91 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
-MLA_FORMS = ("absorbed", "mha")
-ATTENTION_MODES = ("sparse", "dense")
-INDEXER_LOSSES = ("none", "warmup", "sparse")
-MOE_IMPLS = ("ragged_dot", "blocked")
-MOE_EP = ("none", "a2a", "ragged_a2a")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
-                  "offload_dots")
-DTYPES = ("float32", "bfloat16", "float16")
+Dtype = Literal["float32", "bfloat16", "float16"]
+AttentionImpl = Literal["reference", "xla", "pallas", "pallas_interpret"]
+MlaForm = Literal["absorbed", "mha"]
+AttentionMode = Literal["sparse", "dense"]
+IndexerLoss = Literal["none", "warmup", "sparse"]
+MoeImpl = Literal["ragged_dot", "blocked"]
+MoeEp = Literal["none", "a2a", "ragged_a2a"]
+RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
+                      "offload_dots"]
+
+DTYPES = typing.get_args(Dtype)
+ATTENTION_IMPLS = typing.get_args(AttentionImpl)
+MLA_FORMS = typing.get_args(MlaForm)
+ATTENTION_MODES = typing.get_args(AttentionMode)
+INDEXER_LOSSES = typing.get_args(IndexerLoss)
+MOE_IMPLS = typing.get_args(MoeImpl)
+MOE_EP = typing.get_args(MoeEp)
+REMAT_POLICIES = typing.get_args(RematPolicy)
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How the model runs, never what it is: numerics, which implementation of each hot spot, remat,
+    expert transport, and the DSA stage the forward runs in. None of it changes the parameter tree.
+
+    ``attention_mode`` / ``indexer_loss`` are the DSA stage's facts; `train.py` derives them from
+    ``train.stage`` (`glm5_jax.train_step.model_config_for_stage`), generation from its own needs.
+    """
+    dtype: Dtype = "float32"                 # activation / matmul dtype (a JAX/numpy dtype works too)
+    param_dtype: Dtype = "float32"           # master weights
+    attention_impl: AttentionImpl = "xla"    # pallas_kernels/sparse_mla/ops.py: reference | xla | pallas(_interpret)
+    mla_form: MlaForm = "absorbed"           # "absorbed" (latent MQA) or "mha" (naive per-head form, a cross-check)
+    moe_impl: MoeImpl = "ragged_dot"         # grouped expert matmul (glm5_jax/moe.py)
+    # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/moe_ep.py): "none" (GSPMD
+    # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
+    moe_ep: MoeEp = "none"
+    moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
+    remat_policy: RematPolicy = "full"       # glm5_jax/decoder.py REMAT_POLICIES
+    attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
+    attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
+    indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
+
+    def __post_init__(self):
+        for f in ("dtype", "param_dtype"):     # jnp.float32 / np.dtype / "float32" all name the same dtype
+            value = getattr(self, f)
+            if not isinstance(value, str):
+                try:
+                    value = jnp.dtype(value).name
+                except TypeError as e:
+                    raise ConfigError(f"ModelConfig.{f}={value!r}: not a dtype ({e})") from None
+                object.__setattr__(self, f, value)
+        hints = typing.get_type_hints(RuntimeConfig)
+        for f in dataclasses.fields(self):
+            allowed = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else None
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                raise ConfigError(f"ModelConfig.{f.name}={getattr(self, f.name)!r}: must be one of {allowed}")
+        if not (isinstance(self.attention_q_chunk, int) and self.attention_q_chunk > 0):
+            raise ConfigError(f"ModelConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
+        if not self.moe_capacity_factor > 0:
+            raise ConfigError(f"ModelConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
+        if self.indexer_loss == "sparse" and self.attention_mode != "sparse":
+            raise ConfigError(f"ModelConfig.indexer_loss='sparse': the sparse-stage KL needs attention_mode='sparse'")
+
+    def replace(self, **changes) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+
+RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +146,9 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: tuple[int, ...] = (154820, 154827, 154829)
     pad_token_id: int | None = 154820
-    # --- implementation switches (not part of the architecture) ---
-    dtype: str = "float32"                   # activation / matmul dtype
-    param_dtype: str = "float32"             # master weights
-    attention_impl: str = "xla"
-    mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
-    attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
-    indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)
-    moe_impl: str = "ragged_dot"              # "ragged_dot" (reference) or "blocked" (fast on CPU)
-    # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/moe_ep.py): "none" (GSPMD
-    # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
-    moe_ep: str = "none"
-    moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
-    remat_policy: str = "full"
-    attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
+    # --- how it runs (not part of the architecture); ModelConfig(attention_impl=...) and
+    # cfg.replace(attention_impl=...) route these names into it, cfg.attention_impl reads it ---
+    runtime: RuntimeConfig = RuntimeConfig()
 
     # ------------------------------------------------------------------ derived
     @property
@@ -122,25 +179,26 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        return jnp.dtype(self.dtype)
+        return self.runtime.jnp_dtype
 
     @property
     def jnp_param_dtype(self):
-        return jnp.dtype(self.param_dtype)
+        return self.runtime.jnp_param_dtype
 
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes``; runtime fields (``attention_impl=...``) may be given by name."""
         return dataclasses.replace(self, **changes)
+
+    def __getattr__(self, name):
+        # runtime fields read through the model config (cfg.attention_impl is cfg.runtime.attention_impl)
+        if name in RUNTIME_FIELDS:
+            return getattr(self.runtime, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
-        for f in ("dtype", "param_dtype"):     # jnp.float32 / np.dtype / "float32" all name the same dtype
-            value = getattr(self, f)
-            if not isinstance(value, str):
-                try:
-                    value = jnp.dtype(value).name
-                except TypeError as e:
-                    raise ConfigError(f"ModelConfig.{f}={value!r}: not a dtype ({e})") from None
-                object.__setattr__(self, f, value)
+        if isinstance(self.runtime, dict):      # a stored config (checkpoint metadata) holds it as a dict
+            object.__setattr__(self, "runtime", RuntimeConfig(**self.runtime))
         if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
         if isinstance(self.rope_scaling, dict):
@@ -156,9 +214,12 @@ class ModelConfig:
             if not ok:
                 raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r}: {why}")
 
+        if not isinstance(self.runtime, RuntimeConfig):
+            raise ConfigError(f"ModelConfig.runtime={self.runtime!r}: must be a RuntimeConfig")
+
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "moe_intermediate_size", "attention_q_chunk"):
+                  "moe_intermediate_size"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
         need(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
              f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
@@ -196,16 +257,8 @@ class ModelConfig:
             need(rs.get("rope_type") == "yarn", "rope_scaling", 'only rope_type "yarn" is supported')
             need("original_max_position_embeddings" in rs, "rope_scaling",
                  "yarn needs original_max_position_embeddings")
-        for f, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS),
-                           ("mla_form", MLA_FORMS),
-                           ("attention_mode", ATTENTION_MODES),
-                           ("indexer_loss", INDEXER_LOSSES),
-                           ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES)):
-            need(getattr(self, f) in allowed, f, f"must be one of {allowed}")
-        need(self.indexer_loss != "sparse" or self.attention_mode == "sparse", "indexer_loss",
-             'the sparse-stage KL needs attention_mode="sparse"')
-        need(self.indexer_loss == "none" or self.use_indexer, "indexer_loss", "needs a model with an indexer")
-        need(self.moe_capacity_factor > 0, "moe_capacity_factor", "must be positive")
+        need(self.runtime.indexer_loss == "none" or self.use_indexer, "indexer_loss",
+             "needs a model with an indexer")
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
 
     # ------------------------------------------------------------------ HF config.json
@@ -222,3 +275,25 @@ class ModelConfig:
         from glm5_jax.hf_config import config_to_hf
 
         return config_to_hf(self)
+
+
+def _init_routing_runtime_fields(init):
+    """ModelConfig(attention_impl=..., dtype=...) as before the runtime fields moved: those names are
+    collected into ``runtime`` (so old config files and ``cfg.replace(remat_policy=...)`` keep working)."""
+    def __init__(self, *args, **kwargs):
+        for old, why in REMOVED_FIELDS.items():
+            if old in kwargs:
+                raise ConfigError(f"ModelConfig.{old} was removed: {why}")
+        moved = {k: kwargs.pop(k) for k in list(kwargs) if k in RUNTIME_FIELDS}
+        if moved:
+            kwargs["runtime"] = dataclasses.replace(kwargs.get("runtime", RuntimeConfig()), **moved)
+        init(self, *args, **kwargs)
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+REMOVED_FIELDS = {"sparse_xla_form": "the XLA sparse attention picks its form itself; choose between "
+                                     "attention_impl='xla' (tuned) and attention_impl='reference' instead"}
+ModelConfig.__init__ = _init_routing_runtime_fields(ModelConfig.__init__)
+ModelConfig.MOVED_FIELDS = dict.fromkeys(RUNTIME_FIELDS, "runtime")
+ModelConfig.REMOVED_FIELDS = REMOVED_FIELDS   # --set model.<name> -> model.runtime.<name>

@@ -112,6 +112,8 @@ def _matches(value, annotation) -> bool:
         return any(_matches(value, a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
@@ -153,6 +155,12 @@ def apply_overrides(cfg, overrides: list[str]):
 def _replace_path(obj, path, raw, full_key, prefix):
     fields = {f.name: f for f in dataclasses.fields(obj)}
     name = path[0]
+    moved_to = getattr(type(obj), "MOVED_FIELDS", {}).get(name)
+    removed = getattr(type(obj), "REMOVED_FIELDS", {}).get(name)
+    if removed is not None:
+        raise ValueError(f"--set {full_key}: {name!r} was removed: {removed}")
+    if name not in fields and moved_to is not None:       # e.g. model.attention_impl -> model.runtime.attention_impl
+        return _replace_path(obj, [moved_to, *path], raw, full_key, prefix)
     if name not in fields:
         valid = ", ".join(prefix + n for n in _field_names(obj))
         raise ValueError(f"--set {full_key}: unknown key {name!r}; valid keys: {valid}")

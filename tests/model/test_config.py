@@ -1,6 +1,7 @@
 """ModelConfig: HF config.json in and out, validation messages, and GLM-5's size (spec §1)."""
 import dataclasses
 import json
+import os
 
 import pytest
 from transformers import GlmMoeDsaConfig
@@ -24,8 +25,7 @@ GLM5_CONFIG_JSON = {
     "topk_method": "noaux_tc", "transformers_version": "5.0.2.dev0", "use_cache": True, "v_head_dim": 256,
     "vocab_size": 154880}
 
-IMPL_FIELDS = ("dtype", "param_dtype", "attention_impl", "mla_form", "attention_mode", "moe_impl", "remat_policy",
-               "attention_q_chunk", "mtp_use_normed_hidden", "bos_token_id")
+IMPL_FIELDS = ("runtime", "mtp_use_normed_hidden", "bos_token_id")
 
 
 def architecture(cfg):
@@ -104,3 +104,27 @@ def test_dtypes_given_as_jax_or_numpy_dtypes():
         model_config().replace(dtype=object())
     with pytest.raises(ConfigError, match=r"ModelConfig\.dtype='int8'"):
         model_config().replace(dtype=jnp.int8)
+
+
+def test_runtime_fields_live_apart_from_the_architecture():
+    """Implementation switches are a RuntimeConfig inside ModelConfig; the old flat names still construct,
+    replace, read and --set, and a removed switch fails naming what replaces it."""
+    from glm5_jax.config import RuntimeConfig
+    from glm5_jax.experiment import apply_overrides, load_config_file
+
+    cfg = model_config()
+    assert cfg.runtime == RuntimeConfig(dtype="bfloat16", param_dtype="float32")
+    moved = cfg.replace(attention_impl="pallas", remat_policy="none")
+    assert moved.runtime == cfg.runtime.replace(attention_impl="pallas", remat_policy="none")
+    assert moved.attention_impl == "pallas" and architecture(moved) == architecture(cfg)
+    assert ModelConfig(attention_impl="reference").runtime.attention_impl == "reference"
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny.py")
+    exp = apply_overrides(load_config_file(tiny), ["model.attention_impl=pallas_interpret",
+                                                    "model.runtime.mla_form=mha"])
+    assert (exp.model.runtime.attention_impl, exp.model.runtime.mla_form) == ("pallas_interpret", "mha")
+    with pytest.raises(ValueError, match="sparse_xla_form.*removed.*attention_impl"):
+        apply_overrides(exp, ["model.sparse_xla_form=gather"])
+    with pytest.raises(ConfigError, match="sparse_xla_form was removed"):
+        model_config().replace(sparse_xla_form="gather")
+    with pytest.raises(ConfigError, match=r"ModelConfig\.moe_ep='nccl': must be one of"):
+        model_config().replace(moe_ep="nccl")
