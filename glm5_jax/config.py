@@ -1,4 +1,4 @@
-"""`ModelConfig`: every hyper-parameter of GLM-5 (spec/ARCHITECTURE.md §1), validated, HF-convertible.
+"""`ModelConfig`: every hyper-parameter of GLM-5 (its HF config.json), validated, HF-convertible.
 
 The same dataclass describes GLM-5 (`glm_moe_dsa`), DeepSeek-V3.2 (`deepseek_v32`: half-split indexer
 RoPE) and DeepSeek-V3 (`deepseek_v3`: no indexer, dense attention) so their checkpoints can be read
@@ -17,6 +17,7 @@ MLA_FORMS = ("absorbed", "mha")
 ATTENTION_MODES = ("sparse", "dense")
 INDEXER_LOSSES = ("none", "warmup", "sparse")
 MOE_IMPLS = ("ragged_dot", "blocked")
+PROJECTION_IMPLS = ("xla", "cpu_transposed_grad")   # glm5_jax.layers.einsum
 MOE_EP = ("none", "a2a", "ragged_a2a")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
                   "offload_dots")
@@ -29,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    # --- sizes (spec §1.1) ---
+    # --- sizes ---
     vocab_size: int = 154880
     hidden_size: int = 6144
     num_hidden_layers: int = 78
@@ -48,17 +49,17 @@ class ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 2048
     indexer_types: tuple[str, ...] | None = None   # per layer "full" | "shared"; None -> all full
-    indexer_rope_interleave: bool = True     # GLM: pair-interleaved; DeepSeek-V3.2: half-split (P1)
+    indexer_rope_interleave: bool = True     # GLM: pair-interleaved; DeepSeek-V3.2: half-split
     # --- RoPE ---
     rope_theta: float = 1_000_000.0
     # YaRN parameters as sorted (key, value) pairs (DeepSeek-V3.x); None = plain RoPE (GLM-5)
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     rope_interleave: bool = True             # MLA q_rot / k_rot pair-interleaved
-    # --- norms (P6) ---
+    # --- norms ---
     rms_norm_eps: float = 1e-5
     latent_norm_eps: float = 1e-6            # q_a_layernorm, kv_a_layernorm (hard-coded upstream)
     indexer_norm_eps: float = 1e-6           # indexer k_norm LayerNorm
-    # --- MoE (spec §5.2) ---
+    # --- MoE ---
     n_routed_experts: int = 256
     num_experts_per_tok: int = 8
     n_shared_experts: int = 1
@@ -67,7 +68,7 @@ class ModelConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
-    # --- MTP (spec §6) ---
+    # --- MTP ---
     num_nextn_predict_layers: int = 1        # MTP modules stored (GLM-5: one, as layer 78)
     mtp_depth: int = 1                       # recursive applications of the shared MTP module
     mtp_use_normed_hidden: bool = True       # h^0 = post-final-norm hidden, as inference engines do
@@ -84,13 +85,16 @@ class ModelConfig:
     attention_impl: str = "xla"
     mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
-    indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse" (spec §7.1)
+    indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse"
     moe_impl: str = "ragged_dot"              # "ragged_dot" (reference) or "blocked" (fast on CPU)
     # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/moe_ep.py): "none" (GSPMD
     # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
     moe_ep: str = "none"
     moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
     remat_policy: str = "full"
+    # weight projections' gradient (glm5_jax.layers.einsum): "xla" (as JAX derives it; TPU/GPU) or
+    # "cpu_transposed_grad" (the weight gradient from a materialised x^T: faster on XLA:CPU)
+    projection_impl: str = "xla"
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
 
     # ------------------------------------------------------------------ derived
@@ -100,7 +104,8 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """1/sqrt(d_qk), also in the absorbed form (P7); YaRN models multiply by mscale^2 (spec §4.1)."""
+        """1/sqrt(d_qk), also in the absorbed form (not 1/sqrt of the latent width); YaRN models multiply by
+        mscale^2 (as DeepSeek-V3's yarn_get_mscale)."""
         from glm5_jax.rope import yarn_softmax_mscale
 
         return self.qk_head_dim ** -0.5 * yarn_softmax_mscale(self.rope_scaling_dict)
@@ -185,7 +190,7 @@ class ModelConfig:
                      f"needs one entry per layer ({self.num_hidden_layers})")
                 need(all(t in ("full", "shared") for t in self.indexer_types), "indexer_types",
                      'entries must be "full" or "shared"')
-                need(self.indexer_types[0] == "full", "indexer_types", 'layer 0 must be "full" (P15)')
+                need(self.indexer_types[0] == "full", "indexer_types", 'layer 0 must be "full" (there is no earlier top-k to share)')
         need(self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
              "one shared MTP module (GLM-5) or none is supported")
         need(self.mtp_depth >= 0 and (self.mtp_depth == 0 or self.num_nextn_predict_layers == 1), "mtp_depth",
@@ -200,7 +205,8 @@ class ModelConfig:
                            ("mla_form", MLA_FORMS),
                            ("attention_mode", ATTENTION_MODES),
                            ("indexer_loss", INDEXER_LOSSES),
-                           ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES)):
+                           ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES),
+                           ("projection_impl", PROJECTION_IMPLS)):
             need(getattr(self, f) in allowed, f, f"must be one of {allowed}")
         need(self.indexer_loss != "sparse" or self.attention_mode == "sparse", "indexer_loss",
              'the sparse-stage KL needs attention_mode="sparse"')
