@@ -85,7 +85,7 @@ class ModelConfig:
     attention_impl: str = "xla"
     mla_form: str = "absorbed"               # "absorbed" (latent MQA, gather) or "mha" (masked heads)
     attention_mode: str = "sparse"           # "sparse" (DSA top-k) or "dense" (causal, DSA warm-up/dense stage)
-    indexer_loss: str = "none"               # DSA indexer KL in aux: "none" | "warmup" | "sparse"
+    indexer_loss: str = "none"               # DSA indexer KL in ModelOutput.stats: "none" | "warmup" | "sparse"
     moe_impl: str = "ragged_dot"              # "ragged_dot" (reference) or "blocked" (fast on CPU)
     # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/moe_ep.py): "none" (GSPMD
     # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
