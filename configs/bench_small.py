@@ -16,7 +16,8 @@ def get_config() -> ExperimentConfig:
         eos_token_id=(1,), pad_token_id=0, bos_token_id=None,
         # CPU speed settings (bench/train_step.py docstring): grouped matmul as padded blocks, absorbed
         # (latent) sparse attention over the gathered top-k rows; remat keeps projection and attention outputs
-        moe_impl="blocked", mla_form="absorbed", remat_policy="dots_attention_saveable")
+        moe_impl="blocked", mla_form="absorbed", remat_policy="dots_attention_saveable",
+        projection_impl="cpu_transposed_grad")
     data = DataConfig(source="stdlib", vocab_size=8192, seq_len=1024, batch_size=2)
     train = TrainConfig(stage="sparse", optimizer="adamw")
     return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=-1))

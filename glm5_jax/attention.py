@@ -59,8 +59,8 @@ class Indexer(nn.Module):
         weights_proj = logical_param(self, "weights_proj", (cfg.hidden_size, h_i), ("embed", "index_heads"),
                                      init, pdt)
         f32 = jnp.float32
-        q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32)
-        k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32)
+        q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.projection_impl)
+        k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.projection_impl)
         k = LayerNorm(cfg.indexer_norm_eps, "index_dim", pdt, name="k_norm")(k)
         # The rope slice comes FIRST in indexer heads and keys (P2).
         rot = dict(interleaved=cfg.indexer_rope_interleave)
@@ -89,7 +89,7 @@ class MLAttention(nn.Module):
     @nn.compact
     def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None):
         cfg = self.cfg
-        init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
+        init, pdt, dt, proj = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype, cfg.projection_impl
         H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                             cfg.v_head_dim, cfg.kv_lora_rank)
         d = cfg.hidden_size
@@ -102,11 +102,11 @@ class MLAttention(nn.Module):
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
         qr = RMSNorm(cfg.latent_norm_eps, "q_lora", pdt, name="q_a_norm")(
-            einsum("btd,dq->btq", a_BTD, w_qa, dt))
-        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt), ("batch", "seq", "act_heads", None))
+            einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj))
+        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), ("batch", "seq", "act_heads", None))
         q_nope = q[..., :dn]
         q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True)
-        ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt)
+        ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt, impl=proj)
         c = RMSNorm(cfg.latent_norm_eps, "kv_lora", pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
         k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)
@@ -144,7 +144,7 @@ class MLAttention(nn.Module):
 
         # ---- project out
         o = constrain(o, ("batch", "seq", "act_heads", None))
-        return einsum("bthv,hvd->btd", o, w_o, dt), selection, indexer_kl, cache
+        return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
 
     def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache):
         """(selection, indexer KL or None, cache): this layer's top-k (full), the previous full layer's

@@ -1,4 +1,4 @@
-"""`ModelConfig`: every hyper-parameter of GLM-5 (spec/ARCHITECTURE.md §1), validated, HF-convertible.
+"""`ModelConfig`: every hyper-parameter of GLM-5 (its HF config.json), validated, HF-convertible.
 
 The same dataclass describes GLM-5 (`glm_moe_dsa`), DeepSeek-V3.2 (`deepseek_v32`: half-split indexer
 RoPE) and DeepSeek-V3 (`deepseek_v3`: no indexer, dense attention) so their checkpoints can be read
@@ -19,6 +19,7 @@ MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["ragged_dot", "blocked"]
+ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.layers.einsum
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
                       "offload_dots"]
@@ -29,6 +30,7 @@ MLA_FORMS = typing.get_args(MlaForm)
 ATTENTION_MODES = typing.get_args(AttentionMode)
 INDEXER_LOSSES = typing.get_args(IndexerLoss)
 MOE_IMPLS = typing.get_args(MoeImpl)
+PROJECTION_IMPLS = typing.get_args(ProjectionImpl)
 MOE_EP = typing.get_args(MoeEp)
 REMAT_POLICIES = typing.get_args(RematPolicy)
 
@@ -55,6 +57,9 @@ class RuntimeConfig:
     moe_ep: MoeEp = "none"
     moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
     remat_policy: RematPolicy = "full"       # glm5_jax/decoder.py REMAT_POLICIES
+    # weight projections' gradient (glm5_jax.layers.einsum): "xla" (as JAX derives it; TPU/GPU) or
+    # "cpu_transposed_grad" (the weight gradient from a materialised x^T: faster on XLA:CPU)
+    projection_impl: ProjectionImpl = "xla"
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
     attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
@@ -97,7 +102,7 @@ RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    # --- sizes (spec §1.1) ---
+    # --- sizes ---
     vocab_size: int = 154880
     hidden_size: int = 6144
     num_hidden_layers: int = 78
@@ -116,17 +121,17 @@ class ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 2048
     indexer_types: tuple[str, ...] | None = None   # per layer "full" | "shared"; None -> all full
-    indexer_rope_interleave: bool = True     # GLM: pair-interleaved; DeepSeek-V3.2: half-split (P1)
+    indexer_rope_interleave: bool = True     # GLM: pair-interleaved; DeepSeek-V3.2: half-split
     # --- RoPE ---
     rope_theta: float = 1_000_000.0
     # YaRN parameters as sorted (key, value) pairs (DeepSeek-V3.x); None = plain RoPE (GLM-5)
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     rope_interleave: bool = True             # MLA q_rot / k_rot pair-interleaved
-    # --- norms (P6) ---
+    # --- norms ---
     rms_norm_eps: float = 1e-5
     latent_norm_eps: float = 1e-6            # q_a_layernorm, kv_a_layernorm (hard-coded upstream)
     indexer_norm_eps: float = 1e-6           # indexer k_norm LayerNorm
-    # --- MoE (spec §5.2) ---
+    # --- MoE ---
     n_routed_experts: int = 256
     num_experts_per_tok: int = 8
     n_shared_experts: int = 1
@@ -135,7 +140,7 @@ class ModelConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
-    # --- MTP (spec §6) ---
+    # --- MTP ---
     num_nextn_predict_layers: int = 1        # MTP modules stored (GLM-5: one, as layer 78)
     mtp_depth: int = 1                       # recursive applications of the shared MTP module
     mtp_use_normed_hidden: bool = True       # h^0 = post-final-norm hidden, as inference engines do
@@ -157,7 +162,8 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """1/sqrt(d_qk), also in the absorbed form (P7); YaRN models multiply by mscale^2 (spec §4.1)."""
+        """1/sqrt(d_qk), also in the absorbed form (not 1/sqrt of the latent width); YaRN models multiply by
+        mscale^2 (as DeepSeek-V3's yarn_get_mscale)."""
         from glm5_jax.rope import yarn_softmax_mscale
 
         return self.qk_head_dim ** -0.5 * yarn_softmax_mscale(self.rope_scaling_dict)
@@ -246,7 +252,7 @@ class ModelConfig:
                      f"needs one entry per layer ({self.num_hidden_layers})")
                 need(all(t in ("full", "shared") for t in self.indexer_types), "indexer_types",
                      'entries must be "full" or "shared"')
-                need(self.indexer_types[0] == "full", "indexer_types", 'layer 0 must be "full" (P15)')
+                need(self.indexer_types[0] == "full", "indexer_types", 'layer 0 must be "full" (there is no earlier top-k to share)')
         need(self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
              "one shared MTP module (GLM-5) or none is supported")
         need(self.mtp_depth >= 0 and (self.mtp_depth == 0 or self.num_nextn_predict_layers == 1), "mtp_depth",

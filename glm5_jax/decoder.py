@@ -1,17 +1,19 @@
-"""Decoder layers and the scanned stack (spec §3).
+"""Decoder layers and the scanned stack.
 
 The stack is a sequence of `layer_plan.Segment`s; each segment is one `nn.scan` (under `nn.remat`)
 over a group of layers, with parameters stacked on a leading "layers" axis. The scan carry is the
-residual stream plus the last full layer's top-k selection, which "shared" layers reuse (§4.6).
+residual stream plus the last full layer's top-k selection, which "shared" layers reuse (GLM-5's
+indexer_types: a "shared" layer attends to the previous "full" layer's top-k).
 """
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from glm5_jax.attention import ATTENTION_SAVED_NAMES, SELECTION_NAME, MLAttention
 from glm5_jax.layer_plan import LayerKind, plan_segments
+from glm5_jax.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
 from glm5_jax.moe import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 
@@ -41,7 +43,8 @@ REMAT_POLICIES = {
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE.
 
-    Returns (h, selection, aux, cache); ``cache`` is this layer's decode cache (None when not decoding).
+    Returns (h, selection, stats, cache): ``stats`` is this layer's `LayerStats`, ``cache`` its decode
+    cache (None when not decoding).
     """
     cfg: object
     kind: LayerKind
@@ -54,20 +57,20 @@ class DecoderLayer(nn.Module):
             a, positions_BT, segment_ids_BT, selection, cache)
         h_BTD = constrain(h_BTD + attn_out, ACT_BTD)
         m = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="post_attention_norm")(h_BTD)
-        aux = {} if indexer_kl is None else {"indexer_kl": indexer_kl}
+        moe_aux = None
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
-            ffn_out, aux["moe"] = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
-        return constrain(h_BTD + ffn_out, ACT_BTD), selection, aux, cache
+            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
+        stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, indexer_kl)
+        return constrain(h_BTD + ffn_out, ACT_BTD), selection, stats, cache
 
 
 class LayerGroup(nn.Module):
     """The repeating unit of a segment: consecutive layers of the given kinds (scan body).
 
-    Per-layer aux (router statistics, indexer KL) comes back as {"layer_i": aux} for the layers that have
-    any, mirroring the parameter tree so it can be matched against it (e.g. the routing-bias update).
-    A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out.
+    Returns the new carry and (`LayerStats` stacked over the unit's layers [len(unit), ...], decode
+    cache). A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out.
     """
     cfg: object
     unit: tuple
@@ -80,21 +83,21 @@ class LayerGroup(nn.Module):
         # (e.g. the indexer's visibility masks for every query chunk and key-window branch: GBs at
         # T = 4096); tied to the carry here, that work stays in the layer where it is fused and cheap.
         h, positions_BT, segment_ids_BT = jax.lax.optimization_barrier((h, positions_BT, segment_ids_BT))
-        group_aux, new_cache = {}, {}
+        unit_stats, new_cache = [], {}
         for i, kind in enumerate(self.unit):
             layer_cache = None if cache is None else cache[f"layer_{i}"]
-            h, selection, aux, layer_cache = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(
+            h, selection, stats, layer_cache = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(
                 h, positions_BT, segment_ids_BT, selection, layer_cache)
-            if aux:
-                group_aux[f"layer_{i}"] = aux
+            unit_stats.append(stats)
             if layer_cache is not None:
                 new_cache[f"layer_{i}"] = layer_cache
-        return (h, selection), (group_aux, new_cache)
+        return (h, selection), (stack(unit_stats), new_cache)
 
 
 class DecoderStack(nn.Module):
-    """All main layers: returns the final residual stream, {segment: {layer_i: aux [repeats, ...]}} and
-    the updated decode cache ({segment: {layer_i: {...} [repeats, ...]}}, or None when not decoding)."""
+    """All main layers: returns the final residual stream, their `LayerStats` [num_hidden_layers, ...] in
+    layer order, and the updated decode cache ({segment: {layer_i: {...} [repeats, ...]}}, or None when
+    not decoding)."""
     cfg: object
 
     @nn.compact
@@ -103,33 +106,27 @@ class DecoderStack(nn.Module):
         group_cls = LayerGroup
         if cfg.remat_policy != "none":
             group_cls = nn.remat(LayerGroup, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
-        carry, stack_aux, new_cache = (h_BTD, selection), {}, {}
+        carry, segment_stats, new_cache = (h_BTD, selection), [], {}
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
                               split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: "layers"})
             seg_cache = None if cache is None else cache[seg.name]
-            carry, (aux, seg_cache) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
-                                                                            seg_cache)
-            if aux:
-                stack_aux[seg.name] = aux
+            carry, (stats, seg_cache) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
+                                                                              seg_cache)
+            # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u
+            segment_stats.append(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stats))
             new_cache[seg.name] = seg_cache
-        return carry[0], stack_aux, (None if cache is None else new_cache)
+        return carry[0], concatenate(segment_stats), (None if cache is None else new_cache)
 
 
-def flatten_in_layer_order(cfg, stack_aux, key_path):
-    """Concatenate one aux quantity over layers in model order: [n layers that have it, ...]."""
-    pieces = []
-    for seg in plan_segments(cfg):
-        seg_aux = stack_aux.get(seg.name, {})
-        per_position = []
-        for u in range(len(seg.unit)):
-            node = seg_aux.get(f"layer_{u}", {})
-            for k in key_path:
-                node = node.get(k, {}) if isinstance(node, dict) else {}
-            if not isinstance(node, dict):
-                per_position.append(node)                    # [repeats, ...]
-        if per_position:                                     # -> [repeats * positions, ...] in layer order
-            stacked = jnp.stack(per_position, axis=1)
-            pieces.append(stacked.reshape((-1,) + stacked.shape[2:]))
-    return jnp.concatenate(pieces) if pieces else None
+# where a DecoderLayer keeps its routing bias in the BIAS_COLLECTION tree (MoE(name="moe")'s variable)
+ROUTING_BIAS_PATH = ("moe", "e_score_correction_bias")
+
+
+def routing_bias_rows(cfg):
+    """[(path of a stacked routing-bias leaf under the stack's BIAS_COLLECTION tree, layer index of each
+    entry of its leading "layers" axis)], one per MoE position of each segment's unit."""
+    return [((seg.name, f"layer_{u}") + ROUTING_BIAS_PATH,
+             np.array([seg.layer_index(r, u) for r in range(seg.repeats)]))
+            for seg in plan_segments(cfg) for u, kind in enumerate(seg.unit) if kind.mlp == "moe"]

@@ -1,8 +1,8 @@
-"""Small building blocks: logically-partitioned parameters, norms, projections, SwiGLU (spec §2).
+"""Small building blocks: logically-partitioned parameters, norms, projections, SwiGLU.
 
 Every parameter carries logical axis names; `glm5_jax.sharding` maps them to mesh axes. Weights are
 stored in ``param_dtype`` and cast to the compute ``dtype`` at use; matmuls accumulate in fp32 and
-norms run in fp32 (DESIGN §2).
+norms run in fp32.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from glm5_jax.config import PROJECTION_IMPLS
 
 ACT_BTD = ("batch", "seq", "act_embed")
 
@@ -31,19 +33,23 @@ def constrain(x, axes):
     return nn.with_logical_constraint(x, axes)
 
 
-def einsum(spec: str, x, w, dtype, out_dtype=None):
+def einsum(spec: str, x, w, dtype, out_dtype=None, impl: str = "xla"):
     """x, w cast to the compute dtype; fp32 accumulation; result in `out_dtype` (default: `dtype`).
 
-    `x` is an activation and `w` a weight; a projection without batch dimensions shared by all three
-    operands takes its weight gradient through `_projection`'s VJP (same maths, CPU-friendly layout).
+    `x` is an activation and `w` a weight. ``impl`` (`ModelConfig.projection_impl`) picks how a projection
+    without batch dimensions shared by all three operands is differentiated: "xla" as JAX derives it,
+    "cpu_transposed_grad" through `_transposed_grad_projection` (same maths, a weight-gradient layout
+    XLA:CPU runs faster). Batched products (e.g. per-head) always take the plain path.
     """
+    if impl not in PROJECTION_IMPLS:
+        raise ValueError(f"einsum: unknown projection impl {impl!r}; choose one of {PROJECTION_IMPLS}")
     x, w = x.astype(dtype), w.astype(dtype)
     x_dims, rest = spec.split(",")
     w_dims, out_dims = rest.split("->")
-    if set(x_dims) & set(w_dims) & set(out_dims):            # batched (e.g. per-head) products: plain
+    if impl == "xla" or set(x_dims) & set(w_dims) & set(out_dims):
         y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     else:
-        y = _projection(spec, x, w)
+        y = _transposed_grad_projection(spec, x, w)
     return y.astype(out_dtype or dtype)
 
 
@@ -55,20 +61,20 @@ def materialised_on_cpu(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _projection(spec, x, w):
+def _transposed_grad_projection(spec, x, w):
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
-def _projection_fwd(spec, x, w):
-    return _projection(spec, x, w), (x, w)
+def _transposed_grad_projection_fwd(spec, x, w):
+    return _transposed_grad_projection(spec, x, w), (x, w)
 
 
-def _projection_bwd(spec, residuals, g):
+def _transposed_grad_projection_bwd(spec, residuals, g):
     """dx as JAX derives it; dw = x^T g with x^T materialised in [w's x-dims, summed dims] order first.
 
     XLA:CPU otherwise runs x^T g as a dot contracting x's leading (token) dims, at about half the speed
-    of a plain [D, N] @ [N, F] matmul (measured 40 vs 84 GFLOP/s for [2048,512]^T @ [2048,8192]), hence
-    `materialised_on_cpu`.
+    of a plain [D, N] @ [N, F] matmul (measured 40 vs 84 GFLOP/s for [2048,512]^T @ [2048,8192]); the
+    optimization barrier keeps XLA from folding the transpose back into the dot.
     """
     x, w = residuals
     x_dims, rest = spec.split(",")
@@ -77,13 +83,13 @@ def _projection_bwd(spec, residuals, g):
     (dx,) = dx_fn(g)
     summed = "".join(c for c in x_dims if c not in w_dims)
     kept = "".join(c for c in x_dims if c in w_dims)
-    xt = materialised_on_cpu(jnp.einsum(f"{x_dims}->{kept}{summed}", x))
+    xt = jax.lax.optimization_barrier(jnp.einsum(f"{x_dims}->{kept}{summed}", x))
     dw = jnp.einsum(f"{kept}{summed},{out_dims}->{w_dims}", xt, g.astype(x.dtype),
                     preferred_element_type=jnp.float32)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-_projection.defvjp(_projection_fwd, _projection_bwd)
+_transposed_grad_projection.defvjp(_transposed_grad_projection_fwd, _transposed_grad_projection_bwd)
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +108,7 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Standard LayerNorm with bias, in fp32 (only the indexer key uses it, P5)."""
+    """Standard LayerNorm with bias, in fp32 (only the indexer key uses it)."""
     eps: float
     axis_name: str
     param_dtype: jnp.dtype = jnp.float32
@@ -131,7 +137,8 @@ class SwiGLU(nn.Module):
         w_gate = logical_param(self, "gate_proj", (d, self.width), ("embed", "mlp"), init, pdt)
         w_up = logical_param(self, "up_proj", (d, self.width), ("embed", "mlp"), init, pdt)
         w_down = logical_param(self, "down_proj", (self.width, d), ("mlp", "embed"), init, pdt)
-        gate = einsum("btd,df->btf", x_BTD, w_gate, dt, jnp.float32)
-        up = einsum("btd,df->btf", x_BTD, w_up, dt, jnp.float32)
+        impl = cfg.projection_impl
+        gate = einsum("btd,df->btf", x_BTD, w_gate, dt, jnp.float32, impl)
+        up = einsum("btd,df->btf", x_BTD, w_up, dt, jnp.float32, impl)
         h = constrain((jax.nn.silu(gate) * up).astype(dt), ("batch", "seq", "act_mlp"))
-        return einsum("btf,fd->btd", h, w_down, dt)
+        return einsum("btf,fd->btd", h, w_down, dt, impl=impl)

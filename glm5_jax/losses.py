@@ -1,9 +1,12 @@
-"""Training losses: next-token and MTP cross-entropy over packed segments (spec §6.2), the balance
-term (§5.3), the DSA indexer KL (§7.1), and the auxiliary-loss-free routing-bias update (§5.3)."""
+"""Training losses: next-token and MTP cross-entropy over packed segments, the sequence-wise balance
+term and the auxiliary-loss-free routing-bias update (DeepSeek-V3 report, arXiv:2412.19437, §2.1.2 and
+§2.2), and the DSA indexer KL (DeepSeek-V3.2-Exp report: the indexer's output trained towards the
+attention distribution)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 
 def shifted_targets(tokens_BT, segment_ids_BT, k: int):
@@ -23,49 +26,50 @@ def cross_entropy(logits_BTV, targets_BT, valid_BT):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def lm_losses(logits, aux, tokens, segment_ids, train_cfg, model_cfg, stage: str):
-    """Total loss and its parts. LM and MTP terms are means over valid tokens of this (micro) batch."""
+def lm_losses(out, tokens, segment_ids, train_cfg, model_cfg, stage: str):
+    """Total loss and its parts from a `model.ModelOutput`. LM and MTP terms are means over valid tokens
+    of this (micro) batch; the balance term is summed over MoE layers, the indexer KL summed over the
+    layers that compute it (logged as their mean)."""
     parts = {}
-    nll, count = cross_entropy(logits, *shifted_targets(tokens, segment_ids, 1))
+    nll, count = cross_entropy(out.logits, *shifted_targets(tokens, segment_ids, 1))
     parts["lm_loss"] = nll / jnp.maximum(count, 1.0)
     parts["tokens"] = count
     total = jnp.zeros((), jnp.float32)
     if stage != "warmup":
         total = total + parts["lm_loss"]
-        if "mtp_logits" in aux and train_cfg.mtp_loss_weight:
+        if out.mtp_logits is not None and train_cfg.mtp_loss_weight:
             depth_losses = []
-            for d in range(aux["mtp_logits"].shape[0]):    # depth d+1 predicts token t + d + 2
-                nll_d, count_d = cross_entropy(aux["mtp_logits"][d], *shifted_targets(tokens, segment_ids, d + 2))
+            for d in range(out.mtp_logits.shape[0]):    # depth d+1 predicts token t + d + 2
+                nll_d, count_d = cross_entropy(out.mtp_logits[d], *shifted_targets(tokens, segment_ids, d + 2))
                 depth_losses.append(nll_d / jnp.maximum(count_d, 1.0))
             parts["mtp_loss"] = jnp.mean(jnp.stack(depth_losses))          # (1/D) Σ_k L^k
             total = total + train_cfg.mtp_loss_weight * parts["mtp_loss"]
-        if "balance_loss" in aux and train_cfg.balance_loss_weight:
-            parts["balance_loss"] = jnp.sum(aux["balance_loss"])
+        if train_cfg.balance_loss_weight and (model_cfg.num_moe_layers or model_cfg.mtp_depth):
+            parts["balance_loss"] = out.stats.balance_loss_sum
             total = total + train_cfg.balance_loss_weight * parts["balance_loss"]
-    if "indexer_kl" in aux:
-        parts["indexer_loss"] = jnp.mean(aux["indexer_kl"])                # logged as the mean over layers
-        total = total + train_cfg.indexer_loss_weight * jnp.sum(aux["indexer_kl"])
+    if model_cfg.indexer_loss != "none":
+        parts["indexer_loss"] = out.stats.indexer_kl_mean
+        total = total + train_cfg.indexer_loss_weight * out.stats.indexer_kl_sum
     parts["loss"] = total
     return total, parts
 
 
-def update_routing_bias(moe_bias, layers_aux, rate: float):
-    """b_i += γ · sign(mean load − load_i) per MoE layer, from the step's global expert loads (§5.3)."""
+def update_routing_bias(moe_bias, stats, bias_rows, rate: float):
+    """b_i += γ · sign(mean load − load_i) per MoE layer, from the step's global expert loads.
 
-    def walk(bias_node, aux_node):
-        if aux_node is None:                # a block that did not run (e.g. MTP with mtp_depth=0)
-            return bias_node
-        if "e_score_correction_bias" in bias_node:
-            load = aux_node["expert_load"]
-            mean = jnp.mean(load, axis=-1, keepdims=True)
-            return {"e_score_correction_bias":
-                    bias_node["e_score_correction_bias"] + rate * jnp.sign(mean - load).astype(jnp.float32)}
-        return {k: walk(v, aux_node.get(k)) for k, v in bias_node.items()}
+    ``stats``: `LayerStats` [L, ...]; ``bias_rows``: [(path of a routing-bias leaf in ``moe_bias``, the
+    stats rows its entries take)] (`model.routing_bias_rows_of_model`). Layers that did not run their
+    MoE (``has_moe`` False, e.g. MTP with mtp_depth=0) keep their bias.
+    """
+    flat = traverse_util.flatten_dict(moe_bias)
+    for path, rows in bias_rows:
+        load = stats.expert_load[rows]                                       # [..., E], like the leaf
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load).astype(jnp.float32)
+        flat[path] = flat[path] + jnp.where(stats.has_moe[rows][..., None], step, 0.0)
+    return traverse_util.unflatten_dict(flat)
 
-    return walk(moe_bias, layers_aux)
 
-
-def load_spread(expert_load_LE):
-    """Per-layer max/mean expert load (1.0 = perfectly balanced), for logging."""
+def load_spread(expert_load_LE, has_moe_L):
+    """Per-layer max/mean expert load (1.0 = perfectly balanced; 0 on layers without MoE), for logging."""
     mean = jnp.maximum(jnp.mean(expert_load_LE, axis=-1), 1e-9)
-    return jnp.max(expert_load_LE, axis=-1) / mean
+    return jnp.where(has_moe_L, jnp.max(expert_load_LE, axis=-1) / mean, 0.0)

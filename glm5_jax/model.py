@@ -1,30 +1,46 @@
-"""`Transformer`: the GLM-5 causal LM (spec §3) with its multi-token-prediction module (spec §6).
+"""`Transformer`: the GLM-5 causal LM with its multi-token-prediction (MTP) module.
 
     variables = Transformer(cfg).init(rng, tokens)
-    logits = Transformer(cfg).apply(variables, tokens, positions=None, segment_ids=None)
-    logits, aux = Transformer(cfg).apply(variables, tokens, return_aux=True)
+    out = Transformer(cfg).apply(variables, tokens, positions=None, segment_ids=None, with_mtp=False)
+    out.logits, out.stats, out.mtp_logits
 
 ``segment_ids`` > 0 name packed documents, 0 marks padding; attention and the indexer never cross
-segments. Missing ``positions`` restart at 0 at each segment start. ``aux`` holds
+segments. Missing ``positions`` restart at 0 at each segment start. ``apply`` returns a `ModelOutput`:
 
-* ``mtp_logits`` [depth, B, T, V]: depth k at position t predicts token t + k + 1;
-* ``expert_load`` [MoE layers, E]: routed assignments of non-padding tokens, in layer order (MTP last);
-* ``balance_loss`` [MoE layers]: the sequence-wise balance term Σ f_i P_i (spec §5.3);
-* ``indexer_kl`` [full-indexer layers] when ``cfg.indexer_loss`` is set (MTP last);
-* ``moe_dropped`` [MoE layers]: assignments over expert capacity (expert-parallel ``cfg.moe_ep`` only);
-* ``layers``: the same per-layer quantities as a tree mirroring the parameter tree
-  (``decoder/<segment>/layer_i/...`` stacked over repeats, ``mtp/block/...`` summed over depths),
-  which is what the routing-bias update walks.
+* ``logits`` [B, T, V] fp32;
+* ``stats``: `LayerStats` [num_hidden_layers + num_nextn_predict_layers, ...] in layer order, the MTP
+  block last (summed over MTP depths; zeros with False masks when the MTP block did not run):
+  ``expert_load`` [L, E] routed assignments of non-padding tokens, ``balance_loss`` [L] the
+  sequence-wise balance term Σ f_i P_i (DeepSeek-V3 report, arXiv:2412.19437, §2.1.2), ``indexer_kl`` [L]
+  (full-indexer layers when ``cfg.indexer_loss`` is set), ``dropped`` [L] assignments over expert
+  capacity (expert-parallel ``cfg.moe_ep`` only), and the masks ``has_moe`` / ``has_indexer_kl`` [L];
+* ``mtp_logits`` [depth, B, T, V] (depth k at position t predicts token t + k + 1) when ``with_mtp``
+  and the model has an MTP module with ``mtp_depth`` > 0; None otherwise.
+
+`decode` and `mtp_decode` (the same computation over a decode cache) return tuples, see their docstrings.
 """
 from __future__ import annotations
+
+import functools
+import operator
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
-from glm5_jax.decoder import DecoderLayer, DecoderStack, flatten_in_layer_order
+from glm5_jax.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
 from glm5_jax.layer_plan import LayerKind
+from glm5_jax.layer_stats import LayerStats, concatenate
 from glm5_jax.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
+
+
+@struct.dataclass
+class ModelOutput:
+    logits: jax.Array                  # [B, T, V] fp32
+    stats: LayerStats                  # [num_hidden_layers + num_nextn_predict_layers, ...], MTP last
+    mtp_logits: jax.Array | None       # [mtp_depth, B, T, V] fp32, or None when MTP did not run
 
 
 def positions_from_segments(segment_ids_BT):
@@ -49,9 +65,9 @@ def shift_left(tokens_BT, k):
 
 
 class MTPModule(nn.Module):
-    """One MTP depth (§6.1): u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u).
+    """One MTP depth: u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u).
 
-    Returns (h', shared_head_norm(h'), aux, cache); ``cache`` is this depth's decode cache or None.
+    Returns (h', shared_head_norm(h'), `LayerStats`, cache); ``cache`` is this depth's decode cache or None.
     """
     cfg: object
 
@@ -62,13 +78,14 @@ class MTPModule(nn.Module):
         e = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="enorm")(e_next_BTD)
         g = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="hnorm")(h_prev_BTD)
         w_eh = logical_param(self, "eh_proj", (2 * d, d), ("mtp_concat", "embed"), normal_init(cfg), pdt)
-        u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt)   # embedding half first (P16)
+        # embedding half first, as checkpoints expect (vLLM deepseek_mtp.py: eh_proj(cat([embeds, hidden])))
+        u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt, impl=cfg.projection_impl)
         kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
         B, T, _ = u.shape
         num_keys = T if cache is None else cache["latent"].shape[1]
-        h, _, aux, cache = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
-                                                                 empty_selection(cfg, B, T, num_keys), cache)
-        return h, RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="shared_head_norm")(h), aux, cache
+        h, _, stats, cache = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
+                                                                   empty_selection(cfg, B, T, num_keys), cache)
+        return h, RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="shared_head_norm")(h), stats, cache
 
 
 class Transformer(nn.Module):
@@ -91,42 +108,45 @@ class Transformer(nn.Module):
         return constrain(jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.jnp_dtype), ACT_BTD)
 
     def head(self, h_BTD):
-        return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, self.cfg.jnp_dtype, jnp.float32),
-                         ("batch", "seq", "act_vocab"))
+        cfg = self.cfg
+        return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, cfg.jnp_dtype, jnp.float32,
+                                cfg.projection_impl), ("batch", "seq", "act_vocab"))
 
     def _main(self, tokens_BT, positions, segment_ids, cache):
-        """(logits, final hidden h, normed h, decoder aux, cache) of the main stack."""
+        """(logits, final hidden h, normed h, decoder `LayerStats`, cache) of the main stack."""
         B, T = tokens_BT.shape
         num_keys = T if cache is None else _cache_len(cache)
-        h, stack_aux, cache = self.decoder(self.embed(tokens_BT), positions, segment_ids,
-                                           empty_selection(self.cfg, B, T, num_keys), cache)
+        h, stats, cache = self.decoder(self.embed(tokens_BT), positions, segment_ids,
+                                       empty_selection(self.cfg, B, T, num_keys), cache)
         h_normed = self.final_norm(h)
-        return self.head(h_normed), h, h_normed, stack_aux, cache
+        return self.head(h_normed), h, h_normed, stats, cache
 
-    def __call__(self, tokens_BT, positions=None, segment_ids=None, return_aux=False):
+    def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False) -> ModelOutput:
+        """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training)."""
         cfg = self.cfg
         B, T = tokens_BT.shape
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
-        logits, h, h_normed, stack_aux, _ = self._main(tokens_BT, positions, segment_ids, None)
-        layers_aux = {"decoder": stack_aux}
-        mtp_logits = []
-        if (return_aux or self.is_initializing()) and cfg.num_nextn_predict_layers:
-            h_prev = h_normed if cfg.mtp_use_normed_hidden else h
-            depth_aux = []
-            for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
-                h_prev, h_mtp_normed, aux, _ = self.mtp(h_prev, self.embed(shift_left(tokens_BT, depth)),
-                                                        positions, segment_ids)
-                mtp_logits.append(self.head(h_mtp_normed))
-                depth_aux.append(aux)
-            if cfg.mtp_depth > 0:
+        logits, h, h_normed, stats, _ = self._main(tokens_BT, positions, segment_ids, None)
+        mtp_logits, mtp_stats = None, []
+        if cfg.num_nextn_predict_layers:
+            depth_stats, depth_logits = [], []
+            if (with_mtp and cfg.mtp_depth > 0) or self.is_initializing():
+                h_prev = h_normed if cfg.mtp_use_normed_hidden else h
+                for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
+                    h_prev, h_mtp_normed, depth_stat, _ = self.mtp(
+                        h_prev, self.embed(shift_left(tokens_BT, depth)), positions, segment_ids)
+                    depth_logits.append(self.head(h_mtp_normed))
+                    depth_stats.append(depth_stat)
+            if depth_stats and cfg.mtp_depth > 0:
                 # each depth's losses count once; loads add up (they all go through the same router)
-                layers_aux["mtp"] = {"block": jax.tree.map(lambda *xs: sum(xs), *depth_aux)}
-        if not return_aux:
-            return logits
-        return logits, collect_aux(cfg, layers_aux, mtp_logits)
+                mtp_stats = [jax.tree.map(lambda x: x[None], functools.reduce(operator.add, depth_stats))]
+                mtp_logits = jnp.stack(depth_logits) if with_mtp else None
+            else:                                   # the block's row: zeros, masked out
+                mtp_stats = [jax.tree.map(lambda x: jnp.zeros_like(x[:1]), stats)]
+        return ModelOutput(logits=logits, stats=concatenate([stats] + mtp_stats), mtp_logits=mtp_logits)
 
     def decode(self, tokens_BT, positions_BT, segment_ids_BT, cache):
         """Main stack over a decode cache: the rows' tokens sit at contiguous positions (slots).
@@ -151,20 +171,10 @@ def _cache_len(cache):
     raise ValueError("decode cache holds no layers")
 
 
-def collect_aux(cfg, layers_aux, mtp_logits):
-    aux = {"layers": layers_aux}
-    mtp_block = layers_aux.get("mtp", {}).get("block", {})
-    for name, path in (("expert_load", ("moe", "expert_load")), ("balance_loss", ("moe", "balance_loss")),
-                       ("indexer_kl", ("indexer_kl",)), ("moe_dropped", ("moe", "dropped"))):
-        parts = [flatten_in_layer_order(cfg, layers_aux["decoder"], path)]
-        node = mtp_block
-        for k in path:
-            node = node.get(k) if isinstance(node, dict) else None
-        if node is not None:
-            parts.append(node[None])
-        parts = [p for p in parts if p is not None]
-        if parts:
-            aux[name] = jnp.concatenate(parts)
-    if mtp_logits:
-        aux["mtp_logits"] = jnp.stack(mtp_logits)
-    return aux
+def routing_bias_rows_of_model(cfg):
+    """`decoder.routing_bias_rows` for the whole model: paths under the BIAS_COLLECTION tree (the
+    decoder's stacked leaves, then the MTP block's) and the `ModelOutput.stats` rows they take."""
+    rows = [(("decoder",) + path, layers) for path, layers in routing_bias_rows(cfg)]
+    if cfg.num_nextn_predict_layers:
+        rows.append((("mtp", "block") + ROUTING_BIAS_PATH, np.asarray(cfg.num_hidden_layers)))
+    return rows

@@ -15,7 +15,7 @@ from flax.core import meta
 from optax.transforms._masking import MaskedNode
 
 from glm5_jax.losses import load_spread, lm_losses, update_routing_bias
-from glm5_jax.model import Transformer
+from glm5_jax.model import Transformer, routing_bias_rows_of_model
 from glm5_jax.moe import BIAS_COLLECTION
 from glm5_jax.optim import learning_rate_schedule, make_optimizer, trainable_labels
 from glm5_jax.sharding import batch_sharding, logical_shardings
@@ -31,7 +31,9 @@ class TrainState:
 
 
 def model_config_for_stage(model_cfg, stage: str):
-    """Attention and indexer-loss settings of a DSA training stage (spec §7.1, DESIGN §3)."""
+    """Attention and indexer-loss settings of a DSA training stage: "dense" (plain causal attention),
+    "warmup" (dense attention, indexer trained towards it), "sparse" (top-k attention, indexer KL on the
+    selected keys), as in DeepSeek-V3.2-Exp's continued pre-training."""
     if stage == "dense":
         return model_cfg.replace(attention_mode="dense", indexer_loss="none")
     if stage == "warmup":
@@ -85,60 +87,59 @@ class Trainer:
 
     # ------------------------------------------------------------------ step
     def _loss(self, params, moe_bias, batch):
-        logits, aux = self.model.apply({"params": params, BIAS_COLLECTION: moe_bias}, batch["tokens"],
-                                       positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                       return_aux=True)
-        total, parts = lm_losses(logits, aux, batch["tokens"], batch["segment_ids"], self.exp.train,
-                                 self.model_cfg, self.exp.train.stage)
-        if "moe_dropped" in aux:
-            parts = {**parts, "moe_dropped": jnp.sum(aux["moe_dropped"])}
-        return total, (parts, aux["layers"], aux.get("expert_load"))
+        out = self.model.apply({"params": params, BIAS_COLLECTION: moe_bias}, batch["tokens"],
+                               positions=batch["positions"], segment_ids=batch["segment_ids"], with_mtp=True)
+        total, parts = lm_losses(out, batch["tokens"], batch["segment_ids"], self.exp.train, self.model_cfg,
+                                 self.exp.train.stage)
+        if self.model_cfg.moe_ep != "none":
+            parts = {**parts, "moe_dropped": jnp.sum(out.stats.dropped)}
+        return total, (parts, out.stats)
 
     def _accumulated_grads(self, params, moe_bias, batch):
-        """Gradients, loss parts and per-layer aux summed/averaged over `grad_accum` micro-batches."""
+        """Gradients, loss parts and `LayerStats` over `grad_accum` micro-batches: gradients and parts
+        averaged (token counts summed), stats as `LayerStats.losses_divided_by` gives (loads summed)."""
         n = self.exp.train.grad_accum
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         if n == 1:
-            (_, (parts, layers, load)), grads = grad_fn(params, moe_bias, batch)
-            return grads, parts, layers, load
+            (_, (parts, stats)), grads = grad_fn(params, moe_bias, batch)
+            return grads, parts, stats
         micro = jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
         def body(acc, mb):
-            (_, out), g = grad_fn(params, moe_bias, mb)
-            return jax.tree.map(jnp.add, acc, (g,) + out), None
+            (_, (parts, stats)), g = grad_fn(params, moe_bias, mb)
+            acc_g, acc_parts, acc_stats = acc
+            return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_parts, parts), acc_stats + stats), None
 
         (_, out_shape), grads_shape = jax.eval_shape(grad_fn, params, moe_bias, jax.tree.map(lambda x: x[0], micro))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape,) + out_shape)
-        total, _ = jax.lax.scan(body, zeros, micro)
-        grads, parts, layers, load = total
-        mean = lambda x: x / n
-        parts = {k: (v if k == "tokens" else mean(v)) for k, v in parts.items()}
-        layers = _mean_except_loads(layers, n)
-        return jax.tree.map(mean, grads), parts, layers, load
+        (grads, parts, stats), _ = jax.lax.scan(body, zeros, micro)
+        parts = {k: (v if k == "tokens" else v / n) for k, v in parts.items()}
+        return jax.tree.map(lambda g: g / n, grads), parts, stats.losses_divided_by(n)
 
     def _train_step(self, state: TrainState, batch):
         train = self.exp.train
-        grads, parts, layers, load = self._accumulated_grads(state.params, state.moe_bias, batch)
+        grads, parts, stats = self._accumulated_grads(state.params, state.moe_bias, batch)
         labels = trainable_labels(grads, train.stage)
         trainable = jax.tree.map(lambda g, l: g if l == "train" else jnp.zeros_like(g), grads, labels)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         moe_bias = state.moe_bias
         if train.bias_update_rate and train.stage != "warmup" and moe_bias:
-            moe_bias = update_routing_bias(moe_bias, layers, train.bias_update_rate)
+            moe_bias = update_routing_bias(moe_bias, stats, routing_bias_rows_of_model(self.model_cfg),
+                                           train.bias_update_rate)
         metrics = dict(parts)
         metrics["grad_norm"] = optax.tree.norm(trainable)
         metrics["lr"] = self.lr_schedule(state.step)
-        if load is not None:
-            spread = load_spread(load)
-            metrics["expert_load_max_over_mean"] = jnp.mean(spread)
+        if self.model_cfg.num_moe_layers or self.model_cfg.mtp_depth:
+            spread = load_spread(stats.expert_load, stats.has_moe)
+            metrics["expert_load_max_over_mean"] = jnp.sum(spread) / jnp.maximum(jnp.sum(stats.has_moe), 1)
             metrics["expert_load_max_over_mean_worst"] = jnp.max(spread)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, moe_bias=moe_bias,
                                rng=jax.random.fold_in(state.rng, state.step))
         return new_state, metrics
 
     def _eval_step(self, state: TrainState, batch):
-        _, (parts, _, _) = self._loss(state.params, state.moe_bias, batch)
+        _, (parts, _) = self._loss(state.params, state.moe_bias, batch)
         return {"eval_loss_sum": parts["lm_loss"] * parts["tokens"], "eval_tokens": parts["tokens"]}
 
     def step(self, state, batch):
@@ -152,12 +153,6 @@ class Trainer:
     def put_batch(self, batch_np):
         """Host numpy batch (this process's rows) -> a global array sharded over the batch axes."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch_np.items()}
-
-
-def _mean_except_loads(layers, n):
-    def fix(path, x):
-        return x if getattr(path[-1], "key", None) == "expert_load" else x / n
-    return jax.tree_util.tree_map_with_path(fix, layers)
 
 
 class _MeshAndRules:

@@ -80,7 +80,7 @@ def completion_logprobs(model, variables, prompt_BP, prompt_lengths_B, completio
     multiply by a mask). The learner's recomputation of the sampler's behaviour log-probs."""
     tokens, segment_ids, predict_at = sequence_layout(prompt_BP, prompt_lengths_B, completion_BC,
                                                       completion_lengths_B)
-    logits_BTV = model.apply(variables, tokens, segment_ids=segment_ids)
+    logits_BTV = model.apply(variables, tokens, segment_ids=segment_ids).logits
     logits_BCV = jnp.take_along_axis(logits_BTV, predict_at[..., None], axis=1).astype(jnp.float32)
     logp_BCV = jax.nn.log_softmax(logits_BCV / temperature, axis=-1)
     return jnp.take_along_axis(logp_BCV, completion_BC[..., None], axis=-1)[..., 0]

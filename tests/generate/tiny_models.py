@@ -21,4 +21,4 @@ def init_variables(cfg, seed=0):
 
 
 def full_logits(cfg, variables, tokens_BT):
-    return jax.jit(lambda v, t: Transformer(cfg).apply(v, t))(variables, jnp.asarray(tokens_BT))
+    return jax.jit(lambda v, t: Transformer(cfg).apply(v, t).logits)(variables, jnp.asarray(tokens_BT))

@@ -15,7 +15,7 @@ CFG = TINY.replace(num_nextn_predict_layers=0, mtp_depth=0)
 
 
 def _logits(cfg, variables, tokens, mesh=None):
-    fn = lambda v, t: Transformer(cfg).apply(v, t)
+    fn = lambda v, t: Transformer(cfg).apply(v, t).logits
     if mesh is None:
         return np.asarray(jax.jit(fn)(variables, tokens))
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):

@@ -1,4 +1,4 @@
-"""Logits equal transformers' GlmMoeDsaForCausalLM on tiny random checkpoints (spec §3–§5)."""
+"""Logits equal transformers' GlmMoeDsaForCausalLM on tiny random checkpoints."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +20,7 @@ def saved(request, tmp_path_factory):
 
 
 def _ours(cfg, variables, ids, segment_ids=None):
-    fn = jax.jit(lambda v, t, s: Transformer(cfg).apply(v, t, segment_ids=s))
+    fn = jax.jit(lambda v, t, s: Transformer(cfg).apply(v, t, segment_ids=s).logits)
     return np.asarray(fn(variables, jnp.asarray(ids), None if segment_ids is None else jnp.asarray(segment_ids)))
 
 

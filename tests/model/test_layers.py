@@ -1,4 +1,5 @@
-"""layers.einsum: the projection custom VJP (CPU-friendly weight-gradient layout) gives JAX's gradients."""
+"""layers.einsum: both projection impls ("xla", and "cpu_transposed_grad" with its own weight-gradient
+VJP) give jnp.einsum's values and JAX's gradients."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,12 +17,13 @@ SPECS = [  # (spec, x shape, w shape): every projection form the model uses
 
 @pytest.mark.parametrize("spec,x_shape,w_shape", SPECS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_einsum_value_and_grads_match_jnp(spec, x_shape, w_shape, dtype):
+@pytest.mark.parametrize("impl", ["xla", "cpu_transposed_grad"])
+def test_einsum_value_and_grads_match_jnp(spec, x_shape, w_shape, dtype, impl):
     x = jax.random.normal(jax.random.PRNGKey(0), x_shape)
     w = jax.random.normal(jax.random.PRNGKey(1), w_shape)
 
     def ours(x, w):
-        return jnp.sum(jnp.sin(einsum(spec, x, w, dtype, jnp.float32)))
+        return jnp.sum(jnp.sin(einsum(spec, x, w, dtype, jnp.float32, impl)))
 
     def plain(x, w):
         y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
@@ -33,3 +35,9 @@ def test_einsum_value_and_grads_match_jnp(spec, x_shape, w_shape, dtype):
     for a, b in zip(g1, g2):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+def test_einsum_rejects_an_unknown_impl():
+    x = jnp.ones((2, 3, 4))
+    with pytest.raises(ValueError, match="unknown projection impl 'tpu'"):
+        einsum("btd,dv->btv", x, jnp.ones((4, 5)), jnp.float32, impl="tpu")

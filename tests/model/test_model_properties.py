@@ -1,12 +1,16 @@
-"""Invariants of the forward pass on a randomly initialised tiny GLM-5 (spec §4.4–§4.6)."""
+"""Invariants of the forward pass on a randomly initialised tiny GLM-5: attention forms agree, DSA vs
+dense, causality, packing, bf16, the per-layer statistics, remat policies."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 from flax.core import meta
 
 from glm5_jax import ModelConfig, Transformer
-from glm5_jax.model import positions_from_segments
+from glm5_jax.layer_plan import plan_segments
+from glm5_jax.losses import update_routing_bias
+from glm5_jax.model import positions_from_segments, routing_bias_rows_of_model
 from pallas_kernels.sparse_mla import masked_dense
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, first_k_dense_replace=1,
@@ -25,7 +29,7 @@ def variables():
 
 
 def forward(cfg, variables, tokens, **kw):
-    return np.asarray(jax.jit(lambda v, t: Transformer(cfg).apply(v, t, **kw))(variables, jnp.asarray(tokens)))
+    return np.asarray(jax.jit(lambda v, t: Transformer(cfg).apply(v, t, **kw).logits)(variables, jnp.asarray(tokens)))
 
 
 def tokens(B, T, seed=0):
@@ -101,23 +105,36 @@ def test_bf16_forward_stays_close_to_fp32(variables):
     assert err_per_position.min() > 1e-6                 # and bf16 is not silently fp32
 
 
-def test_aux_outputs(variables):
+def test_layer_stats(variables):
     ids = tokens(2, 16)
     seg = np.ones((2, 16), np.int32)
     seg[1, 12:] = 0
-    logits, aux = jax.jit(lambda v, t, s: Transformer(TINY).apply(v, t, segment_ids=s, return_aux=True))(
+    out = jax.jit(lambda v, t, s: Transformer(TINY).apply(v, t, segment_ids=s, with_mtp=True))(
         variables, jnp.asarray(ids), jnp.asarray(seg))
-    n_moe = TINY.num_moe_layers + 1                      # main MoE layers, then the MTP block
-    assert aux["expert_load"].shape == (n_moe, TINY.n_routed_experts)
-    # every non-padding token is routed to exactly K experts in every MoE layer
-    np.testing.assert_allclose(aux["expert_load"].sum(-1), np.full(n_moe, seg.sum() * TINY.num_experts_per_tok))
-    assert aux["balance_loss"].shape == (n_moe,) and np.all(np.asarray(aux["balance_loss"]) > 0)
-    assert aux["mtp_logits"].shape == (1,) + logits.shape
-    # the per-layer tree mirrors the routing-bias tree, layer by layer
-    bias_paths = {jax.tree_util.keystr(p[:-1]) for p, _ in jax.tree_util.tree_leaves_with_path(variables["moe_bias"])}
-    load_paths = {jax.tree_util.keystr(p[:-1]) for p, _ in jax.tree_util.tree_leaves_with_path(aux["layers"])
-                  if p[-1].key == "expert_load"}
-    assert bias_paths == load_paths
+    stats = out.stats
+    is_moe = np.array([False] * TINY.first_k_dense_replace + [True] * TINY.num_moe_layers + [True])   # MTP last
+    L = TINY.num_hidden_layers + 1
+    assert stats.expert_load.shape == (L, TINY.n_routed_experts)
+    np.testing.assert_array_equal(stats.has_moe, is_moe)
+    # every non-padding token is routed to exactly K experts in every MoE layer, none in dense layers
+    np.testing.assert_allclose(stats.expert_load.sum(-1), is_moe * seg.sum() * TINY.num_experts_per_tok)
+    assert stats.balance_loss.shape == (L,) and np.all(np.asarray(stats.balance_loss)[is_moe] > 0)
+    assert np.all(np.asarray(stats.balance_loss)[~is_moe] == 0)
+    assert not np.any(stats.has_indexer_kl)              # indexer_loss="none"
+    assert out.mtp_logits.shape == (1,) + out.logits.shape
+    # without MTP the block's row stays, zero and masked out
+    plain = jax.jit(lambda v, t: Transformer(TINY).apply(v, t))(variables, jnp.asarray(ids))
+    assert plain.mtp_logits is None and plain.stats.expert_load.shape == stats.expert_load.shape
+    np.testing.assert_array_equal(plain.stats.has_moe, is_moe[:-1].tolist() + [False])
+    np.testing.assert_array_equal(plain.stats.expert_load[-1], 0)
+    # the routing-bias rows cover every bias leaf once, each entry of a stacked leaf by its own layer
+    rows = routing_bias_rows_of_model(TINY)
+    bias = traverse_util.flatten_dict(variables["moe_bias"])
+    assert sorted(path for path, _ in rows) == sorted(bias)
+    taken = np.concatenate([np.atleast_1d(r) for _, r in rows])
+    np.testing.assert_array_equal(np.sort(taken), np.flatnonzero(is_moe))
+    for path, r in rows:
+        assert stats.expert_load[r].shape == bias[path].shape
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla"])
@@ -131,8 +148,8 @@ def test_remat_policies_give_the_same_gradients(variables, impl):
         cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse", attention_impl=impl)
 
         def loss(params):
-            logits, aux = Transformer(cfg).apply({**variables, "params": params}, ids, return_aux=True)
-            return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + jnp.sum(aux["indexer_kl"])
+            out = Transformer(cfg).apply({**variables, "params": params}, ids, with_mtp=True)
+            return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0]) + out.stats.indexer_kl_sum
         return jax.jit(jax.grad(loss))(variables["params"])
 
     reference = grads("none")
@@ -148,8 +165,8 @@ def test_indexer_kl_same_in_absorbed_and_mha_forms(variables):
 
     def kl(form):
         cfg = TINY.replace(mla_form=form, indexer_loss="sparse")
-        _, aux = jax.jit(lambda v, t: Transformer(cfg).apply(v, t, return_aux=True))(variables, ids)
-        return np.asarray(aux["indexer_kl"])
+        stats = jax.jit(lambda v, t: Transformer(cfg).apply(v, t, with_mtp=True).stats)(variables, ids)
+        return np.asarray(stats.indexer_kl)[np.asarray(stats.has_indexer_kl)]
 
     absorbed, mha = kl("absorbed"), kl("mha")
     assert absorbed.shape == (3,) and np.all(absorbed > 0)     # two full decoder layers + MTP
@@ -166,10 +183,10 @@ def test_sparse_xla_forms_agree(variables, monkeypatch):
         cfg = TINY.replace(attention_impl=impl, indexer_loss="sparse", remat_policy="none")
 
         def loss(params):
-            logits, aux = Transformer(cfg).apply({**variables, "params": params}, ids, return_aux=True)
-            return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + jnp.sum(aux["indexer_kl"]), (logits, aux)
-        (_, (logits, aux)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
-        return logits, aux["indexer_kl"], g
+            out = Transformer(cfg).apply({**variables, "params": params}, ids, with_mtp=True)
+            return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0]) + out.stats.indexer_kl_sum, out
+        (_, out), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+        return out.logits, out.stats.indexer_kl, g
 
     gather = run("reference")
     assert masked_dense.dense_prefix(ids.shape[1], TINY.index_topk, masked_dense.Q_CHUNK,
@@ -187,3 +204,24 @@ def test_sparse_xla_forms_agree(variables, monkeypatch):
         np.testing.assert_allclose(other[1], gather[1], rtol=1e-5)
         for a, b in zip(jax.tree.leaves(other[2]), jax.tree.leaves(gather[2])):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_stats_rows_follow_layer_order_and_the_bias_update_finds_its_layer():
+    """A scanned group of two layers (shared, full) x 2 repeats: stats rows come back in layer order,
+    and each routing-bias entry moves by its own layer's load."""
+    cfg = TINY.replace(num_hidden_layers=5, indexer_types=("full", "shared", "full", "shared", "full"),
+                       indexer_loss="sparse")
+    v = meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
+    assert [(s.first, len(s.unit), s.repeats) for s in plan_segments(cfg)] == [(0, 1, 1), (1, 2, 2)]
+    stats = jax.jit(lambda v, t: Transformer(cfg).apply(v, t, with_mtp=True).stats)(
+        v, jnp.asarray(tokens(1, 4 * cfg.index_topk)))
+    np.testing.assert_array_equal(stats.has_indexer_kl, [True, False, True, False, True, True])
+    # layer i routes everything to expert i: its bias entry i goes down, the others up
+    E = cfg.n_routed_experts
+    hot = stats.replace(expert_load=10.0 * jnp.eye(6, E))
+    new = update_routing_bias(v["moe_bias"], hot, routing_bias_rows_of_model(cfg), 0.5)
+    expected_hot = {("segment_1", "layer_0"): [1, 3], ("segment_1", "layer_1"): [2, 4]}   # layer 1 + 2r + u
+    for (seg, unit), layers in expected_hot.items():
+        b = np.asarray(new["decoder"][seg][unit]["moe"]["e_score_correction_bias"])
+        np.testing.assert_array_equal(b, 0.5 - 1.0 * np.eye(E)[layers])
+    np.testing.assert_array_equal(new["mtp"]["block"]["moe"]["e_score_correction_bias"], 0.5 - np.eye(E)[5])

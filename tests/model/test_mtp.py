@@ -1,7 +1,9 @@
-"""MTP logits equal a direct computation of spec §6.1 built from HF modules.
+"""MTP logits equal a direct computation built from HF modules: per depth k,
+h^k = Block(eh_proj([enorm(emb(t_{i+k})), hnorm(h^{k-1})])), logits = head(shared_head.norm(h^k)).
 
 An HF model with L + 1 layers supplies the main stack (layers 0..L-1) and, as layer L, the MTP decoder
-block; enorm / hnorm / eh_proj / shared_head.norm are added as the hub stores them (spec §8.1).
+block; enorm / hnorm / eh_proj / shared_head.norm are added as the hub checkpoints store them
+(model.layers.L.{enorm,hnorm,eh_proj,shared_head.norm}).
 """
 import json
 import shutil
@@ -57,7 +59,7 @@ def _direct_mtp_logits(big, extras, ids, depth):
     mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]
     out = []
     with torch.no_grad():
-        h = main.model(ids).last_hidden_state                      # post-final-norm h^0 (spec §6.1)
+        h = main.model(ids).last_hidden_state                      # post-final-norm h^0
         main_logits = main.lm_head(h).numpy()
         for k in range(1, depth + 1):
             shifted = torch.cat([ids[:, k:], torch.zeros_like(ids[:, :k])], dim=1)
@@ -75,7 +77,7 @@ def test_mtp_logits_match_direct_computation(tmp_path):
     cfg, variables = load_hf(str(path), mtp_depth=2)      # the shared module applied recursively twice
     assert cfg.num_nextn_predict_layers == 1
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 4 * cfg.index_topk))
-    logits, aux = jax.jit(lambda v, t: Transformer(cfg).apply(v, t, return_aux=True))(variables, jnp.asarray(ids))
+    out = jax.jit(lambda v, t: Transformer(cfg).apply(v, t, with_mtp=True))(variables, jnp.asarray(ids))
     ref_main, ref_mtp = _direct_mtp_logits(big, extras, ids, depth=2)
-    np.testing.assert_allclose(np.asarray(logits), ref_main, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.asarray(aux["mtp_logits"]), ref_mtp, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(out.logits), ref_main, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(out.mtp_logits), ref_mtp, atol=1e-4, rtol=0)

@@ -1,4 +1,4 @@
-"""The sharded train step: mesh invariance, DSA stages, routing-bias balancing (spec §5.3, §7.1)."""
+"""The sharded train step: mesh invariance, DSA stages, routing-bias balancing."""
 import dataclasses
 
 import jax
