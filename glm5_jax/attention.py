@@ -45,7 +45,10 @@ def _rope(cfg, x, positions_BT, *, interleaved, head_axis: bool):
 
 
 class Indexer(nn.Module):
-    """Lightning-indexer projections: (q [B,T,H_I,d_I], k [B,T,d_I], w [B,T,H_I]) in fp32 (§4.3)."""
+    """Lightning-indexer projections: (q [B,T,H_I,d_I], k [B,T,d_I], w [B,T,H_I]) in fp32.
+
+    Background: docs/architecture.md#lightning-indexer.
+    """
     cfg: object
 
     @nn.compact
@@ -62,7 +65,7 @@ class Indexer(nn.Module):
         q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.projection_impl)
         k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.projection_impl)
         k = LayerNorm(cfg.indexer_norm_eps, "index_dim", pdt, name="k_norm")(k)
-        # The rope slice comes FIRST in indexer heads and keys (P2).
+        # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
         rot = dict(interleaved=cfg.indexer_rope_interleave)
         q = jnp.concatenate([_rope(cfg, q[..., :d_r], positions_BT, head_axis=True, **rot), q[..., d_r:]], -1)
         k = jnp.concatenate([_rope(cfg, k[..., :d_r], positions_BT, head_axis=False, **rot), k[..., d_r:]], -1)

@@ -246,13 +246,14 @@ class ModelConfig:
             for f in ("index_n_heads", "index_head_dim", "index_topk"):
                 need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
             need(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
-                 f"must be >= qk_rope_head_dim={self.qk_rope_head_dim} (the rope slice comes first, P2)")
+                 f"must be >= qk_rope_head_dim={self.qk_rope_head_dim} (the rope slice comes first)")
             if self.indexer_types is not None:
                 need(len(self.indexer_types) == self.num_hidden_layers, "indexer_types",
                      f"needs one entry per layer ({self.num_hidden_layers})")
                 need(all(t in ("full", "shared") for t in self.indexer_types), "indexer_types",
                      'entries must be "full" or "shared"')
-                need(self.indexer_types[0] == "full", "indexer_types", 'layer 0 must be "full" (there is no earlier top-k to share)')
+                need(self.indexer_types[0] == "full", "indexer_types",
+                     'layer 0 must be "full" (there is no earlier top-k to share)')
         need(self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
              "one shared MTP module (GLM-5) or none is supported")
         need(self.mtp_depth >= 0 and (self.mtp_depth == 0 or self.num_nextn_predict_layers == 1), "mtp_depth",

@@ -1,6 +1,7 @@
 """`load_hf`: an HF GLM-5-family checkpoint directory -> (ModelConfig, variables) for `Transformer`.
 
-Reads ``config.json`` and the safetensors (single file or sharded) in the hub layout of spec §8
+Reads ``config.json`` and the safetensors (single file or sharded) in the hub layout of
+docs/architecture.md#checkpoint-layout-hf-keys
 through the `hf_layout` table, layer by layer, stacking each scanned segment's layers. Every tensor is
 checked against the shapes the model expects; missing or unexpected tensors are errors naming them.
 (The streaming, mesh-sharded, two-way converter is `glm5_jax.convert`.)
@@ -21,7 +22,8 @@ from glm5_jax.moe import BIAS_COLLECTION
 from glm5_jax.param_count import abstract_variables
 from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
-FP32_LEAVES = {("moe", "router"), ("moe", "e_score_correction_bias")}   # kept fp32 whatever the dtype (P12)
+# kept fp32 whatever the dtype (docs/architecture.md#routing-bias-is-a-buffer-fp32)
+FP32_LEAVES = {("moe", "router"), ("moe", "e_score_correction_bias")}
 
 
 def _block_size(hf_dir):

@@ -1,4 +1,7 @@
-"""Mapping between HF ``config.json`` dicts and `ModelConfig` fields (spec §1, §4.6)."""
+"""Mapping between HF ``config.json`` dicts and `ModelConfig` fields.
+
+Background: docs/architecture.md#notation-and-sizes, #cross-layer-index-sharing.
+"""
 from __future__ import annotations
 
 import json
@@ -21,7 +24,10 @@ _INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
 
 
 def _derive_indexer_types(hf: dict[str, Any], n_layers: int) -> tuple[str, ...] | None:
-    """HF's rule (spec §4.6): explicit list, else an F/S pattern, else freq/offset; None when all full."""
+    """HF's rule: explicit list, else an F/S pattern, else freq/offset; None when all full.
+
+    Background: docs/architecture.md#cross-layer-index-sharing.
+    """
     if hf.get("indexer_types") is not None:
         types = tuple(hf["indexer_types"])
     elif hf.get("index_topk_pattern") is not None:
@@ -39,7 +45,7 @@ def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
     legacy = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
-        raise ValueError("config.json has no rope_theta (rope_parameters.rope_theta): refusing to guess (P7)")
+        raise ValueError("config.json has no rope_theta (rope_parameters.rope_theta): refusing to guess")
     rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
     fields: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": None}
     if rope_type == "yarn":
@@ -86,7 +92,8 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     else:
         kwargs.update({k: hf[k] for k in _INDEXER_KEYS if k in hf})
         kwargs["indexer_types"] = _derive_indexer_types(hf, hf["num_hidden_layers"])
-        # GLM indexer RoPE is pair-interleaved; DeepSeek-V3.2's is half-split (spec §4.2, P1).
+        # GLM indexer RoPE is pair-interleaved; DeepSeek-V3.2's is half-split (docs/architecture.md#rope,
+        # docs/architecture.md#indexer-rope-interleaved-not-half-split).
         kwargs["indexer_rope_interleave"] = bool(hf.get("indexer_rope_interleave", model_type == "glm_moe_dsa"))
     if model_type != "glm_moe_dsa":
         kwargs.setdefault("rms_norm_eps", 1e-6)

@@ -1,4 +1,5 @@
-"""The one table between hub checkpoint keys (spec §8.1, PyTorch ``[out, in]``) and our parameter tree.
+"""The one table between hub checkpoint keys (PyTorch ``[out, in]``) and our parameter tree
+(docs/architecture.md#checkpoint-layout-hf-keys).
 
 Each `TensorMap` names a tensor of one decoder layer on both sides and how its layout changes:
 HF linear weights are ``[out, in]`` and ours ``[in, ...out]`` with heads split out where the model
@@ -149,7 +150,10 @@ GLOBAL_TENSORS = (
 
 
 def mtp_extra_tensors(cfg):
-    """MTP tensors outside its decoder block (spec §8.1), keyed under model.layers.{L}."""
+    """MTP tensors outside its decoder block, keyed under model.layers.{L}.
+
+    Background: docs/architecture.md#checkpoint-layout-hf-keys.
+    """
     prefix = f"model.layers.{cfg.num_hidden_layers}."
     return (
         (("mtp", "enorm", "scale"), prefix + "enorm.weight", "vector"),

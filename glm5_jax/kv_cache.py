@@ -1,4 +1,6 @@
-"""The decode cache: per layer only what MLA + DSA need to attend to past tokens (spec §1.2, §4.1, §4.3).
+"""The decode cache: per layer only what MLA + DSA need to attend to past tokens.
+
+Background: docs/architecture.md#notation-and-sizes, #mla-attention, #lightning-indexer.
 
 Per layer and token a slot holds the MLA latent row ``[c_kv (kv_lora_rank); k_rot (qk_rope_head_dim)]``
 (post-norm, post-RoPE: 512 + 64 for GLM-5) and, on layers with their own indexer, the indexer key
@@ -44,7 +46,7 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, *, mtp: bool = False) 
 
 
 def cache_bytes_per_token(cfg, dtype=None, *, mtp: bool = False) -> int:
-    """Bytes one token occupies in the cache across all layers (spec §1.2: ~110 KB for GLM-5 in bf16)."""
+    """Bytes one token occupies in the cache across all layers (~110 KB for GLM-5 in bf16)."""
     itemsize = np.dtype(jnp.dtype(dtype or cfg.jnp_dtype)).itemsize
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     per_layer = [width + (cfg.index_head_dim if t == "full" else 0) for t in cfg.layer_indexer_types]

@@ -1,7 +1,9 @@
 """How the main decoder stack is laid out as scanned segments.
 
-Layers differ in two ways: dense FFN vs MoE (spec §5), and "full" indexer vs "shared" (reuses the
-previous full layer's top-k, spec §4.6). Layers of one structure are stacked and run by one `nn.scan`
+Layers differ in two ways: dense FFN vs MoE (docs/architecture.md#moe-routing), and "full" indexer vs "shared" (reuses
+the
+previous full layer's top-k, docs/architecture.md#cross-layer-index-sharing). Layers of one structure are stacked and
+run by one `nn.scan`
 so compile time does not grow with depth. A repeating pattern (GLM-5.2's S S S F ...) becomes one
 scanned *group* of several layers, so even irregular sharing compiles as a handful of scans.
 GLM-5 itself is two segments: 3 dense layers, then 75 MoE layers.

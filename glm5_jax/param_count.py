@@ -20,7 +20,8 @@ def abstract_variables(cfg):
 
 def count_params(cfg, params=None) -> dict[str, int]:
     """Main-stack parameters (embedding, layers, final norm, head) as "total"; those one token uses
-    ("active": K of E routed experts, spec §1.2; "active_without_embeddings" also drops the embedding
+    ("active": K of E routed experts, docs/architecture.md#notation-and-sizes; "active_without_embeddings" also drops
+    the embedding
     table and the head); "mtp": the MTP module's own parameters (it shares embedding and head).
     `params` (arrays or shapes) saves tracing the model when the caller already has them."""
     params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)

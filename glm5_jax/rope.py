@@ -1,7 +1,8 @@
-"""Rotary position embeddings (spec §4.2): pair-interleaved or half-split, plain or YaRN frequencies.
+"""Rotary position embeddings (docs/architecture.md#rope): pair-interleaved or half-split, plain or YaRN frequencies.
 
 Pair-interleaved rotation keeps the pair layout (x[2j], x[2j+1]) in place (DeepSeek's layout); HF
-writes it de-interleaved, which permutes q and k identically and so leaves every logit unchanged (P3).
+writes it de-interleaved, which permutes q and k identically and so leaves every logit unchanged
+(docs/architecture.md#rope-output-layout-is-free-if-q-k-and-cache-agree).
 """
 import math
 

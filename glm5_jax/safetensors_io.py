@@ -1,9 +1,10 @@
 """Lazy, validating access to HF safetensors checkpoints (single file or sharded with an index).
 
-The format (spec §8.2): 8-byte little-endian header length, a JSON header mapping each tensor name to
+The format (docs/architecture.md#checkpoint-layout-hf-keys): 8-byte little-endian header length, a JSON header mapping
+each tensor name to
 ``dtype``, ``shape`` and ``data_offsets`` (relative to the end of the header), then raw row-major data.
 Files are memory-mapped, so reading one tensor touches only its bytes; bf16 and fp8 map to `ml_dtypes`.
-FP8 block-quantised weights (``weight_scale_inv``, spec §8.3) are dequantised on read.
+FP8 block-quantised weights (``weight_scale_inv``, docs/architecture.md#fp8-block-quantisation) are dequantised on read.
 """
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ class SafetensorsCheckpoint:
 
 
 def dequantize_fp8(w8_OI: np.ndarray, scale_inv: np.ndarray, block_size, name="") -> np.ndarray:
-    """W[r, c] = W8[r, c] * scale_inv[r // br, c // bc] (spec §8.3; ragged edges use ceil blocks)."""
+    """W[r, c] = W8[r, c] * scale_inv[r // br, c // bc]; ragged edges use ceil blocks
+    (docs/architecture.md#fp8-block-quantisation)."""
     br, bc = block_size
     rows, cols = w8_OI.shape
     expect = (-(-rows // br), -(-cols // bc))

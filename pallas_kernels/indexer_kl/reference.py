@@ -1,4 +1,5 @@
-"""DSA indexer KL loss in plain XLA (spec §7.1; DESIGN §3 training stages).
+"""DSA indexer KL loss in plain XLA (docs/architecture.md#dsa-training-stages-and-the-indexer-kl,
+docs/training.md#dsa-stages).
 
 Target p[t, :]: the main (absorbed MLA) attention probabilities of every head, summed over heads and
 L1-normalised over the key set; computed from *detached* q/kv (Megatron passes query.detach(),

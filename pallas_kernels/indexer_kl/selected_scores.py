@@ -1,4 +1,5 @@
-"""Indexer scores of the selected keys only, with a hand-written VJP (spec §4.3, §7.1 sparse stage):
+"""Indexer scores of the selected keys only, with a hand-written VJP 
+(docs/architecture.md#lightning-indexer, #dsa-training-stages-and-the-indexer-kl):
 
     I[t, j] = sum_h w[t, h] ReLU(q[t, h] . k[idx[t, j]])        -> [B, T, k] fp32
 

@@ -1,4 +1,6 @@
-"""Pallas TPU kernel for the lightning-indexer scores, then XLA top-k per query chunk (spec §4.3-4.4).
+"""Pallas TPU kernel for the lightning-indexer scores, then XLA top-k per query chunk.
+
+Background: docs/architecture.md#lightning-indexer.
 
     I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s])     (fp32 accumulation; -inf where not visible)
 

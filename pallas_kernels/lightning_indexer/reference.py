@@ -1,11 +1,14 @@
-"""DSA lightning indexer and top-k selection in plain XLA (spec §4.3, §4.4).
+"""DSA lightning indexer and top-k selection in plain XLA.
+
+Background: docs/architecture.md#lightning-indexer, #top-k-selection-and-validity.
 
     I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s])        (fp32)
 
 ``w`` arrives with every positive scale already folded in (H_I^-0.5 * d_I^-0.5; ReLU(c x) = c ReLU(x)
 for c > 0). Invisible keys score -inf; top-k keeps a static ``k = min(topk, S)`` and reports which
 slots hold a visible key, because top-k over fewer than k visible keys also returns masked ones
-(spec P9). Queries are processed in chunks so at most [B, T_chunk, S] scores exist at once, and each
+(docs/architecture.md#top-k-over-fewer-than-k-visible-keys). Queries are processed in chunks so at most [B, T_chunk,
+S] scores exist at once, and each
 chunk scores only the window of keys it can see (pallas_kernels/key_window.py: about half the keys of
 a causal sequence; the selection is the same as over all S keys).
 

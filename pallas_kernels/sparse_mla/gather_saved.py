@@ -1,4 +1,5 @@
-"""Gather-form sparse MLA with a hand-written VJP that keeps the attention probabilities (XLA, spec §4.5).
+"""Gather-form sparse MLA with a hand-written VJP that keeps the attention probabilities, plain XLA
+(docs/architecture.md#sparse-attention-absorbed-form).
 
 The same function as ``reference.sparse_mla``. Differentiating the reference reruns each query chunk's
 forward in the backward pass (the chunk is rematerialised so the loop does not stack gathered rows):

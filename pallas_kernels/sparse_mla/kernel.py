@@ -1,4 +1,6 @@
-"""Pallas TPU kernels for token-sparse absorbed MLA (spec §4.4-4.5): forward and backward.
+"""Pallas TPU kernels for token-sparse absorbed MLA: forward and backward.
+
+Background: docs/architecture.md#sparse-attention-absorbed-form.
 
 One grid step = one query token x one block of ``block_k`` of its k selected slots. The latent cache
 kv [B, S, C] stays in HBM (``memory_space=pl.ANY``); the step DMA-gathers the block's rows into a VMEM

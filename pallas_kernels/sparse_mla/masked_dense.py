@@ -1,4 +1,6 @@
-"""Token-sparse MLA attention computed densely over a selection mask, plain XLA (spec §4.5).
+"""Token-sparse MLA attention computed densely over a selection mask, plain XLA.
+
+Background: docs/architecture.md#sparse-attention-absorbed-form.
 
 The same function as ``reference.sparse_mla``, for hosts where gathering k latent rows per query is
 the slow part (XLA:CPU): the per-query products [k, C] @ [C, H] of the gather form run at a fraction of

@@ -1,4 +1,6 @@
-"""Token-sparse MLA attention in the absorbed ("MQA") form, plain XLA (spec §4.5).
+"""Token-sparse MLA attention in the absorbed ("MQA") form, plain XLA.
+
+Background: docs/architecture.md#sparse-attention-absorbed-form.
 
 All H query heads (width C = d_c + d_r, e.g. 576) attend to one shared latent KV row per selected key:
 the key is the whole row ``[c; k_rot]`` and the value its first ``v_dim`` (= d_c, e.g. 512) entries.
@@ -60,7 +62,8 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=None
 
     Returns (out [B,T,H,v_dim] in q's dtype, lse [B,T,H] fp32); with ``with_target`` also the DSA
     indexer's sparse-stage KL target [B,T,k] fp32 (no gradient): the attention probabilities averaged
-    over heads, i.e. head-summed and L1-normalised over the selected slots (spec §7.1), from these logits.
+    over heads, i.e. head-summed and L1-normalised over the selected slots
+    (docs/architecture.md#dsa-training-stages-and-the-indexer-kl), from these logits.
 
     Layout (XLA:CPU speed, same maths): per query the logits are computed key-major, [k, C] @ [C, H]
     -> [k, H], and the softmax runs over that k axis; with the few heads as the small matmul side this
