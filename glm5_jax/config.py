@@ -21,6 +21,9 @@ MOE_EP = ("none", "a2a", "ragged_a2a")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
                   "offload_dots")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANT_MODES = ("none", "int4_qat", "int4")   # routed-expert weights: full precision, fake-quantised, packed
+QUANT_MATMULS = ("xla", "pallas", "pallas_interpret")
+QUANT_SCALE_DTYPES = ("bfloat16", "float32")
 
 
 class ConfigError(ValueError):
@@ -92,6 +95,13 @@ class ModelConfig:
     moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
     remat_policy: str = "full"
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
+    # INT4 routed experts (glm5_jax/quant/): "int4_qat" fake-quantises the fp master weights in the forward
+    # (straight-through gradients), "int4" holds packed weights (from glm5_jax.quant.quantize_params) for
+    # inference; both round with glm5_jax/quant/int4.py, so their forwards are the same numbers
+    quant: str = "none"
+    quant_group_size: int = 32               # input channels per scale
+    quant_scale_dtype: str = "bfloat16"
+    quant_matmul: str = "xla"                # "int4": dequantise + the moe_impl matmul, or the Pallas kernel
 
     # ------------------------------------------------------------------ derived
     @property
@@ -200,12 +210,24 @@ class ModelConfig:
                            ("mla_form", MLA_FORMS),
                            ("attention_mode", ATTENTION_MODES),
                            ("indexer_loss", INDEXER_LOSSES),
-                           ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES)):
+                           ("moe_impl", MOE_IMPLS), ("moe_ep", MOE_EP), ("remat_policy", REMAT_POLICIES),
+                           ("quant", QUANT_MODES), ("quant_matmul", QUANT_MATMULS),
+                           ("quant_scale_dtype", QUANT_SCALE_DTYPES)):
             need(getattr(self, f) in allowed, f, f"must be one of {allowed}")
         need(self.indexer_loss != "sparse" or self.attention_mode == "sparse", "indexer_loss",
              'the sparse-stage KL needs attention_mode="sparse"')
         need(self.indexer_loss == "none" or self.use_indexer, "indexer_loss", "needs a model with an indexer")
         need(self.moe_capacity_factor > 0, "moe_capacity_factor", "must be positive")
+        if self.quant != "none":
+            g = self.quant_group_size
+            need(isinstance(g, int) and g > 0 and g % 8 == 0, "quant_group_size", "must be a positive multiple of 8")
+            for f in ("hidden_size", "moe_intermediate_size"):     # the experts' input widths
+                need(getattr(self, f) % (8 * g) == 0, f,
+                     f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
+        need(self.quant_matmul == "xla" or self.quant == "int4", "quant_matmul",
+             'the Pallas INT4 matmul runs on packed weights (quant="int4")')
+        need(self.quant_matmul == "xla" or self.moe_ep == "none", "quant_matmul",
+             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none")')
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
 
     # ------------------------------------------------------------------ HF config.json
