@@ -31,14 +31,16 @@ PER_WORD = 8                 # 4-bit values per int32 word
 SCALE_DTYPES = ("bfloat16", "float32")
 
 
-def check_shape(shape, group_size: int, what: str = "weight") -> None:
-    """Errors naming the problem when a [..., K, N] weight cannot be grouped and packed."""
+def check_shape(shape, group_size: int, what: str = "weight", packed: bool = True) -> None:
+    """Errors naming the problem when a [..., K, N] weight cannot be grouped (and, with `packed`, packed)."""
     if len(shape) < 2:
         raise ValueError(f"INT4 {what}: needs [..., K, N], got shape {tuple(shape)}")
     K = shape[-2]
     if group_size <= 0 or group_size % 8:
         raise ValueError(f"INT4 {what}: group_size={group_size} must be a positive multiple of 8")
-    if K % (PER_WORD * group_size):
+    if not packed and K % group_size:
+        raise ValueError(f"INT4 {what}: input width K={K} must be a multiple of group_size={group_size}")
+    if packed and K % (PER_WORD * group_size):
         raise ValueError(f"INT4 {what}: input width K={K} must be a multiple of 8 * group_size = "
                          f"{PER_WORD * group_size} (shape {tuple(shape)})")
 
@@ -68,7 +70,7 @@ def _expand(scale_gN, group_size):
 
 def quantize(w_KN, group_size: int, scale_dtype="bfloat16"):
     """(q int8 [..., K, N] in [-8, 7], scale [..., K/G, N]); the rounding every INT4 path uses."""
-    check_shape(w_KN.shape, group_size)
+    check_shape(w_KN.shape, group_size, packed=False)
     scale = scales(w_KN, group_size, scale_dtype)
     s = _expand(scale, group_size)
     ratio = w_KN.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)
