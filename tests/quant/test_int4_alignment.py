@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from glm5_jax import Transformer
 from glm5_jax.generate import generate
@@ -48,3 +49,14 @@ def test_int4_greedy_decode_equals_qat_greedy_decode():
                      eos_ids=()) for cfg, v in ((QAT, variables), (INT4, int4_vars))]
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
     np.testing.assert_array_equal(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs))
+
+
+def test_config_rejects_widths_int4_cannot_pack():
+    from glm5_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="hidden_size=64.*multiple of 256"):
+        TINY_Q.replace(quant="int4_qat", quant_group_size=32)          # D = 64 is not a multiple of 8 * 32
+    with pytest.raises(ConfigError, match="quant_group_size"):
+        TINY_Q.replace(quant="int4", quant_group_size=12)
+    with pytest.raises(ConfigError, match="quant_matmul"):
+        TINY_Q.replace(quant_matmul="pallas")                           # the kernel needs packed weights

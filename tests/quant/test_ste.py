@@ -47,3 +47,14 @@ def test_qat_moe_expert_gradients_equal_gradients_at_dequantized_experts():
     for k in ("gate_proj", "up_proj", "down_proj"):
         np.testing.assert_allclose(g_qat[k], g_ref[k], rtol=1e-6, atol=1e-9)
         assert np.abs(g_ref[k]).max() > 0
+
+
+def test_packed_int4_model_cannot_be_trained():
+    import dataclasses
+
+    from configs.sort_sft import get_config
+
+    cfg = get_config()
+    bad = dataclasses.replace(cfg, model=cfg.model.replace(quant="int4", quant_group_size=16))
+    with pytest.raises(ValueError, match="int4_qat"):
+        bad.validate()
