@@ -55,7 +55,7 @@ def test_kernel_rejects_mismatched_shapes():
 
 
 def test_model_on_packed_experts_through_the_kernel_matches_xla_int4():
-    cfg = TINY_Q.replace(num_hidden_layers=2, indexer_types=None, mtp_depth=0, num_nextn_predict_layers=0)
+    cfg = TINY_Q.replace(mtp_depth=0, num_nextn_predict_layers=0)
     variables = init_variables(cfg)
     int4_vars = {**variables, "params": quantize_params(variables["params"], cfg)}
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size)

@@ -6,8 +6,8 @@ from tests.generate.tiny_models import TINY
 
 GROUP = 8
 # experts' input widths (hidden 64, moe_intermediate 64) are multiples of 8 * GROUP
-TINY_Q = TINY.replace(moe_intermediate_size=64, quant_group_size=GROUP, num_hidden_layers=3,
-                      indexer_types=("full", "shared", "full"), mtp_depth=1)
+TINY_Q = TINY.replace(moe_intermediate_size=64, quant_group_size=GROUP, num_hidden_layers=2,
+                      indexer_types=("full", "shared"), mtp_depth=1)
 
 
 def numpy_fake_quantize(w_KN, group, scale_dtype=ml_dtypes.bfloat16):

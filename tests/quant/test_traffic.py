@@ -6,7 +6,7 @@ from tests.quant.quant_helpers import TINY_Q
 
 def test_tiny_model_routed_expert_bytes_by_hand():
     cfg = TINY_Q
-    routed = 2 * 2 * 3 * 64 * 64          # 2 MoE layers x K=2 experts x 3 matrices x D x F
+    routed = 1 * 2 * 3 * 64 * 64          # 1 MoE layer x K=2 experts x 3 matrices x D x F
     bf16, q = decode_bytes_per_token(cfg, "bf16"), decode_bytes_per_token(cfg, "int4")
     assert bf16["routed_experts"] == 2 * routed
     assert q["routed_experts"] == routed // 2 + routed // 8 * 2      # nibbles + one bf16 scale per 8
