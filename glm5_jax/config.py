@@ -21,6 +21,7 @@ IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["ragged_dot", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.layers.einsum
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
+QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
                       "offload_dots"]
 
@@ -33,6 +34,9 @@ MOE_IMPLS = typing.get_args(MoeImpl)
 PROJECTION_IMPLS = typing.get_args(ProjectionImpl)
 MOE_EP = typing.get_args(MoeEp)
 REMAT_POLICIES = typing.get_args(RematPolicy)
+QUANT_MATMULS = typing.get_args(QuantMatmul)
+QUANT_MODES = ("none", "int4_qat", "int4")   # routed-expert weights: full precision, fake-quantised, packed
+QUANT_SCALE_DTYPES = ("bfloat16", "float32")
 
 
 class ConfigError(ValueError):
@@ -60,6 +64,7 @@ class RuntimeConfig:
     # weight projections' gradient (glm5_jax.layers.einsum): "xla" (as JAX derives it; TPU/GPU) or
     # "cpu_transposed_grad" (the weight gradient from a materialised x^T: faster on XLA:CPU)
     projection_impl: ProjectionImpl = "xla"
+    quant_matmul: QuantMatmul = "xla"        # packed INT4 experts: dequantise + the moe_impl matmul, or the kernel
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
     attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
@@ -151,6 +156,12 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: tuple[int, ...] = (154820, 154827, 154829)
     pad_token_id: int | None = 154820
+    # INT4 routed experts (glm5_jax/quant/): "int4_qat" fake-quantises the fp master weights in the forward
+    # (straight-through gradients), "int4" holds packed weights (from glm5_jax.quant.quantize_params) for
+    # inference; both round with glm5_jax/quant/int4.py, so their forwards are the same numbers
+    quant: str = "none"
+    quant_group_size: int = 32               # input channels per scale
+    quant_scale_dtype: str = "bfloat16"
     # --- how it runs (not part of the architecture); ModelConfig(attention_impl=...) and
     # cfg.replace(attention_impl=...) route these names into it, cfg.attention_impl reads it ---
     runtime: RuntimeConfig = RuntimeConfig()
@@ -266,6 +277,18 @@ class ModelConfig:
                  "yarn needs original_max_position_embeddings")
         need(self.runtime.indexer_loss == "none" or self.use_indexer, "indexer_loss",
              "needs a model with an indexer")
+        for f, allowed in (("quant", QUANT_MODES), ("quant_scale_dtype", QUANT_SCALE_DTYPES)):
+            need(getattr(self, f) in allowed, f, f"must be one of {allowed}")
+        if self.quant != "none":
+            g = self.quant_group_size
+            need(isinstance(g, int) and g > 0 and g % 8 == 0, "quant_group_size", "must be a positive multiple of 8")
+            for f in ("hidden_size", "moe_intermediate_size"):     # the experts' input widths
+                need(getattr(self, f) % (8 * g) == 0, f,
+                     f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
+        need(self.runtime.quant_matmul == "xla" or self.quant == "int4", "quant_matmul",
+             'the Pallas INT4 matmul runs on packed weights (quant="int4")')
+        need(self.runtime.quant_matmul == "xla" or self.runtime.moe_ep == "none", "quant_matmul",
+             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none")')
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
 
     # ------------------------------------------------------------------ HF config.json

@@ -72,6 +72,9 @@ class ExperimentConfig:
         self.model.validate()
         self.data.validate()
         self.train.validate()
+        if self.model.quant == "int4":
+            raise ValueError('model.quant="int4" holds packed integer inference weights and cannot be '
+                             'trained; train with model.quant="int4_qat" and quantise afterwards')
         if self.data.batch_size % self.train.grad_accum:
             raise ValueError(f"data.batch_size={self.data.batch_size} is not divisible by "
                              f"train.grad_accum={self.train.grad_accum}")

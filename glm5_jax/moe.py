@@ -24,6 +24,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.layers import SwiGLU, constrain, logical_param, materialised_on_cpu, normal_init
 from glm5_jax.moe_ep import expert_parallel_swiglu
+from glm5_jax import quant
+from glm5_jax.quant import int4_swiglu
 
 MOE_BLOCK = 128                # rows per block of the "blocked" grouped matmul
 # the blocked forward's results (output, gate and up activations), for remat policies to keep
@@ -240,22 +242,26 @@ class MoE(nn.Module):
         cfg = self.cfg
         B, T, D = x_BTD.shape
         E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
-        init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
+        init, dt = normal_init(cfg), cfg.jnp_dtype
         # Router weight stays fp32 whatever param_dtype is (HF forces fp32 for it, P12).
         w_router = logical_param(self, "router", (D, E), ("embed", None), init, jnp.float32)
         bias = self.variable(BIAS_COLLECTION, "e_score_correction_bias",
                              nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                              jax.random.PRNGKey(0), (E,), jnp.float32)
-        w_gate = logical_param(self, "gate_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, pdt)
-        w_up = logical_param(self, "up_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, pdt)
-        w_down = logical_param(self, "down_proj", (E, F, D), ("exp", "mlp_moe", "embed"), init, pdt)
+        # routed-expert weights under ModelConfig.quant (glm5_jax/quant/experts.py): fp, fake-quantised
+        # INT4 (QAT), dequantised INT4, or packed INT4 for the Pallas dequantise-matmul
+        w_gate = quant.expert_weight(self, "gate_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, cfg)
+        w_up = quant.expert_weight(self, "up_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, cfg)
+        w_down = quant.expert_weight(self, "down_proj", (E, F, D), ("exp", "mlp_moe", "embed"), init, cfg)
 
         x_ND = x_BTD.reshape(B * T, D)
         scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
                                         precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32 (P8)
         expert_idx, gates = route(scores, nn.unbox(bias.value), cfg)
         dropped = None
-        if cfg.moe_ep == "none" or self.is_initializing():   # init's dummy batch need not split over the mesh
+        if isinstance(w_gate, quant.Int4Weight):              # packed INT4 experts, Pallas kernel
+            y_NKD = int4_swiglu.grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg)
+        elif cfg.moe_ep == "none" or self.is_initializing():   # init's dummy batch need not split over the mesh
             y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.moe_impl)
         else:   # expert parallel over the mesh in context (glm5_jax/moe_ep.py)
             y_NKD, dropped = expert_parallel_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, cfg)

@@ -150,6 +150,9 @@ class SafetensorsCheckpoint:
     def shape(self, name):
         return self._file(name).entries[name][1]
 
+    def dtype(self, name) -> np.dtype:
+        return self._file(name).entries[name][0]
+
     def _file(self, name):
         try:
             return self.location[name]

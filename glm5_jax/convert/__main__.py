@@ -17,6 +17,10 @@ flags.DEFINE_string("dtype", None, "hf-to-orbax: parameter dtype (default bfloat
 flags.DEFINE_string("mesh", None, "hf-to-orbax: shard leaves over a mesh, e.g. fsdp:4,expert:2")
 flags.DEFINE_string("shard_size", "5GB", "orbax-to-hf: maximum safetensors shard size")
 flags.DEFINE_bool("fp8", False, "orbax-to-hf: write the block-FP8 layout (float8_e4m3fn + weight_scale_inv)")
+flags.DEFINE_bool("int4", False, "orbax-to-hf: routed experts as compressed-tensors pack-quantized INT4 "
+                                  "(group size and scale dtype from the checkpoint's model config)")
+flags.DEFINE_integer("int4_group_size", None, "orbax-to-hf --int4: input channels per scale (default: the "
+                                               "checkpoint's quant_group_size)")
 flags.DEFINE_bool("overwrite", False, "replace an existing output directory")
 FLAGS = flags.FLAGS
 
@@ -38,7 +42,8 @@ def main(argv):
                                 mesh=FLAGS.mesh, overwrite=FLAGS.overwrite)
         else:
             convert.orbax_to_hf(need("ckpt_dir"), need("out_dir"), shard_size=FLAGS.shard_size, fp8=FLAGS.fp8,
-                                dtype=FLAGS.dtype, overwrite=FLAGS.overwrite)
+                                dtype=FLAGS.dtype, overwrite=FLAGS.overwrite, int4=FLAGS.int4,
+                                int4_group_size=FLAGS.int4_group_size)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

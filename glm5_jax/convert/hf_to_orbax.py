@@ -18,6 +18,7 @@ import numpy as np
 
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
+from glm5_jax.convert import int4_layout
 from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, scale_key
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import LeafWriter
@@ -80,6 +81,12 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
     hf = read_hf_config(hf_dir)
     cfg = config_from_hf(hf, hf_dir, dtype)
     ckpt = SafetensorsCheckpoint(hf_dir)
+    qc = hf.get("quantization_config") or {}
+    if qc.get("quant_method") == "compressed-tensors":      # INT4 experts: read as their dequantised values
+        group = int4_layout.check_config(qc)
+        ckpt = int4_layout.DecompressedView(ckpt)
+        cfg = cfg.replace(quant="int4_qat", quant_group_size=group,
+                          quant_scale_dtype=_scale_dtype_name(ckpt.ckpt, ckpt.packed))
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in ckpt.keys()):
         cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)     # HF save_pretrained drops MTP weights
@@ -114,3 +121,12 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
                 progress.advance(leaf_bytes[leaf.name], len(leaf.hub_keys()))
         writer.finalize()
     return progress.summary()
+
+
+def _scale_dtype_name(ckpt, packed_weights) -> str:
+    """The (single) dtype of the INT4 scales, as a ModelConfig.quant_scale_dtype name."""
+    names = {ckpt.dtype(int4_layout.sibling(w, "weight_scale")).name for w in packed_weights}
+    if len(names) != 1 or not names <= set(int4_layout.SCALE_NUMPY):
+        raise CheckpointError(f"INT4 weight_scale dtypes {sorted(names)}: expected one of "
+                              f"{sorted(int4_layout.SCALE_NUMPY)}")
+    return names.pop()

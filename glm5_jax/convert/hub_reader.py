@@ -49,7 +49,7 @@ class HubReader:
         return key.endswith(".weight") and scale_key(key) in self.ckpt
 
     def dtype(self, key: str) -> np.dtype:
-        return self.ckpt.location[key].entries[key][0]
+        return self.ckpt.dtype(key)
 
     def check(self, plan: list[LeafPlan]) -> None:
         """Raise `CheckpointError` naming the first problem; return silently when the checkpoint fits."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.convert import fp8 as fp8_layout
+from glm5_jax.convert import int4_layout
 from glm5_jax.convert import orbax_io
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
 from glm5_jax.convert.hf_to_orbax import config_from_json, prefetched
@@ -124,12 +125,20 @@ def _restored_leaves(ckpt_dir: str, plan: list[LeafPlan], stored: dict):
 
 
 def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8: bool = False,
-                dtype: str | None = None, overwrite: bool = False, stream=None) -> dict:
-    """Export; returns the summary (tensors, bytes written, seconds, bytes/s, peak RSS)."""
+                dtype: str | None = None, overwrite: bool = False, stream=None, int4: bool = False,
+                int4_group_size: int | None = None) -> dict:
+    """Export; returns the summary (tensors, bytes written, seconds, bytes/s, peak RSS).
+
+    ``int4``: routed experts in the compressed-tensors pack-quantized INT4 layout (glm5_jax/convert/
+    int4_layout.py), quantised with the checkpoint's ``quant_scale_dtype`` and ``quant_group_size`` (or
+    ``int4_group_size``)."""
+    if fp8 and int4:
+        raise CheckpointError("--fp8 and --int4 write different quantization_configs; choose one")
     check_output_dir(out_dir, overwrite)
     max_shard = parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size)
     metadata = orbax_io.read_custom_metadata(ckpt_dir)
     cfg = config_from_json(metadata["model_config"])
+    group = int4_group_size or cfg.quant_group_size
     hf_dtypes = metadata.get("hf_dtypes") or {}
     stored = orbax_io.leaf_metadata(ckpt_dir)
     plan = build_plan(cfg)
@@ -148,7 +157,9 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
     for leaf in plan:
         out_dtypes[leaf.name] = _out_dtype(leaf, stored[(leaf.collection,) + leaf.path][1], hf_dtypes, dtype)
         for key in leaf.hub_keys():
-            if fp8 and fp8_layout.is_quantised(key):
+            if int4 and int4_layout.is_packed(key):
+                tensors += int4_layout.tensor_specs(key, leaf.hub_shape, group, cfg.quant_scale_dtype)
+            elif fp8 and fp8_layout.is_quantised(key):
                 tensors.append((key, np.dtype(ml_dtypes.float8_e4m3fn), leaf.hub_shape))
                 tensors.append((scale_key(key), np.dtype(np.float32), fp8_layout.scale_shape(leaf.hub_shape)))
             else:
@@ -156,6 +167,8 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
     layout = ShardLayout(tensors, max_shard)
     head_dtype = out_dtypes["params/lm_head"]
     hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name, fp8)
+    if int4:
+        hf["quantization_config"] = int4_layout.quantization_config(group)
 
     progress = Progress("orbax-to-hf", layout.total_size, stream)
     with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
@@ -167,7 +180,12 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
         with contextlib.closing(_restored_leaves(ckpt_dir, plan, stored)) as leaves:
             for leaf, array in leaves:
                 for key, w in _hub_tensors(leaf, array):
-                    if fp8 and fp8_layout.is_quantised(key):
+                    if int4 and int4_layout.is_packed(key):
+                        parts = int4_layout.compress(w, group, cfg.quant_scale_dtype)
+                        for (part_key, _, _), part in zip(int4_layout.tensor_specs(key, w.shape, 1, "float32"), parts):
+                            writer.write(part_key, part)
+                            progress.advance(part.nbytes)
+                    elif fp8 and fp8_layout.is_quantised(key):
                         w8, scale = fp8_layout.quantise_blocks(np.asarray(w, np.float32))
                         writer.write(key, w8)
                         writer.write(scale_key(key), scale)

@@ -1,0 +1,92 @@
+"""Pallas TPU kernel: grouped dequantise-matmul over expert-aligned row blocks with packed INT4 weights.
+
+Grid (row block i, output tile j, contraction tile k). The expert of each row block and the number of
+blocks holding rows arrive by scalar prefetch; the weight BlockSpec picks the block's expert, so only
+packed INT4 words (K*N/2 bytes per expert) and their scales travel from HBM. In VMEM each chunk of 8G
+contraction rows is rebuilt from its G packed rows: nibble j of those words is scale group j of the
+chunk (layout in glm5_jax/quant/int4.py), so a shift, a mask, a subtract and one broadcast scale row per
+group give the fp32 weights q * s, cast to the activation dtype for the MXU; products accumulate in an
+fp32 VMEM scratch over the k tiles. Blocks past ``n_used`` (padding) write zeros without computing.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.tpu_utils import mxu_precision
+
+PER_WORD = 8
+
+
+def _tile(size, preferred, multiple):
+    """Largest divisor of `size` that is a multiple of `multiple` and <= preferred (else size)."""
+    t = min(preferred, size) // multiple * multiple
+    while t >= multiple:
+        if size % t == 0:
+            return t
+        t -= multiple
+    return size
+
+
+def _kernel(block_expert_ref, n_used_ref, x_ref, packed_ref, scale_ref, y_ref, acc_ref, *, group_size):
+    i, k = pl.program_id(0), pl.program_id(2)
+    G = group_size
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(i < n_used_ref[0])
+    def _():
+        x = x_ref[...]                                                   # [m, tk]
+        n_chunks = scale_ref.shape[0]                                    # tk / 8G
+        for c in range(n_chunks):
+            words = packed_ref[c * G:(c + 1) * G, :]                     # [G, tn] int32
+            groups = []
+            for j in range(PER_WORD):
+                q = (jax.lax.shift_right_logical(words, 4 * j) & 0xF) - 8
+                groups.append(q.astype(jnp.float32) * scale_ref[c, j:j + 1, :].astype(jnp.float32))
+            w = jnp.concatenate(groups, axis=0).astype(x.dtype)          # [8G, tn]
+            xc = x[:, c * PER_WORD * G:(c + 1) * PER_WORD * G]
+            acc_ref[...] += jnp.dot(xc, w, preferred_element_type=jnp.float32, precision=mxu_precision(xc, w))
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+        y_ref[...] = acc_ref[...]
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "tile_n", "tile_k", "interpret"))
+def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size, tile_n=512,
+                      tile_k=1024, interpret=False):
+    """[n, m, K] activations x packed INT4 [E, K, N] (block i uses expert block_expert[i]) -> [n, m, N] fp32."""
+    n, m, K = x_nmK.shape
+    E, _, N = packed_EkN.shape
+    G = group_size
+    chunk = PER_WORD * G
+    if K % chunk or packed_EkN.shape[1] * PER_WORD != K or scale_EgN.shape != (E, K // G, N):
+        raise ValueError(f"int4_block_matmul: x {x_nmK.shape}, packed {packed_EkN.shape}, scale "
+                         f"{scale_EgN.shape} do not describe K={K} in groups of {G} (K a multiple of {chunk})")
+    tk = _tile(K, tile_k, chunk)
+    tn = _tile(N, tile_n, 128)
+    scale_EcjN = scale_EgN.reshape(E, K // chunk, PER_WORD, N)          # [chunk, group-in-chunk] split
+    grid = (n, N // tn, K // tk)
+    return pl.pallas_call(
+        functools.partial(_kernel, group_size=G),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec((None, m, tk), lambda i, j, k, be, nu: (i, 0, k)),
+                pl.BlockSpec((None, tk // PER_WORD, tn), lambda i, j, k, be, nu: (be[i], k, j)),
+                pl.BlockSpec((None, tk // chunk, PER_WORD, tn), lambda i, j, k, be, nu: (be[i], k, 0, j)),
+            ],
+            out_specs=pl.BlockSpec((None, m, tn), lambda i, j, k, be, nu: (i, 0, j)),
+            scratch_shapes=[pltpu.VMEM((m, tn), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((n, m, N), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(block_expert_n.astype(jnp.int32), jnp.reshape(n_used, (1,)).astype(jnp.int32), x_nmK, packed_EkN,
+      scale_EcjN)

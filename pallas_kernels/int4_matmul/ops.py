@@ -1,0 +1,52 @@
+"""INT4 grouped dequantise-matmul behind an ``impl`` switch, differentiable in the activations.
+
+"xla" is reference.py; "pallas" the TPU kernel (kernel.py), "pallas_interpret" the same kernel through the
+Pallas interpreter (CPU tests). The packed weights are frozen integers: the VJP gives the activation
+gradient dx[i] = dy[i] @ dequantize(w[expert[i]])^T (XLA) and no weight gradient.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.int4_matmul import kernel, reference
+
+IMPLS = ("xla", "pallas", "pallas_interpret")
+
+
+def _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl):
+    if impl == "xla":
+        return reference.int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN,
+                                           group_size=group_size)
+    if impl in ("pallas", "pallas_interpret"):
+        return kernel.int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN,
+                                        group_size=group_size, interpret=impl == "pallas_interpret")
+    raise ValueError(f"int4_block_matmul: unknown impl {impl!r}; choose one of {IMPLS}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl):
+    return _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl)
+
+
+def _matmul_fwd(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl):
+    y = _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl)
+    return y, (x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN)
+
+
+def _matmul_bwd(group_size, impl, residuals, dy_nmN):
+    x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN = residuals
+    w_EKN = reference.dequantized_weights(packed_EkN, scale_EgN, group_size, x_nmK.dtype)
+    used = (jnp.arange(x_nmK.shape[0]) < n_used)[:, None, None]
+    dx = jnp.einsum("nmf,nkf->nmk", jnp.where(used, dy_nmN, 0).astype(x_nmK.dtype), w_EKN[block_expert_n],
+                    preferred_element_type=jnp.float32)
+    zero = lambda a: None if not jnp.issubdtype(a.dtype, jnp.floating) else jnp.zeros_like(a)
+    return dx.astype(x_nmK.dtype), None, None, None, zero(scale_EgN)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size, impl="xla"):
+    """y[i] = x[i] @ dequantize(w[block_expert[i]]) for blocks i < n_used, 0 after -> [n, m, N] fp32."""
+    return _matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl)
