@@ -56,7 +56,7 @@ def eval_set(n):
 
 def evaluate(cfg, variables, prompts, answers):
     tokens = jnp.asarray(np.concatenate([prompts, answers], axis=1))
-    logits = jax.jit(lambda v, t: Transformer(cfg).apply(v, t))(variables, tokens)
+    logits = jax.jit(lambda v, t: Transformer(cfg).apply(v, t).logits)(variables, tokens)
     P = prompts.shape[1]
     logp = jax.nn.log_softmax(logits[:, P - 1:-1].astype(jnp.float32), axis=-1)   # predicts answer tokens
     nll = -jnp.take_along_axis(logp, jnp.asarray(answers)[..., None], axis=-1)[..., 0]

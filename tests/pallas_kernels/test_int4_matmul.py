@@ -61,7 +61,7 @@ def test_model_on_packed_experts_through_the_kernel_matches_xla_int4():
     tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size)
 
     def logits(c):
-        return np.asarray(jax.jit(lambda v, t: Transformer(c).apply(v, t))(int4_vars, tokens))
+        return np.asarray(jax.jit(lambda v, t: Transformer(c).apply(v, t).logits)(int4_vars, tokens))
 
     np.testing.assert_allclose(logits(cfg.replace(quant="int4", quant_matmul="pallas_interpret")),
                                logits(cfg.replace(quant="int4")), rtol=1e-5, atol=1e-5)

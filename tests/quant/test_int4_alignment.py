@@ -16,7 +16,7 @@ INT4 = TINY_Q.replace(quant="int4")
 
 
 def logits(cfg, variables, tokens):
-    return np.asarray(jax.jit(lambda v, t: Transformer(cfg).apply(v, t))(variables, tokens))
+    return np.asarray(jax.jit(lambda v, t: Transformer(cfg).apply(v, t).logits)(variables, tokens))
 
 
 def int4_model():
