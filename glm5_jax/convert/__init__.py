@@ -3,10 +3,12 @@
     python -m glm5_jax.convert hf-to-orbax --hf_dir=D --out_dir=O [--dtype=bfloat16] [--mesh=fsdp:4,expert:2] [--overwrite]
     python -m glm5_jax.convert orbax-to-hf --ckpt_dir=O --out_dir=D2 [--shard_size=5GB] [--fp8] [--dtype=...] [--overwrite]
 
-Hub side (spec §8): ``config.json``, ``model-0000i-of-0000n.safetensors`` (or one ``model.safetensors``),
+Hub side (docs/architecture.md#checkpoint-layout-hf-keys): ``config.json``, ``model-0000i-of-0000n.safetensors`` (or
+one ``model.safetensors``),
 ``model.safetensors.index.json``; PyTorch ``[out, in]`` weights, per-expert keys, MTP as layer
 ``num_hidden_layers``. Reads GLM-5 (``glm_moe_dsa``), DeepSeek-V3.2 (``deepseek_v32``) and DeepSeek-V3,
-in bf16/fp16/fp32 or the block-FP8 layout (``weight_scale_inv``, 128x128 blocks, spec §8.3).
+in bf16/fp16/fp32 or the block-FP8 layout (``weight_scale_inv``, 128x128 blocks,
+docs/architecture.md#fp8-block-quantisation).
 
 Orbax side (a `CheckpointManager` directory, step 0)::
 
@@ -17,7 +19,8 @@ Orbax side (a `CheckpointManager` directory, step 0)::
 
 Restore: ``ocp.CheckpointManager(O).restore(0, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))``
 with ``abstract = {"params": ..., "moe_bias": ...}`` of ShapeDtypeStructs carrying the target shardings;
-`load_model_config(O)` gives the ModelConfig. Router weights and the correction bias stay fp32 (P12).
+`load_model_config(O)` gives the ModelConfig. Router weights and the correction bias stay fp32
+(docs/architecture.md#routing-bias-is-a-buffer-fp32).
 
 Both directions validate everything before writing, write into a temporary sibling directory and
 rename it into place only on success, and print a progress bar and a summary line.

@@ -1,4 +1,6 @@
-"""GLM-5-FP8 / DeepSeek-V3.2 FP8 layout (spec §8.3): which weights are quantised, and block quantisation.
+"""GLM-5-FP8 / DeepSeek-V3.2 FP8 layout: which weights are quantised, and block quantisation.
+
+Background: docs/architecture.md#fp8-block-quantisation.
 
 Quantised: every 2-D linear weight of attention (q_a/q_b/kv_a/kv_b/o_proj), indexer ``wq_b`` and ``wk``,
 dense FFN, routed and shared experts, as ``float8_e4m3fn`` under ``.weight`` plus a float32
@@ -28,7 +30,10 @@ def is_quantised(hub_key: str) -> bool:
 
 
 def modules_to_not_convert(num_layers_with_mtp: int) -> list[str]:
-    """As the hub writes it, including the ``indexers_proj`` misnomer for ``indexer.weights_proj`` (P17)."""
+    """As the hub writes it, including the ``indexers_proj`` misnomer for ``indexer.weights_proj``.
+
+    Background: docs/architecture.md#fp8-scale-and-module-name-quirks.
+    """
     names = ["lm_head", "model.embed_tokens"]
     for i in range(num_layers_with_mtp):
         names += [f"model.layers.{i}.mlp.gate", f"model.layers.{i}.self_attn.indexers_proj"]

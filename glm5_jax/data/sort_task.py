@@ -1,4 +1,4 @@
-"""The generated "sort" source: sort 6 digits, demonstrated by a noisy teacher (ASYNC_RL.md §7).
+"""The generated "sort" source: sort 6 digits, demonstrated by a noisy teacher (docs/training.md#the-sort-task).
 
 A document is ``S d1 .. d6 = a1 .. a6 <eos>`` over a fixed 14-token vocabulary. The teacher writes
 the digits in ascending order, but in half of the demos (`TEACHER_SWAP_PROB`) it swaps two adjacent
