@@ -10,6 +10,7 @@ the output directory is created.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +46,7 @@ def config_from_hf(hf: dict, hf_dir: str, dtype: str) -> ModelConfig:
 def config_to_json(cfg: ModelConfig) -> dict:
     fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
     fields["rope_scaling"] = cfg.rope_scaling_dict
+    fields["runtime"] = dataclasses.asdict(cfg.runtime)     # config_from_json turns it back into a RuntimeConfig
     return json.loads(json.dumps(fields))
 
 
