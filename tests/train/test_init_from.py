@@ -114,3 +114,29 @@ def test_converter_output_restores_onto_a_sharded_fp32_run(tmp_path):
         np.testing.assert_array_equal(got[k], np.asarray(w, np.float32), err_msg=k)
     wq = jax.tree.leaves(state.params)[0]
     assert len(wq.sharding.device_set) == 4                         # placed on the run's mesh
+
+
+def test_hf_checkpoint_step0_loss_equals_transformers_loss(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from glm5_jax.hf_checkpoint import load_hf
+    from tests.convert.convert_helpers import save_hf_model
+
+    hf_dir = save_hf_model(str(tmp_path / "hf"))                   # index_topk 8 < T: real top-k selection
+    model_cfg, _ = load_hf(hf_dir)                                 # the architecture (MTP dropped: not saved)
+    cfg = dataclasses.replace(small("train.stage=sparse", f"train.init_from={hf_dir}"),
+                              model=model_cfg.replace(remat_policy="none"), mesh=MeshConfig(data=1, fsdp=1))
+    trainer = Trainer(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    state, start = initial_state(trainer, hf_dir)
+    B, T = 2, 12
+    tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (B, T)).astype(np.int32)
+    batch = {"tokens": tokens, "segment_ids": np.ones((B, T), np.int32),
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
+    _, metrics = trainer.step(state, trainer.put_batch(batch))
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        want = hf(torch.as_tensor(tokens, dtype=torch.long), labels=torch.as_tensor(tokens, dtype=torch.long)).loss
+    assert start == 0
+    np.testing.assert_allclose(float(metrics["lm_loss"]), float(want), rtol=1e-4)
