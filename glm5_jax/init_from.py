@@ -116,25 +116,6 @@ def _restore_orbax(source: Source, abstract: dict) -> dict:
         abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
 
 
-def _hf_plan(source: Source):
-    from glm5_jax.config import ModelConfig
-    from glm5_jax.convert.hf_to_orbax import read_hf_config
-    from glm5_jax.convert.hub_reader import HubReader
-    from glm5_jax.convert.plan import build_plan
-    from glm5_jax.safetensors_io import SafetensorsCheckpoint
-
-    hf = read_hf_config(source.path)
-    cfg = ModelConfig.from_hf(hf)
-    ckpt = SafetensorsCheckpoint(source.path)
-    if cfg.num_nextn_predict_layers and not any(k.startswith(f"model.layers.{cfg.num_hidden_layers}.")
-                                                for k in ckpt.keys()):
-        cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)     # save_pretrained drops MTP weights
-    block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
-    reader = HubReader(ckpt, block)
-    plan = build_plan(cfg)
-    return reader, plan
-
-
 def _read_hf(reader, plan, abstract: dict) -> dict:
     from glm5_jax.convert.hub_reader import read_leaf_slice
 
@@ -154,25 +135,33 @@ def _read_hf(reader, plan, abstract: dict) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------- entry point
-def initial_state(trainer, path: str, *, keep_optimizer: bool = False, keep_step: bool = False, seed: int = 0):
-    """(TrainState on the trainer's mesh, start step) for a new run initialised from `path`."""
+# ---------------------------------------------------------------------------------------- entry points
+def load_weights(path: str, wanted: dict) -> tuple[dict, Source]:
+    """({"params", "moe_bias"} from `path`, placed and cast per `wanted`'s ShapeDtypeStructs, source)."""
     source = find_source(path)
-    abstract = trainer.abstract_state
-    wanted = {c: getattr(abstract, c) for c in WEIGHTS if jax.tree.leaves(getattr(abstract, c))}
-    if (keep_optimizer or keep_step) and source.kind != "train":
-        raise ValueError(f"train.init_from: {source.describe()} has no optimizer state or step, only a train.py "
-                         f"run has (unset train.init_keep_optimizer / train.init_keep_step)")
+    wanted = {c: wanted[c] for c in WEIGHTS if c in wanted and jax.tree.leaves(wanted[c])}
     if source.kind == "hf":
-        reader, plan = _hf_plan(source)
+        from glm5_jax.convert.hf_to_orbax import open_hub
+
+        _, _, reader, plan = open_hub(source.path, "float32")
         stored = {"/".join((leaf.collection,) + leaf.path): leaf.shape for leaf in plan}
         check_same_architecture(stored, _leaf_shapes(wanted), path)
-        weights = _read_hf(reader, plan, wanted)
-    else:
-        stored_tree = _stored_tree(source)
-        stored = _leaf_shapes({c: stored_tree[c] for c in WEIGHTS if c in stored_tree})
-        check_same_architecture(stored, _leaf_shapes(wanted), path)
-        weights = _restore_orbax(source, wanted)
+        return _read_hf(reader, plan, wanted), source
+    stored_tree = _stored_tree(source)
+    stored = _leaf_shapes({c: stored_tree[c] for c in WEIGHTS if c in stored_tree})
+    check_same_architecture(stored, _leaf_shapes(wanted), path)
+    return _restore_orbax(source, wanted), source
+
+
+def initial_state(trainer, path: str, *, keep_optimizer: bool = False, keep_step: bool = False, seed: int = 0):
+    """(TrainState on the trainer's mesh, start step) for a new run initialised from `path`."""
+    abstract = trainer.abstract_state
+    if keep_optimizer or keep_step:
+        source = find_source(path)
+        if source.kind != "train":
+            raise ValueError(f"train.init_from: {source.describe()} has no optimizer state or step, only a "
+                             f"train.py run has (unset train.init_keep_optimizer / train.init_keep_step)")
+    weights, source = load_weights(path, {c: getattr(abstract, c) for c in WEIGHTS})
     state = trainer.state_from_weights(weights["params"], weights.get("moe_bias", {}), seed)
     if keep_optimizer or keep_step:
         state = _keep_from_train_run(trainer, source, state, keep_optimizer, keep_step)
