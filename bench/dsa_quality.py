@@ -205,6 +205,7 @@ def main():
 
     print(f"dense-only arm: {total} dense steps")
     dense_only, dense_only_hist = train_stage(stage_config(base, "dense", total), mesh, None, batches, log_every)
+    dense_only = jax.device_get(dense_only)
     print(f"chain arm: {steps['dense']} dense -> {steps['warmup']} warm-up -> {steps['sparse']} sparse")
     chain_hist, weights, offset = {}, None, 0
     after = {}
@@ -213,7 +214,7 @@ def main():
         weights, chain_hist[stage] = train_stage(cfg, mesh, weights, batches[offset:offset + steps[stage]], log_every,
                                                  probe=recall_probe)
         offset += steps[stage]
-        after[stage] = weights
+        after[stage] = jax.device_get(weights)          # host copies: the next stage's steps donate theirs
 
     results = {
         "config": "configs/dsa_adoption.py", "steps": steps, "total_steps": total,

@@ -140,3 +140,18 @@ def test_hf_checkpoint_step0_loss_equals_transformers_loss(tmp_path):
         want = hf(torch.as_tensor(tokens, dtype=torch.long), labels=torch.as_tensor(tokens, dtype=torch.long)).loss
     assert start == 0
     np.testing.assert_allclose(float(metrics["lm_loss"]), float(want), rtol=1e-4)
+
+
+def test_rl_policy_starts_from_the_sft_run_through_the_same_reader(dense_run):
+    from glm5_jax.rl.policy import Policy, rl_model_config
+    from glm5_jax.rl.sft import load_sft_variables
+
+    cfg = small("train.stage=dense", "train.steps=2")
+    mesh_cfg = MeshConfig(data=1, fsdp=1)
+    policy = Policy(rl_model_config(cfg.model), build_mesh(mesh_cfg, jax.devices()[:1]), mesh_cfg.rules)
+    got = _flat(load_sft_variables(cfg, dense_run, policy))
+    _, want, _ = load_for_inference(dense_run)
+    want = _flat(want)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    with pytest.raises(FileNotFoundError, match="no finished SFT checkpoint \\(step 5\\)"):
+        load_sft_variables(small("train.steps=5"), dense_run, policy)
