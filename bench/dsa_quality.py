@@ -12,11 +12,15 @@ Measured on held-out rows of the embedded corpus:
   query with more than index_topk visible keys) and the share of dense attention mass on the indexer's
   top-k, along the chain.
 
-    python bench/dsa_quality.py --out=bench/results/dsa_quality.json      # ~10-15 min on 2 cores
-    python bench/dsa_quality.py --tiny --out=/tmp/dsa_quality.json         # seconds: plumbing check
+    python bench/dsa_quality.py --out=bench/results/dsa_quality.json      # full: 400 steps per arm
+    python bench/dsa_quality.py --tiny --out=/tmp/dsa_quality.json         # plumbing check (compiles dominate)
 
-Steps of each arm: the stage schedule of configs/dsa_adoption.py (dense-only runs their sum). Timings
-on a loaded machine do not matter here; the losses do not depend on machine load.
+`--steps_scale=2` doubles every stage. Each history record carries the seconds since its stage began
+(compile included).
+
+Steps of each arm: the stage schedule of configs/dsa_adoption.py (dense-only runs their sum); sized for
+~10-15 min on 2 quiet cores, which was not measured (this machine ran at load ~20). Timings
+on a loaded machine do not matter here: the losses do not depend on machine load.
 """
 import argparse
 import dataclasses
@@ -147,16 +151,17 @@ def train_stage(cfg, mesh, weights, batches, log_every, probe=None):
     state = (trainer.init_state(cfg.train.seed) if weights is None
              else trainer.state_from_weights(*weights, seed=cfg.train.seed))
     history = []
+    t0 = time.perf_counter()
     for i, b in enumerate(batches):
         state, metrics = trainer.step(state, trainer.put_batch(b))
         if (i + 1) % log_every == 0 or i + 1 == len(batches):
             rec = {"step": i + 1, **{k: float(v) for k, v in jax.device_get(metrics).items()
-                                     if k in ("lm_loss", "indexer_loss")}}
+                                     if k in ("lm_loss", "indexer_loss")}, "seconds": time.perf_counter() - t0}
             if probe is not None:
                 rec.update(probe(state.params, state.moe_bias))
             history.append(rec)
             print(f"  {cfg.train.stage:6s} step {i + 1:4d}  " + "  ".join(f"{k} {v:.4f}" for k, v in rec.items()
-                                                                       if k != "step"), flush=True)
+                                                                       if k not in ("step", "seconds")), flush=True)
     return (state.params, state.moe_bias), history
 
 
@@ -165,6 +170,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "dsa_quality.json"))
     ap.add_argument("--workdir", default="/tmp/glm5_dsa_quality", help="tokenizer cache")
     ap.add_argument("--tiny", action="store_true", help="a few steps of each stage: checks the plumbing")
+    ap.add_argument("--steps_scale", type=float, default=1.0, help="multiplies every stage's steps")
     ap.add_argument("--eval_batches", type=int, default=8)
     ap.add_argument("--span", type=int, default=8)
     ap.add_argument("--log_every", type=int, default=20)
@@ -173,7 +179,8 @@ def main():
     from configs.dsa_adoption import STAGE_SCHEDULE
 
     base = load_config_file(CONFIG)
-    steps = TINY_STEPS if args.tiny else {s: STAGE_SCHEDULE[s]["steps"] for s in STAGES}
+    steps = TINY_STEPS if args.tiny else {s: max(1, round(STAGE_SCHEDULE[s]["steps"] * args.steps_scale))
+                                          for s in STAGES}
     eval_batches = 1 if args.tiny else args.eval_batches
     log_every = 1 if args.tiny else args.log_every
     total = sum(steps.values())
