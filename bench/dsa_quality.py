@@ -56,10 +56,6 @@ TINY_STEPS = {"dense": 4, "warmup": 3, "sparse": 3}
 
 
 # ------------------------------------------------------------------------------------------ evaluation
-def _logits(out):
-    return out.logits if hasattr(out, "logits") else out
-
-
 def make_token_nll(model_cfg):
     """jit(params, moe_bias, tokens) -> (NLL [B, T-1] of token t+1 given <= t, argmax hit [B, T-1])."""
     model = Transformer(model_cfg)
@@ -67,8 +63,8 @@ def make_token_nll(model_cfg):
     def nll(params, moe_bias, tokens_BT):
         B, T = tokens_BT.shape
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits = _logits(model.apply({"params": params, BIAS_COLLECTION: moe_bias}, tokens_BT, positions=positions,
-                                     segment_ids=jnp.ones((B, T), jnp.int32))).astype(jnp.float32)[:, :-1]
+        logits = model.apply({"params": params, BIAS_COLLECTION: moe_bias}, tokens_BT, positions=positions,
+                             segment_ids=jnp.ones((B, T), jnp.int32)).logits.astype(jnp.float32)[:, :-1]
         logp = jax.nn.log_softmax(logits, axis=-1)
         target = tokens_BT[:, 1:]
         return -jnp.take_along_axis(logp, target[..., None], -1)[..., 0], jnp.argmax(logits, -1) == target
@@ -101,11 +97,11 @@ def make_indexer_metrics(model_cfg, abstract_args):
     for metric in ("recall", "mass"):
         def run(params, moe_bias, tokens_BT):
             B, T = tokens_BT.shape
-            _, aux = model.apply({"params": params, BIAS_COLLECTION: moe_bias}, tokens_BT,
-                                 positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-                                 segment_ids=jnp.ones((B, T), jnp.int32), return_aux=True)
-            aux = aux if isinstance(aux, dict) else dataclasses.asdict(aux)
-            return jnp.mean(aux["indexer_kl"])
+            stats = model.apply({"params": params, BIAS_COLLECTION: moe_bias}, tokens_BT,
+                                positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+                                segment_ids=jnp.ones((B, T), jnp.int32)).stats
+            has = stats.has_indexer_kl
+            return jnp.sum(jnp.where(has, stats.indexer_kl, 0.0)) / jnp.maximum(jnp.sum(has), 1)
         with mock.patch.object(indexer_kl_ops, "indexer_kl_loss", indexer_vs_dense(metric, model_cfg.index_topk)):
             fns[metric] = jax.jit(run).lower(*abstract_args).compile()     # traced while patched
     return lambda params, moe_bias, tokens: {m: float(f(params, moe_bias, tokens)) for m, f in fns.items()}
