@@ -27,6 +27,12 @@ class TrainConfig:
     steps: int = 200
     stage: str = "sparse"                  # "dense" | "warmup" | "sparse" (DESIGN §3, spec §7)
     seed: int = 0
+    # starting point of a new run (ignored once the workdir holds a checkpoint: that resumes): a train.py
+    # workdir of any stage, a converter output (hf-to-orbax) or a Hugging Face directory; params and
+    # routing bias are taken, the optimizer and step start fresh unless kept (train.py sources only)
+    init_from: str | None = None
+    init_keep_optimizer: bool = False
+    init_keep_step: bool = False
     # optimisation
     optimizer: str = "adamw"               # "adamw" | "muon" (Muon Split: per-head orthogonalisation)
     learning_rate: float = 3e-3
@@ -56,6 +62,8 @@ class TrainConfig:
             raise ValueError(f"train.stage={self.stage!r}: must be one of {STAGES}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
+        if (self.init_keep_optimizer or self.init_keep_step) and not self.init_from:
+            raise ValueError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
         for f in ("steps", "grad_accum", "log_every", "eval_every", "checkpoint_every", "max_to_keep"):
             if getattr(self, f) < 1:
                 raise ValueError(f"train.{f}={getattr(self, f)}: must be >= 1")

@@ -30,7 +30,7 @@ def _model_config(fields: dict, where: str) -> ModelConfig:
         raise CheckpointError(f"{where}: stored model config is invalid: {e}") from None
 
 
-def _locate(path: str, step: int | None):
+def locate_checkpoint(path: str, step: int | None):
     """(manager directory, step, ModelConfig) for a train workdir, its checkpoints/ or a converter dir."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
@@ -71,7 +71,7 @@ def latest_step(path: str) -> int:
 
 def load_for_inference(path: str, step: int | None = None, sharding=None):
     """(ModelConfig, variables {"params", "moe_bias"}, step) from an orbax checkpoint directory."""
-    directory, step, cfg = _locate(path, step)
+    directory, step, cfg = locate_checkpoint(path, step)
     state_dir = os.path.join(directory, str(step), "state")
     tree = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
     missing = [c for c in COLLECTIONS if c not in tree and not (c == "moe_bias" and not cfg.n_routed_experts)]

@@ -82,6 +82,14 @@ class Trainer:
             init = jax.jit(lambda r: meta.unbox(self._init_boxed_jit(r)), out_shardings=self.state_shardings)
             return init(jax.random.PRNGKey(seed))
 
+    def state_from_weights(self, params, moe_bias, seed: int) -> TrainState:
+        """A step-0 state around given (already placed) weights: fresh optimizer state, the seed's RNG."""
+        with self._context():
+            opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        _, rng = jax.random.split(jax.random.PRNGKey(seed))
+        return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step), params=params,
+                          opt_state=opt_state, moe_bias=moe_bias, rng=jax.device_put(rng, self.state_shardings.rng))
+
     def _context(self):
         return _MeshAndRules(self.mesh, self.rules)
 

@@ -12,6 +12,7 @@ import numpy as np
 from glm5_jax.checkpointing import RunCheckpoints, config_as_json
 from glm5_jax.data import build_data_pipeline
 from glm5_jax.flops import measure_matmul_peak, train_flops_per_token
+from glm5_jax.init_from import initial_state, reuse_tokenizer
 from glm5_jax.sharding import build_mesh, check_mesh_fits_model
 from glm5_jax.train_step import Trainer
 
@@ -75,20 +76,27 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     is_main = jax.process_index() == 0
     mesh = build_mesh(exp_cfg.mesh)
     check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size)
+    train = exp_cfg.train
+    ckpt = RunCheckpoints(workdir, max_to_keep=train.max_to_keep, async_save=train.async_checkpointing)
+    start = ckpt.latest_step()
+    if train.init_from and start is None and exp_cfg.data.tokenizer_path is None and is_main:
+        reuse_tokenizer(train.init_from, workdir)
     pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main)
     if pipeline.tokenizer.vocab_size > exp_cfg.model.vocab_size:
         raise ValueError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{exp_cfg.model.vocab_size}; raise model.vocab_size")
     trainer = Trainer(exp_cfg, mesh)
     train_iter = iter(pipeline.train_dataset())
-    ckpt = RunCheckpoints(workdir, max_to_keep=exp_cfg.train.max_to_keep, async_save=exp_cfg.train.async_checkpointing)
-    start = ckpt.latest_step()
-    if start is None:
-        state, start = trainer.init_state(exp_cfg.train.seed), 0
+    if start is None and train.init_from:
+        state, start = initial_state(trainer, train.init_from, keep_optimizer=train.init_keep_optimizer,
+                                     keep_step=train.init_keep_step, seed=train.seed)
+    elif start is None:
+        state, start = trainer.init_state(train.seed), 0
         log.info("initialised a new run in %s", workdir)
     else:
         state, _ = ckpt.restore(start, trainer.abstract_state, train_iter)
-        log.info("resumed from step %d", start)
+        log.info("resumed from step %d%s", start, f" (train.init_from={train.init_from} is not used: {workdir} "
+                 f"already holds this run's checkpoints)" if train.init_from else "")
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_as_json(exp_cfg), f, indent=1)

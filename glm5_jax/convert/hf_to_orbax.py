@@ -76,10 +76,9 @@ def prefetched(items, build, name: str = "convert-prefetch"):
             del result
 
 
-def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | None = None,
-                overwrite: bool = False, stream=None) -> dict:
-    """Convert; returns the summary (tensors, bytes read, seconds, bytes/s, peak RSS)."""
-    check_output_dir(out_dir, overwrite)
+def open_hub(hf_dir: str, dtype: str):
+    """(config.json dict, ModelConfig, HubReader, leaf plan) of a hub checkpoint directory; a checkpoint
+    without MTP weights (HF save_pretrained drops them) plans no MTP module."""
     hf = read_hf_config(hf_dir)
     cfg = config_from_hf(hf, hf_dir, dtype)
     ckpt = SafetensorsCheckpoint(hf_dir)
@@ -91,10 +90,17 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
                           quant_scale_dtype=_scale_dtype_name(ckpt.ckpt, ckpt.packed))
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in ckpt.keys()):
-        cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)     # HF save_pretrained drops MTP weights
+        cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)
     block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
-    reader = HubReader(ckpt, block)
-    plan = build_plan(cfg)
+    return hf, cfg, HubReader(ckpt, block), build_plan(cfg)
+
+
+def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | None = None,
+                overwrite: bool = False, stream=None) -> dict:
+    """Convert; returns the summary (tensors, bytes read, seconds, bytes/s, peak RSS)."""
+    check_output_dir(out_dir, overwrite)
+    hf, cfg, reader, plan = open_hub(hf_dir, dtype)
+    ckpt = reader.ckpt
     reader.check(plan)
     device_mesh = parse_mesh(mesh)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from glm5_jax.config import DTYPES
 from glm5_jax.experiment import apply_overrides, load_config_file
 from glm5_jax.sharding import MeshConfig
 
@@ -29,6 +30,10 @@ class RLConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 7
+    # compute dtype of the sampler's forward passes ("": the model's own); the learner always computes in
+    # the model's dtype, so e.g. "bfloat16" against a float32 model measures the sampler/learner precision
+    # mismatch (the per-version keep_fraction and ratio_dev = mean |r - 1| in rl_metrics.jsonl)
+    sampler_dtype: str = ""
     # loss (ASYNC_RL.md §4): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
     loss: str = "dis"
     eps_low: float = 0.2
@@ -64,6 +69,7 @@ class RLConfig:
         need(self.temperature > 0, "temperature", "must be > 0")
         need(0 < self.top_p <= 1, "top_p", "must lie in (0, 1]")
         need(self.top_k >= 0, "top_k", "must be >= 0")
+        need(self.sampler_dtype in ("", *DTYPES), "sampler_dtype", f"must be '' or one of {DTYPES}")
         need(self.eval_every >= 0, "eval_every", "must be >= 0")
         need(self.max_to_keep == 0 or self.max_to_keep >= self.tau + 2, "max_to_keep",
              f"must be 0 (auto) or >= tau + 2 = {self.tau + 2} so a lockstep generator finds its version")

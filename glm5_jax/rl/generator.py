@@ -24,7 +24,7 @@ import numpy as np
 from glm5_jax.generate import generate
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.handoff import PolicyReader
-from glm5_jax.rl.policy import Policy, rl_model_config
+from glm5_jax.rl.policy import Policy, sampler_model_config
 from glm5_jax.rl.tasks import make_task
 from glm5_jax.sharding import build_mesh
 
@@ -57,7 +57,8 @@ class Generator:
         self.task = make_task(self.rl.task)
         self.dirs = ro.RolloutDirs(self.workdir)
         self.reader = PolicyReader(self.workdir)
-        self.policy = Policy(rl_model_config(sft_cfg.model), build_mesh(exp.mesh), exp.mesh.rules)
+        self.policy = Policy(sampler_model_config(sft_cfg.model, self.rl.sampler_dtype), build_mesh(exp.mesh),
+                             exp.mesh.rules)
         self._meta_cache: dict[int, dict] = {}
         self._loaded: tuple[int, dict] | None = None
 

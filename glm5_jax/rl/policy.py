@@ -27,6 +27,12 @@ def rl_model_config(sft_model_cfg):
     return decode_config(sft_model_cfg).replace(attention_mode="sparse", indexer_loss="none")
 
 
+def sampler_model_config(sft_model_cfg, sampler_dtype: str = ""):
+    """The generator's model: the RL model, computing in `sampler_dtype` when set (same parameters)."""
+    cfg = rl_model_config(sft_model_cfg)
+    return cfg.replace(dtype=sampler_dtype) if sampler_dtype else cfg
+
+
 class Policy:
     """Model, abstract variables with this mesh's shardings, and the jitted helpers that need the mesh."""
 

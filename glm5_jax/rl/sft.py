@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 import os
 
-import orbax.checkpoint as ocp
-
 from glm5_jax.moe import BIAS_COLLECTION
 
 log = logging.getLogger("glm5_jax.rl")
@@ -41,23 +39,15 @@ def ensure_sft(sft_cfg, sft_workdir: str) -> int:
 
 
 def load_sft_variables(sft_cfg, sft_workdir: str, policy) -> dict:
-    """{"params", "moe_bias"} of the final SFT step, placed on `policy`'s mesh (restores only `state`)."""
-    import jax
+    """{"params", "moe_bias"} of the final SFT step, placed on `policy`'s mesh (train.init_from's reader:
+    only the weights are read, and a model that does not fit names the first differing parameter)."""
+    from glm5_jax.init_from import load_weights
 
-    from glm5_jax.train_step import Trainer
-
-    step = final_sft_step(sft_cfg, sft_workdir)
-    if step is None:
+    if final_sft_step(sft_cfg, sft_workdir) is None:
         raise FileNotFoundError(f"no finished SFT checkpoint (step {sft_cfg.train.steps}) under "
                                 f"{sft_checkpoint_dir(sft_workdir)}")
-    abstract_state = Trainer(sft_cfg, policy.mesh).abstract_state
-    manager = ocp.CheckpointManager(sft_checkpoint_dir(sft_workdir), item_names=("state", "data", "meta"),
-                                    options=ocp.CheckpointManagerOptions(read_only=True))
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
-    manager.close()
-    variables = {"params": state.params, BIAS_COLLECTION: state.moe_bias}
-    # same tree as the policy's (RL drops nothing the SFT model has: MTP weights exist only if configured)
-    return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), variables, policy.abstract_variables)
+    weights, _ = load_weights(sft_workdir, policy.abstract_variables)
+    return {"params": weights["params"], BIAS_COLLECTION: weights.get("moe_bias", {})}
 
 
 def main(argv):
