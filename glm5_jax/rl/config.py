@@ -26,8 +26,8 @@ class RLConfig:
     prompts_per_batch: int = 32
     group_size: int = 8                 # G completions per prompt (GRPO group)
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    top_p: float = 1.0                  # top_p / top_k truncate the sampling distribution; the learner's
+    top_k: int = 0                      # log-probs renormalise over the same kept set (ratio 1 on-policy)
     max_new_tokens: int = 7
     # loss (ASYNC_RL.md §4): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
     loss: str = "dis"
