@@ -84,6 +84,12 @@ def test_rollouts_sampled_with_other_settings_are_rejected():
             check_sampled_like({"sampler": recorded}, rl)
 
 
+def test_top_k_beyond_the_vocabulary_is_refused():
+    exp = RLExperiment(rl=RLConfig(top_k=SFT.model.vocab_size + 1))
+    with pytest.raises(ValueError, match=f"top_k={SFT.model.vocab_size + 1}: must be in"):
+        Learner(exp, "/nonexistent-unused", SFT, "/nonexistent-unused")
+
+
 def test_drops_rejects_and_crash_resume_are_exact(setup, tmp_path):
     exp, variables, batches = setup
     clean = _start_run(tmp_path / "clean", exp, variables, batches)
