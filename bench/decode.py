@@ -21,6 +21,7 @@ with 1) against the read bandwidth of a large array reduction measured in the sa
     python bench/decode.py --batches=1 --prompt_len=32 --new_tokens=8 --reps=1    # smoke run
 """
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -165,7 +166,7 @@ def main(argv=None):
     for dtype in dtypes:
         cfg = cfg32.replace(dtype=dtype, param_dtype=dtype)
         variables = {**variables32, "params": jax.tree.map(lambda x: x.astype(dtype), variables32["params"])}
-        hf_model = hf_model32.to(getattr(torch, dtype))
+        hf_model = copy.deepcopy(hf_model32).to(getattr(torch, dtype))      # cast from the fp32 weights
         rng = np.random.default_rng(0)
         for batch in [int(b) for b in args.batches.split(",")]:
             prompt = rng.integers(2, cfg.vocab_size, (batch, args.prompt_len)).astype(np.int32)
