@@ -4,7 +4,7 @@ Model: configs/bench_small.py (random weights built by transformers, loaded into
 Prompt 512 random tokens, 128 new tokens, greedy, no EOS; batch 1 and 8. tokens/s counts new tokens over
 the whole call (prefill included) for both. Both sides run in the dtype(s) named by --dtypes, chosen before
 the run (each dtype is one row per batch: ours and HF with the same weights cast to it). HF uses its
-defaults: "sdpa" attention and its default cache, torch threads = --hf_threads (2, the cores XLA uses here).
+defaults: "sdpa" attention (--hf_attn) and its default cache, torch threads = --hf_threads (2, the cores XLA uses here).
 
 Timing: after one untimed call of each (ours compiles; HF's first generate), the three calls -- ours with
 128 new tokens, ours with 1 (its prefill), HF's generate -- alternate for --reps rounds, so every median
@@ -137,6 +137,8 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32", help="comma-separated; both sides run in each")
     p.add_argument("--reps", type=int, default=3, help="timed rounds (ours, ours prefill, HF alternate)")
     p.add_argument("--hf_threads", type=int, default=2, help="torch.set_num_threads for HF")
+    p.add_argument("--hf_attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="HF attn_implementation (sdpa: transformers' default for this model)")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -151,7 +153,7 @@ def main(argv=None):
     torch.set_num_threads(args.hf_threads)
     cfg32 = load_config_file(args.config).model.replace(dtype="float32", param_dtype="float32")
     torch.manual_seed(0)
-    hf_model32 = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg32.to_hf())).eval()
+    hf_model32 = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg32.to_hf(), attn_implementation=args.hf_attn)).eval()
     with tempfile.TemporaryDirectory() as d:
         hf_model32.save_pretrained(d)
         cfg_loaded, variables32 = load_hf(d, dtype="float32")
@@ -211,7 +213,8 @@ def print_row(r):
 
 
 def print_table(rows):
-    print("| batch | dtype | ours tok/s | HF tok/s | ratio | ours decode steps/s | ours prefill s | bandwidth fraction |")
+    print("| batch | dtype | ours tok/s | HF tok/s | ratio | ours decode steps/s | ours prefill s | "
+          "bandwidth fraction |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['dtype']} | {r['ours_tokens_per_sec']:.1f} | "

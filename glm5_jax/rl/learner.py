@@ -69,8 +69,8 @@ def watermark(next_ordinal: int, num_generators: int) -> dict[str, int]:
     return {str(g): max(0, -(-(next_ordinal - g) // num_generators)) for g in range(num_generators)}
 
 
-UPDATE_FIELDS = ("temperature", "top_p", "top_k", "loss", "eps_low", "eps_high", "icepop_beta", "learning_rate", "b1", "b2",
-                 "clip_norm")
+UPDATE_FIELDS = ("temperature", "top_p", "top_k", "loss", "eps_low", "eps_high", "icepop_beta", "learning_rate",
+                 "b1", "b2", "clip_norm")
 
 
 def rollout_sampler(rl) -> Sampler:

@@ -1,6 +1,8 @@
 """TITO consistency: the sampler's recorded log-probs equal the learner's recomputation of the same
 tokens under the same version (fp32, <= 1e-5), with ragged prompts, EOS stops, a temperature and
 top-p / top-k truncation."""
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,7 +72,7 @@ def test_token_outside_the_learners_kept_set_gets_ratio_zero_and_finite_loss():
 
     class Logits:                       # a stand-in model: fixed logits at every position
         def apply(self, variables, tokens, segment_ids):
-            return jnp.broadcast_to(variables["w"] * logits[0, 0], tokens.shape + (4,))
+            return SimpleNamespace(logits=jnp.broadcast_to(variables["w"] * logits[0, 0], tokens.shape + (4,)))
 
     def loss_of(w, kind):
         logp = completion_logprobs(Logits(), {"w": w}, jnp.array([[1]]), jnp.array([1]), jnp.array([[0, 3]]),

@@ -34,8 +34,9 @@ def packed_batch(vocab, rng):
 def hf_sum_loss(logits_LV, tokens_L, ahead):
     """Sum over positions t of -log p(tokens[t + ahead]) with HF's loss (which shifts labels by one)."""
     L = len(tokens_L) - (ahead - 1)
-    loss = ForCausalLMLoss(torch.as_tensor(np.asarray(logits_LV[None, :L])), torch.as_tensor(tokens_L[None, ahead - 1:]).long(),
-                           vocab_size=logits_LV.shape[-1], num_items_in_batch=torch.tensor(1))
+    loss = ForCausalLMLoss(torch.as_tensor(np.asarray(logits_LV[None, :L])),
+                           torch.as_tensor(tokens_L[None, ahead - 1:]).long(), vocab_size=logits_LV.shape[-1],
+                           num_items_in_batch=torch.tensor(1))
     return float(loss), L - 1
 
 
