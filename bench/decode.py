@@ -2,21 +2,29 @@
 
 Model: configs/bench_small.py (random weights built by transformers, loaded into ours with load_hf).
 Prompt 512 random tokens, 128 new tokens, greedy, no EOS; batch 1 and 8. tokens/s counts new tokens over
-the whole call (prefill included) for both. Ours runs in bf16 (weights cast once) and in fp32 and reports
-the faster as ``ours_tokens_per_sec`` (XLA:CPU has no native bf16 matmul, so fp32 often wins here); HF runs
-in fp32 (torch CPU, eager attention, its default cache).
+the whole call (prefill included) for both. Both sides run in the dtype(s) named by --dtypes, chosen before
+the run (each dtype is one row per batch: ours and HF with the same weights cast to it). HF uses its
+defaults: "sdpa" attention (--hf_attn) and its default cache, torch threads = --hf_threads (2, the cores XLA uses here).
+
+Timing: after one untimed call of each (ours compiles; HF's first generate), the three calls -- ours with
+128 new tokens, ours with 1 (its prefill), HF's generate -- alternate for --reps rounds, so every median
+sees the same machine state; each side reports the median of the same number of runs.
 
 ``bandwidth_fraction``: decode on a CPU is bound by memory reads, so it compares the bytes a decode step
 must read -- the weights it touches (dense parts, the lm head, and per MoE layer the experts that the
 batch can route to: min(E, B * top_k)) plus the cache entries DSA reads (every visible indexer key, the
-selected latent rows) -- times decode steps/s (from the call with 128 new tokens minus the one with 1)
-against the read bandwidth of a large array reduction measured in the same run.
+selected latent rows) -- times decode steps/s (from the median call with 128 new tokens minus the median
+with 1) against the read bandwidth of a large array reduction measured in the same run.
 
-    python bench/decode.py --out=bench/results/decode.json
+    python bench/decode.py --out=bench/results/decode.json                        # float32, batch 1 and 8
+    python bench/decode.py --dtypes=float32,bfloat16 --out=bench/results/decode.json
+    python bench/decode.py --batches=1 --prompt_len=32 --new_tokens=8 --reps=1    # smoke run
 """
 import argparse
+import copy
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -28,11 +36,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.timing import interleaved_seconds  # noqa: E402
 from glm5_jax import load_hf  # noqa: E402
 from glm5_jax.experiment import load_config_file  # noqa: E402
 from glm5_jax.generate import prepare_generate  # noqa: E402
 from glm5_jax.kv_cache import cache_bytes_per_token  # noqa: E402
 from glm5_jax.layer_plan import layer_kinds  # noqa: E402
+
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
 def read_bandwidth(nbytes=1 << 30, reps=5):
@@ -78,29 +90,42 @@ def cache_bytes_per_step(cfg, batch, length, itemsize):
     return batch * per_row * itemsize
 
 
-def time_ours(cfg, variables, prompt, n_new, reps):
-    lengths = np.full((prompt.shape[0],), prompt.shape[1], np.int32)
-    fn, args = prepare_generate(cfg, variables, prompt, lengths, max_new_tokens=n_new, temperature=0.0)
-    compiled = fn.lower(*args).compile()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(compiled(*args))
-        best = min(best, time.perf_counter() - t0)
-    assert int(out.lengths.min()) == n_new
-    return best, np.asarray(out.tokens)
+class OursDecode:
+    """Our generate, compiled for one prompt batch; calling it runs it -> seconds (tokens kept)."""
 
+    def __init__(self, cfg, variables, prompt, n_new):
+        lengths = np.full((prompt.shape[0],), prompt.shape[1], np.int32)
+        fn, self.args = prepare_generate(cfg, variables, prompt, lengths, max_new_tokens=n_new, temperature=0.0)
+        self.compiled = fn.lower(*self.args).compile()
+        self.n_new, self.tokens = n_new, None
 
-def time_hf(model, prompt, n_new, threads):
-    import torch
-    torch.set_num_threads(threads)
-    ids = torch.as_tensor(prompt, dtype=torch.long)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)   # warm-up
+    def __call__(self) -> float:
         t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+        out = jax.block_until_ready(self.compiled(*self.args))
         seconds = time.perf_counter() - t0
-    return seconds, out[:, prompt.shape[1]:].numpy()
+        if int(out.lengths.min()) != self.n_new:
+            raise RuntimeError(f"a row stopped before {self.n_new} new tokens")
+        self.tokens = np.asarray(out.tokens)
+        return seconds
+
+
+class HFDecode:
+    """transformers' greedy `generate` of exactly n_new tokens; calling it -> seconds (tokens kept)."""
+
+    def __init__(self, model, prompt, n_new):
+        import torch
+        self.model, self.n_new, self.tokens = model, n_new, None
+        self.ids = torch.as_tensor(prompt, dtype=torch.long)
+
+    def __call__(self) -> float:
+        import torch
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = self.model.generate(self.ids, max_new_tokens=self.n_new, min_new_tokens=self.n_new,
+                                      do_sample=False, pad_token_id=0)
+            seconds = time.perf_counter() - t0
+        self.tokens = out[:, self.ids.shape[1]:].numpy()
+        return seconds
 
 
 def main(argv=None):
@@ -109,62 +134,68 @@ def main(argv=None):
     p.add_argument("--batches", default="1,8")
     p.add_argument("--prompt_len", type=int, default=512)
     p.add_argument("--new_tokens", type=int, default=128)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--hf_threads", type=int, default=2)
+    p.add_argument("--dtypes", default="float32", help="comma-separated; both sides run in each")
+    p.add_argument("--reps", type=int, default=3, help="timed rounds (ours, ours prefill, HF alternate)")
+    p.add_argument("--hf_threads", type=int, default=2, help="torch.set_num_threads for HF")
+    p.add_argument("--hf_attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="HF attn_implementation (sdpa: transformers' default for this model)")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    for dtype in dtypes:
+        if dtype not in ITEMSIZE:
+            raise SystemExit(f"--dtypes: {dtype!r} is not one of {sorted(ITEMSIZE)}")
 
     import torch
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
+    torch.set_num_threads(args.hf_threads)
     cfg32 = load_config_file(args.config).model.replace(dtype="float32", param_dtype="float32")
     torch.manual_seed(0)
-    hf_model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg32.to_hf(), attn_implementation="eager")).eval()
+    hf_model32 = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg32.to_hf(), attn_implementation=args.hf_attn)).eval()
     with tempfile.TemporaryDirectory() as d:
-        hf_model.save_pretrained(d)
+        hf_model32.save_pretrained(d)
         cfg_loaded, variables32 = load_hf(d, dtype="float32")
     cfg32 = cfg32.replace(num_nextn_predict_layers=cfg_loaded.num_nextn_predict_layers,
                           mtp_depth=cfg_loaded.mtp_depth)
-    cfg16 = cfg32.replace(dtype="bfloat16", param_dtype="bfloat16")
-    variables16 = {**variables32, "params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables32["params"])}
 
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; cache bytes per token (bf16) "
-          f"{cache_bytes_per_token(cfg16)}; prompt {args.prompt_len}, new tokens {args.new_tokens}")
+          f"{cache_bytes_per_token(cfg32, 'bfloat16')}; prompt {args.prompt_len}, new tokens {args.new_tokens}; "
+          f"HF attention {hf_model32.config._attn_implementation}, {args.hf_threads} torch threads")
     rows = []
-    rng = np.random.default_rng(0)
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompt = rng.integers(2, cfg32.vocab_size, (batch, args.prompt_len)).astype(np.int32)
-        row = {"batch": batch}
-        for name, cfg, variables in (("bf16", cfg16, variables16), ("fp32", cfg32, variables32)):
-            total, tokens = time_ours(cfg, variables, prompt, args.new_tokens, args.reps)
-            prefill, _ = time_ours(cfg, variables, prompt, 1, args.reps)
-            steps_per_sec = (args.new_tokens - 1) / max(total - prefill, 1e-9)
-            itemsize = 2 if name == "bf16" else 4
-            step_bytes = (weight_bytes_per_step(cfg, variables["params"], batch, itemsize) +
-                          cache_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2, itemsize))
-            row[f"ours_{name}_tokens_per_sec"] = batch * args.new_tokens / total
-            row[f"ours_{name}_decode_steps_per_sec"] = steps_per_sec
-            row[f"ours_{name}_bytes_per_step"] = step_bytes
-            row[f"ours_{name}_bandwidth_fraction"] = step_bytes * steps_per_sec / bandwidth
-            row[f"ours_{name}_prefill_s"] = prefill
-            if name == "fp32":
-                fp32_tokens = tokens
-        best = max(("bf16", "fp32"), key=lambda n: row[f"ours_{n}_tokens_per_sec"])
-        row["ours_dtype"] = best                    # the faster weight/compute dtype on this machine
-        row["ours_tokens_per_sec"] = row[f"ours_{best}_tokens_per_sec"]
-        row["bandwidth_fraction"] = row[f"ours_{best}_bandwidth_fraction"]
-        if not args.skip_hf:
-            seconds, hf_tokens = time_hf(hf_model, prompt, args.new_tokens, args.hf_threads)
-            row["hf_tokens_per_sec"] = batch * args.new_tokens / seconds
-            row["ratio"] = row["ours_tokens_per_sec"] / row["hf_tokens_per_sec"]
-            row["fp32_greedy_agrees_with_hf"] = float(np.mean(fp32_tokens == hf_tokens))
-        rows.append(row)
-        print_row(row)
+    for dtype in dtypes:
+        cfg = cfg32.replace(dtype=dtype, param_dtype=dtype)
+        variables = {**variables32, "params": jax.tree.map(lambda x: x.astype(dtype), variables32["params"])}
+        hf_model = copy.deepcopy(hf_model32).to(getattr(torch, dtype))      # cast from the fp32 weights
+        rng = np.random.default_rng(0)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            prompt = rng.integers(2, cfg.vocab_size, (batch, args.prompt_len)).astype(np.int32)
+            calls = {"ours": OursDecode(cfg, variables, prompt, args.new_tokens),
+                     "ours_prefill": OursDecode(cfg, variables, prompt, 1)}
+            if not args.skip_hf:
+                calls["hf"] = HFDecode(hf_model, prompt, args.new_tokens)
+            times = interleaved_seconds(calls, args.reps, warmup=1)
+            median = {name: statistics.median(ts) for name, ts in times.items()}
+            steps_per_sec = (args.new_tokens - 1) / max(median["ours"] - median["ours_prefill"], 1e-9)
+            step_bytes = (weight_bytes_per_step(cfg, variables["params"], batch, ITEMSIZE[dtype]) +
+                          cache_bytes_per_step(cfg, batch, args.prompt_len + args.new_tokens // 2, ITEMSIZE[dtype]))
+            row = {"batch": batch, "dtype": dtype, "ours_tokens_per_sec": batch * args.new_tokens / median["ours"],
+                   "ours_decode_steps_per_sec": steps_per_sec, "ours_prefill_s": median["ours_prefill"],
+                   "ours_bytes_per_step": step_bytes, "bandwidth_fraction": step_bytes * steps_per_sec / bandwidth,
+                   "seconds": times}
+            if not args.skip_hf:
+                row["hf_tokens_per_sec"] = batch * args.new_tokens / median["hf"]
+                row["ratio"] = row["ours_tokens_per_sec"] / row["hf_tokens_per_sec"]
+                row["greedy_agrees_with_hf"] = float(np.mean(calls["ours"].tokens == calls["hf"].tokens))
+            rows.append(row)
+            print_row(row)
     result = {"config": args.config, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "read_bandwidth_bytes_per_sec": bandwidth, "cache_bytes_per_token": cache_bytes_per_token(cfg16),
-              "cache_bytes_per_token_glm5_bf16": _glm5_cache_bytes(), "hf_threads": args.hf_threads, "rows": rows}
+              "reps": args.reps, "statistic": "median", "read_bandwidth_bytes_per_sec": bandwidth,
+              "cache_bytes_per_token": cache_bytes_per_token(cfg32, "bfloat16"),
+              "cache_bytes_per_token_glm5_bf16": _glm5_cache_bytes(), "hf_threads": args.hf_threads,
+              "hf_attn_implementation": hf_model32.config._attn_implementation, "rows": rows}
     print_table(rows)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -182,15 +213,13 @@ def print_row(r):
 
 
 def print_table(rows):
-    print(f"| batch | ours bf16 tok/s | ours fp32 tok/s | HF tok/s | ratio | decode steps/s (best dtype) | "
-          f"bandwidth fraction |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch | dtype | ours tok/s | HF tok/s | ratio | ours decode steps/s | ours prefill s | "
+          "bandwidth fraction |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        steps = r[f"ours_{r['ours_dtype']}_decode_steps_per_sec"]
-        print(f"| {r['batch']} | {r['ours_bf16_tokens_per_sec']:.1f} | {r['ours_fp32_tokens_per_sec']:.1f} | "
+        print(f"| {r['batch']} | {r['dtype']} | {r['ours_tokens_per_sec']:.1f} | "
               f"{r.get('hf_tokens_per_sec', float('nan')):.1f} | {r.get('ratio', float('nan')):.2f} | "
-              f"{steps:.1f} ({r['ours_dtype']}) | "
-              f"{r['bandwidth_fraction']:.2f} |")
+              f"{r['ours_decode_steps_per_sec']:.1f} | {r['ours_prefill_s']:.2f} | {r['bandwidth_fraction']:.2f} |")
 
 
 if __name__ == "__main__":

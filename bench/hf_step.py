@@ -1,7 +1,10 @@
-"""Timing of one HF transformers GlmMoeDsaForCausalLM train step (torch CPU, eager attention, AdamW).
+"""Timing of one HF transformers GlmMoeDsaForCausalLM train step (torch CPU, AdamW).
 
 The baseline of bench/train_step.py: the same architecture built from ``ModelConfig.to_hf()`` with random
-weights, forward with ``labels`` (next-token loss), backward, ``torch.optim.AdamW.step``.
+weights in the config's dtype, forward with ``labels`` (next-token loss), backward,
+``torch.optim.AdamW.step``. Attention is transformers' default for this model, "sdpa"
+(torch.nn.functional.scaled_dot_product_attention); bench/train_step.py --hf_attn=eager times the eager
+form instead (both give the same loss).
 """
 from __future__ import annotations
 
@@ -13,14 +16,14 @@ import numpy as np
 class HFStep:
     """The HF model, its AdamW and a fixed random batch; calling it runs one train step -> seconds."""
 
-    def __init__(self, model_cfg, batch: int, seq_len: int, threads: int):
+    def __init__(self, model_cfg, batch: int, seq_len: int, threads: int, attn_implementation: str = "sdpa"):
         import torch
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        hf_cfg = GlmMoeDsaConfig(**model_cfg.to_hf(), attn_implementation="eager")
-        self.model = GlmMoeDsaForCausalLM(hf_cfg).train()
+        hf_cfg = GlmMoeDsaConfig(**model_cfg.to_hf(), attn_implementation=attn_implementation)
+        self.model = GlmMoeDsaForCausalLM(hf_cfg).to(getattr(torch, model_cfg.dtype)).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
         self.ids = torch.as_tensor(np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len)))
         self.loss = None
@@ -32,5 +35,5 @@ class HFStep:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        self.loss = float(loss)
+        self.loss = loss.item()
         return seconds

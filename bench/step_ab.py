@@ -19,7 +19,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from bench.train_step import CONFIG, QUICK, OursStep, interleaved_seconds  # noqa: E402
+from bench.timing import interleaved_seconds  # noqa: E402
+from bench.train_step import CONFIG, QUICK, OursStep  # noqa: E402
 from glm5_jax.experiment import apply_overrides, load_config_file  # noqa: E402
 
 

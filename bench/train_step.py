@@ -4,10 +4,11 @@ One step = forward + backward + optimizer update (AdamW) of configs/bench_small.
 timed in steady state (median of --steps after warm-up) at each sequence length. Our step and HF's
 alternate (ours, ours+MTP, HF, ours, ...), so both medians see the same machine state. MFU uses
 glm5_jax.flops.train_flops_per_token (6 x active matmul params + attention over the attended keys +
-indexer) and the fp32 matmul peak measured in the same run.
+indexer) and the fp32 matmul peak measured in the same run. HF runs in the config's dtype (fp32) with
+transformers' default "sdpa" attention (--hf_attn) and --hf_threads torch threads (2: the cores XLA uses here).
 
     python bench/train_step.py --out=bench/results/train_step.json          # T = 1024, 4096
-    python bench/train_step.py --quick --skip_hf                             # smoke run, tiny dims
+    python bench/train_step.py --quick --seq_lens=128 --steps=1 --warmup=1   # smoke run, tiny dims
     python bench/train_step.py --set=model.moe_impl=ragged_dot               # try a model setting
 
 Speed settings of configs/bench_small.py (XLA:CPU; timings of fwd+bwd at B=2):
@@ -45,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.hf_step import HFStep  # noqa: E402
+from bench.timing import interleaved_seconds  # noqa: E402
 from glm5_jax.experiment import apply_overrides, load_config_file  # noqa: E402
 from glm5_jax.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
 from glm5_jax.sharding import build_mesh  # noqa: E402
@@ -83,20 +85,6 @@ class OursStep:
         return seconds
 
 
-def interleaved_seconds(steps_by_name: dict, steps: int, warmup: int) -> dict:
-    """``warmup`` untimed calls of each step (the first compiles), then ``steps`` rounds that call every
-    step once in turn -> {name: [seconds]}. Interleaving makes each side's median see the same machine
-    state: on a shared host step times drift by 5-30% over minutes (HF's T=1024 step here: 5.3-7.6 s)."""
-    for step in steps_by_name.values():
-        for _ in range(warmup):
-            step()
-    times = {name: [] for name in steps_by_name}
-    for _ in range(steps):
-        for name, step in steps_by_name.items():
-            times[name].append(step())
-    return times
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=CONFIG)
@@ -106,6 +94,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny dims, for a smoke run")
     p.add_argument("--skip_hf", action="store_true", help="time our step only")
     p.add_argument("--hf_threads", type=int, default=2, help="torch.set_num_threads for the HF baseline")
+    p.add_argument("--hf_attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="HF attn_implementation (sdpa: transformers' default for this model)")
     p.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -126,7 +116,7 @@ def main(argv=None):
         if has_mtp:
             steps["ours_mtp"] = OursStep(exp_cfg)
         if not args.skip_hf:
-            steps["hf"] = HFStep(exp_cfg.model, exp_cfg.data.batch_size, T, args.hf_threads)
+            steps["hf"] = HFStep(exp_cfg.model, exp_cfg.data.batch_size, T, args.hf_threads, args.hf_attn)
         times = interleaved_seconds(steps, args.steps, args.warmup)
         del steps
         median = {name: statistics.median(ts) for name, ts in times.items()}
@@ -150,7 +140,8 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"peak_flops": peak, "config": os.path.basename(args.config), "quick": args.quick,
-                       "overrides": args.set, "rows": rows}, f, indent=1)
+                       "overrides": args.set, "hf_attn_implementation": None if args.skip_hf else args.hf_attn,
+                       "hf_threads": args.hf_threads, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
 
 

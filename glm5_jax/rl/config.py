@@ -27,8 +27,8 @@ class RLConfig:
     prompts_per_batch: int = 32
     group_size: int = 8                 # G completions per prompt (GRPO group)
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    top_p: float = 1.0                  # top_p / top_k truncate the sampling distribution; the learner's
+    top_k: int = 0                      # log-probs renormalise over the same kept set (ratio 1 on-policy)
     max_new_tokens: int = 7
     # compute dtype of the sampler's forward passes ("": the model's own); the learner always computes in
     # the model's dtype, so e.g. "bfloat16" against a float32 model measures the sampler/learner precision

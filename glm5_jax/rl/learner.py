@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from glm5_jax.generate import generate
+from glm5_jax.generate import Sampler, generate
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.handoff import PolicyWriter
@@ -69,8 +69,23 @@ def watermark(next_ordinal: int, num_generators: int) -> dict[str, int]:
     return {str(g): max(0, -(-(next_ordinal - g) // num_generators)) for g in range(num_generators)}
 
 
-UPDATE_FIELDS = ("temperature", "loss", "eps_low", "eps_high", "icepop_beta", "learning_rate", "b1", "b2",
-                 "clip_norm")
+UPDATE_FIELDS = ("temperature", "top_p", "top_k", "loss", "eps_low", "eps_high", "icepop_beta", "learning_rate",
+                 "b1", "b2", "clip_norm")
+
+
+def rollout_sampler(rl) -> Sampler:
+    """The distribution the generators sample from; the learner's log-probs use the same one."""
+    return Sampler(rl.temperature, rl.top_p, rl.top_k)
+
+
+def check_sampled_like(batch_meta: dict, rl):
+    """Raise CorruptRollout unless the batch was sampled with this run's temperature / top_p / top_k:
+    the importance ratio compares the learner's log-probs under those settings with the recorded ones."""
+    recorded = batch_meta.get("sampler", {})
+    for field in ("temperature", "top_p", "top_k"):
+        if recorded.get(field) != getattr(rl, field):
+            raise ro.CorruptRollout(f"sampled with {field}={recorded.get(field)!r}, the learner uses "
+                                    f"rl.{field}={getattr(rl, field)!r}")
 
 
 def train_step_fn(model_cfg, rl):
@@ -88,7 +103,7 @@ def _train_step_fn(model_cfg, rl):
         def loss_fn(params):
             logp = completion_logprobs(model, {**variables, "params": params}, batch["prompt_tokens"],
                                        batch["prompt_lengths"], batch["completion_tokens"],
-                                       batch["completion_lengths"], rl.temperature)
+                                       batch["completion_lengths"], rollout_sampler(rl))
             return policy_loss(logp, batch["logprobs"], batch["advantages"], batch["loss_mask"], rl.loss,
                                rl.eps_low, rl.eps_high, rl.icepop_beta)
 
@@ -109,6 +124,7 @@ class Learner:
         self.dirs = ro.RolloutDirs(self.workdir)
         mesh = build_mesh(exp.mesh)
         self.policy = Policy(rl_model_config(sft_cfg.model), mesh, exp.mesh.rules)
+        rollout_sampler(self.rl).validate(self.policy.cfg.vocab_size)
         self.tx = make_optimizer(self.rl)
         self.writer = PolicyWriter(self.workdir, self.rl.keep_versions)
         self.metrics_path = os.path.join(self.workdir, METRICS)
@@ -207,6 +223,7 @@ class Learner:
                 if (batch.meta.get("generator"), batch.meta.get("seq")) != (generator, seq):
                     raise ro.CorruptRollout(f"{path} holds generator/seq {batch.meta.get('generator')}/"
                                             f"{batch.meta.get('seq')}")
+                check_sampled_like(batch.meta, rl)
             except ro.CorruptRollout as e:
                 log.warning("rejecting %s: %s", path, e)
                 if os.path.exists(path):

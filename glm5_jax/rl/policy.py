@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
+from glm5_jax.generate import Sampler
 from glm5_jax.model import Transformer
 from glm5_jax.moe import BIAS_COLLECTION
 from glm5_jax.sharding import logical_shardings
@@ -80,16 +81,28 @@ def sequence_layout(prompt_BP, prompt_lengths_B, completion_BC, completion_lengt
     return tokens_BT.astype(jnp.int32), segment_ids_BT, predict_at_BC
 
 
+# log-prob of a recorded token that lies outside the learner's own top-k / top-p set: finite, so the
+# loss's products stay finite, and low enough that exp(it - logp_rollout) == 0 (ratio 0: masked)
+OUTSIDE_SUPPORT_LOGP = -1e9
+
+
 def completion_logprobs(model, variables, prompt_BP, prompt_lengths_B, completion_BC, completion_lengths_B,
-                        temperature: float):
-    """log π(c_j | prompt, c_<j) at temperature `temperature`, float32 [B, C] (garbage after each end:
-    multiply by a mask). The learner's recomputation of the sampler's behaviour log-probs."""
+                        sampler: Sampler):
+    """log π(c_j | prompt, c_<j) under the sampling distribution `sampler` describes: the logits at
+    ``sampler.temperature``, restricted and renormalised to its top-k / top-p set (`Sampler.log_probs`,
+    the function the generator samples with), float32 [B, C] (garbage after each end: multiply by a
+    mask). The learner's recomputation of the sampler's behaviour log-probs: the policy trained is the
+    truncated distribution the generator actually samples from, so on-policy π_θ / π_rollout = 1 at any
+    top_p / top_k. A token outside the learner's kept set gets OUTSIDE_SUPPORT_LOGP (ratio 0)."""
+    if sampler.greedy:
+        raise ValueError("completion_logprobs needs a sampling temperature > 0 (greedy has no sampling log-probs)")
     tokens, segment_ids, predict_at = sequence_layout(prompt_BP, prompt_lengths_B, completion_BC,
                                                       completion_lengths_B)
     logits_BTV = model.apply(variables, tokens, segment_ids=segment_ids).logits
     logits_BCV = jnp.take_along_axis(logits_BTV, predict_at[..., None], axis=1).astype(jnp.float32)
-    logp_BCV = jax.nn.log_softmax(logits_BCV / temperature, axis=-1)
-    return jnp.take_along_axis(logp_BCV, completion_BC[..., None], axis=-1)[..., 0]
+    logp_BCV = sampler.log_probs(logits_BCV)
+    logp_BC = jnp.take_along_axis(logp_BCV, completion_BC[..., None], axis=-1)[..., 0]
+    return jnp.where(jnp.isfinite(logp_BC), logp_BC, OUTSIDE_SUPPORT_LOGP)
 
 
 def params_sha256(variables) -> str:

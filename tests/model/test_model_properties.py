@@ -8,6 +8,7 @@ from flax import traverse_util
 from flax.core import meta
 
 from glm5_jax import ModelConfig, Transformer
+from glm5_jax.decoder import REMAT_POLICIES
 from glm5_jax.layer_plan import plan_segments
 from glm5_jax.losses import update_routing_bias
 from glm5_jax.model import positions_from_segments, routing_bias_rows_of_model
@@ -137,25 +138,41 @@ def test_layer_stats(variables):
         assert stats.expert_load[r].shape == bias[path].shape
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-def test_remat_policies_give_the_same_gradients(variables, impl):
-    """Every remat policy (some keep the DSA selection, attention.SELECTION_NAME) differentiates to the
-    same gradients as no remat, in the sparse stage with the indexer KL loss, for the reference and the
-    tuned XLA impls of the sparse attention core."""
+def _remat_grads(variables, policy, impl):
     ids = jnp.asarray(tokens(2, 4 * TINY.index_topk))
+    cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse", attention_impl=impl)
 
-    def grads(policy):
-        cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse", attention_impl=impl)
+    def loss(params):
+        out = Transformer(cfg).apply({**variables, "params": params}, ids, with_mtp=True)
+        return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0]) + out.stats.indexer_kl_sum
+    return jax.jit(jax.grad(loss))(variables["params"])
 
-        def loss(params):
-            out = Transformer(cfg).apply({**variables, "params": params}, ids, with_mtp=True)
-            return jnp.mean(jax.nn.log_softmax(out.logits)[..., 0]) + out.stats.indexer_kl_sum
-        return jax.jit(jax.grad(loss))(variables["params"])
 
-    reference = grads("none")
-    for policy in ("dots_attention_saveable",):   # keeps selection + attention outputs: the most names
-        for a, b in zip(jax.tree.leaves(grads(policy)), jax.tree.leaves(reference)):
-            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+@pytest.fixture(scope="module")
+def no_remat_grads(variables):
+    """Gradients without remat, per sparse-core impl, computed once for all policies."""
+    return {impl: _remat_grads(variables, "none", impl) for impl in ("reference", "xla")}
+
+
+# every policy on the tuned XLA impl; on the reference impl the policy that keeps the most names and
+# "full", which keeps nothing
+# "offload_dots" joins an offload policy (its answers are not booleans) with save_from_both_policies,
+# which only accepts booleans: it fails at trace time, and strict xfail turns red once it is fixed
+OFFLOAD_BROKEN = pytest.mark.xfail(strict=True, raises=ValueError,
+                                   reason="save_from_both_policies rejects the offload policy's non-boolean answers")
+REMAT_CASES = [pytest.param(policy, "xla", marks=OFFLOAD_BROKEN) if policy == "offload_dots" else (policy, "xla")
+               for policy in sorted(REMAT_POLICIES)] + \
+    [("dots_attention_saveable", "reference"), ("full", "reference")]
+
+
+@pytest.mark.parametrize("policy,impl", REMAT_CASES)
+def test_remat_policies_give_the_same_gradients(variables, no_remat_grads, policy, impl):
+    """Every remat policy (some keep the DSA selection, attention.SELECTION_NAME; "full" recomputes the
+    whole layer) differentiates to the same gradients as no remat, in the sparse stage with the indexer
+    KL loss."""
+    got = _remat_grads(variables, policy, impl)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(no_remat_grads[impl])):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_indexer_kl_same_in_absorbed_and_mha_forms(variables):

@@ -15,7 +15,7 @@ from glm5_jax.data import DataConfig
 from glm5_jax.experiment import ExperimentConfig
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig, RLExperiment
-from glm5_jax.rl.learner import SUMMARY, Learner, admit, watermark
+from glm5_jax.rl.learner import SUMMARY, Learner, admit, check_sampled_like, rollout_sampler, watermark
 from glm5_jax.rl.policy import completion_logprobs
 from glm5_jax.rl.tasks import SortTask
 
@@ -23,6 +23,7 @@ TAU, VERSIONS = 1, 4
 # ordinal -> sampling version written into its file; ordinal 2 claims version 0 while the learner is at 2
 # (staleness 2 > tau: dropped); ordinal 3 is truncated on disk (rejected)
 SAMPLED_WITH = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 2}
+SAMPLED_LIKE = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}     # RLConfig's defaults
 SFT = ExperimentConfig(model=tiny_model_config(), data=DataConfig(source="sort", seq_len=16, batch_size=16))
 
 
@@ -35,7 +36,8 @@ def setup():
     variables = jax.tree.map(lambda x: getattr(x, "value", x), variables, is_leaf=lambda x: hasattr(x, "value"))
     variables = {"params": variables["params"], "moe_bias": variables["moe_bias"]}
     task, rng = SortTask(partial_credit=True), np.random.default_rng(0)
-    logp_fn = jax.jit(lambda v, a, b, c, d: completion_logprobs(learner.policy.model, v, a, b, c, d, 1.0))
+    logp_fn = jax.jit(lambda v, a, b, c, d: completion_logprobs(learner.policy.model, v, a, b, c, d,
+                                                                       rollout_sampler(exp.rl)))
     batches = {}
     for o, version in SAMPLED_WITH.items():
         prompts, lengths = task.prompts(0, 0, o, 4)
@@ -48,7 +50,8 @@ def setup():
             prompt_tokens=prompts, prompt_lengths=lengths, completion_tokens=completion, completion_lengths=clen,
             logprobs=logp.astype(np.float32), loss_mask=np.ones((8, 7), np.float32),
             rewards=task.rewards(prompts, lengths, completion, clen), group_ids=np.arange(8, dtype=np.int32) // 2,
-            versions=np.full((8, 1), version, np.int32), meta={"generator": 0, "seq": o, "sample_seconds": 0.0})
+            versions=np.full((8, 1), version, np.int32), meta={"generator": 0, "seq": o, "sample_seconds": 0.0,
+                                                                 "sampler": SAMPLED_LIKE})
     return exp, variables, batches
 
 
@@ -70,6 +73,21 @@ def _start_run(workdir, exp, variables, batches, **rl_changes):
 def test_admission_rules():
     assert admit(5, np.array([[3]]), 2) and not admit(5, np.array([[3], [2]]), 2)
     assert watermark(0, 2) == {"0": 0, "1": 0} and watermark(5, 2) == {"0": 3, "1": 2}
+
+
+def test_rollouts_sampled_with_other_settings_are_rejected():
+    rl = RLConfig(top_p=0.9)
+    check_sampled_like({"sampler": {"temperature": 1.0, "top_p": 0.9, "top_k": 0}}, rl)
+    for recorded in ({"temperature": 1.0, "top_p": 1.0, "top_k": 0}, {"temperature": 1.0, "top_p": 0.9, "top_k": 5},
+                     {"temperature": 0.7, "top_p": 0.9, "top_k": 0}, {}):
+        with pytest.raises(ro.CorruptRollout, match="sampled with"):
+            check_sampled_like({"sampler": recorded}, rl)
+
+
+def test_top_k_beyond_the_vocabulary_is_refused():
+    exp = RLExperiment(rl=RLConfig(top_k=SFT.model.vocab_size + 1))
+    with pytest.raises(ValueError, match=f"top_k={SFT.model.vocab_size + 1}: must be in"):
+        Learner(exp, "/nonexistent-unused", SFT, "/nonexistent-unused")
 
 
 def test_drops_rejects_and_crash_resume_are_exact(setup, tmp_path):
