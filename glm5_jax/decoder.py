@@ -22,6 +22,18 @@ _cp = jax.checkpoint_policies
 # mask, [B, T, k] per full layer): recomputing it costs the indexer scores and a top-k in the backward;
 # and the blocked MoE's matmul results (moe.BLOCKED_MOE_NAMES, the dots of its block loop).
 _keep_selection = _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES)
+_offload_dots = _cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+
+def _offload_dots_keeping_selection(prim, *avals, **params):
+    """Keep the selection (and blocked-MoE results) on the device, offload weight-stationary matmul outputs
+    to host memory (TPU/GPU: pinned_host). save_from_both_policies cannot join them: an offload policy
+    answers with offload decisions, not booleans."""
+    if _keep_selection(prim, *avals, **params):
+        return True
+    return _offload_dots(prim, *avals, **params)
+
+
 REMAT_POLICIES = {
     "full": None,   # save nothing, recompute the layer in the backward pass
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
@@ -35,9 +47,8 @@ REMAT_POLICIES = {
         _cp.dots_with_no_batch_dims_saveable,
         _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES)),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
-    "offload_dots": _cp.save_from_both_policies(_cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
-                                                _keep_selection),
-}
+    "offload_dots": _offload_dots_keeping_selection,
+}}
 
 
 class DecoderLayer(nn.Module):

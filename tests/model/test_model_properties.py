@@ -156,12 +156,7 @@ def no_remat_grads(variables):
 
 # every policy on the tuned XLA impl; on the reference impl the policy that keeps the most names and
 # "full", which keeps nothing
-# "offload_dots" joins an offload policy (its answers are not booleans) with save_from_both_policies,
-# which only accepts booleans: it fails at trace time, and strict xfail turns red once it is fixed
-OFFLOAD_BROKEN = pytest.mark.xfail(strict=True, raises=ValueError,
-                                   reason="save_from_both_policies rejects the offload policy's non-boolean answers")
-REMAT_CASES = [pytest.param(policy, "xla", marks=OFFLOAD_BROKEN) if policy == "offload_dots" else (policy, "xla")
-               for policy in sorted(REMAT_POLICIES)] + \
+REMAT_CASES = [(policy, "xla") for policy in sorted(REMAT_POLICIES)] + \
     [("dots_attention_saveable", "reference"), ("full", "reference")]
 
 
