@@ -1,4 +1,4 @@
-"""The real GLM-5 (zai-org/GLM-5; spec/ARCHITECTURE.md §1.1): 743.9B parameters, ~40B active per token.
+"""The real GLM-5 (zai-org/GLM-5; docs/architecture.md#notation-and-sizes): 743.9B parameters, ~40B active per token.
 
 `get_config()` is the pod run checked by ahead-of-time compilation (bench/results/compile_744b.md):
 

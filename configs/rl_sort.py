@@ -1,4 +1,4 @@
-"""Async RL on the sorting task (ASYNC_RL.md §7): GRPO with an exact-match reward, GLM-5 direct
+"""Async RL on the sorting task (docs/training.md#the-sort-task): GRPO with an exact-match reward, GLM-5 direct
 double-sided IS, staleness bound tau=2, starting from configs/sort_sft.py's checkpoint (made on first use).
 
     python -m glm5_jax.rl.run --config=configs/rl_sort.py --workdir=/tmp/glm5_rl_sort

@@ -1,4 +1,4 @@
-"""SFT for the RL demo (ASYNC_RL.md §7): a tiny GLM-5 (MLA + DSA top-k + MoE) learns to sort 6 digits
+"""SFT for the RL demo (docs/training.md#the-sort-task): a tiny GLM-5 (MLA + DSA top-k + MoE) learns to sort 6 digits
 from a noisy teacher that swaps two adjacent answer tokens in half its demos, so sampled exact match
 plateaus near the teacher's quality (~0.6) and RL (configs/rl_sort.py) has room to improve it.
 

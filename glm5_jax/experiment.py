@@ -25,7 +25,7 @@ OPTIMIZERS = ("adamw", "muon")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
-    stage: str = "sparse"                  # "dense" | "warmup" | "sparse" (DESIGN §3, spec §7)
+    stage: str = "sparse"                  # "dense" | "warmup" | "sparse" (docs/training.md#dsa-stages)
     seed: int = 0
     # starting point of a new run (ignored once the workdir holds a checkpoint: that resumes): a train.py
     # workdir of any stage, a converter output (hf-to-orbax) or a Hugging Face directory; params and
@@ -44,7 +44,8 @@ class TrainConfig:
     eps: float = 1e-8                      # Adam epsilon (AdamW, and Muon's Adam part)
     clip_norm: float = 1.0
     grad_accum: int = 1                    # micro-batches per step (the global batch is split into these)
-    # loss weights (spec §5.3, §6.2, §7.1)
+    # loss weights (docs/architecture.md#balance-and-bias-update, docs/training.md#losses-and-weights,
+    # docs/architecture.md#dsa-training-stages-and-the-indexer-kl)
     mtp_loss_weight: float = 0.3           # λ
     balance_loss_weight: float = 1e-4      # α, sequence-wise balance loss
     bias_update_rate: float = 1e-3         # γ, auxiliary-loss-free routing-bias step

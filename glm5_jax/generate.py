@@ -208,7 +208,7 @@ def _mtp_drafts(model, variables, K, h_BWD, known_BW, anchor_B, positions_BW, se
     """K greedy draft tokens following each row's anchor position, one MTP depth at a time.
 
     Depth d at window index j combines depth d-1's hidden state there with the embedding of the token at
-    position j + d (spec §6.1): a known token when that position is at most anchor + 1, else an earlier
+    position j + d (docs/architecture.md#mtp): a known token when that position is at most anchor + 1, else an earlier
     depth's draft. ``known_BW[:, j]`` is the token at window index j + 1 (valid up to the anchor).
     Running every depth over the whole window also writes each depth's cache for these positions.
     """

@@ -20,7 +20,7 @@ LOSSES = ("dis", "icepop", "ppo_clip")
 class RLConfig:
     task: str = "sort"                  # a name in glm5_jax.rl.tasks.TASKS
     num_versions: int = 60              # learner updates; the run ends when version num_versions is published
-    tau: int = 2                        # staleness bound (GLM-5 §4.1.1 τ; AReaL η): version lag allowed
+    tau: int = 2                        # staleness bound (τ in the GLM-5 report; AReaL's η): version lag allowed
     lockstep: bool = False              # batch o uses exactly version max(0, o - tau): bit-reproducible
     num_generators: int = 1             # fixed for a run (it defines the global batch order)
     # sampling (TITO: the learner trains on exactly these tokens and their recorded logprobs)
@@ -34,7 +34,7 @@ class RLConfig:
     # the model's dtype, so e.g. "bfloat16" against a float32 model measures the sampler/learner precision
     # mismatch (the per-version keep_fraction and ratio_dev = mean |r - 1| in rl_metrics.jsonl)
     sampler_dtype: str = ""
-    # loss (ASYNC_RL.md §4): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
+    # loss (docs/training.md#policy-losses): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
     loss: str = "dis"
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -45,12 +45,12 @@ class RLConfig:
     b1: float = 0.9
     b2: float = 0.99
     clip_norm: float = 1.0
-    reset_optimizer_on_publish: bool = False   # GLM-5 §4.1.1 resets the optimizer after each weight push
+    reset_optimizer_on_publish: bool = False   # the GLM-5 report resets the optimizer after each weight push
     # bookkeeping
     seed: int = 0
     eval_every: int = 5                 # versions between sampled exact-match evals (0: never)
     eval_prompts: int = 512
-    max_to_keep: int = 0                # orbax versions kept; 0: tau + 3 (ASYNC_RL.md §6.1)
+    max_to_keep: int = 0                # orbax versions kept; 0: tau + 3 (docs/training.md#batch-order-and-staleness)
     max_ready: int = 4                  # unconsumed rollout files a generator may have in ready/
     poll_seconds: float = 0.02
 

@@ -4,9 +4,11 @@
 
 Batch `seq` of generator `g` has global ordinal o = seq * num_generators + g. Its prompts and its
 sampling key are pure functions of (seed, g, seq), so a restarted generator resumes at
-max(last seq on disk + 1, the learner's watermark for g) and neither skips nor repeats a batch (I5).
+max(last seq on disk + 1, the learner's watermark for g) and neither skips nor repeats a batch
+(docs/training.md#generators-resume-without-gaps-or-repeats).
 
-Back-pressure (ASYNC_RL.md §6.2, counted over all generators — per-generator counting dropped half
+Back-pressure (docs/training.md#batch-order-and-staleness, counted over all generators — per-generator counting
+dropped half
 the batches): batch o starts only while o <= consumed + tau, where consumed is the number of ordinals
 the newest committed version has consumed (= its version when nothing was dropped), and while this
 generator has fewer than max_ready unconsumed files. In lockstep mode batch o waits for, and samples
@@ -32,7 +34,8 @@ log = logging.getLogger("glm5_jax.rl")
 
 
 def may_start(ordinal: int, consumed: int, tau: int) -> bool:
-    """Global back-pressure (AReaL's capacity rule, ASYNC_RL.md §6.2): batch `ordinal` may start while it is
+    """Global back-pressure (AReaL's capacity rule; docs/training.md#batch-order-and-staleness):
+    batch `ordinal` may start while it is
     at most tau ahead of the ordinals the learner has consumed, counted over all generators."""
     return ordinal <= consumed + tau
 

@@ -1,16 +1,21 @@
-"""Policy handoff through an orbax CheckpointManager (ASYNC_RL.md §5, §6.1, §6.3).
+"""Policy handoff through an orbax CheckpointManager.
+
+Background: docs/training.md#policy-handoff-through-orbax, docs/architecture.md#mtp, #mtp.
 
 One orbax step per policy version ``v`` under ``<workdir>/policy/<v>/`` holds three items committed
-together (I3): ``params`` (the model variables {"params", "moe_bias"}), ``opt_state`` and ``meta``
+together (docs/training.md#params-optimiser-and-meta-commit-together): ``params`` (the model variables {"params",
+"moe_bias"}), ``opt_state`` and ``meta``
 (JSON: version, watermark, consumed-batch ledger, drop counters, RNG). The learner writes
 (`PolicyWriter`); generators and evaluators only read (`PolicyReader`).
 
-Guards, each a pitfall measured in ASYNC_RL.md §5:
+Guards, each a pitfall measured in docs/training.md#policy-handoff-through-orbax:
 * absolute paths only (a relative one made the background commit fail with only a log line);
-* a version counts only once its step directory holds orbax's ``commit_success.txt`` (I1) — partial
+* a version counts only once its step directory holds orbax's ``commit_success.txt``
+(docs/training.md#committed-versions-only) — partial
   saves (``<v>.orbax-checkpoint-tmp-*``) and any step without the marker are never read;
 * every read is retried: ``max_to_keep`` deletion races with ``reload()`` and ``restore()``;
-* after each save the previous version must be on disk and committed (I6), and background errors are
+* after each save the previous version must be on disk and committed
+(docs/training.md#background-save-errors-surface), and background errors are
   surfaced with ``check_for_errors()``.
 """
 from __future__ import annotations
@@ -75,7 +80,7 @@ class PolicyWriter:
 
     def publish(self, version: int, variables, opt_state, meta: dict) -> None:
         """Starts the save of `version`. orbax first waits for the previous save to finish, so on return
-        the previous version is durable; that is checked here (I6)."""
+        the previous version is durable; that is checked here (docs/training.md#background-save-errors-surface)."""
         self.manager.save(version, args=ocp.args.Composite(
             params=ocp.args.StandardSave(variables), opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta)))

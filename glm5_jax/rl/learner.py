@@ -2,14 +2,17 @@
 
     python -m glm5_jax.rl.learner --config=configs/rl_sort.py --workdir=W
 
-Batch order (ASYNC_RL.md §6.1): global ordinal o = seq * num_generators + generator, consumed strictly
+Batch order (docs/training.md#batch-order-and-staleness): global ordinal o = seq * num_generators + generator,
+consumed strictly
 in increasing o. For each batch:
 * a file that fails its checksum is moved to rollouts/rejected/ and counted (`rejected_corrupt`);
 * a batch sampled with a version older than current − tau is dropped and counted (`dropped_stale`,
-  GLM-5 §4.1.1);
+  the GLM-5 report);
 * otherwise one update with the configured loss; version v+1 is published as one orbax step holding
-  params, optimizer state and meta {watermark, ledger of every consumed ordinal, counters, RNG} (I3).
-Rollout files are deleted only once a *committed* version's watermark covers them (I4), so a learner
+  params, optimizer state and meta {watermark, ledger of every consumed ordinal, counters, RNG}
+  (docs/training.md#params-optimiser-and-meta-commit-together).
+Rollout files are deleted only once a *committed* version's watermark covers them
+(docs/training.md#files-are-deleted-only-behind-a-committed-watermark), so a learner
 killed at any moment resumes from its latest committed version and re-reads what it needs.
 """
 from __future__ import annotations
@@ -60,7 +63,7 @@ def staleness_of(version: int, batch_versions) -> int:
 
 
 def admit(version: int, batch_versions, tau: int) -> bool:
-    """GLM-5 §4.1.1: a sample is dropped if w' - w0 > tau."""
+    """As in the GLM-5 report: a sample is dropped if w' - w0 > tau."""
     return staleness_of(version, batch_versions) <= tau
 
 
@@ -180,7 +183,7 @@ class Learner:
         opt_state = jax.device_put(opt_state, self._opt_shardings)
         with self.policy.context():
             variables, opt_state, stats = self._train(variables, opt_state, {**arrays, "advantages": adv})
-        if self.rl.reset_optimizer_on_publish:        # GLM-5 §4.1.1: reset after each weight push
+        if self.rl.reset_optimizer_on_publish:        # as in the GLM-5 report: reset after each weight push
             opt_state = jax.jit(self.tx.init)(variables["params"])
         return variables, opt_state, {k: float(v) for k, v in jax.device_get(stats).items()}
 
@@ -278,7 +281,10 @@ class Learner:
         self._published_next_ordinal = meta["next_ordinal"]
 
     def _collect_garbage(self):
-        """Deletes ready/ files that the watermark of a committed version covers (I4)."""
+        """Deletes ready/ files that the watermark of a committed version covers.
+
+        Background: docs/training.md#files-are-deleted-only-behind-a-committed-watermark.
+        """
         limit = watermark(self._committed_next_ordinal, self.rl.num_generators)
         for g in range(self.rl.num_generators):
             for seq in self.dirs.seqs_of(g):

@@ -1,12 +1,13 @@
-"""GRPO group advantages and the policy losses of ASYNC_RL.md §4 (all token-level normalised).
+"""GRPO group advantages and the policy losses of docs/training.md#policy-losses (all token-level normalised).
 
 Shapes: N samples (= prompts x G, groups contiguous), C generated positions. `logp` is the learner's
 log π_θ of the recorded tokens, `logp_rollout` the sampler's (TITO), `mask` 1 on tokens in the loss.
 
-* ``dis`` — GLM-5 direct double-sided importance sampling (§4.1.2, eqs. 3–5):
+* ``dis`` — GLM-5 direct double-sided importance sampling (docs/architecture.md#mla-attention, eqs. 3–5):
   r = exp(log π_θ − log π_rollout); tokens with r outside the open interval (1−ε_l, 1+ε_h) are masked
   entirely; loss = −Σ sg(r·keep) · Â · log π_θ / Σ mask. No π_old forward pass.
-* ``icepop`` — GLM-5 reasoning RL (§3.2): PPO-clip on u = π_θ / π_old (π_old = the learner's policy
+* ``icepop`` — GLM-5 reasoning RL (docs/architecture.md#forward-pass): PPO-clip on u = π_θ / π_old (π_old = the
+learner's policy
   before this update, u = 1 in value), times the hard mask pop(π_old / π_rollout; 1/β, β).
 * ``ppo_clip`` — PPO-clip with the rollout policy as π_old: −min(r Â, clip(r, 1−ε_l, 1+ε_h) Â).
 """

@@ -1,6 +1,7 @@
 """The policy: the SFT run's GLM-5 in its RL form, its variables on a mesh, and token log-probs.
 
-RL keeps DSA in its sparse stage with the indexer frozen (GLM-5 §3.2: a changing indexer top-k
+RL keeps DSA in its sparse stage with the indexer frozen (the GLM-5 report: a changing indexer
+top-k
 destabilised RL) and the MoE routing bias fixed, so sampler and learner select the same keys and
 experts. The indexer gets no gradient anyway (top-k is discrete and the indexer KL is off).
 """

@@ -1,11 +1,13 @@
-"""Rollout batches on disk (TITO records, ASYNC_RL.md §6.1) and their crash-safe exchange.
+"""Rollout batches on disk (TITO records, docs/training.md#batch-order-and-staleness) and their crash-safe exchange.
 
 Layout under ``<workdir>/rollouts/``: ``tmp/`` partial writes, ``ready/g<gen>_s<seq>.rollout`` whole
-files only (I2: temp file -> fsync -> rename -> fsync of the directory), ``rejected/`` files the
+files only (docs/training.md#rollout-files-are-whole: temp file -> fsync -> rename -> fsync of the directory),
+``rejected/`` files the
 learner found corrupt (counted, never trained on).
 
 File format: an ``.npz`` payload, then a 48-byte trailer ``sha256(payload) | len(payload) u64 | MAGIC``.
-A truncated or half-written file (which an ArrayRecord reader would see as *empty*, §5) fails the
+A truncated or half-written file (which an ArrayRecord reader would see as *empty*, docs/architecture.md#moe-routing)
+fails the
 trailer or checksum test and raises `CorruptRollout`; it is never admitted.
 """
 from __future__ import annotations
@@ -138,7 +140,10 @@ def decode(blob: bytes, where: str = "rollout") -> RolloutBatch:
 
 
 def write_atomically(path: str, data: bytes, tmp_dir: str) -> None:
-    """tmp file -> fsync -> rename -> fsync(dir): `path` either does not exist or is complete (I2)."""
+    """tmp file -> fsync -> rename -> fsync(dir): `path` either does not exist or is complete.
+
+    Background: docs/training.md#rollout-files-are-whole.
+    """
     tmp = os.path.join(tmp_dir, f"{os.path.basename(path)}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)

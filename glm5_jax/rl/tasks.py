@@ -1,7 +1,8 @@
 """RL tasks: a prompt source plus a verifier, behind one small interface.
 
 Prompts are pure functions of (seed, generator, sequence number) so a restarted generator neither
-skips nor repeats (ASYNC_RL.md §6.3 I5); the verifier scores generated token ids directly (TITO: no
+skips nor repeats (docs/training.md#crash-safety-invariants I5); the verifier scores generated token ids directly
+(TITO: no
 text round trip).
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Task(abc.ABC):
 
 
 class SortTask(Task):
-    """Sort NUM_DIGITS digits; reward 1 for the exact sorted answer followed by EOS, else 0 (ASYNC_RL §7).
+    """Sort NUM_DIGITS digits; reward 1 for the exact sorted answer followed by EOS, else 0.
+    Background: docs/training.md#the-sort-task.
     partial_credit: the fraction of the NUM_DIGITS + 1 answer positions that are right (a dense reward)."""
 
     eos_ids = (sort_task.EOS_ID,)

@@ -1,4 +1,7 @@
-"""Decoding over the latent cache computes exactly what a full forward computes (spec §4.1, §4.4)."""
+"""Decoding over the latent cache computes exactly what a full forward computes.
+
+Background: docs/architecture.md#mla-attention, #top-k-selection-and-validity.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +70,8 @@ def test_several_tokens_per_step_match_full_forward():
 
 def test_cache_holds_latent_rope_key_and_index_key_only():
     glm5 = __import__("configs.glm5_744b", fromlist=["model_config"]).model_config()
-    # spec §1.2: per token and layer 512 latent + 64 rope key + 128 indexer key, bf16, 78 layers
+    # docs/architecture.md#notation-and-sizes: per token and layer 512 latent + 64 rope key + 128 indexer key,
+    # bf16, 78 layers
     assert cache_bytes_per_token(glm5, "bfloat16") == 78 * (512 + 64 + 128) * 2 == 109_824
     cache = init_cache(TINY, batch=3, max_len=16)
     layer = cache["decoder"]["segment_1"]["layer_0"]

@@ -1,4 +1,7 @@
-"""ModelConfig: HF config.json in and out, validation messages, and GLM-5's size (spec §1)."""
+"""ModelConfig: HF config.json in and out, validation messages, and GLM-5's size.
+
+Background: docs/architecture.md#notation-and-sizes.
+"""
 import dataclasses
 import json
 import os
@@ -9,7 +12,7 @@ from transformers import GlmMoeDsaConfig
 from configs.glm5_744b import model_config
 from glm5_jax import ConfigError, ModelConfig, count_params
 
-# spec §1.1: the reconstructed zai-org/GLM-5 config.json
+# docs/architecture.md#notation-and-sizes: the reconstructed zai-org/GLM-5 config.json
 GLM5_CONFIG_JSON = {
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "attention_bias": False,
     "attention_dropout": 0.0, "dtype": "bfloat16", "eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820,
@@ -38,7 +41,7 @@ def test_glm5_config_json_gives_the_744b_config(tmp_path):
 
 
 def test_to_hf_round_trips_and_transformers_accepts_it():
-    glm52_pattern = ("full",) * 3 + ("shared", "shared", "shared", "full") * 18 + ("shared",) * 3   # spec §4.6
+    glm52_pattern = ("full",) * 3 + ("shared", "shared", "shared", "full") * 18 + ("shared",) * 3   # GLM-5.2 style
     cfg = model_config().replace(indexer_types=glm52_pattern)
     hf = cfg.to_hf()
     assert architecture(ModelConfig.from_hf(hf)) == architecture(cfg)
@@ -86,7 +89,8 @@ def test_from_hf_reports_unreadable_files(tmp_path):
 
 
 def test_glm5_parameter_counts():
-    """spec §1.2: 743.91B main stack, 41.78B active incl. embedding and head (39.88B without), MTP 9.95B."""
+    """743.91B main stack, 41.78B active incl. embedding and head (39.88B without), MTP 9.95B
+    (docs/architecture.md#notation-and-sizes)."""
     counts = count_params(model_config())
     assert round(counts["total"] / 1e9, 2) == 743.91
     assert round(counts["active"] / 1e9, 2) == 41.78

@@ -85,7 +85,10 @@ def test_truncated_file(single_and_sharded, tmp_path):
 
 
 def test_fp8_block_dequantisation_against_hand_computation():
-    """W = W8 * scale_inv[r // 128, c // 128] with ceil blocks at the ragged edge (spec §8.3)."""
+    """W = W8 * scale_inv[r // 128, c // 128] with ceil blocks at the ragged edge.
+
+    Background: docs/architecture.md#fp8-block-quantisation.
+    """
     rng = np.random.default_rng(0)
     import ml_dtypes
     w8 = rng.normal(size=(130, 200)).astype(ml_dtypes.float8_e4m3fn)

@@ -1,5 +1,6 @@
 """The ragged_all_to_all expert-parallel transport, which XLA:CPU cannot run, compiled for TPU ahead of time
-from this CPU host (libtpu; JAX_NOTES §7): the MoE layer forward and backward on v5p:2x2x1 with expert = 4.
+from this CPU host (libtpu; docs/training.md#compiling-for-tpu-from-a-cpu-host): the MoE layer forward and backward on
+v5p:2x2x1 with expert = 4.
 
 GLM-5 expert widths (D = 6144, F = 2048, top-8 of 16 experts here: 4 per chip), 4 x 256 tokens. Checks that
 libtpu compiles it, that the program really exchanges rows with ragged all-to-alls in both directions,

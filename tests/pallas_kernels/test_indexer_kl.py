@@ -1,4 +1,7 @@
-"""Indexer KL loss (spec §7.1): against an unchunked direct formula, and the hand-derived gradient."""
+"""Indexer KL loss: against an unchunked direct formula, and the hand-derived gradient.
+
+Background: docs/architecture.md#dsa-training-stages-and-the-indexer-kl.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,7 +123,8 @@ def test_sparse_equals_warmup_when_every_visible_key_is_selected():
 
 
 def test_gradient_wrt_scores_is_softmax_minus_target():
-    """Hand check of d KL / d I = softmax(I) - p on the set, 0 outside (spec §7.1, MEG)."""
+    """Hand check of d KL / d I = softmax(I) - p on the set, 0 outside 
+    (docs/architecture.md#dsa-training-stages-and-the-indexer-kl)."""
     rng = np.random.default_rng(3)
     scores = normal(rng, (2, 5, 9)) * 3
     allowed = jnp.asarray(rng.uniform(size=(2, 5, 9)) < 0.6)

@@ -164,7 +164,8 @@ def test_inside_shard_map_over_queries():
 
 
 def test_dsa_equals_dense_when_every_visible_key_fits_in_k():
-    """Spec §4.4: with k >= S the kernels' DSA (indexer top-k + sparse attention) is dense attention."""
+    """With k >= S the kernels' DSA (indexer top-k + sparse attention) is dense attention
+    (docs/architecture.md#top-k-selection-and-validity)."""
     from pallas_kernels.lightning_indexer import ops as indexer_ops
     from pallas_kernels.masking import visible_mask
 

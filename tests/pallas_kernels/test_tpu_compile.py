@@ -1,4 +1,6 @@
-"""Real Mosaic/XLA TPU compiles of every DSA kernel, ahead of time from a CPU host (JAX_NOTES §7).
+"""Real Mosaic/XLA TPU compiles of every DSA kernel, ahead of time from a CPU host.
+
+Background: docs/training.md#compiling-for-tpu-from-a-cpu-host.
 
 Needs libtpu (requirements-tpu.txt); skipped without it. Shapes are GLM-5 production sizes: H = 64 query
 heads on the absorbed latent C = 576 (value 512), k = 2048, indexer H_I = 32 x d_I = 128, T = S = 8192,

@@ -1,6 +1,8 @@
 """The learner in-process on hand-made rollout files: global order, stale batches dropped and counted,
 corrupt files rejected and counted, every ordinal accounted for exactly once, and a learner that
-crashes right after starting a publish resumes to bit-identical final params (I3, I4)."""
+crashes right after starting a publish resumes to bit-identical final params
+(docs/training.md#params-optimiser-and-meta-commit-together,
+#files-are-deleted-only-behind-a-committed-watermark)."""
 import dataclasses
 import json
 import os
@@ -138,7 +140,7 @@ def _sha(variables):
 
 
 def test_optimizer_reset_on_publish(setup, tmp_path):
-    """GLM-5 §4.1.1: with rl.reset_optimizer_on_publish the published optimizer state is a fresh one."""
+    """As in the GLM-5 report: with rl.reset_optimizer_on_publish the published optimizer state is a fresh one."""
     exp, variables, batches = setup
     learner = _start_run(tmp_path, exp, variables, {o: batches[o] for o in (0, 1)}, num_versions=2,
                          reset_optimizer_on_publish=True)

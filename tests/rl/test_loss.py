@@ -1,4 +1,4 @@
-"""The RL losses against hand computations (ASYNC_RL.md §4): GLM-5 DIS masking at both interval
+"""The RL losses against hand computations (docs/training.md#policy-losses): GLM-5 DIS masking at both interval
 edges, padding and loss-mask handling, token-level normalisation, gradients; GRPO advantages."""
 import math
 
