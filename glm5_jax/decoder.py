@@ -48,7 +48,7 @@ REMAT_POLICIES = {
         _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES)),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _offload_dots_keeping_selection,
-}}
+}
 
 
 class DecoderLayer(nn.Module):

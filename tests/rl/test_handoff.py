@@ -39,9 +39,8 @@ def test_uncommitted_steps_are_never_read(tmp_path):
 
 
 def test_reader_survives_concurrent_publish_and_deletion(tmp_path):
-    """max_to_keep=2 deletes steps while the reader lists and restores them (docs/training.md#policy-handoff-through-orbax:
-    3 of ~40
-    polls raced); every restore that returns must hold the version it claims."""
+    """max_to_keep=2 deletes steps while the reader lists and restores them (3 of ~40 polls raced; see
+    docs/training.md#policy-handoff-through-orbax); every restore that returns must hold the version it claims."""
     writer = PolicyWriter(str(tmp_path), max_to_keep=2)
     writer.publish(0, _vars(0), {"count": jnp.array(0)}, {"version": 0})
     writer.wait()
