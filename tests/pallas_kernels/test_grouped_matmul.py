@@ -144,8 +144,9 @@ def _compiled_swiglu_gradients(impl) -> str:
 
 
 @needs_libtpu
-def test_gmm_swiglu_forward_and_backward_compile_for_v5p():
-    hlo = _compiled_swiglu_gradients("gmm")
+@pytest.mark.parametrize("impl", ["gmm", "auto"])     # "auto" lowered for TPU is the kernel, no conditional
+def test_gmm_swiglu_forward_and_backward_compile_for_v5p(impl):
+    hlo = _compiled_swiglu_gradients(impl)
     # forward gmm for gate and up (the down projection's output is not needed for these gradients),
     # 3 gmm for the input gradients, 3 tgmm for the weight gradients
     assert hlo.count('custom_call_target="tpu_custom_call"') == 8
@@ -153,7 +154,7 @@ def test_gmm_swiglu_forward_and_backward_compile_for_v5p():
         [f"bf16[{E_LOCAL},{D},{F}]"] * 2 + [f"bf16[{E_LOCAL},{F},{D}]"] + [f"f32[{ROWS},{F}]"] * 2
         + [f"bf16[{ROWS},{D}]"] * 2 + [f"bf16[{ROWS},{F}]"])
     assert _weight_grad_products(hlo) == []
-    assert " ragged-dot(" not in hlo
+    assert " ragged-dot(" not in hlo and " conditional(" not in hlo
 
 
 @needs_libtpu
