@@ -175,9 +175,9 @@ def _train(moe_impl, moe_ep="none", mesh=None, steps=5):
 
     mesh = mesh or MeshConfig(data=1, fsdp=1)
     exp_cfg = experiment(eps=1e-4, mesh=mesh)
-    # no MTP module: one MoE layer is enough here and halves the compile time of the interpreted kernels
-    model = MODEL.replace(moe_impl=moe_impl, moe_ep=moe_ep, moe_capacity_factor=1.0, num_nextn_predict_layers=0,
-                          mtp_depth=0)
+    # one MoE layer and no MTP module: enough here, and the interpreted kernels compile slowly
+    model = MODEL.replace(moe_impl=moe_impl, moe_ep=moe_ep, moe_capacity_factor=1.0, num_hidden_layers=1,
+                          first_k_dense_replace=0, num_nextn_predict_layers=0, mtp_depth=0)
     exp_cfg = dataclasses.replace(exp_cfg, model=model)
     n_dev = mesh.data * mesh.fsdp * mesh.expert * mesh.tensor
     trainer = Trainer(exp_cfg, build_mesh(exp_cfg.mesh, jax.devices()[:n_dev]))
