@@ -18,7 +18,7 @@ AttentionImpl = Literal["reference", "xla", "pallas", "pallas_interpret"]
 MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
-MoeImpl = Literal["ragged_dot", "blocked"]
+MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.layers.einsum
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
@@ -55,7 +55,10 @@ class RuntimeConfig:
     param_dtype: Dtype = "float32"           # master weights
     attention_impl: AttentionImpl = "xla"    # pallas_kernels/sparse_mla/ops.py: reference | xla | pallas(_interpret)
     mla_form: MlaForm = "absorbed"           # "absorbed" (latent MQA) or "mha" (naive per-head form, a cross-check)
-    moe_impl: MoeImpl = "ragged_dot"         # grouped expert matmul (glm5_jax/moe.py)
+    # routed experts' grouped matmul: "auto" (the Pallas kernel when lowered for TPU, else ragged_dot),
+    # "ragged_dot" (XLA reference), "gmm" / "gmm_interpret" (Pallas TPU kernel / its interpreter), "blocked"
+    # (glm5_jax/moe_blocked.py, fast on CPU)
+    moe_impl: MoeImpl = "auto"
     # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/moe_ep.py): "none" (GSPMD
     # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
     moe_ep: MoeEp = "none"

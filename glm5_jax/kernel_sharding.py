@@ -21,6 +21,11 @@ def _mesh_in_context():
     return None if mesh is None or mesh.empty or mesh.size == 1 else mesh
 
 
+def multi_device_mesh_in_context() -> bool:
+    """Whether a mesh of more than one device is in context (Pallas calls must then run per shard)."""
+    return _mesh_in_context() is not None
+
+
 def _mesh_axes_of(entry) -> tuple[str, ...]:
     if entry is None:
         return ()

@@ -1,40 +1,33 @@
-"""Mixture of experts (spec §5.2–5.3): sigmoid router with a selection-only correction bias,
+"""Mixture of experts (GLM-5 / DeepSeek-V3): sigmoid router with a selection-only correction bias,
 group-limited top-k, normalised and scaled gates, sorted grouped expert matmuls, a shared expert.
 
+route -> routed experts' SwiGLU (grouped matmuls by ``ModelConfig.moe_impl``) -> gate-weighted combine.
 The routed experts never run as a compute-every-expert einsum: the N*K (token, expert) assignments are
-sorted by expert and fed to a grouped matmul, so FLOPs are those of the K chosen experts only
-(`ModelConfig.moe_impl`):
-
-* ``ragged_dot`` (reference): `jax.lax.ragged_dot` over the sorted rows;
-* ``blocked``: each expert's rows are padded to a multiple of `MOE_BLOCK` and a loop over the padded
-  row blocks multiplies each by its expert's weights (custom backward). Exact (nothing is dropped); at
-  most E - 1 blocks of padding rows. Much faster than ragged_dot on CPU.
-
-For few tokens (decode steps) ``blocked`` takes a shape-chosen shortcut, since sorting and padding would
-cost more than the matmuls: with N*K <= E assignments, ``per_assignment`` (each gathers its expert's
-weights, so only the chosen experts are read); when all E experts on N tokens are fewer rows than the
-padded blocks, ``all_experts`` (every expert on every token, then the chosen outputs are picked).
+sorted by expert and fed to grouped matmuls (glm5_jax/moe_experts.py), so FLOPs are those of the K chosen
+experts only. ``moe_impl="blocked"`` is a separate implementation for XLA:CPU (glm5_jax/moe_blocked.py);
+expert parallelism over a mesh is glm5_jax/moe_ep.py.
 """
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.layers import SwiGLU, constrain, logical_param, materialised_on_cpu, normal_init
+from glm5_jax.kernel_sharding import logical_shard_map, multi_device_mesh_in_context
+from glm5_jax.layers import SwiGLU, constrain, logical_param, normal_init
+from glm5_jax.moe_blocked import BLOCKED_MOE_NAMES, blocked_swiglu
 from glm5_jax.moe_ep import expert_parallel_swiglu
 from glm5_jax import quant
 from glm5_jax.quant import int4_swiglu
+from glm5_jax.moe_experts import KERNEL_IMPLS, sorted_swiglu
 
-MOE_BLOCK = 128                # rows per block of the "blocked" grouped matmul
-# the blocked forward's results (output, gate and up activations), for remat policies to keep
-BLOCKED_MOE_NAMES = ("moe_block_out", "moe_block_gate", "moe_block_up")
-BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, never by gradients (P12)
+__all__ = ["BIAS_COLLECTION", "BLOCKED_MOE_NAMES", "MoE", "grouped_swiglu", "route", "sequence_balance_loss"]
+
+BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, never by gradients
 
 
 def route(scores_NE, bias_E, cfg):
-    """Expert choice (§5.2): indices [N,K] chosen on sigmoid + bias, gates [N,K] from the unbiased sigmoid."""
+    """Expert choice: indices [N,K] chosen on sigmoid + bias, gates [N,K] from the unbiased sigmoid."""
     N, E = scores_NE.shape
     biased = scores_NE + bias_E
     if cfg.n_group > 1:
@@ -44,187 +37,32 @@ def route(scores_NE, bias_E, cfg):
         keep = jnp.zeros((N, cfg.n_group), bool).at[jnp.arange(N)[:, None], kept_groups].set(True)
         biased = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
     _, expert_idx = jax.lax.top_k(biased, cfg.num_experts_per_tok)
-    gates = jnp.take_along_axis(scores_NE, expert_idx, axis=-1)                  # unbiased (P11)
+    gates = jnp.take_along_axis(scores_NE, expert_idx, axis=-1)                  # unbiased: the bias only selects
     if cfg.norm_topk_prob:
         gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
     return expert_idx.astype(jnp.int32), gates * cfg.routed_scaling_factor
 
 
 def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl="ragged_dot"):
-    """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) via sort-by-expert + a grouped matmul -> [N, K, D] (fp32)."""
-    N, K = expert_idx_NK.shape
-    E = w_gate_EDF.shape[0]
-    if impl == "blocked" and N * K <= E:
-        impl = "per_assignment"
-    elif impl == "blocked" and N * E <= _blocked_rows(N * K, E):
-        impl = "all_experts"
-    if impl == "per_assignment":
-        return _per_assignment_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
-    if impl == "all_experts":
-        return _all_experts_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
-    flat_expert = expert_idx_NK.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)             # assignments grouped by expert
-    x_sorted = x_ND.astype(dtype)[order // K]
-    group_sizes = jnp.bincount(flat_expert, length=E).astype(jnp.int32)
-    if impl == "ragged_dot":
-        y_sorted = _ragged_dot_swiglu(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
-    elif impl == "blocked":
-        y_sorted = _blocked_swiglu(x_sorted, group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
-    else:
-        raise ValueError(f"grouped_swiglu: unknown impl {impl!r}")
-    inverse = jnp.argsort(order)
-    return y_sorted[inverse].reshape(N, K, -1)
+    """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, K, D] (fp32), by ``impl`` (a ``ModelConfig.moe_impl``).
 
-
-def _per_assignment_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
-    """Each (token, slot) multiplies by its own gathered expert weights -> [N, K, D] fp32."""
-    x = x_ND.astype(dtype)
-
-    def mm(spec, lhs, w):
-        return jnp.einsum(spec, lhs, w.astype(dtype)[expert_idx_NK], preferred_element_type=jnp.float32)
-
-    h = (jax.nn.silu(mm("nd,nkdf->nkf", x, w_gate_EDF)) * mm("nd,nkdf->nkf", x, w_up_EDF)).astype(dtype)
-    return mm("nkf,nkfd->nkd", h, w_down_EFD)
-
-
-def _all_experts_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
-    """Every expert on every token, one expert at a time (a scan: XLA:CPU runs batched dots with few
-    rows per batch slowly), then each token's chosen outputs -> [N, K, D] fp32."""
-    x = x_ND.astype(dtype)
-
-    def one_expert(_, w):
-        w_gate, w_up, w_down = (a.astype(dtype) for a in w)
-        h = jax.nn.silu(jnp.dot(x, w_gate, preferred_element_type=jnp.float32)) * jnp.dot(
-            x, w_up, preferred_element_type=jnp.float32)
-        return None, jnp.dot(h.astype(dtype), w_down, preferred_element_type=jnp.float32)
-
-    _, y_END = jax.lax.scan(one_expert, None, (w_gate_EDF, w_up_EDF, w_down_EFD))
-    return jnp.take_along_axis(jnp.swapaxes(y_END, 0, 1), expert_idx_NK[:, :, None], axis=1)
-
-
-def _blocked_rows(M, E, block=MOE_BLOCK):
-    """Rows the blocked impl computes for M assignments over E experts (its static padded buffer)."""
-    block = min(block, M)
-    return (-(-M // block) + E - 1) * block
-
-
-def _ragged_dot_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
-    def gmm(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes_E, preferred_element_type=jnp.float32)
-
-    h = (jax.nn.silu(gmm(x_MD, w_gate_EDF)) * gmm(x_MD, w_up_EDF)).astype(dtype)
-    return gmm(h, w_down_EFD)
-
-
-def _blocked_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, block=MOE_BLOCK):
-    """The grouped SwiGLU over expert-sorted rows as a loop over padded row blocks.
-
-    Expert e's rows move to a block-aligned range of a padded buffer (static size: enough blocks for
-    any split of M rows over E experts); each block is multiplied by its expert's weights.
+    On a multi-device mesh (no expert parallelism) the Pallas kernels run per token shard with the expert
+    weights gathered whole; "auto" there stays with ragged_dot, which XLA partitions itself.
     """
-    M, D = x_MD.shape
-    E = group_sizes_E.shape[0]
-    n_blocks = _blocked_rows(M, E, block) // min(block, M)
-    block = min(block, M)
-    padded_sizes = -(-group_sizes_E // block) * block
-    padded_end = jnp.cumsum(padded_sizes)
-    padded_start = padded_end - padded_sizes
-    group_start = jnp.cumsum(group_sizes_E) - group_sizes_E
-    expert_of_row = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=M)
-    dest_M = padded_start[expert_of_row] + jnp.arange(M) - group_start[expert_of_row]
-    # source row of every padded slot; M (an appended zero row) for padding
-    src = jnp.full((n_blocks * block,), M, jnp.int32).at[dest_M].set(jnp.arange(M, dtype=jnp.int32))
-    x_blocks = jnp.concatenate([x_MD, jnp.zeros((1, D), x_MD.dtype)])[src].reshape(n_blocks, block, D)
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right"), E - 1)
-    n_used = (padded_end[-1] // block).astype(jnp.int32)   # blocks holding rows; the rest is padding
-    operands = (x_blocks, block_expert.astype(jnp.int32), n_used,
-                w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype))
-    # Forward on detached operands with named results, then an identity whose VJP is the backward: a
-    # remat policy keeping BLOCKED_MOE_NAMES never reruns the block loop (a while loop, which a policy
-    # cannot save values inside, and a custom_vjp fwd rule's residuals are invisible to policies).
-    results = _block_swiglu_forward(*(jax.lax.stop_gradient(x) for x in operands))
-    results = tuple(checkpoint_name(r, name) for r, name in zip(results, BLOCKED_MOE_NAMES))
-    y_blocks = _block_swiglu(*operands, *results)
-    return y_blocks.reshape(n_blocks * block, -1)[dest_M]
-
-
-def _expert(w_EXY, e):
-    return jax.lax.dynamic_index_in_dim(w_EXY, e, keepdims=False)
-
-
-def _mm(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def _block_swiglu_forward(x_nMD, expert_n, n_used, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """y[n] = SwiGLU_{expert[n]}(x[n]) for the first ``n_used`` row blocks -> (y [n, m, D] fp32, and the
-    gate / up activations [n, m, F] fp32 the backward needs); later blocks, all padding, stay 0.
-
-    A loop over blocks that slices its expert's weights (no [n, D, F] gathered weight copy); on XLA:CPU,
-    for 8192 rows over 16 experts (D=512, F=256), ~2x faster forward and ~1.7x forward+backward than
-    one batched einsum over gathered weights (bench/train_step.py docstring).
-    """
-    n, m, D = x_nMD.shape
-    F = w_gate_EDF.shape[-1]
-
-    def one(i, bufs):
-        x, e = x_nMD[i], expert_n[i]
-        gate, up = _mm(x, _expert(w_gate_EDF, e)), _mm(x, _expert(w_up_EDF, e))
-        h = (jax.nn.silu(gate) * up).astype(x.dtype)
-        return tuple(jax.lax.dynamic_update_index_in_dim(buf, v, i, 0)
-                     for buf, v in zip(bufs, (_mm(h, _expert(w_down_EFD, e)), gate, up)))
-
-    bufs = (jnp.zeros((n, m, D), jnp.float32), jnp.zeros((n, m, F), jnp.float32), jnp.zeros((n, m, F), jnp.float32))
-    return jax.lax.fori_loop(0, n_used, one, bufs)
-
-
-@jax.custom_vjp
-def _block_swiglu(x_nMD, expert_n, n_used, w_gate_EDF, w_up_EDF, w_down_EFD, y_nMD, gate_nMF, up_nMF):
-    """Identity on y (`_block_swiglu_forward`'s result for these operands); its VJP is the blocked
-    SwiGLU's: a loop keeping the gate/up activations that adds each block's weight gradients into its
-    expert's slot (autodiff would scatter-add gathered copies)."""
-    return y_nMD
-
-
-def _block_swiglu_fwd(x_nMD, expert_n, n_used, w_gate_EDF, w_up_EDF, w_down_EFD, y_nMD, gate_nMF, up_nMF):
-    return y_nMD, (x_nMD, expert_n, n_used, w_gate_EDF, w_up_EDF, w_down_EFD, gate_nMF, up_nMF)
-
-
-def _block_swiglu_bwd(residuals, dy_nMD):
-    x_nMD, expert_n, n_used, w_gate_EDF, w_up_EDF, w_down_EFD, gate_nMF, up_nMF = residuals
-    dt = x_nMD.dtype
-
-    def step(i, carry):
-        dx_nMD, acc = carry
-        x, e, dy, gate, up = x_nMD[i], expert_n[i], dy_nMD[i], gate_nMF[i], up_nMF[i]
-        sig = jax.nn.sigmoid(gate)
-        silu = gate * sig
-        h = (silu * up).astype(dt)
-        dh = _mm(dy.astype(dt), _expert(w_down_EFD, e).T)
-        d_gate = (dh * up * sig * (1 + gate * (1 - sig))).astype(dt)      # silu'(g) = s (1 + g (1 - s))
-        d_up = (dh * silu).astype(dt)
-        dx = _mm(d_gate, _expert(w_gate_EDF, e).T) + _mm(d_up, _expert(w_up_EDF, e).T)
-        x_t = materialised_on_cpu(x.T)
-
-        def add(acc_EXY, d_XY):
-            return jax.lax.dynamic_update_index_in_dim(acc_EXY, _expert(acc_EXY, e) + d_XY, e, 0)
-
-        dw_gate, dw_up, dw_down = acc
-        acc = (add(dw_gate, _mm(x_t, d_gate)), add(dw_up, _mm(x_t, d_up)),
-               add(dw_down, _mm(materialised_on_cpu(h.T), dy.astype(dt))))
-        return jax.lax.dynamic_update_index_in_dim(dx_nMD, dx.astype(dt), i, 0), acc
-
-    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w_gate_EDF, w_up_EDF, w_down_EFD))
-    dx, (dw_gate, dw_up, dw_down) = jax.lax.fori_loop(0, n_used, step, (jnp.zeros_like(x_nMD), zeros))
-    return (dx, None, None, dw_gate.astype(w_gate_EDF.dtype), dw_up.astype(w_up_EDF.dtype),
-            dw_down.astype(w_down_EFD.dtype), None, None, None)
-
-
-_block_swiglu.defvjp(_block_swiglu_fwd, _block_swiglu_bwd)
+    if impl == "blocked":
+        return blocked_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    if impl == "auto" and multi_device_mesh_in_context():
+        impl = "ragged_dot"
+    if impl not in KERNEL_IMPLS:
+        return sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl)
+    tokens, experts = ("batch", None), (None, None, None)
+    per_shard = logical_shard_map(lambda *a: sorted_swiglu(*a, dtype, impl), (tokens, tokens) + (experts,) * 3,
+                                  ("batch", None, None))
+    return per_shard(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
 def sequence_balance_loss(scores_BTE, expert_idx_BTK, token_mask_BT, num_experts, top_k):
-    """DeepSeek-V3 sequence-wise balance term Σ_i f_i P_i per sequence, averaged over sequences (§5.3)."""
+    """DeepSeek-V3 sequence-wise balance term Σ_i f_i P_i per sequence, averaged over sequences."""
     mask = token_mask_BT.astype(jnp.float32)
     n_tokens = jnp.maximum(mask.sum(-1), 1.0)                                     # [B]
     chosen = jax.nn.one_hot(expert_idx_BTK, num_experts, dtype=jnp.float32).sum(-2)   # [B,T,E]
@@ -243,7 +81,7 @@ class MoE(nn.Module):
         B, T, D = x_BTD.shape
         E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
         init, dt = normal_init(cfg), cfg.jnp_dtype
-        # Router weight stays fp32 whatever param_dtype is (HF forces fp32 for it, P12).
+        # Router weight stays fp32 whatever param_dtype is (HF keeps it in fp32).
         w_router = logical_param(self, "router", (D, E), ("embed", None), init, jnp.float32)
         bias = self.variable(BIAS_COLLECTION, "e_score_correction_bias",
                              nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
@@ -256,12 +94,14 @@ class MoE(nn.Module):
 
         x_ND = x_BTD.reshape(B * T, D)
         scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
-                                        precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32 (P8)
+                                        precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32
         expert_idx, gates = route(scores, nn.unbox(bias.value), cfg)
         dropped = None
         if isinstance(w_gate, quant.Int4Weight):              # packed INT4 experts, Pallas kernel
             y_NKD = int4_swiglu.grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg)
-        elif cfg.moe_ep == "none" or self.is_initializing():   # init's dummy batch need not split over the mesh
+        elif self.is_initializing():   # only the variables matter; init's dummy batch need not split over the mesh
+            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, "ragged_dot")
+        elif cfg.moe_ep == "none":
             y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.moe_impl)
         else:   # expert parallel over the mesh in context (glm5_jax/moe_ep.py)
             y_NKD, dropped = expert_parallel_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, cfg)

@@ -1,20 +1,23 @@
-"""Expert-parallel routed experts: a `shard_map` over the mesh in context (DESIGN §5).
+"""Expert-parallel routed experts: a `shard_map` over the mesh in context.
 
 Tokens arrive sharded over the batch axes, experts over the mesh axis the logical "exp" axis maps to
 (mesh names come from the current logical-axis rules, never from model code). Per token shard:
 
     assignments (token, expert) -> rank within their expert -> capacity check -> transport to the expert's
-    shard -> grouped SwiGLU over the local experts (`ragged_dot`) -> reverse transport -> [N, K, D]
+    shard -> grouped SwiGLU over the local experts' received rows -> reverse transport -> [N, K, D]
 
 Each (source shard, expert) pair carries at most ``C = ceil(capacity_factor * N_local * K / E)``
 assignments; later ones (in token order) are dropped: their expert output is zero and they are counted
 in ``dropped``. Both transports keep exactly the same assignments, so they compute the same function:
 
-* ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU);
+* ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU); the
+  receiver packs each local expert's received rows together (the per-source counts travel with them), so
+  the grouped matmul never multiplies a padding slot;
 * ``"ragged_a2a"``: only the kept rows travel, with `jax.lax.ragged_all_to_all` (TPU/GPU only).
 
-Expert weights enter with their F (``mlp_moe``) dimension still sharded; the partial down-projections
-are summed over that mesh axis.
+The grouped matmul is ``ModelConfig.moe_impl``'s (glm5_jax/moe_experts.py; "blocked", a whole-batch CPU
+implementation, runs as ragged_dot here). Expert weights enter with their F (``mlp_moe``) dimension still
+sharded; the partial down-projections are summed over that mesh axis.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from glm5_jax.moe_experts import swiglu_rows
 
 
 def _mesh_axes(logical: str) -> tuple[str, ...]:
@@ -56,34 +61,29 @@ def _rank_within_expert(flat_e, n_experts):
     return order, rank, counts
 
 
-def _swiglu_rows(rows, group_sizes, w_gate, w_up, w_down, dtype):
-    """Grouped SwiGLU of rows grouped by local expert (rows past sum(group_sizes) come out zero); fp32."""
-    def gmm(lhs, rhs):
-        return jax.lax.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes,
-                                  preferred_element_type=jnp.float32)
-
-    h = (jax.nn.silu(gmm(rows, w_gate)) * gmm(rows, w_up)).astype(dtype)
-    return gmm(h, w_down)
-
-
-def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype):
+def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     """Capacity-padded all_to_all transport. Shapes are per shard."""
     n, K = idx.shape
     El, D = w_gate.shape[0], x.shape[-1]
     n_ep = jax.lax.axis_size(ep) if ep else 1
     E = El * n_ep
     flat_e = idx.reshape(-1)
-    _, rank, _ = _rank_within_expert(flat_e, E)
+    _, rank, counts = _rank_within_expert(flat_e, E)
     kept = rank < cap
     slot = jnp.where(kept, flat_e * cap + rank, E * cap)                 # E * cap: out of range -> dropped
     token_rows = x.astype(dtype)[jnp.arange(n * K) // K]
     send = jnp.zeros((E * cap, D), dtype).at[slot].set(token_rows, mode="drop")   # [dest, El, C] rows
+    kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
-    by_expert = recv.reshape(n_ep, El, cap, D).transpose(1, 0, 2, 3).reshape(El * n_ep * cap, D)
-    y = _swiglu_rows(by_expert, jnp.full((El,), n_ep * cap, jnp.int32), w_gate, w_up, w_down, dtype)
+    recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
+    # pack: local expert e's filled slots from every source, contiguous; padding slots go nowhere
+    packed_slot = _packed_slots(recv_counts, cap)                        # [src, El, C]; R = padding
+    R = n_ep * El * cap
+    packed = jnp.zeros((R, D), dtype).at[packed_slot.reshape(-1)].set(recv.reshape(R, D), mode="drop")
+    y = swiglu_rows(packed, recv_counts.sum(0), w_gate, w_up, w_down, dtype, impl)
     if mlp:
         y = jax.lax.psum(y, mlp)
-    back = y.astype(dtype).reshape(El, n_ep, cap, D).transpose(1, 0, 2, 3).reshape(E * cap, D)
+    back = y.astype(dtype).at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
     returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
     y_assign = returned.at[slot].get(mode="fill", fill_value=0)
     return y_assign.reshape(n, K, D).astype(jnp.float32), jnp.sum(~kept).astype(jnp.int32)
@@ -93,7 +93,17 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype):
+def _packed_slots(counts_SE, cap):
+    """Row of each received slot [S, E, C] once every local expert's filled slots are packed together
+    (expert-major, then source, then slot); S * E * C for a padding slot (c >= counts[s, e])."""
+    S, El = counts_SE.shape
+    start_ES = _exclusive_cumsum(counts_SE.T.reshape(-1)).reshape(El, S)   # where expert e's rows from s start
+    c = jnp.arange(cap, dtype=jnp.int32)
+    slot = start_ES.T[:, :, None] + c
+    return jnp.where(c < counts_SE[:, :, None], slot, S * El * cap).astype(jnp.int32)
+
+
+def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     """ragged_all_to_all transport of the kept rows only (same kept set as `_a2a_experts`)."""
     n, K = idx.shape
     El, D = w_gate.shape[0], x.shape[-1]
@@ -123,7 +133,7 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype):
     piece = jnp.searchsorted(ends, jnp.arange(R), side="right")           # (src, el) index; n_ep*El = padding
     local_e = jnp.where(piece < n_ep * El, piece % El, El)
     by_expert_order = jnp.argsort(local_e, stable=True)
-    y = _swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype)
+    y = swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl)
     if mlp:
         y = jax.lax.psum(y, mlp)
     y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y.astype(dtype))
@@ -165,10 +175,11 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
         raise ValueError(f"{N} tokens do not split over the {shards} token shards {batch}")
     cap = capacity(N // shards, K, cfg.n_routed_experts, cfg.moe_capacity_factor)
     body = TRANSPORTS[cfg.moe_ep]
+    impl = "ragged_dot" if cfg.moe_impl == "blocked" else cfg.moe_impl
     tok = P(batch or None, None)
 
     def local(x, idx, wg, wu, wd):
-        y, dropped = body(x, idx, wg, wu, wd, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype)
+        y, dropped = body(x, idx, wg, wu, wd, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl)
         return y, jax.lax.psum(dropped, batch) if batch else dropped
 
     w_in, w_out = P(ep, None, mlp), P(ep, mlp, None)

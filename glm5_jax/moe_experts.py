@@ -1,0 +1,41 @@
+"""The routed experts' SwiGLU as grouped matmuls over rows sorted by expert.
+
+    h = silu(x @ W_gate[e]) * (x @ W_up[e]);  y = h @ W_down[e]      for each row x of expert e
+
+The three products are grouped matmuls (`pallas_kernels.grouped_matmul`), so each costs
+2 * rows * D * F over the rows routed to each expert. ``impl`` (``ModelConfig.moe_impl``, less
+"blocked", which has its own module) picks the grouped matmul: "ragged_dot" (XLA), "gmm" / "gmm_interpret"
+(the Pallas TPU kernel / its interpreter) or "auto" (the kernel when lowered for TPU, ragged_dot elsewhere).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul.ops import grouped_matmul
+
+KERNEL_IMPLS = ("gmm", "gmm_interpret")   # Pallas calls: must run per shard on a multi-device mesh
+
+
+def sort_by_expert(expert_idx_NK, n_experts):
+    """(order [N*K]: flat assignments grouped by expert, stable; group_sizes [E] int32)."""
+    flat = expert_idx_NK.reshape(-1)
+    return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+
+
+def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl):
+    """SwiGLU of rows sorted by expert -> [M, D] fp32; rows past sum(group_sizes) come out zero."""
+    def gmm(lhs, rhs):
+        return grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes_E, impl=impl)
+
+    h = (jax.nn.silu(gmm(x_MD, w_gate_EDF)) * gmm(x_MD, w_up_EDF)).astype(dtype)
+    return gmm(h, w_down_EFD)
+
+
+def sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl):
+    """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) via sort-by-expert + grouped matmuls -> [N, K, D] fp32."""
+    N, K = expert_idx_NK.shape
+    order, group_sizes = sort_by_expert(expert_idx_NK, w_gate_EDF.shape[0])
+    y_sorted = swiglu_rows(x_ND.astype(dtype)[order // K], group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD,
+                           dtype, impl)
+    return y_sorted[jnp.argsort(order)].reshape(N, K, -1)

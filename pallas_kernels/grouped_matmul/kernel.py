@@ -1,0 +1,88 @@
+"""Grouped matmul on TPU: JAX's megablox Pallas kernels (`gmm`, and `tgmm` for the weight gradient) with
+the tiling chosen here for GLM-5's expert widths.
+
+Both kernels walk only the row tiles that hold rows of some group (a group whose rows start or end inside
+a tile costs that whole tile), so each of the three products of a grouped matmul costs about
+2 * rows * K * N over the rows actually routed to each expert, whatever the number of groups; rows past
+``sum(group_sizes)`` are never multiplied.
+
+What the wrappers add to megablox:
+
+* rows are padded to a multiple of the row tile (megablox requires it); padding rows lie past
+  ``sum(group_sizes)``;
+* `gmm` leaves output rows it does not visit (past ``sum(group_sizes)``) uninitialised: they are set to
+  zero here, so the result is `jax.lax.ragged_dot`'s;
+* `tgmm` visits every empty group once and writes zeros there: an expert without rows gets an exactly zero
+  weight gradient.
+
+Tiles (rows, contraction, output columns). v5p has 95 MiB of VMEM per core but Mosaic's default scoped
+VMEM limit is 16 MiB; each kernel double-buffers its input and output blocks and keeps one fp32
+accumulator, with bf16 operands:
+
+* `gmm` (256, 1024, 1024): lhs 256x1024 (0.5 MiB), rhs 1024x1024 (2 MiB), fp32 out 256x1024 (1 MiB), each
+  x2, + fp32 accumulator 1 MiB = 8 MiB. Each weight tile is reused by 256 rows: 2*256*1024*1024 FLOPs per
+  (0.5 + 2) MiB read, ~200 FLOP/byte, above v5p's 459 TFLOP/s / 2.76 TB/s ~ 166 ridge. A 512-row tile
+  halves weight traffic but wastes on average half a tile per expert on partial tiles (32 local experts
+  of ~1000-1300 rows each at GLM-5's per-chip shapes: ~20% extra MXU work at 256, ~40% at 512).
+* `tgmm` (256, 1024, 1024): lhs^T 256x1024 and d out 256x1024 (0.5 MiB each), out 1024x1024 in the weight
+  dtype (2 MiB bf16), each x2, + fp32 accumulator 4 MiB = 10 MiB; 512 FLOP/byte.
+GLM-5's widths D = 6144 and F = 2048 (1024 per chip with the expert width over 2 chips) are multiples of
+1024; a dimension at most the preferred tile is taken whole.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+# the module, not the package's re-exported custom_vjp of the same name
+from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, tgmm as megablox_tgmm
+
+from pallas_kernels.tpu_utils import pad_axis, round_up
+
+GMM_TILING = (256, 1024, 1024)      # (rows, contraction, output columns) of the forward and input gradient
+TGMM_TILING = (256, 1024, 1024)     # (rows, lhs columns, d out columns) of the weight gradient
+
+
+def _tile(dim: int, preferred: int, what: str) -> int:
+    """The whole dimension if it fits the preferred tile, else the largest multiple of 128 <= preferred
+    that divides it."""
+    if dim <= preferred:
+        return dim
+    for t in range(preferred - preferred % 128, 0, -128):
+        if dim % t == 0:
+            return t
+    raise ValueError(f"grouped_matmul: {what}={dim} has no multiple-of-128 tile <= {preferred} dividing it")
+
+
+def _row_tile(m: int, preferred: int) -> int:
+    return min(preferred, round_up(m, 8))
+
+
+def _rows_in_groups(m: int, group_sizes_E):
+    """[m, 1] mask of the rows that belong to a group (row < sum(group_sizes))."""
+    return (jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes_E))[:, None]
+
+
+def gmm(lhs_MK, rhs_EKN, group_sizes_E, *, transpose_rhs=False, out_dtype=jnp.float32, interpret=False,
+        tiling=GMM_TILING):
+    """y[m] = lhs[m] @ rhs[group of m] (rhs[g]^T with ``transpose_rhs``) -> [M, N]; rows past
+    sum(group_sizes) are zero."""
+    M, K = lhs_MK.shape
+    N = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
+    tm = _row_tile(M, tiling[0])
+    tiles = (tm, _tile(K, tiling[1], "contraction"), _tile(N, tiling[2], "output width"))
+    y = megablox_gmm(pad_axis(lhs_MK, 0, round_up(M, tm)), rhs_EKN, group_sizes_E.astype(jnp.int32),
+                     preferred_element_type=out_dtype, tiling=tiles, transpose_rhs=transpose_rhs,
+                     interpret=interpret)[:M]
+    return jnp.where(_rows_in_groups(M, group_sizes_E), y, 0).astype(out_dtype)
+
+
+def tgmm(lhs_MK, dy_MN, group_sizes_E, *, out_dtype, interpret=False, tiling=TGMM_TILING):
+    """d rhs[g] = lhs[rows of g]^T @ dy[rows of g] -> [E, K, N]; zero for an empty group; rows past
+    sum(group_sizes) are ignored."""
+    M, K = lhs_MK.shape
+    N = dy_MN.shape[1]
+    tm = _row_tile(M, tiling[0])
+    tiles = (tm, _tile(K, tiling[1], "lhs width"), _tile(N, tiling[2], "d out width"))
+    Mp = round_up(M, tm)
+    return megablox_tgmm(pad_axis(lhs_MK, 0, Mp).T, pad_axis(dy_MN, 0, Mp), group_sizes_E.astype(jnp.int32),
+                         preferred_element_type=out_dtype, tiling=tiles, interpret=interpret)

@@ -1,0 +1,94 @@
+"""Grouped matmul behind an ``impl`` switch.
+
+* ``"ragged_dot"``: reference.py (`jax.lax.ragged_dot`, differentiated by JAX);
+* ``"gmm"`` / ``"gmm_interpret"``: kernel.py's megablox kernels (TPU / Pallas interpreter) under a
+  `jax.custom_vjp`: d lhs is `gmm` against the transposed weights, d rhs is `tgmm`;
+* ``"auto"``: the same custom_vjp whose forward and backward each choose at lowering time with
+  `jax.lax.platform_dependent`: the kernels when the program is lowered for TPU (also ahead of time from
+  a CPU host), the ragged_dot reference and its VJP on any other platform.
+
+Every impl takes rows sorted by group; rows past ``sum(group_sizes)`` come out zero and get a zero
+gradient. Pallas TPU kernels cannot be partitioned automatically: on a multi-device mesh call this per
+shard (inside `shard_map`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul import kernel, reference
+
+IMPLS = ("ragged_dot", "gmm", "gmm_interpret", "auto")
+
+
+def grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, *, impl="ragged_dot", out_dtype=jnp.float32):
+    """y[m] = lhs[m] @ rhs[group of m] -> [M, N] in ``out_dtype``, accumulated in fp32.
+
+    lhs_MK: rows sorted by group; rhs_EKN: one [K, N] matrix per group; group_sizes_E: int rows per group.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul: unknown impl {impl!r}; choose one of {IMPLS}")
+    if lhs_MK.ndim != 2 or rhs_EKN.ndim != 3 or lhs_MK.shape[1] != rhs_EKN.shape[1]:
+        raise ValueError(f"grouped_matmul: lhs [M, K] and rhs [E, K, N] expected, got {lhs_MK.shape} and "
+                         f"{rhs_EKN.shape}")
+    if group_sizes_E.shape != rhs_EKN.shape[:1]:
+        raise ValueError(f"grouped_matmul: group_sizes {group_sizes_E.shape} needs one entry per rhs group "
+                         f"({rhs_EKN.shape[0]})")
+    group_sizes_E = group_sizes_E.astype(jnp.int32)
+    if impl == "ragged_dot":
+        return reference.grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, out_dtype)
+    return _kernel_grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, impl, jnp.dtype(out_dtype))
+
+
+def _on_tpu_else_reference(kernel_fn, reference_fn, *args):
+    """kernel_fn(*args) when lowered for TPU, reference_fn(*args) otherwise."""
+    return jax.lax.platform_dependent(*args, tpu=kernel_fn, default=reference_fn)
+
+
+def _forward(lhs, rhs, group_sizes, impl, out_dtype):
+    def run_kernel(lhs, rhs, group_sizes, interpret=False):
+        return kernel.gmm(lhs, rhs, group_sizes, out_dtype=out_dtype, interpret=interpret)
+
+    if impl == "auto":
+        return _on_tpu_else_reference(
+            run_kernel, functools.partial(reference.grouped_matmul, out_dtype=out_dtype), lhs, rhs, group_sizes)
+    return run_kernel(lhs, rhs, group_sizes, interpret=impl == "gmm_interpret")
+
+
+def _backward(lhs, rhs, group_sizes, dy, impl):
+    """(d lhs, d rhs) in the operands' dtypes. The kernels take the output cotangent in lhs's (compute)
+    dtype; the reference differentiates ragged_dot as JAX does."""
+
+    def run_kernel(lhs, rhs, group_sizes, dy, interpret=False):
+        dy = dy.astype(lhs.dtype)
+        d_lhs = kernel.gmm(dy, rhs, group_sizes, transpose_rhs=True, out_dtype=lhs.dtype, interpret=interpret)
+        return d_lhs, kernel.tgmm(lhs, dy, group_sizes, out_dtype=rhs.dtype, interpret=interpret)
+
+    def run_reference(lhs, rhs, group_sizes, dy):
+        _, vjp = jax.vjp(lambda a, b: reference.grouped_matmul(a, b, group_sizes, jnp.float32), lhs, rhs)
+        d_lhs, d_rhs = vjp(dy.astype(jnp.float32))
+        return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+    if impl == "auto":
+        return _on_tpu_else_reference(run_kernel, run_reference, lhs, rhs, group_sizes, dy)
+    return run_kernel(lhs, rhs, group_sizes, dy, interpret=impl == "gmm_interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _kernel_grouped_matmul(lhs, rhs, group_sizes, impl, out_dtype):
+    return _forward(lhs, rhs, group_sizes, impl, out_dtype)
+
+
+def _fwd(lhs, rhs, group_sizes, impl, out_dtype):
+    return _forward(lhs, rhs, group_sizes, impl, out_dtype), (lhs, rhs, group_sizes)
+
+
+def _bwd(impl, out_dtype, residuals, dy):
+    lhs, rhs, group_sizes = residuals
+    d_lhs, d_rhs = _backward(lhs, rhs, group_sizes, dy, impl)
+    return d_lhs, d_rhs, None
+
+
+_kernel_grouped_matmul.defvjp(_fwd, _bwd)
