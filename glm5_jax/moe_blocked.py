@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.layers import materialised_on_cpu
-from glm5_jax.moe_experts import sort_by_expert
+from glm5_jax.moe_experts import expert_blocks, sort_by_expert
 
 MOE_BLOCK = 128                # rows per block
 # the blocked forward's results (output, gate and up activations), for remat policies to keep
@@ -82,22 +82,9 @@ def _blocked_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype
     Expert e's rows move to a block-aligned range of a padded buffer (static size: enough blocks for
     any split of M rows over E experts); each block is multiplied by its expert's weights.
     """
-    M, D = x_MD.shape
-    E = group_sizes_E.shape[0]
-    n_blocks = _blocked_rows(M, E, block) // min(block, M)
-    block = min(block, M)
-    padded_sizes = -(-group_sizes_E // block) * block
-    padded_end = jnp.cumsum(padded_sizes)
-    padded_start = padded_end - padded_sizes
-    group_start = jnp.cumsum(group_sizes_E) - group_sizes_E
-    expert_of_row = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=M)
-    dest_M = padded_start[expert_of_row] + jnp.arange(M) - group_start[expert_of_row]
-    # source row of every padded slot; M (an appended zero row) for padding
-    src = jnp.full((n_blocks * block,), M, jnp.int32).at[dest_M].set(jnp.arange(M, dtype=jnp.int32))
-    x_blocks = jnp.concatenate([x_MD, jnp.zeros((1, D), x_MD.dtype)])[src].reshape(n_blocks, block, D)
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right"), E - 1)
-    n_used = (padded_end[-1] // block).astype(jnp.int32)   # blocks holding rows; the rest is padding
-    operands = (x_blocks, block_expert.astype(jnp.int32), n_used,
+    x_blocks, block_expert, n_used, dest_M = expert_blocks(x_MD, group_sizes_E, min(block, x_MD.shape[0]))
+    n_blocks, block = x_blocks.shape[:2]
+    operands = (x_blocks, block_expert, n_used,
                 w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype))
     # Forward on detached operands with named results, then an identity whose VJP is the backward: a
     # remat policy keeping BLOCKED_MOE_NAMES never reruns the block loop (a while loop, which a policy

@@ -39,3 +39,22 @@ def sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, 
     y_sorted = swiglu_rows(x_ND.astype(dtype)[order // K], group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD,
                            dtype, impl)
     return y_sorted[jnp.argsort(order)].reshape(N, K, -1)
+
+
+def expert_blocks(x_MD, group_sizes_E, block):
+    """Expert-sorted rows [M, D] -> (x_blocks [n, block, D], block_expert [n], n_used, dest_M): row r
+    sits at flat slot dest_M[r] of the blocks; n = ceil(M / block) + E - 1 (static)."""
+    M, D = x_MD.shape
+    E = group_sizes_E.shape[0]
+    n_blocks = -(-M // block) + E - 1
+    padded_sizes = -(-group_sizes_E // block) * block
+    padded_end = jnp.cumsum(padded_sizes)
+    padded_start = padded_end - padded_sizes
+    group_start = jnp.cumsum(group_sizes_E) - group_sizes_E
+    expert_of_row = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=M)
+    dest_M = padded_start[expert_of_row] + jnp.arange(M) - group_start[expert_of_row]
+    src = jnp.full((n_blocks * block,), M, jnp.int32).at[dest_M].set(jnp.arange(M, dtype=jnp.int32))
+    x_blocks = jnp.concatenate([x_MD, jnp.zeros((1, D), x_MD.dtype)])[src].reshape(n_blocks, block, D)
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right"), E - 1)
+    n_used = (padded_end[-1] // block).astype(jnp.int32)
+    return x_blocks, block_expert.astype(jnp.int32), n_used, dest_M
