@@ -8,8 +8,11 @@ axis `b` multiplies by a weight (forward) or makes a weight gradient (backward).
 
 The indexer KL loss has no module or method scope of its own: it runs inside `Attention.__call__` after
 the attention core, so it is recognised as the attention layer's own loops and gathers (`closed_call`,
-`while`, `cond`, `vmap()` right under `attention/`); a `jax.named_scope("indexer_kl")` around the call of
-`indexer_kl_fn` in glm5_jax/attention.py would make this exact (the rule already honours that name).
+`while`, `cond`, `vmap()` right under `attention/`). That guess is wrong for the dense-stage core
+(`sparse_mla_ops.dense_mla`, `naive_attention`), which is also called straight from `__call__`. Two
+`jax.named_scope`s in glm5_jax/attention.py would make both exact (the rules already honour the names):
+"indexer_kl" around `indexer_kl_fn(target)` and "attention_core" around the `naive_attention` /
+`_sparse_core` / `dense_mla` calls.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ CATEGORY_TITLES = {
     "optimizer": "optimizer", "other": "other",
 }
 _EINSUM = re.compile(r"([a-z]+),([a-z]+)->([a-z]+)")
-_CORE_SCOPES = ("_training_sparse_xla", "_masked_dense", "_sparse_core", "_mha", "sparse_mla")
+# method scopes and kernel names of the attention core (older and current forms of glm5_jax/attention.py)
+_CORE_SCOPES = ("attention_core", "_sparse_core", "sparse_mla", "dense_mla", "_training_sparse_xla", "_masked_dense",
+                "_mha")
 _KL_HEADS = ("closed_call", "while", "cond", "vmap()")
 
 
@@ -49,6 +54,8 @@ def categorize(op_name: str) -> str:
         return "lm_head_loss"
     if "indexer_kl" in op_name:
         return "indexer_kl"
+    if "lightning_indexer" in op_name:
+        return "indexer_topk"
     if "ragged-dot" in op_name or "ragged_dot" in op_name:
         return "routed_experts"
     if "/attention/" in op_name or op_name.startswith("attention/"):
