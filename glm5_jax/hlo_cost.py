@@ -1,22 +1,31 @@
-"""Matmul FLOPs and bytes of an optimized HLO module with every loop body multiplied by its trip count.
+"""Matmul FLOPs, HBM bytes and collectives of an optimized HLO module with every loop body multiplied by
+its trip count.
 
 XLA's `compiled.cost_analysis()` visits a `while` body once, so for a model whose layers run in a
 `scan` (and attention chunks in a `lax.map`) it reports the cost of roughly one layer. This walks the
 optimized HLO text instead and counts, per computation:
 
-* FLOPs of `dot`, `convolution` and `ragged-dot` (2 x output elements x contracted size; elementwise
-  work is not counted: it is small next to the matmuls of this model);
-* bytes accessed by each top-level instruction (operands + result; a fusion counts at its call site,
-  never inside), roughly what XLA's own cost analysis counts;
+* compiler-visible FLOPs of `dot`, `convolution` and `ragged-dot` (2 x output elements x contracted
+  size; elementwise work is not counted: it is small next to the matmuls of this model);
+* kernel FLOPs of Mosaic custom calls (`tpu_custom_call`): the `pl.CostEstimate` a Pallas kernel
+  declares, which the TPU lowering writes into the call's backend config
+  (``custom_call_config.cost_estimate``), else for the ragged-dot lowering 2 x m x k x n from its shapes;
+* bytes accessed by each top-level instruction (operands + result, or a kernel's declared bytes; a
+  fusion counts at its call site, never inside), roughly what XLA's own cost analysis counts;
+* every collective (`CollectiveOp`: kind, per-chip buffer bytes, replica groups, async or not), an
+  all-reduce that only feeds this chip's dynamic slice (the TPU all-reduce-scatter fusion) as a
+  reduce-scatter;
 
 and adds called computations: fusions and calls once, `while` bodies x their trip count (XLA's
-`known_trip_count`, else read from the loop: `i < N` in the condition, `i`'s initial constant in the caller;
-a loop whose count cannot be read is counted once and reported), conditionals by their dearest branch.
+`known_trip_count`, else read from the loop: `i < N` in the condition, `i`'s initial constant in the
+caller, its step the constant the body adds; a loop whose count cannot be read is counted once and
+reported), conditionals by their dearest branch. With a `categorize` function every count is also filed
+under a category read from the instruction's op_name metadata.
 
-Checked against hand counts (tests/train/test_hlo_cost.py) and, on GLM-5 train steps compiled for v5p,
-against the analytic model FLOPs of glm5_jax/flops.py (tests/train/test_compile_report.py). The TPU
-compiler writes batched matmuls as convolutions with a dilated or padded "spatial" batch dim; those count
-only the taps that meet real input elements.
+Checked against hand counts (tests/train/test_hlo_cost.py, test_hlo_kernels.py, test_hlo_collectives.py)
+and, on GLM-5 train steps compiled for v5p, against the analytic model FLOPs of glm5_jax/flops.py
+(tests/train/test_compile_report.py). The TPU compiler writes batched matmuls as convolutions with a
+dilated or padded "spatial" batch dim; those count only the taps that meet real input elements.
 """
 from __future__ import annotations
 
