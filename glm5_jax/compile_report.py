@@ -182,7 +182,8 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
         "compute_seconds": hlo.total_flops / peak,
         "memory_seconds": hlo.bytes_accessed / hbm_bandwidth,
         "estimated_step_seconds": step_seconds,
-        "estimated_step_seconds_source": "max(hlo_flops / peak, bytes_accessed / HBM bandwidth) + exposed communication",
+        "estimated_step_seconds_source":
+            "max(hlo_flops / peak, bytes_accessed / HBM bandwidth) + exposed communication",
         "step_seconds_if_all_overlap": max(compute_s, comm_s),
         "peak_flops_per_device": peak,
         "hbm_bytes_per_second": hbm_bandwidth,
