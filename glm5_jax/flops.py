@@ -6,6 +6,7 @@ embedding lookup is not a matmul and is excluded; the LM head is included.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -32,6 +33,61 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -
         indexer_fwd = 2 * cfg.index_n_heads * cfg.index_head_dim * mean_visible_keys(seq_len, None) * n_full
     return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attention_fwd, "indexer": 3.0 * indexer_fwd,
             "total": 6.0 * matmul_params + 3.0 * (attention_fwd + indexer_fwd)}
+
+
+def _param_category(names: list[str]) -> str | None:
+    """Model-FLOP category (glm5_jax.step_categories) of one parameter by its path; None: not a matmul
+    weight (norms, the embedding table)."""
+    if names[-1] in ("scale", "bias") or names[0] == "embed":
+        return None
+    if names[0] == "mtp":
+        return "mtp"
+    if names[0] == "lm_head":
+        return "lm_head_loss"
+    if "shared_expert" in names or "mlp" in names:
+        return "shared_mlp"
+    if "moe" in names:
+        return "routed_experts"
+    if "attention" in names:
+        return "projections"
+    return "other"
+
+
+def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
+    """`train_flops_per_token` split like the compiled step's attribution (glm5_jax.step_categories):
+    6 x the matmul parameters of each part one token uses (routed experts: K of E, plus the router),
+    attention core 3 x its forward, the indexer's 3 x forward as 1 x for the scores behind the top-k
+    (no gradient) and 2 x for the KL loss that trains it. "mtp" (per application x mtp_depth: its block, one
+    layer of attention and indexer) and the MTP's second use of the shared LM head (in "lm_head_loss",
+    where the compiled head's FLOPs land too) are not part of `train_flops_per_token`'s total; without
+    them the categories sum to that total up to the norm weights it counts."""
+    from flax.core import meta
+
+    from glm5_jax.param_count import ROUTED_EXPERT_LEAVES, abstract_variables
+
+    params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)
+    active = cfg.num_experts_per_tok / max(cfg.n_routed_experts, 1)
+    out = dict.fromkeys(("attention_core", "indexer_topk", "indexer_kl", "routed_experts", "shared_mlp",
+                         "projections", "lm_head_loss", "mtp", "optimizer", "other"), 0.0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [getattr(k, "key", str(k)) for k in path]
+        cat = _param_category(names)
+        if cat is None:
+            continue
+        n = math.prod(leaf.shape)
+        if len(names) >= 2 and names[-2] == "moe" and names[-1] in ROUTED_EXPERT_LEAVES:
+            n *= active
+        out[cat] += 6.0 * n
+    per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params)
+    L = cfg.num_hidden_layers
+    out["attention_core"] = per_token["attention"]
+    out["indexer_topk"] = per_token["indexer"] / 3
+    out["indexer_kl"] = 2 * per_token["indexer"] / 3
+    n_full = sum(t == "full" for t in cfg.layer_indexer_types) if cfg.use_indexer else 0
+    out["mtp"] = cfg.mtp_depth * (out["mtp"] + per_token["attention"] / L
+                                  + (per_token["indexer"] / n_full if n_full else 0.0))
+    out["lm_head_loss"] *= 1 + cfg.mtp_depth       # the MTP runs the shared head again (its HLO is the head's)
+    return out
 
 
 def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5, min_seconds: float = 1.0) -> float:

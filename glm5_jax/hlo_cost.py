@@ -1,22 +1,31 @@
-"""Matmul FLOPs and bytes of an optimized HLO module with every loop body multiplied by its trip count.
+"""Matmul FLOPs, HBM bytes and collectives of an optimized HLO module with every loop body multiplied by
+its trip count.
 
 XLA's `compiled.cost_analysis()` visits a `while` body once, so for a model whose layers run in a
 `scan` (and attention chunks in a `lax.map`) it reports the cost of roughly one layer. This walks the
 optimized HLO text instead and counts, per computation:
 
-* FLOPs of `dot`, `convolution` and `ragged-dot` (2 x output elements x contracted size; elementwise
-  work is not counted: it is small next to the matmuls of this model);
-* bytes accessed by each top-level instruction (operands + result; a fusion counts at its call site,
-  never inside), roughly what XLA's own cost analysis counts;
+* compiler-visible FLOPs of `dot`, `convolution` and `ragged-dot` (2 x output elements x contracted
+  size; elementwise work is not counted: it is small next to the matmuls of this model);
+* kernel FLOPs of Mosaic custom calls (`tpu_custom_call`): the `pl.CostEstimate` a Pallas kernel
+  declares, which the TPU lowering writes into the call's backend config
+  (``custom_call_config.cost_estimate``), else for the ragged-dot lowering 2 x m x k x n from its shapes;
+* bytes accessed by each top-level instruction (operands + result, or a kernel's declared bytes; a
+  fusion counts at its call site, never inside), roughly what XLA's own cost analysis counts;
+* every collective (`CollectiveOp`: kind, per-chip buffer bytes, replica groups, async or not), an
+  all-reduce that only feeds this chip's dynamic slice (the TPU all-reduce-scatter fusion) as a
+  reduce-scatter;
 
 and adds called computations: fusions and calls once, `while` bodies x their trip count (XLA's
-`known_trip_count`, else read from the loop: `i < N` in the condition, `i`'s initial constant in the caller;
-a loop whose count cannot be read is counted once and reported), conditionals by their dearest branch.
+`known_trip_count`, else read from the loop: `i < N` in the condition, `i`'s initial constant in the
+caller, its step the constant the body adds; a loop whose count cannot be read is counted once and
+reported), conditionals by their dearest branch. With a `categorize` function every count is also filed
+under a category read from the instruction's op_name metadata.
 
-Checked against hand counts (tests/train/test_hlo_cost.py) and, on GLM-5 train steps compiled for v5p,
-against the analytic model FLOPs of glm5_jax/flops.py (tests/train/test_compile_report.py). The TPU
-compiler writes batched matmuls as convolutions with a dilated or padded "spatial" batch dim; those count
-only the taps that meet real input elements.
+Checked against hand counts (tests/train/test_hlo_cost.py, test_hlo_kernels.py, test_hlo_collectives.py)
+and, on GLM-5 train steps compiled for v5p, against the analytic model FLOPs of glm5_jax/flops.py
+(tests/train/test_compile_report.py). The TPU compiler writes batched matmuls as convolutions with a
+dilated or padded "spatial" batch dim; those count only the taps that meet real input elements.
 """
 from __future__ import annotations
 
@@ -39,9 +48,19 @@ _FREE = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast", "afte
 
 @dataclasses.dataclass
 class HloCost:
-    flops: float = 0.0
+    flops: float = 0.0                 # compiler-visible matmuls (dot / convolution / ragged-dot)
     bytes_accessed: float = 0.0
     loops: list = dataclasses.field(default_factory=list)   # (body, trip count or None), every loop once
+    kernel_flops: float = 0.0          # Mosaic custom calls (Pallas kernels, the ragged-dot lowering)
+    by_category: dict = dataclasses.field(default_factory=dict)   # {"flops"|"kernel_flops"|"bytes": {cat: v}}
+    collectives: dict = dataclasses.field(default_factory=dict)   # CollectiveOp -> executions per step
+    comm_seconds: float = 0.0          # every collective's time, summed (needs `timing`)
+    exposed_comm_seconds: float = 0.0  # what the overlap rule leaves exposed
+    uncounted_custom_calls: list = dataclasses.field(default_factory=list)   # kernels with no known cost
+
+    @property
+    def total_flops(self) -> float:
+        return self.flops + self.kernel_flops
 
     @property
     def unknown_trip_loops(self) -> int:
@@ -87,6 +106,31 @@ def _split_instruction(line: str):
     return None
 
 
+def _conv_taps(out_n: int, n: int, w: int, stride: int, lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, window tap) pairs along one spatial dim that meet a real input element: not a
+    hole of the lhs dilation, not padding. Output o's tap j reads padded position o*stride + j*rhs_dilate,
+    which holds input element p when it equals lo + p*lhs_dilate with 0 <= p < n."""
+    taps = 0
+    last = (n - 1) * lhs_dilate                     # input positions 0, d, ..., last (after removing lo)
+    for o in range(out_n):
+        base = o * stride - lo
+        if rhs_dilate == 1:                         # taps are the interval [base, base + w - 1]
+            a, b = max(base, 0), min(base + w - 1, last)
+            if b >= a:
+                taps += b // lhs_dilate - (-(-a // lhs_dilate)) + 1
+        else:
+            taps += sum(1 for j in range(w) if 0 <= base + j * rhs_dilate <= last
+                        and (base + j * rhs_dilate) % lhs_dilate == 0)
+    return taps
+
+
+def _window(attrs: str, key: str, count: int, default: int) -> list[int]:
+    m = re.search(r"window=\{[^}]*\b" + key + r"=([0-9x_]+)", attrs)
+    if not m:
+        return [default] * count
+    return [int(v) for v in m.group(1).split("x")]
+
+
 def _matmul_flops(shape: str, opcode: str, operand_shapes: list[str], attrs: str) -> float:
     out = _arrays(shape)
     ins = [_arrays(t) for t in operand_shapes[:2]]
@@ -98,25 +142,33 @@ def _matmul_flops(shape: str, opcode: str, operand_shapes: list[str], attrs: str
         m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
         dims = [int(d) for d in m.group(1).split(",") if d] if m else []
         return 2.0 * out_elems * math.prod(lhs[d] for d in dims)
-    # convolution: per output element, (kernel elements / output features) multiply-adds over the window,
-    # but along each spatial dim a window only meets min(ceil(size / lhs_dilate), input size) real input
-    # elements: the TPU compiler writes batched matmuls as convolutions whose "spatial" dim is the batch,
-    # either dilated (size = lhs_dilate = batch) or padded (input size 1, pad = size - 1): one real tap
-    m = re.search(r"dim_labels=([^_]*)_([^-]*)->", attrs)
-    if not m or "o" not in m.group(2) or len(m.group(2)) != len(rhs) or len(m.group(1)) != len(lhs):
+    # convolution: per output element, (kernel elements / output features / window) multiply-adds per
+    # window tap that meets a real input element. The TPU compiler writes batched matmuls as convolutions
+    # whose "spatial" dim is the batch, dilated (size = lhs_dilate = batch) or padded (input size 1,
+    # pad = size - 1): most taps there meet dilation holes or padding and do no work.
+    m = re.search(r"dim_labels=([^_]*)_([^-]*)->(\w+)", attrs)
+    if not m or "o" not in m.group(2) or len(m.group(2)) != len(rhs) or len(m.group(1)) != len(lhs) \
+            or len(m.group(3)) != len(out[0][1]):
         return 0.0
-    lhs_labels, rhs_labels = m.group(1), m.group(2)
-    macs = math.prod(rhs) / rhs[rhs_labels.index("o")]
-    size = re.search(r"window=\{[^}]*size=([0-9x]+)", attrs)
-    if size:
-        dilate = re.search(r"window=\{[^}]*lhs_dilate=([0-9x]+)", attrs)
-        sizes = [int(v) for v in size.group(1).split("x")]
-        dilations = [int(v) for v in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
-        spatial = [c for c in rhs_labels if c.isdigit()]
-        for c, w, d in zip(spatial, sizes, dilations):
-            n = lhs[lhs_labels.index(c)] if c in lhs_labels else w
-            macs = macs / w * min(-(-w // d), n)
-    return 2.0 * out_elems * macs
+    lhs_labels, rhs_labels, out_labels = m.group(1), m.group(2), m.group(3)
+    spatial = [c for c in rhs_labels if c.isdigit()]
+    sizes = _window(attrs, "size", len(spatial), 1)
+    if "size=" not in attrs:
+        sizes = [rhs[rhs_labels.index(c)] for c in spatial]
+    strides = _window(attrs, "stride", len(spatial), 1)
+    lhs_dilate = _window(attrs, "lhs_dilate", len(spatial), 1)
+    rhs_dilate = _window(attrs, "rhs_dilate", len(spatial), 1)
+    pad = re.search(r"window=\{[^}]*\bpad=([0-9_x\-]+)", attrs)
+    pads = [int(p.split("_")[0]) for p in pad.group(1).split("x")] if pad else [0] * len(spatial)
+    macs_per_tap = math.prod(rhs) / rhs[rhs_labels.index("o")] / math.prod(sizes)
+    per_position = out_elems
+    taps = 1
+    for i, c in enumerate(spatial):
+        out_n = out[0][1][out_labels.index(c)]
+        n = lhs[lhs_labels.index(c)]
+        per_position /= out_n
+        taps *= _conv_taps(out_n, n, sizes[i], strides[i], pads[i], lhs_dilate[i], rhs_dilate[i])
+    return 2.0 * per_position * taps * macs_per_tap
 
 
 def parse_computations(hlo_text: str):
@@ -158,9 +210,10 @@ def _constant(instrs: dict, name: str):
     return None
 
 
-def trip_count(comps: dict, caller: str, while_operands: list[str], attrs: str, cond: str):
+def trip_count(comps: dict, caller: str, while_operands: list[str], attrs: str, cond: str, body: str = ""):
     """Iterations of a while loop: XLA's known_trip_count, else `i < N` (or <=) in the condition with the
-    counter's initial value a constant in the caller; None when neither can be read."""
+    counter's initial value a constant in the caller and its step the constant the body adds to it
+    (`i = i + s`, s > 0); None when these cannot be read."""
     m = _TRIP.search(attrs)
     if m:
         return int(m.group(1))
@@ -184,9 +237,39 @@ def trip_count(comps: dict, caller: str, while_operands: list[str], attrs: str, 
     if init_tuple is None or init_tuple[1] != "tuple" or index >= len(init_tuple[2]):
         return None
     start = _constant(comps[caller], init_tuple[2][index])
-    if start is None:
+    step = _counter_step(comps.get(body, {}), index)
+    if start is None or step is None:
         return None
-    return max(0, limit - start + (direction == "LE"))
+    span = limit - start + (direction == "LE")        # values start, start+step, ... below the bound
+    return max(0, -(-span // step))
+
+
+def _through_copies(instrs: dict, name: str) -> str:
+    for _ in range(4):
+        if name not in instrs or instrs[name][1] not in ("copy", "convert", "bitcast") or not instrs[name][2]:
+            break
+        name = instrs[name][2][0]
+    return name
+
+
+def _counter_step(instrs: dict, index: int):
+    """The constant s > 0 a loop body adds to tuple element `index` of its parameter (the body's root
+    tuple holds add(get-tuple-element(param, index), s) there); None when it is anything else."""
+    if not instrs:
+        return None
+    root = list(instrs.values())[-1]
+    if root[1] != "tuple" or index >= len(root[2]):
+        return None
+    name = _through_copies(instrs, root[2][index])
+    if name not in instrs or instrs[name][1] != "add" or len(instrs[name][2]) != 2:
+        return None
+    for counter, other in (instrs[name][2], instrs[name][2][::-1]):
+        gte = instrs.get(_through_copies(instrs, counter))
+        step = _constant(instrs, other)
+        if gte is not None and gte[1] == "get-tuple-element" and step is not None and step > 0 \
+                and re.search(rf"index={index}\b", gte[4]):
+            return step
+    return None
 
 
 def _params(instrs: dict) -> dict[int, str]:
@@ -251,45 +334,205 @@ def _instruction_bytes(comps, shape, opcode, operand_shapes, callees) -> float:
     return nbytes
 
 
-def hlo_cost(hlo_text: str) -> HloCost:
+# what `categorize` is given for a fusion without metadata: this prefix + the fused computation's name
+HLO_COMPUTATION_PREFIX = "hlo-computation:"
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COST_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{([^}]*)\}')
+_COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                "collective-permute"}
+
+
+def _kernel_cost(shape: str, operand_shapes: list[str], attrs: str):
+    """(FLOPs, bytes or None) of a Mosaic custom call: the kernel's declared `pl.CostEstimate` (written
+    into the backend config's custom_call_config.cost_estimate), else for the ragged-dot lowering
+    2 x m x k x n from its shapes (lhs [m, k], rhs [groups, k, n]); a kernel with integer results only
+    (e.g. the ragged dot's group metadata) does no matmul; None when none of these applies."""
+    m = _COST_ESTIMATE.search(attrs)
+    if m:
+        fields = dict(re.findall(r'"(\w+)"\s*:\s*"?(\d+)', m.group(1)))
+        if "flops" in fields:
+            nbytes = int(fields["bytes_accessed"]) if "bytes_accessed" in fields else None
+            return float(fields["flops"]), nbytes
+    if all(dt[0] in "sup" for dt, _ in _arrays(shape)):
+        return 0.0, None                            # integer/bool results only: index bookkeeping, no matmul
+    if "ragged_dot" in attrs or "ragged-dot" in attrs:
+        arrays = [a for t in operand_shapes for a in _arrays(t)]
+        out = _arrays(shape)
+        mats = [s for _, s in arrays if len(s) >= 2]
+        if out and len(mats) >= 2 and len(mats[-2]) == 2 and len(mats[-1]) == 3:
+            (m_, k), n = mats[-2], out[0][1][-1]
+            return 2.0 * m_ * k * n, None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction as compiled: `nbytes` is its per-chip buffer (all-gather: the gathered
+    result; the others: the operand), `groups` the partition ids that talk (collective-permute: the
+    (source, target) pairs), `is_async` when the HLO issues it as a start/done pair."""
+    kind: str
+    nbytes: int
+    groups: tuple
+    is_async: bool
+    category: str
+
+
+def _collective(opcode: str, shape: str, operand_shapes: list[str], attrs: str, is_async: bool, category: str,
+                num_partitions: int, reduce_scatter: bool = False):
+    from glm5_jax.hlo_collectives import collective_groups
+
+    kind = opcode.removesuffix("-start")
+    if kind not in _COLLECTIVES:
+        return None
+    if kind == "all-reduce" and reduce_scatter:
+        kind = "reduce-scatter"
+    operands = [a for t in operand_shapes for a in _arrays(t)]
+    if kind == "all-gather":
+        nbytes = _nbytes(_arrays(shape)[-1:]) if opcode.endswith("-start") else _nbytes(_arrays(shape))
+    elif kind == "ragged-all-to-all":
+        nbytes = _nbytes(operands[:1])              # the input buffer: an upper bound on what is sent
+    else:
+        nbytes = _nbytes(operands)
+    return CollectiveOp(kind, nbytes, collective_groups(attrs, num_partitions), is_async, category)
+
+
+class _Tally:
+    """Per-category sums (FLOPs, kernel FLOPs, bytes) and collective counts of a computation."""
+
+    def __init__(self):
+        self.values: dict = {}
+        self.collectives: dict = {}
+        self.exposed_comm_seconds = 0.0
+        self.comm_seconds = 0.0
+
+    def add(self, key, value: float):
+        if value:
+            self.values[key] = self.values.get(key, 0.0) + value
+
+    def merge(self, other: "_Tally", times: float = 1.0):
+        for k, v in other.values.items():
+            self.values[k] = self.values.get(k, 0.0) + v * times
+        for k, v in other.collectives.items():
+            self.collectives[k] = self.collectives.get(k, 0.0) + v * times
+        self.exposed_comm_seconds += other.exposed_comm_seconds * times
+        self.comm_seconds += other.comm_seconds * times
+
+    def total(self, field: str) -> float:
+        return sum(v for (f, _), v in self.values.items() if f == field)
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """What turns counts into seconds: per-chip peak FLOP/s and HBM bytes/s, and the time of one
+    collective (`CollectiveOp` -> seconds; glm5_jax.ici)."""
+    peak_flops: float
+    hbm_bandwidth: float
+    collective_seconds: object
+
+
+def _reduce_scatter_fusion(instrs: dict) -> bool:
+    """An all-reduce whose result is only dynamic-sliced to this chip's shard (the TPU compiler's
+    all-reduce-scatter fusion) moves what a reduce-scatter moves."""
+    root = list(instrs.values())[-1] if instrs else None
+    return bool(root and root[1] == "dynamic-slice" and root[2] and root[2][0] in instrs
+                and instrs[root[2][0]][1] == "all-reduce")
+
+
+def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
+             num_partitions: int | None = None) -> HloCost:
+    """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
+    instruction under a category from its metadata (instructions without one take their caller's);
+    `timing` adds communication seconds with this overlap rule: an asynchronous collective (start/done
+    pair) hides behind the compute of the computation it is issued in (one loop trip) up to that
+    compute's roofline time, a synchronous one is exposed in full."""
     comps, entry = parse_computations(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    memo, loops = {}, {}
+    if num_partitions is None:
+        m = re.search(r"num_partitions=(\d+)", hlo_text[:2000])
+        num_partitions = int(m.group(1)) if m else 1
+    categorize = categorize or (lambda op_name: "all")
+    memo, loops, uncounted = {}, {}, []
 
-    def cost(name: str, fused: bool) -> tuple[float, float]:
-        key = (name, fused)
+    def category_of(attrs: str, inherited: str) -> str:
+        m = _OP_NAME.search(attrs)
+        return categorize(m.group(1)) if m else inherited
+
+    def cost(name: str, fused: bool, inherited: str, in_async: bool = False) -> _Tally:
+        key = (name, fused, inherited, in_async)
         if key in memo:
             return memo[key]
         instrs = comps.get(name, {})
-        flops = nbytes = 0.0
+        own, children = _Tally(), _Tally()
+        sync_s = async_s = 0.0
+        rs_fusion = fused and _reduce_scatter_fusion(instrs)
         for shape, opcode, operands, raw, attrs in instrs.values():
+            cat = category_of(attrs, inherited)
             operand_shapes = [instrs[o][0] if o in instrs else "" for o in operands]
-            if opcode in ("dot", "convolution", "ragged-dot"):
-                flops += _matmul_flops(shape, opcode, operand_shapes, attrs)
             callees = dict(_CALLEES.findall(attrs))
-            if not fused and opcode not in _FREE:
-                nbytes += _instruction_bytes(comps, shape, opcode, operand_shapes, callees)
+            kernel_bytes = None
+            if opcode in ("dot", "convolution", "ragged-dot"):
+                own.add(("flops", cat), _matmul_flops(shape, opcode, operand_shapes, attrs))
+            elif opcode == "custom-call" and "tpu_custom_call" in attrs:
+                kc = _kernel_cost(shape, operand_shapes, attrs)
+                if kc is None:
+                    m = _OP_NAME.search(attrs)
+                    uncounted.append(m.group(1) if m else name)
+                else:
+                    own.add(("kernel_flops", cat), kc[0])
+                    kernel_bytes = kc[1]
+            coll = _collective(opcode, shape, operand_shapes, attrs, in_async or opcode.endswith("-start"), cat,
+                               num_partitions, reduce_scatter=rs_fusion)
+            if coll is not None:
+                own.collectives[coll] = own.collectives.get(coll, 0.0) + 1
+                if timing is not None:
+                    seconds = timing.collective_seconds(coll)
+                    own.comm_seconds += seconds
+                    if coll.is_async:
+                        async_s += seconds
+                    else:
+                        sync_s += seconds
+            if not fused and opcode not in _FREE and not opcode.endswith("-done"):
+                nbytes = kernel_bytes if kernel_bytes is not None else \
+                    _instruction_bytes(comps, shape, opcode, operand_shapes, callees)
+                own.add(("bytes", cat), nbytes)
             if opcode == "fusion" and "calls" in callees:
-                flops += cost(callees["calls"], True)[0]
+                if not _OP_NAME.search(attrs):          # no metadata: the computation's name may tell
+                    hinted = categorize(HLO_COMPUTATION_PREFIX + callees["calls"])
+                    cat = cat if hinted == categorize(HLO_COMPUTATION_PREFIX) else hinted
+                own.merge(cost(callees["calls"], True, cat))
             elif opcode == "while" and "body" in callees:
-                trip = trip_count(comps, name, operands, attrs, callees.get("condition", ""))
+                trip = trip_count(comps, name, operands, attrs, callees.get("condition", ""), callees["body"])
                 loops[callees["body"]] = trip
-                f, b = cost(callees["body"], False)
-                flops, nbytes = flops + f * (1 if trip is None else trip), nbytes + b * (1 if trip is None else trip)
+                children.merge(cost(callees["body"], False, cat), 1 if trip is None else trip)
             elif opcode == "conditional":
                 branches = [callees[k] for k in ("true_computation", "false_computation") if k in callees]
                 m = _BRANCHES.search(attrs)
                 if m:
                     branches += [b.strip().lstrip("%") for b in m.group(1).split(",") if b.strip()]
                 if branches:
-                    f, b = max(cost(c, False) for c in branches)
-                    flops, nbytes = flops + f, nbytes + b
-            elif opcode in ("call", "async-start") and ("calls" in callees or "to_apply" in callees):
-                f, b = cost(callees.get("calls") or callees["to_apply"], fused)
-                flops, nbytes = flops + f, nbytes + b
-        memo[key] = (flops, nbytes)
-        return memo[key]
+                    tallies = [cost(c, False, cat) for c in branches]
+                    children.merge(max(tallies, key=lambda t: (t.total("flops") + t.total("kernel_flops"),
+                                                                t.total("bytes"))))
+            elif opcode in ("call", "async-start", "call-start") and ("calls" in callees or "to_apply" in callees):
+                is_async = in_async or opcode != "call"
+                sub = cost(callees.get("calls") or callees["to_apply"], fused, cat, is_async)
+                children.merge(sub)
+                if is_async and not in_async:    # its collectives overlap this computation's compute
+                    children.exposed_comm_seconds -= sub.exposed_comm_seconds
+                    async_s += sub.comm_seconds
+        if timing is not None:
+            compute_s = max((own.total("flops") + own.total("kernel_flops")) / timing.peak_flops,
+                            own.total("bytes") / timing.hbm_bandwidth)
+            own.exposed_comm_seconds = sync_s + max(0.0, async_s - compute_s)
+        own.merge(children)
+        memo[key] = own
+        return own
 
-    flops, nbytes = cost(entry, False)
-    return HloCost(flops=flops, bytes_accessed=nbytes, loops=sorted(loops.items(), key=lambda kv: kv[0]))
+    tally = cost(entry, False, "other")
+    return HloCost(flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
+                   bytes_accessed=tally.total("bytes"), loops=sorted(loops.items(), key=lambda kv: kv[0]),
+                   by_category={f: {c: v for (g, c), v in sorted(tally.values.items()) if g == f}
+                                for f in ("flops", "kernel_flops", "bytes")},
+                   collectives=tally.collectives, comm_seconds=tally.comm_seconds,
+                   exposed_comm_seconds=tally.exposed_comm_seconds, uncounted_custom_calls=sorted(set(uncounted)))

@@ -68,17 +68,29 @@ def check_memory_and_flops(report, n_params):
     assert mem["temp"] > 0
     assert mem["total"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
     assert report["fits"] == (mem["total"] <= 95 * 10**9)
-    assert report["flops_source"] == "hlo_matmuls_x_loop_trip_counts"
+    assert report["flops_source"] == "hlo_matmuls_and_kernel_cost_estimates_x_loop_trip_counts"
     assert None not in report["hlo_loop_trip_counts"]   # every loop's trip count was read
+    assert report["uncounted_custom_calls"] == []
+    assert report["hlo_flops"] == report["flops"] + report["kernel_flops"]
+    breakdown = report["breakdown"]
+    assert math.isclose(sum(c["hlo_flops"] for c in breakdown.values()), report["hlo_flops"], rel_tol=1e-9)
+    assert math.isclose(sum(c["bytes_accessed"] for c in breakdown.values()), report["bytes_accessed"], rel_tol=1e-9)
     # executed matmul FLOPs over all chips vs the analytic model FLOPs (glm5_jax/flops.py): at least the
     # model (x 4/3 for the full-remat recompute of the layers), at most ~4x (MTP layer + head, capacity
     # padding of the expert buffers, recompute)
     assert 1.3 < report["flops_per_model_flop"] < 4.0, report["flops_per_model_flop"]
     assert math.isclose(report["flops_per_model_flop"],
-                        report["flops"] * 4 / report["model_flops_per_step"], rel_tol=1e-9)
+                        report["hlo_flops"] * 4 / report["model_flops_per_step"], rel_tol=1e-9)
     assert report["bytes_accessed"] > mem["argument"]    # the step reads the whole state at least once
     peak, bw = report["peak_flops_per_device"], report["hbm_bytes_per_second"]
-    assert report["estimated_step_seconds"] == max(report["flops"] / peak, report["bytes_accessed"] / bw)
+    comm = report["communication"]
+    assert 0 < comm["exposed_seconds"] <= comm["seconds"] and comm["bytes_per_chip"] > 0
+    assert math.isclose(report["estimated_step_seconds"],
+                        max(report["hlo_flops"] / peak, report["bytes_accessed"] / bw) + comm["exposed_seconds"])
+    # ZeRO: the AdamW moments (2 x fp32 per param) are split over fsdp (and more) axes
+    opt = report["optimizer_state"]
+    assert opt["optimizer_bytes_total"] >= 2 * 4 * n_params and opt["sharded_over_fsdp"]
+    assert opt["optimizer_bytes_per_chip"] <= 0.55 * opt["optimizer_bytes_total"]
     assert math.isclose(report["mfu"], report["model_flops_per_step"] / (4 * peak * report["estimated_step_seconds"]))
     assert 0 < report["mfu"] < 1
     assert report["compiler_flops"] > 0
@@ -87,7 +99,48 @@ def check_memory_and_flops(report, n_params):
 def test_compile_only_small_glm5_on_v5p(tmp_path):
     report = compile_only(tmp_path, SMALL)
     assert report["num_hidden_layers"] == 3
+    assert report["attention_impl"] == "xla" and report["moe_impl"] == "ragged_dot"
     check_memory_and_flops(report, state_param_count(SMALL))
+    check_hand_counted_parts(report, tmp_path / "compiled_step.hlo.gz")
+
+
+def check_hand_counted_parts(report, hlo_path):
+    """Categories and one collective of the SMALL step counted by hand. Per chip: 4 x 128 tokens over 4
+    chips = 128 tokens, hidden D = 128, vocab V = 4096, 4 heads of v = 32, 8 experts top-8 (4 per chip:
+    expert = 2) of width F = 128, capacity factor 1.25; segment_0 (1 dense layer) and segment_1 (2 MoE
+    layers) are scanned under full remat, the MTP block is not. A length-1 scan's recompute is merged
+    with its forward (remat with prevent_cse=False), so a matmul runs 3 times (forward, input gradient,
+    weight gradient) in segment_0 and in the MTP, 4 times (+ recompute) in segment_1."""
+    import gzip
+
+    from glm5_jax.hlo_cost import hlo_cost
+
+    tokens, D, V, H, v, E, F, K = 128, 128, 4096, 4, 32, 4, 128, 8
+    breakdown = report["breakdown"]
+    # LM head: main + MTP, 3 matmuls each
+    assert breakdown["lm_head_loss"]["hlo_flops"] == 2 * 3 * 2 * tokens * D * V
+    assert breakdown["lm_head_loss"]["model_flops"] == 2 * 6 * tokens * D * V
+    # routed experts, one grouped product u = 2 C D F over the capacity buffer of C = 128 x 8 x 1.25 rows:
+    # 18 ragged-dot kernels in segment_1 (gate, up, down x forward, recompute, input gradient) + the
+    # MTP's 3 input-gradient ragged dots (their metadata has no op_name path); the 9 weight gradients
+    # (2 layers + MTP) are compiled as masked dense convolutions over all 4 local experts (4 u each);
+    # the router [128, D] x [D, 8]: 2 layers x 4
+    u, router = 2 * (tokens * K * 5 // 4) * D * F, 2 * tokens * D * 8
+    assert breakdown["routed_experts"]["kernel_flops"] == 21 * u
+    assert breakdown["routed_experts"]["hlo_flops"] == 21 * u + 9 * E * u + 8 * router
+    # one projection, o_proj [H, v, D]: 3 (segment_0) + 2 x 4 (segment_1) + 3 (MTP) matmuls
+    o_proj = ("bthv,hvd->btd", "hvbt,btd->hvd")
+    with gzip.open(hlo_path, "rt") as f:
+        text = f.read()
+    mine = hlo_cost(text, categorize=lambda name: "o_proj" if any(s in name for s in o_proj) else
+                    "q_a" if "btd,dq->btq" in name or "dbt,btq->dq" in name else "rest")
+    assert mine.by_category["flops"]["o_proj"] == 14 * 2 * tokens * H * v * D
+    # q_a_proj [D, 96] bf16 is FSDP-sharded on D: gathered once per forward, recompute and backward of
+    # segment_1 (2 x 3), segment_0 (2) and the MTP (2)
+    gathers = {op: n for op, n in mine.collectives.items() if op.category == "q_a" and op.kind == "all-gather"}
+    assert sum(gathers.values()) == 10
+    assert {op.nbytes for op in gathers} == {D * 96 * 2}
+    assert {op.groups for op in gathers} == {((0, 2), (1, 3))}      # partition 2 f + e: the fsdp pairs
 
 
 @pytest.mark.slow   # 5-8 minutes on one core: run with `pytest -m slow`

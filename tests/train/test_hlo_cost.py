@@ -113,3 +113,62 @@ def test_batched_matmul_written_as_padded_convolution():
         "dim_labels=bf0_0oi->b0f\n  %dot.0 = f32[64,128]{1,0} parameter(4)")
     # 64 heads x [128, 6144] x [6144, 256]
     assert hlo_cost(text).flops == 64 * 2 * 128 * 6144 * 256 + 5 * 2 * M * D * D
+
+
+def test_fallback_trip_count_reads_the_counter_step():
+    """`i = 2; while i < 30: i += 3` runs for i = 2, 5, ..., 29: 10 trips (not 28)."""
+    text = HAND_WRITTEN.replace("%one = s32[] constant(1)", "%one = s32[] constant(3)").replace(
+        "%limit = s32[] constant(7)", "%limit = s32[] constant(30)")
+    cost = hlo_cost(text)
+    assert cost.loops == [("body", 10)]
+    assert cost.flops == (1 + 10) * 2 * M * D * D
+
+
+def test_fallback_trip_count_unknown_when_the_step_is_not_a_constant():
+    text = HAND_WRITTEN.replace("%next = s32[] add(%i, %one)", "%next = s32[] multiply(%i, %one)")
+    assert hlo_cost(text).loops == [("body", None)]
+
+
+@pytest.mark.parametrize("n, size, stride, lo, hi, lhs_dilate", [
+    (32, 32, 32, 31, 31, 31),      # the window that min(ceil(size / dilate), n) counted as 2 taps each
+    (128, 128, 127, 0, 0, 128),    # a batched matmul as a dilated convolution: one tap per window
+    (1, 64, 1, 63, 63, 1),         # ... as a padded convolution: one tap per window
+    (10, 3, 2, 1, 2, 3),           # an ordinary strided, padded, dilated window
+])
+def test_convolution_counts_real_input_taps(n, size, stride, lo, hi, lhs_dilate):
+    """FLOPs of a convolution = 2 x (taps meeting a real input element) x features. The reference
+    count is XLA:CPU's own convolution of all-ones operands: each output element sums its real taps."""
+    f_in, f_out = 3, 5
+    ones = jax.lax.conv_general_dilated(
+        jnp.ones((1, 1, n)), jnp.ones((1, 1, size)), window_strides=(stride,), padding=[(lo, hi)],
+        lhs_dilation=(lhs_dilate,), dimension_numbers=("NCH", "OIH", "NCH"))
+    taps, out_n = int(ones.sum()), ones.shape[-1]
+    text = HAND_WRITTEN.replace(
+        "%dot.0 = f32[64,128]{1,0} dot(%x, %w.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        f"%a = f32[1,{f_in},{n}]{{2,1,0}} parameter(2)\n  %b = f32[{f_out},{f_in},{size}]{{2,1,0}} parameter(3)\n"
+        f"  %conv = f32[1,{f_out},{out_n}]{{2,1,0}} convolution(%a, %b), window={{size={size} stride={stride} "
+        f"pad={lo}_{hi} lhs_dilate={lhs_dilate}}}, dim_labels=bf0_oi0->bf0\n"
+        "  %dot.0 = f32[64,128]{1,0} parameter(4)")
+    assert hlo_cost(text).flops == 2 * taps * f_in * f_out + 5 * 2 * M * D * D
+
+
+RAGGED_CUSTOM_CALL = """HloModule m
+
+ENTRY %main (lhs: bf16[512,256], rhs: bf16[4,256,384], sizes: s32[4]) -> bf16[512,384] {
+  %lhs = bf16[512,256]{1,0} parameter(0)
+  %rhs = bf16[4,256,384]{2,1,0} parameter(1)
+  %sizes = s32[4]{0} parameter(2)
+  %meta = (s32[5]{0}, s32[7]{0}) custom-call(%sizes), custom_call_target="tpu_custom_call", metadata={op_name="ragged-dot-metadata"}
+  ROOT %out = bf16[512,384]{1,0} custom-call(%sizes, %lhs, %rhs), custom_call_target="tpu_custom_call", frontend_attributes={ragged_dot_tiling="128,256,384"}, metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}
+}
+"""
+
+
+def test_ragged_dot_kernel_without_cost_estimate_counted_from_shapes():
+    cost = hlo_cost(RAGGED_CUSTOM_CALL)
+    # [512, 256] rows, each against one group's [256, 384]; the metadata kernel (integer results) is free
+    assert cost.kernel_flops == 2 * 512 * 256 * 384 and cost.flops == 0
+    assert cost.uncounted_custom_calls == []
+    unknown = RAGGED_CUSTOM_CALL.replace('frontend_attributes={ragged_dot_tiling="128,256,384"}, ', "").replace(
+        "ragged_dot_general/ragged-dot-none", "some_kernel")
+    assert hlo_cost(unknown).uncounted_custom_calls == ["jit(f)/some_kernel"]

@@ -1,0 +1,217 @@
+"""Sweep mesh splits, remat / offload policies, expert-parallel forms and micro-batching of a config by
+AOT-compiling its train step for a TPU topology (train.py --compile_only; libtpu on this CPU host, no TPU),
+and tabulate what each compiled step costs (glm5_jax.compile_report): per-chip memory and whether it fits,
+executed FLOPs per model FLOP, communication bytes and seconds (v5p ICI model), estimated step seconds
+and MFU.
+
+    python bench/mesh_sweep.py --config=configs/glm5_744b.py --topology=v5p:8x16x16 \\
+        --out=bench/results/mesh_sweep.json [--jobs=2] [--only=baseline,remat_offload_dots]
+
+--topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096). Each point is a separate
+process (at most --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one
+core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
+model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
+a rerun compiles only the points whose inputs changed and, when only the measuring modules changed
+(glm5_jax/hlo_cost.py, compile_report.py, ...), re-reads the cached HLO instead of compiling.
+Writes the table as JSON (--out) and markdown (same name, .md) and a plot (.png).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# modules that measure the compiled step: changing them does not change what is compiled
+MEASURING = {"hlo_cost.py", "hlo_collectives.py", "ici.py", "step_categories.py", "compile_report.py", "flops.py"}
+
+
+def _mesh(fsdp: int, expert: int, tensor: int) -> list[str]:
+    return [f"mesh.fsdp={fsdp}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", "mesh.data=1"]
+
+
+# name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
+SWEEPS = {
+    "v5p:8x16x16": {          # 2048 chips, the config's 1024 x 4096 batch
+        "baseline": _mesh(128, 8, 2),
+        "fsdp64_ep8_tp4": _mesh(64, 8, 4),
+        "fsdp64_ep16_tp2": _mesh(64, 16, 2),
+        "fsdp32_ep16_tp4": _mesh(32, 16, 4),
+        "remat_dots_attention_saveable": _mesh(128, 8, 2) + ["model.remat_policy=dots_attention_saveable"],
+        "remat_offload_dots": _mesh(128, 8, 2) + ["model.remat_policy=offload_dots"],
+        "ragged_a2a": _mesh(128, 8, 2) + ["model.moe_ep=ragged_a2a"],
+        "grad_accum2": _mesh(64, 8, 4) + ["train.grad_accum=2"],
+    },
+    "v5p:4x4x8": {            # 128 chips, 256 x 4096
+        "baseline": _mesh(16, 8, 1) + ["data.batch_size=256"],
+        "fsdp8_ep8_tp2": _mesh(8, 8, 2) + ["data.batch_size=256"],
+        "fsdp32_ep4_tp1": _mesh(32, 4, 1) + ["data.batch_size=256"],
+        "fsdp16_ep4_tp2": _mesh(16, 4, 2) + ["data.batch_size=256"],
+        "remat_dots_attention_saveable": _mesh(16, 8, 1) + ["data.batch_size=256",
+                                                             "model.remat_policy=dots_attention_saveable"],
+        "remat_offload_dots": _mesh(16, 8, 1) + ["data.batch_size=256", "model.remat_policy=offload_dots"],
+        "ragged_a2a": _mesh(16, 8, 1) + ["data.batch_size=256", "model.moe_ep=ragged_a2a"],
+        "grad_accum2": _mesh(8, 8, 2) + ["data.batch_size=256", "train.grad_accum=2"],
+    },
+}
+
+
+def source_digest(measuring: bool = False) -> str:
+    """Hash of the sources that decide what is compiled (or, `measuring`, of the measuring modules)."""
+    h = hashlib.sha256()
+    for top in ("glm5_jax", "pallas_kernels"):
+        for dirpath, _, files in sorted(os.walk(os.path.join(ROOT, top))):
+            for name in sorted(files):
+                if name.endswith(".py") and (name in MEASURING) == measuring and \
+                        (not measuring or dirpath == os.path.join(ROOT, "glm5_jax")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, ROOT).encode())
+                    h.update(open(path, "rb").read())
+    return h.hexdigest()
+
+
+def point_key(config: str, overrides: list[str], topology: str, sources: str) -> str:
+    """Cache key of one point: the resolved config (after overrides), the topology, the sources."""
+    from glm5_jax.experiment import apply_overrides, load_config_file
+
+    cfg = apply_overrides(load_config_file(config), overrides)
+    return hashlib.sha256(f"{cfg!r}|{topology}|{sources}".encode()).hexdigest()[:16]
+
+
+def compile_point(config: str, topology: str, overrides: list[str], workdir: str, timeout: int,
+                  measuring: str) -> dict:
+    """The point's report: cached, reanalysed from its cached HLO when the measuring modules changed
+    (`measuring` is their digest), else compiled."""
+    report_path = os.path.join(workdir, "compile_report.json")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    sets = [f"--set={s}" for s in overrides]
+    if os.path.exists(report_path):
+        report = json.load(open(report_path))
+        if report.get("measuring_sha256") == measuring or "compile_error" in report:
+            return report
+        args = [sys.executable, "-m", "glm5_jax.compile_report", f"--config={config}", f"--topology={topology}",
+                f"--workdir={workdir}"] + sets
+    else:
+        args = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={config}", "--compile_only",
+                f"--topology={topology}", f"--workdir={workdir}"] + sets
+    t0 = time.time()
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:      # not cached: a rerun tries again
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:300],
+                "wall_seconds": round(time.time() - t0)}
+    report = json.load(open(report_path))
+    report["measuring_sha256"] = measuring
+    with open(report_path, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def row(name: str, overrides: list[str], report: dict) -> dict:
+    out = {"name": name, "overrides": overrides}
+    if "error" in report:
+        return {**out, "error": report["error"]}
+    mem = report.get("per_device_bytes", {})
+    comm = report.get("communication", {})
+    return {**out, "mesh": report["mesh"], "remat_policy": report["remat_policy"], "moe_ep": report["moe_ep"],
+            "grad_accum": report.get("grad_accum"), "batch_size": report["batch_size"],
+            "gb_per_chip": mem["total"] / 1e9 if mem else None, "fits": report["fits"],
+            "compile_error": report.get("compile_error"),
+            "flops_per_model_flop": report.get("flops_per_model_flop"),
+            "comm_gb_per_chip": comm["bytes_per_chip"] / 1e9 if comm else None,
+            "comm_seconds": comm.get("seconds"), "exposed_comm_seconds": comm.get("exposed_seconds"),
+            "estimated_step_seconds": report.get("estimated_step_seconds"), "mfu": report.get("mfu"),
+            "compile_seconds": report.get("compile_seconds")}
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict], topology: str) -> str:
+    lines = [f"Mesh sweep on {topology} (AOT compiles on a loaded CPU host; times are the model's, not measured)",
+             "", "| point | mesh (fsdp x expert x tensor) | remat | moe_ep | accum | GB/chip | fits | FLOPs / model "
+             "| comm GB/chip | comm s | exposed s | step s | MFU |", "|" + "---|" * 13]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} |" + " |" * 11)
+            continue
+        m = r["mesh"]
+        lines.append(f"| {r['name']} | {m['fsdp']} x {m['expert']} x {m['tensor']} | {r['remat_policy']} | "
+                     f"{r['moe_ep']} | {r['grad_accum']} | {_fmt(r['gb_per_chip'], '.1f')} | {r['fits']} | "
+                     f"{_fmt(r['flops_per_model_flop'], '.2f')} | {_fmt(r['comm_gb_per_chip'], '.1f')} | "
+                     f"{_fmt(r['comm_seconds'], '.2f')} | {_fmt(r['exposed_comm_seconds'], '.2f')} | "
+                     f"{_fmt(r['estimated_step_seconds'], '.2f')} | {_fmt(r['mfu'], '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str, hbm_gb: float = 95.0):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r and r.get("estimated_step_seconds") is not None]
+    if not ok:
+        return
+    names = [r["name"] for r in ok]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 0.5 * len(ok) + 2), sharey=True)
+    for ax, key, title in zip(axes, ("gb_per_chip", "flops_per_model_flop", "comm_seconds", "mfu"),
+                              ("GB per chip (line: 95 GB HBM)", "executed FLOPs / model FLOPs",
+                               "communication s (dark: exposed)", "MFU (estimated)")):
+        ax.barh(names, [r[key] or 0 for r in ok], color=["C0" if r["fits"] else "C3" for r in ok])
+        if key == "comm_seconds":
+            ax.barh(names, [r["exposed_comm_seconds"] or 0 for r in ok], color="k", alpha=0.5)
+        if key == "gb_per_chip":
+            ax.axvline(hbm_gb, color="k", ls="--")
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--topology", default="v5p:8x16x16", choices=sorted(SWEEPS))
+    ap.add_argument("--out", required=True, help="JSON path; the .md table and .png plot go beside it")
+    ap.add_argument("--cache_dir", default=os.path.join(ROOT, "bench", "results", "mesh_sweep_cache"))
+    ap.add_argument("--jobs", type=int, default=2, help="compiles at once (each ~10 GB of host memory at 744B)")
+    ap.add_argument("--only", default="", help="comma-separated point names (default: all)")
+    ap.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per compile")
+    args = ap.parse_args(argv)
+    points = SWEEPS[args.topology]
+    names = [n for n in args.only.split(",") if n] or list(points)
+    unknown = sorted(set(names) - set(points))
+    if unknown:
+        raise SystemExit(f"--only: unknown points {unknown}; known: {sorted(points)}")
+    sources = source_digest()
+    workdirs = {n: os.path.join(args.cache_dir, f"{n}-{point_key(args.config, points[n], args.topology, sources)}")
+                for n in names}
+    cached = [n for n in names if os.path.exists(os.path.join(workdirs[n], "compile_report.json"))]
+    print(f"{len(names)} points on {args.topology}: {len(cached)} cached, compiling {len(names) - len(cached)} "
+          f"({args.jobs} at a time)", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {n: pool.submit(compile_point, args.config, args.topology, points[n], workdirs[n], args.timeout,
+                                  source_digest(measuring=True)) for n in names}
+        rows = [row(n, points[n], futures[n].result()) for n in names]
+    result = {"config": args.config, "topology": args.topology, "sources_sha256": sources, "points": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    stem = os.path.splitext(args.out)[0]
+    table = markdown(rows, args.topology)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    plot(rows, stem + ".png")
+    print(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""glm5_jax.hlo_collectives (replica groups -> partition ids -> mesh axes) and glm5_jax.ici (v5p torus
+time of a collective), against hand-built groups and hand-computed link times."""
+import numpy as np
+import pytest
+
+from glm5_jax.hlo_collectives import collective_groups, moved_bytes, spanned_axes
+from glm5_jax.hlo_cost import CollectiveOp, StepTiming, hlo_cost
+from glm5_jax.ici import V5P_LINK_BYTES_PER_S, CollectiveModel
+
+
+@pytest.mark.parametrize("attrs, groups", [
+    ("replica_groups={{0,2},{1,3}}, dimensions={0}", ((0, 2), (1, 3))),
+    ("replica_groups={}", ((0, 1, 2, 3),)),
+    ("replica_groups=[2,2]<=[4]", ((0, 1), (2, 3))),
+    ("replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}", ((0, 2), (1, 3))),
+    # a group varies the named axes of a device mesh laid out as arange(4).reshape(2, 1, 2)
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=2] {'axis_0'}, dimensions={1}", ((0, 2), (1, 3))),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}", ((0, 1), (2, 3))),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0','axis_1'}", ((0, 1, 2, 3),)),
+    ("source_target_pairs={{0,1},{1,0},{2,2}}", ((0, 1), (1, 0), (2, 2))),
+])
+def test_collective_groups_forms(attrs, groups):
+    assert collective_groups(attrs, 4) == groups
+
+
+def test_spanned_axes_follow_the_device_assignment():
+    # partition p sits at np.unravel_index(p, (data 1, fsdp 2, expert 2, tensor 1)): p = 2 * fsdp + expert
+    names, sizes = ("data", "fsdp", "expert", "tensor"), (1, 2, 2, 1)
+    assert spanned_axes(((0, 2), (1, 3)), names, sizes) == ("fsdp",)
+    assert spanned_axes(((0, 1), (2, 3)), names, sizes) == ("expert",)
+    assert spanned_axes(((0, 1, 2, 3),), names, sizes) == ("fsdp", "expert")
+    assert spanned_axes(((0, 0), (1, 3), (3, 1)), names, sizes) == ("fsdp",)     # permute: first moving pair
+
+
+def test_moved_bytes_per_algorithm():
+    assert moved_bytes("all-gather", 1000, 4) == 750
+    assert moved_bytes("reduce-scatter", 1000, 4) == 750
+    assert moved_bytes("all-reduce", 1000, 4) == 1500
+    assert moved_bytes("all-to-all", 1000, 4) == 750
+    assert moved_bytes("collective-permute", 1000, 2) == 1000
+    assert moved_bytes("all-gather", 1000, 1) == 0
+
+
+def _cube(n):
+    return [(x, y, z) for z in range(n) for y in range(n) for x in range(n)]
+
+
+def test_ici_times_on_a_torus_and_a_line():
+    W = V5P_LINK_BYTES_PER_S
+    torus = CollectiveModel(_cube(4), (4, 4, 4))           # 4x4x4: wraparound on every dim
+    ring_x = tuple(range(4))                               # partitions 0..3 differ in x only
+    op = CollectiveOp("all-gather", 4 * 10**6, (ring_x,), False, "x")
+    # a full ring, both directions: 3/4 of the result over 2 links
+    assert torus.seconds(op) == pytest.approx(3e6 / (2 * W))
+    # all-to-all on the same ring: 3e6 bytes leave each chip, mean hop count (1 + 2 + 1) / 3
+    a2a = CollectiveOp("all-to-all", 4 * 10**6, (ring_x,), False, "x")
+    assert torus.seconds(a2a) == pytest.approx(3e6 * (4 / 3) / (2 * W))
+    # a 2-chip group inside the 4-ring (no wraparound for it): one link
+    pair = CollectiveOp("all-reduce", 10**6, ((0, 1),), False, "x")
+    assert torus.seconds(pair) == pytest.approx(2 * 0.5e6 / W)
+    # x and y at once (16 chips, 2 rings): 15/16 of the result over 4 links
+    plane = tuple(range(16))
+    assert torus.seconds(CollectiveOp("all-gather", 16 * 10**6, (plane,), False, "x")) == \
+        pytest.approx(15e6 / (4 * W))
+    # a 2x2x1 slice has no wraparound
+    small = CollectiveModel([(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)], (2, 2, 1))
+    assert small.seconds(CollectiveOp("all-gather", 2 * 10**6, ((0, 1), (2, 3)), False, "x")) == \
+        pytest.approx(1e6 / W)
+    # a permute to the chip two hops away
+    assert torus.seconds(CollectiveOp("collective-permute", 10**6, ((0, 2), (2, 0)), True, "x")) == \
+        pytest.approx(2e6 / W)
+
+
+ASYNC_STEP = """HloModule m, num_partitions=4
+
+ENTRY %main (x: f32[64,128], w: f32[128,128], g: f32[1000]) -> f32[64,128] {
+  %x = f32[64,128]{1,0} parameter(0)
+  %w = f32[128,128]{1,0} parameter(1)
+  %g = f32[1000]{0} parameter(2)
+  %ag = f32[4000]{0} all-gather(%g), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="a"}
+  %ags = (f32[1000]{0}, f32[4000]{0}) all-gather-start(%g), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="b"}
+  %agd = f32[4000]{0} all-gather-done(%ags)
+  ROOT %dot = f32[64,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="c"}
+}
+"""
+
+
+def test_overlap_rule_exposes_sync_collectives_and_hides_async_ones_behind_compute():
+    seconds = {"a": 3.0, "b": 5.0}
+    timing = StepTiming(peak_flops=2 * 64 * 128 * 128 / 2.0, hbm_bandwidth=1e30,     # the dot takes 2 s
+                        collective_seconds=lambda op: seconds[op.category])
+    cost = hlo_cost(ASYNC_STEP, categorize=lambda name: name, timing=timing)
+    ops = {op.category: (op, n) for op, n in cost.collectives.items()}
+    assert ops["a"][0] == CollectiveOp("all-gather", 16000, ((0, 1, 2, 3),), False, "a") and ops["a"][1] == 1
+    assert ops["b"][0].is_async and ops["b"][0].nbytes == 16000
+    assert cost.comm_seconds == 8.0
+    # sync 3 s in full + async 5 s less the 2 s of compute it overlaps
+    assert cost.exposed_comm_seconds == 3.0 + (5.0 - 2.0)
+    assert np.isclose(cost.by_category["flops"]["c"], 2 * 64 * 128 * 128)

@@ -1,0 +1,54 @@
+"""bench/mesh_sweep.py: every point is a valid mesh for its topology, the cache key follows the resolved
+config, a cached report is reused without compiling, and the table shows what the reports say."""
+import json
+import math
+import os
+
+import pytest
+
+from bench import mesh_sweep
+from glm5_jax.experiment import apply_overrides, load_config_file
+from glm5_jax.sharding import check_mesh_fits_model
+from tests.train.test_train_cli import ROOT
+
+CONFIG = os.path.join(ROOT, "configs", "glm5_744b.py")
+
+
+@pytest.mark.parametrize("topology, chips", [("v5p:8x16x16", 2048), ("v5p:4x4x8", 128)])
+def test_points_are_valid_meshes(topology, chips):
+    points = mesh_sweep.SWEEPS[topology]
+    assert len(points) >= 8
+    for name, overrides in points.items():
+        cfg = apply_overrides(load_config_file(CONFIG), overrides)
+        sizes = cfg.mesh.axis_sizes(chips)
+        assert math.prod(sizes.values()) == chips, name
+        micro_batch = cfg.data.batch_size // cfg.train.grad_accum
+        check_mesh_fits_model(sizes, cfg.model, micro_batch)
+    policies = {apply_overrides(load_config_file(CONFIG), o).model.remat_policy for o in points.values()}
+    assert {"full", "offload_dots", "dots_attention_saveable"} <= policies
+
+
+def test_cache_key_follows_the_resolved_config():
+    base = mesh_sweep.SWEEPS["v5p:8x16x16"]["baseline"]
+    key = mesh_sweep.point_key(CONFIG, base, "v5p:8x16x16", "src")
+    assert key == mesh_sweep.point_key(CONFIG, list(base), "v5p:8x16x16", "src")
+    assert key != mesh_sweep.point_key(CONFIG, base + ["model.moe_ep=ragged_a2a"], "v5p:8x16x16", "src")
+    assert key != mesh_sweep.point_key(CONFIG, base, "v5p:8x16x16", "other sources")
+    # the config's own mesh is the baseline's: stating it again resolves to the same config
+    assert key == mesh_sweep.point_key(CONFIG, base + ["mesh.tensor=2"], "v5p:8x16x16", "src")
+
+
+def test_cached_point_is_read_not_compiled(tmp_path):
+    report = {"topology": "v5p:8x16x16", "mesh": {"data": 1, "fsdp": 128, "expert": 8, "tensor": 2},
+              "remat_policy": "full", "moe_ep": "a2a", "grad_accum": 1, "batch_size": 1024, "fits": True,
+              "per_device_bytes": {"total": 30.5e9}, "flops_per_model_flop": 3.25, "mfu": 0.21,
+              "communication": {"bytes_per_chip": 2e11, "seconds": 2.5, "exposed_seconds": 1.25},
+              "estimated_step_seconds": 6.5, "measuring_sha256": "m"}
+    (tmp_path / "compile_report.json").write_text(json.dumps(report))
+    # a timeout of 0 s would fail any compile: the cached report must come back as it is
+    got = mesh_sweep.compile_point(CONFIG, "v5p:8x16x16", [], str(tmp_path), timeout=0, measuring="m")
+    assert got == report
+    row = mesh_sweep.row("baseline", [], got)
+    assert row["gb_per_chip"] == 30.5 and row["comm_gb_per_chip"] == 200.0
+    line = mesh_sweep.markdown([row], "v5p:8x16x16").splitlines()[-1]
+    assert line == "| baseline | 128 x 8 x 2 | full | a2a | 1 | 30.5 | True | 3.25 | 200.0 | 2.50 | 1.25 | 6.50 | 0.210 |"

@@ -1,0 +1,66 @@
+"""glm5_jax.step_categories on op_names taken from a compiled GLM-5 train step, and the model FLOPs per
+category of glm5_jax.flops against the whole-step count."""
+import os
+
+import pytest
+
+from glm5_jax.experiment import apply_overrides, load_config_file
+from glm5_jax.flops import train_flops_by_category, train_flops_per_token
+from glm5_jax.hlo_cost import HLO_COMPUTATION_PREFIX
+from glm5_jax.step_categories import CATEGORIES, categorize
+from tests.train.test_compile_report import SMALL
+from tests.train.test_train_cli import ROOT
+
+STEP = "jit(_train_step)/"
+FWD = STEP + "jvp(Transformer)/Transformer._main/decoder/while/body/closed_call/segment_1/layer_0/"
+BWD = STEP + "transpose(jvp(Transformer))/Transformer._main/decoder/checkpoint/segment_1/layer_0/"
+
+
+@pytest.mark.parametrize("op_name, category", [
+    (FWD + "attention/btd,dq->btq/dot_general", "projections"),
+    (BWD + "attention/dbt,btq->dq/dot_general", "projections"),                    # weight gradient
+    (BWD + "attention/transpose(jvp(bthv,hvd->btd))/dot_general", "projections"),  # input gradient
+    (FWD + "attention/attention._select/indexer/btq,qhd->bthd/dot_general", "projections"),
+    (FWD + "attention/attention._select/attention._indexer_topk/btd,bsd->bts/dot_general", "indexer_topk"),
+    (FWD + "attention/attention._sparse_core/shard_map/pallas_call", "attention_core"),
+    (FWD + "attention/attention._training_sparse_xla/attention._masked_dense/bhts,bhsv->bhtv/dot_general",
+     "attention_core"),
+    (FWD + "attention/attention._training_sparse_xla/attention._masked_dense/bsc,chk->bshk/dot_general",
+     "projections"),                                                                # per-key up-projection
+    (FWD + "attention/closed_call/while/body/closed_call/btkd,bthd->btkh/dot_general", "indexer_kl"),
+    (FWD + "attention/indexer_kl/btkd,bthd->btkh/dot_general", "indexer_kl"),
+    (FWD + "attention/mul", "projections"),
+    (FWD + "moe/shard_map/ragged_dot_general/ragged-dot-none", "routed_experts"),
+    ("ragged-dot-none", "routed_experts"),
+    (FWD + "moe/dot_general", "routed_experts"),                                   # the router
+    (FWD + "moe/shared_expert/btd,df->btf/dot_general", "shared_mlp"),
+    (STEP + "jvp(Transformer)/Transformer._main/decoder/segment_0/layer_0/mlp/btf,fd->btd/dot_general", "shared_mlp"),
+    (STEP + "jvp(Transformer)/Transformer._main/Transformer.head/btd,dv->btv/dot_general", "lm_head_loss"),
+    (STEP + "jvp()/reduce_max", "lm_head_loss"),
+    (STEP + "jvp(Transformer)/mtp/block/moe/shared_expert/btd,df->btf/dot_general", "mtp"),
+    (STEP + "jvp(Transformer)/Transformer.embed/jit(_take)/gather", "other"),
+    (STEP + "sqrt/", "optimizer"),
+    (HLO_COMPUTATION_PREFIX + "convolution_select_fusion.3", "routed_experts"),
+    (HLO_COMPUTATION_PREFIX + "fused_computation.12", "other"),
+])
+def test_categorize(op_name, category):
+    assert categorize(op_name) == category
+
+
+def test_model_flops_by_category_add_up_to_the_step_count():
+    cfg = apply_overrides(load_config_file(os.path.join(ROOT, "configs", "glm5_744b.py")), SMALL).model
+    T = 128
+    by_cat = train_flops_by_category(cfg, T)
+    total = train_flops_per_token(cfg, T)
+    assert set(by_cat) == set(CATEGORIES)
+    head = 6 * cfg.vocab_size * cfg.hidden_size
+    assert by_cat["lm_head_loss"] == 2 * head                           # main + the MTP's second use
+    # without MTP: the step total less the norm weights it counts (3 layers x 4 norms + final + indexer
+    # k_norm scale and bias, all of width D or a LoRA rank: well under 1%)
+    main = sum(v for k, v in by_cat.items() if k != "mtp") - head
+    assert 0.99 * total["total"] < main <= total["total"]
+    assert by_cat["attention_core"] == total["attention"]
+    assert by_cat["indexer_topk"] + by_cat["indexer_kl"] == pytest.approx(total["indexer"])
+    # routed: 8 of 8 experts active here, 3 matrices D x F per expert, 2 MoE layers, + the router D x E
+    assert by_cat["routed_experts"] == 6 * 2 * (8 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+                                                 + cfg.hidden_size * cfg.n_routed_experts)
