@@ -127,23 +127,26 @@ class MLAttention(nn.Module):
         visible = visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
         sparse = cfg.attention_mode == "sparse" and self.indexer_kind != "none"
 
-        # ---- attend
+        # ---- attend (named scopes: the compile report files the HLO by them)
         target = None
-        if cfg.mla_form == "mha" and cache is None:
-            allowed = visible & selection_mask(*selection, visible.shape[-1]) if sparse else visible
-            o = naive_attention(cfg, q_nope, q_rot, c, k_rot, w_kvb, allowed)
-        else:
-            with_target = indexer_kl_fn is not None and cfg.indexer_loss == "sparse"
-            if sparse:
-                o_lat, target = self._sparse_core(q_abs, latent_BSC, *selection, decoding=cache is not None,
-                                                  with_target=with_target)
+        with jax.named_scope("attention_core"):
+            if cfg.mla_form == "mha" and cache is None:
+                allowed = visible & selection_mask(*selection, visible.shape[-1]) if sparse else visible
+                o = naive_attention(cfg, q_nope, q_rot, c, k_rot, w_kvb, allowed)
             else:
-                o_lat, _ = sparse_mla_ops.dense_mla(q_abs, latent_BSC, visible, scale=cfg.softmax_scale, v_dim=R,
-                                                    q_chunk=cfg.attention_q_chunk)
+                with_target = indexer_kl_fn is not None and cfg.indexer_loss == "sparse"
+                if sparse:
+                    o_lat, target = self._sparse_core(q_abs, latent_BSC, *selection, decoding=cache is not None,
+                                                      with_target=with_target)
+                else:
+                    o_lat, _ = sparse_mla_ops.dense_mla(q_abs, latent_BSC, visible, scale=cfg.softmax_scale,
+                                                        v_dim=R, q_chunk=cfg.attention_q_chunk)
+        if cfg.mla_form != "mha" or cache is not None:
             o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
         if target is not None:
             target = checkpoint_name(target, ATTENTION_SAVED_NAMES[1])
-        indexer_kl = indexer_kl_fn(target) if indexer_kl_fn is not None else None
+        with jax.named_scope("indexer_kl"):
+            indexer_kl = indexer_kl_fn(target) if indexer_kl_fn is not None else None
 
         # ---- project out
         o = constrain(o, ("batch", "seq", "act_heads", None))
