@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from rl_helpers import tiny_model_config
 
-from glm5_jax.generate import generate
+from glm5_jax.generate import Sampler, generate
 from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.loss import policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, rl_model_config, sampler_model_config
@@ -31,7 +31,7 @@ def _dis_stats(sampler_dtype):
         out = generate(sampler_cfg, variables, prompts, lengths, max_new_tokens=C, temperature=1.0,
                        rng=jax.random.PRNGKey(1), eos_ids=(1,))
     with learner.context():
-        logp = jax.jit(lambda v, a, b, c, d: completion_logprobs(learner.model, v, a, b, c, d, 1.0))(
+        logp = jax.jit(lambda v, a, b, c, d: completion_logprobs(learner.model, v, a, b, c, d, Sampler(1.0)))(
             variables, prompts, lengths, out.tokens, out.lengths)
     mask = (np.arange(C)[None] < np.asarray(out.lengths)[:, None]).astype(np.float32)
     _, stats = policy_loss(logp, out.logprobs, jnp.ones(B), mask, "dis", 0.2, 0.2)
