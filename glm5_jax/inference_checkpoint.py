@@ -66,7 +66,7 @@ def locate_checkpoint(path: str, step: int | None):
 
 def latest_step(path: str) -> int:
     """The newest committed step of a checkpoint directory (as `load_for_inference` finds it)."""
-    return _locate(path, None)[1]
+    return locate_checkpoint(path, None)[1]
 
 
 def load_for_inference(path: str, step: int | None = None, sharding=None):
