@@ -1,6 +1,6 @@
 """Training losses: next-token and MTP cross-entropy over packed segments, the sequence-wise balance
-term and the auxiliary-loss-free routing-bias update (DeepSeek-V3 report, arXiv:2412.19437, §2.1.2 and
-§2.2), and the DSA indexer KL (DeepSeek-V3.2-Exp report: the indexer's output trained towards the
+term and the auxiliary-loss-free routing-bias update (DeepSeek-V3 report, arXiv:2412.19437, sections 2.1.2 and
+2.2), and the DSA indexer KL (DeepSeek-V3.2-Exp report: the indexer's output trained towards the
 attention distribution)."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ segments. Missing ``positions`` restart at 0 at each segment start. ``apply`` re
 * ``stats``: `LayerStats` [num_hidden_layers + num_nextn_predict_layers, ...] in layer order, the MTP
   block last (summed over MTP depths; zeros with False masks when the MTP block did not run):
   ``expert_load`` [L, E] routed assignments of non-padding tokens, ``balance_loss`` [L] the
-  sequence-wise balance term Σ f_i P_i (DeepSeek-V3 report, arXiv:2412.19437, §2.1.2), ``indexer_kl`` [L]
+  sequence-wise balance term Σ f_i P_i (DeepSeek-V3 report, arXiv:2412.19437, section 2.1.2), ``indexer_kl`` [L]
   (full-indexer layers when ``cfg.indexer_loss`` is set), ``dropped`` [L] assignments over expert
   capacity (expert-parallel ``cfg.moe_ep`` only), and the masks ``has_moe`` / ``has_indexer_kl`` [L];
 * ``mtp_logits`` [depth, B, T, V] (depth k at position t predicts token t + k + 1) when ``with_mtp``
