@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.kernel_sharding import logical_shard_map
+from glm5_jax.kernel_sharding import logical_pmean, logical_shard_map
 from glm5_jax.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.rope import apply_rope, rope_cos_sin
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
@@ -215,9 +215,19 @@ class MLAttention(nn.Module):
             out, _, target = core(q_abs, latent_BSC, idx, valid)
             return out, target
         heads, btx = ("batch", None, "act_heads", None), ("batch", None, None)
-        out = logical_shard_map(lambda *a: core(*a)[0], in_axes=(heads, btx, btx, btx), out_axes=heads)(
+        if not with_target:
+            out = logical_shard_map(lambda *a: core(*a)[0], in_axes=(heads, btx, btx, btx), out_axes=heads)(
+                q_abs, latent_BSC, idx, valid)
+            return out, None
+
+        def core_with_target(*args):
+            # each head shard's target is the mean over its own heads; every shard holds as many heads,
+            # so the mean of those means over the head shards is the mean over all heads
+            out, _, target = core(*args)
+            return out, logical_pmean(target, "act_heads")
+
+        return logical_shard_map(core_with_target, in_axes=(heads, btx, btx, btx), out_axes=(heads, btx))(
             q_abs, latent_BSC, idx, valid)
-        return out, None
 
 
 def naive_attention(cfg, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, allowed_BTS):

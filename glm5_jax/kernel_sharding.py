@@ -66,3 +66,13 @@ def logical_shard_map(fn, in_axes, out_axes):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     return call
+
+
+def logical_pmean(x, logical_axis: str):
+    """Inside a `logical_shard_map` function: the mean of ``x`` over the shards of ``logical_axis`` (the
+    mesh axes the rules give it), e.g. a per-head-shard mean made whole over the heads. Outside a
+    multi-device mesh, or for an axis the rules leave unsharded, ``x`` itself."""
+    if _mesh_in_context() is None:
+        return x
+    axes = _mesh_axes_of(nn.logical_to_mesh_axes((logical_axis,))[0])
+    return jax.lax.pmean(x, axes) if axes else x

@@ -19,6 +19,11 @@ Grid: (B, T / TQ, TQ, k / block_k). TQ = 8 queries share one [TQ, H] block of ls
 per-query scalars) so those blocks obey the (8, 128) tiling rule without a [T, H, 1] padded layout.
 
 Forward: online softmax over the k-blocks (fp32 m, l, acc in VMEM); out = acc / l, lse = m + log l.
+With ``with_target`` the forward also emits the DSA indexer's KL target, the head-mean attention
+probability of every selected slot, mean_h exp(s[h, j] - lse[h]). It needs the final lse, so the grid runs
+a second sweep over the same k-blocks (gather and logits again, no values): 2C more FLOPs per (query,
+slot, head) instead of a separate XLA pass that gathers [B, T, k, C] rows into HBM and reruns the logits.
+The [TQ, k] target block of 8 queries stays in VMEM (64 KiB at k = 2048) while they run.
 Backward (per query, same gather): recompute p = exp(s - lse), then
     dp = dO v^T,  ds = p (dp - delta),  delta = rowsum(dO * O) - dlse
     dq       += ds @ rows * scale                          (accumulated over k-blocks in VMEM)
@@ -63,6 +68,11 @@ def _column_to_row(col_H1):
     return jnp.sum(jnp.where(eye, col_H1, 0.0), axis=0, keepdims=True)
 
 
+def _block_of_step(step, n_blocks):
+    """The k-block a grid step walks when the steps sweep the blocks twice (a select, not a remainder)."""
+    return jnp.where(step >= n_blocks, step - n_blocks, step)
+
+
 class _RowGather:
     """Double-buffered DMA gather of kv rows named by the current query's SMEM index block."""
 
@@ -90,31 +100,38 @@ class _RowGather:
 
         jax.lax.fori_loop(0, self.block_k, wait_row, 0)
 
-    def rows(self, k_block, n_k_blocks):
-        """Start the next block's gather, wait for this one, return its rows [block_k, C]."""
-        slot = k_block % 2
+    def rows(self, step, n_steps, n_blocks):
+        """Start the next step's gather, wait for this one's, return its rows [block_k, C]. Step s
+        gathers block s % n_blocks (n_steps = n_blocks, or 2 * n_blocks for two sweeps)."""
+        slot = step % 2
 
-        @pl.when(k_block == 0)
+        @pl.when(step == 0)
         def _():
             self.start(0, 0)
 
-        @pl.when(k_block + 1 < n_k_blocks)
+        @pl.when(step + 1 < n_steps)
         def _():
-            self.start(k_block + 1, 1 - slot)
+            self.start(_block_of_step(step + 1, n_blocks), 1 - slot)
 
         self.wait(slot)
         rows_K1C = self.buf[slot]
         return rows_K1C.reshape(rows_K1C.shape[0], rows_K1C.shape[2])
 
 
-def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, out_ref, lse_ref,
-                buf, sem, m_scr, l_scr, acc_scr, *, scale, v_dim, block_k):
+def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k, n_kb, with_target):
     # idx_ref (SMEM) [k_pad] this query's slots; q_ref [1, 1, H, C]; valid_ref [1, TQ, block_k] int32;
-    # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; buf [2, block_k, 1, C]; m/l [H, 1]; acc [H, v_dim].
-    b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
-    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
+    # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; target_ref [1, TQ, k_pad] fp32 (with_target);
+    # buf [2, block_k, 1, C]; m/l [H, 1]; acc [H, v_dim].
+    if with_target:
+        out_ref, lse_ref, target_ref, buf, sem, m_scr, l_scr, acc_scr = refs
+    else:
+        (out_ref, lse_ref, buf, sem, m_scr, l_scr, acc_scr), target_ref = refs, None
+    b, qi, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    n_steps = 2 * n_kb if with_target else n_kb
+    kb = _block_of_step(step, n_kb)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(step, n_steps, n_kb)
 
-    @pl.when(kb == 0)
+    @pl.when(step == 0)
     def _init():
         m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
@@ -124,22 +141,37 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, out_ref, lse_ref,
     valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
     s_HK = _mm_nt(q_HC, rows_KC) * scale
     s_HK = jnp.where(valid_1K, s_HK, -jnp.inf)
-    m_prev = m_scr[...]
-    m_new = jnp.maximum(m_prev, jnp.max(s_HK, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-invalid so far: keep exp() finite
-    alpha = jnp.exp(m_prev - m_safe)
-    p_HK = jnp.exp(s_HK - m_safe)
-    l_scr[...] = alpha * l_scr[...] + jnp.sum(p_HK, axis=1, keepdims=True)
-    acc_scr[...] = alpha * acc_scr[...] + _mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
-    m_scr[...] = m_new
 
-    @pl.when(kb == n_kb - 1)
+    def final_lse_H1():
+        l = l_scr[...]
+        has_keys = l > 0.0
+        return jnp.where(has_keys, m_scr[...] + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
+
+    @pl.when(step < n_kb)
+    def _accumulate():
+        m_prev = m_scr[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s_HK, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-invalid so far: keep exp() finite
+        alpha = jnp.exp(m_prev - m_safe)
+        p_HK = jnp.exp(s_HK - m_safe)
+        l_scr[...] = alpha * l_scr[...] + jnp.sum(p_HK, axis=1, keepdims=True)
+        acc_scr[...] = alpha * acc_scr[...] + _mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
+        m_scr[...] = m_new
+
+    @pl.when(step == n_kb - 1)
     def _finalize():
         l = l_scr[...]
         has_keys = l > 0.0
         out_ref[0, 0] = jnp.where(has_keys, acc_scr[...] / jnp.where(has_keys, l, 1.0), 0.0).astype(out_ref.dtype)
-        lse_H1 = jnp.where(has_keys, m_scr[...] + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
-        lse_ref[0, pl.ds(qi, 1), :] = _column_to_row(lse_H1)
+        lse_ref[0, pl.ds(qi, 1), :] = _column_to_row(final_lse_H1())
+
+    if with_target:
+        @pl.when(step >= n_kb)
+        def _target():
+            lse_H1 = final_lse_H1()
+            p_HK = jnp.where(valid_1K, jnp.exp(s_HK - jnp.where(lse_H1 == -jnp.inf, 0.0, lse_H1)), 0.0)
+            start = pl.multiple_of(kb * block_k, block_k)
+            target_ref[0, pl.ds(qi, 1), pl.ds(start, block_k)] = jnp.mean(p_HK, axis=0, keepdims=True)
 
 
 def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref,
@@ -147,7 +179,7 @@ def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm,
     # q_ref [1, 1, H, C]; dout_ref [1, 1, H, v_dim]; lse/delta [1, TQ, H] fp32; valid [1, TQ, block_k];
     # dq_ref [1, 1, H, C] fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] fp32.
     b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
-    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
 
     q_HC, dout_HV = q_ref[0, 0], dout_ref[0, 0]
     valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
@@ -183,13 +215,15 @@ def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k):
                 idx_flat=idx.astype(jnp.int32).reshape(-1), valid=valid.astype(jnp.int32))
 
 
-def _grid_and_common_specs(d):
+def _grid_and_common_specs(d, sweeps=1):
+    """Grid (B, T/TQ, TQ, sweeps * k/block_k): the last axis walks the k-blocks ``sweeps`` times."""
     TQ, block_k, T_pad = QUERIES_PER_BLOCK, d["block_k"], d["T_pad"]
-    grid = (d["B"], T_pad // TQ, TQ, d["K_pad"] // block_k)
+    n_kb = d["K_pad"] // block_k
+    grid = (d["B"], T_pad // TQ, TQ, sweeps * n_kb)
     per_query = lambda b, t, i, kb: (b, t * TQ + i, 0, 0)  # noqa: E731
     idx_spec = pl.BlockSpec((d["K_pad"],), lambda b, t, i, kb: (b * T_pad + t * TQ + i,),
                             memory_space=pltpu.SMEM)
-    valid_spec = pl.BlockSpec((1, TQ, block_k), lambda b, t, i, kb: (b, t, kb))
+    valid_spec = pl.BlockSpec((1, TQ, block_k), lambda b, t, i, kb: (b, t, _block_of_step(kb, n_kb)))
     per_query_row_block = pl.BlockSpec((1, TQ, d["H"]), lambda b, t, i, kb: (b, t, 0))
     return grid, per_query, idx_spec, valid_spec, per_query_row_block
 
@@ -197,50 +231,64 @@ def _grid_and_common_specs(d):
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"))
 
 
-def _cost(d, v_dim, itemsize, backward):
+def _cost(d, v_dim, itemsize, backward, with_target=False):
     """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
 
-    Per (query, slot, head): logits 2C; forward adds p @ V 2v; the backward recomputes the logits (2C),
-    dP = dO V^T (2v), dq += dS rows (2C), drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered
-    rows, q and the per-query outputs; the backward also reads dO and writes the row gradients."""
+    Per (query, slot, head): logits 2C; forward adds p @ V 2v (and with the KL target a second sweep:
+    logits 2C again); the backward recomputes the logits (2C), dP = dO V^T (2v), dq += dS rows (2C),
+    drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered rows (twice with the target sweep), q and
+    the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients."""
     B, T, H, C, K = d["B"], d["T_pad"], d["H"], d["C"], d["K_pad"]
     pairs = B * T * K * H
     rows = B * T * K * C * itemsize
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
     if not backward:
+        if with_target:
+            return pl.CostEstimate(flops=pairs * (4 * C + 2 * v_dim), transcendentals=2 * pairs,
+                                   bytes_accessed=2 * rows + per_query + B * T * K * 4)
         return pl.CostEstimate(flops=pairs * (2 * C + 2 * v_dim), transcendentals=pairs,
                                bytes_accessed=rows + per_query)
     return pl.CostEstimate(flops=pairs * (6 * C + 4 * v_dim), transcendentals=pairs,
                            bytes_accessed=rows + 2 * per_query + B * T * H * C * 4 + B * T * K * C * 4)
 
 
-def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=512, interpret=False):
-    """(out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32); same contract as reference.sparse_mla."""
+def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=512, interpret=False,
+                   with_target=False):
+    """(out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32), with ``with_target`` also the indexer KL
+    target [B, T, k] fp32 (head-mean probabilities of the selected slots, 0 at invalid ones); the same
+    contract as reference.sparse_mla."""
     S = kv_BSC.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
-    B, H, C, T_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["block_k"]
-    grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
+    B, H, C, T_pad, K_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["K_pad"], d["block_k"]
+    grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d, sweeps=2 if with_target else 1)
     q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
-    out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k),
+    out_specs = [pl.BlockSpec((1, 1, H, v_dim), per_query), row_block]
+    out_shape = [jax.ShapeDtypeStruct((B, T_pad, H, v_dim), q_BTHC.dtype),
+                 jax.ShapeDtypeStruct((B, T_pad, H), jnp.float32)]
+    if with_target:   # one [TQ, k_pad] block per 8 queries, resident while they run
+        out_specs.append(pl.BlockSpec((1, QUERIES_PER_BLOCK, K_pad), lambda b, t, i, kb: (b, t, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, T_pad, K_pad), jnp.float32))
+    results = pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k, n_kb=K_pad // block_k,
+                          with_target=with_target),
         grid=grid,
         in_specs=[idx_spec,
                   pl.BlockSpec((1, 1, H, C), per_query),
                   valid_spec,
                   pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=[pl.BlockSpec((1, 1, H, v_dim), per_query), row_block],
-        out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, v_dim), q_BTHC.dtype),
-                   jax.ShapeDtypeStruct((B, T_pad, H), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32),
                         pltpu.VMEM((H, v_dim), jnp.float32)],
         compiler_params=_SEMANTICS,
         interpret=interpret,
-        name="sparse_mla_fwd",
-        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=False),
+        name="sparse_mla_fwd_target" if with_target else "sparse_mla_fwd",
+        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=False, with_target=with_target),
     )(d["idx_flat"], q, d["valid"], kv_BSC[:, :, None, :])
-    T = d["T"]
-    return (out, lse) if T == T_pad else (out[:, :T], lse[:, :T])
+    T, K = d["T"], d["K"]
+    out, lse = results[0][:, :T], results[1][:, :T]
+    return (out, lse, results[2][:, :T, :K]) if with_target else (out, lse)
 
 
 def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,

@@ -16,8 +16,8 @@ to the latent rows [c; k_rot] of its query's selected keys; the value is the fir
   are named (``SAVED_NAMES``) so a remat policy keeping them never reruns the kernel.
 
 The indexer KL target (head-mean attention probabilities at the selected slots, no gradient) comes
-from the XLA impls' own probabilities (``with_target``); the Pallas kernels do not emit it, so the
-indexer KL computes it itself from the same selection (pallas_kernels/indexer_kl).
+with ``with_target`` from every impl: the XLA impls keep it from their own probabilities, the Pallas
+forward kernel emits it from a second sweep over the selected rows (kernel.py).
 
 Shapes: q [B,T,H,C], kv [B,S,C], idx / valid [B,T,k] -> out [B,T,H,v_dim], lse [B,T,H] (fp32).
 """
@@ -48,8 +48,8 @@ def check_impl(impl):
 
 def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla", training_rows=True,
                with_target=False):
-    """(out, lse), or with ``with_target`` (out, lse, target): the indexer KL target [B,T,k] where the
-    impl computes it (the XLA impls), else None.
+    """(out, lse), or with ``with_target`` (out, lse, target): the indexer KL target [B,T,k] (fp32, no
+    gradient), or None over a decode cache attended through the selection mask.
 
     ``training_rows``: the keys are the queries' own tokens (kv row t is query t), so causal blocks of
     queries see only a prefix of the keys; False for a decode cache, whose slots may run ahead.
@@ -63,8 +63,8 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla", 
 def _sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl, training_rows, with_target):
     """(out, lse, target or None)."""
     if impl in ("pallas", "pallas_interpret"):
-        out, lse = _pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim, impl == "pallas_interpret")
-        return out, lse, None
+        return _pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim, impl == "pallas_interpret",
+                       with_target)
     args = (q_BTHC, kv_BSC, idx_BTK, valid_BTK)
     if impl == "reference":
         return _with_optional_target(reference.sparse_mla, args, scale, v_dim, with_target)
@@ -110,11 +110,13 @@ def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
 
 
 # ----------------------------------------------------------------------------------------- Pallas path
-def _pallas(q, kv, idx, valid, scale, v_dim, interpret):
+def _pallas(q, kv, idx, valid, scale, v_dim, interpret, with_target):
+    """(out, lse, target or None); the target is computed on detached inputs (it carries no gradient)."""
     sg = jax.lax.stop_gradient
-    out, lse = kernel.sparse_mla_fwd(sg(q), sg(kv), idx, valid, scale=scale, v_dim=v_dim, interpret=interpret)
-    out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), PALLAS_SAVED_NAMES))
-    return _with_grads(q, kv, idx, valid, out, lse, scale, v_dim, interpret)
+    results = kernel.sparse_mla_fwd(sg(q), sg(kv), idx, valid, scale=scale, v_dim=v_dim, interpret=interpret,
+                                    with_target=with_target)
+    out, lse = (checkpoint_name(x, name) for x, name in zip(results[:2], PALLAS_SAVED_NAMES))
+    return (*_with_grads(q, kv, idx, valid, out, lse, scale, v_dim, interpret), results[2] if with_target else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))

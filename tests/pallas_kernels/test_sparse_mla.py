@@ -55,6 +55,32 @@ def test_forward_matches_reference_fp32(B, T, S, H, C, V, topk, block_k):
     assert_close(lse, ref_lse, 1e-5)
 
 
+@pytest.mark.parametrize("B,T,S,H,C,V,topk,block_k", CASES)
+def test_kl_target_sweep_matches_reference(B, T, S, H, C, V, topk, block_k):
+    """The forward kernel's second sweep emits the indexer KL target: the head-mean attention probability
+    of every selected slot, as the reference computes it from the same logits (0 at invalid slots, each
+    query's target sums to 1 or, without valid slots, to 0); out and lse are unchanged by the sweep."""
+    q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, seed=3)
+    out, lse, target = kernel.sparse_mla_fwd(q, kv, idx, valid, scale=SCALE, v_dim=V, block_k=block_k,
+                                             interpret=True, with_target=True)
+    ref_out, ref_lse, ref_target = jax.jit(functools.partial(reference.sparse_mla, scale=SCALE, v_dim=V,
+                                                             with_target=True))(q, kv, idx, valid)
+    assert target.shape == (B, T, topk) and target.dtype == jnp.float32
+    assert_close(target, ref_target, 1e-5)
+    assert_close(out, ref_out, 1e-5)
+    assert_close(lse, ref_lse, 1e-5)
+    valid_np = np.asarray(valid)
+    np.testing.assert_array_equal(np.asarray(target)[~valid_np], 0.0)
+    np.testing.assert_allclose(np.asarray(target).sum(-1), valid_np.any(-1).astype(np.float32), atol=1e-5)
+    # through ops with gradients attached: the target carries none, out's gradients are the plain kernel's
+    grads = jax.grad(lambda q_, kv_: scalar_of(*ops.sparse_mla(q_, kv_, idx, valid, scale=SCALE, v_dim=V,
+                                                               impl="pallas_interpret", with_target=True)[:2]),
+                     argnums=(0, 1))(q, kv)
+    ref_grads = jax.grad(loss_of("reference", idx, valid, V), argnums=(0, 1))(q, kv)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, 1e-4)
+
+
 def test_gradients_match_reference_fp32():
     B, T, S, H, C, V, topk, _ = CASES[0]
     q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, seed=1)

@@ -77,6 +77,14 @@ def test_sparse_mla_forward_compiles(mesh):
                       (QUERIES, QUERIES))
 
 
+def test_sparse_mla_forward_with_kl_target_compiles(mesh):
+    def forward_with_target(q, kv, idx, valid):
+        return sparse_ops.sparse_mla(q, kv, idx, valid, scale=192**-0.5, v_dim=V, impl="pallas", with_target=True)
+
+    compile_and_check(mesh, forward_with_target, sparse_args(mesh), (QUERIES, P(), QUERIES, QUERIES),
+                      (QUERIES, QUERIES, QUERIES))
+
+
 def test_sparse_mla_backward_compiles(mesh):
     def sparse_mla_backward(q, kv, idx, valid):
         (out, lse), vjp = jax.vjp(lambda a, b: sparse_mla_forward(a, b, idx, valid), q, kv)
