@@ -11,22 +11,23 @@ transformers' default "sdpa" attention (--hf_attn) and --hf_threads torch thread
     python bench/train_step.py --quick --seq_lens=128 --steps=1 --warmup=1   # smoke run, tiny dims
     python bench/train_step.py --set=model.moe_impl=ragged_dot               # try a model setting
 
-Speed settings of configs/bench_small.py (XLA:CPU; timings of fwd+bwd at B=2):
-- moe_impl="blocked": a loop over 128-row blocks with a hand-written backward (one MoE layer ~6x faster
-  than ragged_dot; the 3-layer step 5.6% faster than one batched einsum over gathered weights).
-- mla_form="absorbed" with sparse_xla_form="auto": the leading causal 128-query blocks that score <= 4k keys
-  attend through the top-k mask in per-head form (masked_dense.sparse_mha: 256 instead of the absorbed
-  masked form's 544 FLOPs per scored (query, key, head); T=1024 4.27-4.57 vs 4.64-4.77 s/step in
-  alternating runs), the rest over their k gathered latent rows with the probabilities kept for the backward
-  (sparse_mla/gather_saved.py: T=4096 25.5 vs 27.3 s/step against rerunning each chunk's forward). The
-  split: T=4096 22.7 vs 24.9 s/step for gathering every query (`python bench/step_ab.py --seq_len=4096
-  --steps=3 --a=model.sparse_xla_form=gather`). The attention probabilities double as the indexer KL target.
-  The masked-dense keys come from one product [c; k_rot] @ [[W_uk, 0], [0, I]] (T=1024 0.95-0.98x step time
-  of concatenating per-head k_rot copies, interleaved); the KL's selected-key scores have a hand-written VJP
+Speed settings of configs/bench_small.py (XLA:CPU; timings of fwd+bwd at B=2, measured before
+XLA:CPU tuning was retired as a goal; the CPU step is now a regression check):
+- moe_impl="blocked" (glm5_jax/moe_blocked.py): a loop over 128-row expert blocks with a hand-written
+  backward (one MoE layer ~6x faster than ragged_dot on XLA:CPU).
+- mla_form="absorbed" with attention_impl="xla" (pallas_kernels/sparse_mla/ops.py): the leading causal
+  128-query blocks that score <= 4k keys attend through the top-k mask in the absorbed form
+  (masked_dense.py), the rest over their k gathered latent rows with the probabilities kept for the
+  backward while they fit a memory budget (gather_saved.py; T=4096 25.5 vs 27.3 s/step against rerunning
+  each chunk's forward). The split: T=4096 22.7 vs 24.9 s/step for gathering every query. The attention
+  probabilities double as the indexer KL target; the KL's selected-key scores have a hand-written VJP
   (indexer_kl/selected_scores.py: one layer's KL at T=4096 185 -> 141 ms forward+backward).
+- projection_impl="cpu_transposed_grad": the projections' weight gradients in the layout XLA:CPU
+  multiplies fastest.
 - remat_policy="dots_attention_saveable": keeps projection outputs, the top-k selection and the
   attention cores' named results, so the backward never reruns an attention forward (8% faster step than
   "dots_with_no_batch_dims_saveable" at 3 layers, T=1024, when measured on the gather form).
+bench/version_ab.py times this step at two git revisions in alternating processes (a code change's cost).
 HF's GlmMoeDsaForCausalLM has no MTP module, so the ratio and MFU time our step on that same model
 (MTP off); the config's MTP module (one more decoder block and LM head) is timed as a second run,
 reported as ours_mtp_tokens_per_sec.
