@@ -41,6 +41,9 @@ def main(argv):
     run_log.setLevel(logging.INFO)
     run_log.propagate = False
     cfg = apply_overrides(load_config_file(FLAGS.config), FLAGS.set)
+    from glm5_jax import tpu_flags
+
+    tpu_flags.apply(cfg.train.tpu_flags)    # before libtpu starts (a TPU backend or an AOT topology)
     if FLAGS.compile_only:
         if not FLAGS.topology:
             raise app.UsageError("--compile_only needs --topology (e.g. v5p:8x16x16)")

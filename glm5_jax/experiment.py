@@ -17,6 +17,7 @@ from typing import Any
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import DataConfig
 from glm5_jax.sharding import MeshConfig
+from glm5_jax.tpu_flags import FLAG_SETS as TPU_FLAG_SETS
 
 STAGES = ("dense", "warmup", "sparse")
 OPTIMIZERS = ("adamw", "muon")
@@ -57,12 +58,17 @@ class TrainConfig:
     checkpoint_every: int = 100
     max_to_keep: int = 3
     async_checkpointing: bool = True
+    # TPU compiler flags by name (glm5_jax/tpu_flags.py): "collective_overlap" runs collectives inside
+    # the compute around them; "none" keeps libtpu's defaults. Applied by train.py before libtpu starts.
+    tpu_flags: str = "collective_overlap"
 
     def validate(self):
         if self.stage not in STAGES:
             raise ValueError(f"train.stage={self.stage!r}: must be one of {STAGES}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
+        if self.tpu_flags not in TPU_FLAG_SETS:
+            raise ValueError(f"train.tpu_flags={self.tpu_flags!r}: must be one of {sorted(TPU_FLAG_SETS)}")
         if (self.init_keep_optimizer or self.init_keep_step) and not self.init_from:
             raise ValueError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
         for f in ("steps", "grad_accum", "log_every", "eval_every", "checkpoint_every", "max_to_keep"):

@@ -396,6 +396,15 @@ def _collective(opcode: str, shape: str, operand_shapes: list[str], attrs: str, 
     return CollectiveOp(kind, nbytes, collective_groups(attrs, num_partitions), is_async, category)
 
 
+# The TPU compiler's async collective fusion writes one asynchronous collective three times: in the fusion
+# instruction that starts it (named async-collective-start*), in the compute fusion it runs beside (its
+# computation named async_collective_fusion*) and in the fusion that waits for it (async-collective-done*).
+# It is counted once, at its start, as asynchronous.
+ASYNC_COLLECTIVE_START = "async-collective-start"
+ASYNC_COLLECTIVE_DONE = "async-collective-done"
+ASYNC_COLLECTIVE_FUSION = "async_collective_fusion"
+
+
 class _Tally:
     """Per-category sums (FLOPs, kernel FLOPs, bytes) and collective counts of a computation."""
 
@@ -404,6 +413,10 @@ class _Tally:
         self.collectives: dict = {}
         self.exposed_comm_seconds = 0.0
         self.comm_seconds = 0.0
+        # seconds of the collectives issued at this computation's level (its own and its fusions'):
+        # a fusion's collectives are exposed or hidden against the computation that runs the fusion
+        self.sync_seconds = 0.0
+        self.async_seconds = 0.0
 
     def add(self, key, value: float):
         if value:
@@ -442,9 +455,10 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
              num_partitions: int | None = None) -> HloCost:
     """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
     instruction under a category from its metadata (instructions without one take their caller's);
-    `timing` adds communication seconds with this overlap rule: an asynchronous collective (start/done
-    pair) hides behind the compute of the computation it is issued in (one loop trip) up to that
-    compute's roofline time, a synchronous one is exposed in full."""
+    `timing` adds communication seconds with this overlap rule: an asynchronous collective (a start/done
+    pair, or one inside the TPU compiler's async collective fusion) hides behind the compute of the
+    computation it is issued in (one loop trip, its fusions included) up to that compute's roofline
+    time; a synchronous one is exposed in full."""
     comps, entry = parse_computations(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -458,15 +472,17 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         m = _OP_NAME.search(attrs)
         return categorize(m.group(1)) if m else inherited
 
-    def cost(name: str, fused: bool, inherited: str, in_async: bool = False) -> _Tally:
-        key = (name, fused, inherited, in_async)
+    def cost(name: str, fused: bool, inherited: str, mode: str = "sync") -> _Tally:
+        """mode: how the collectives met here count: "sync", "async" (inside an async start) or "skip"
+        (a second copy of a collective counted at its start)."""
+        key = (name, fused, inherited, mode)
         if key in memo:
             return memo[key]
         instrs = comps.get(name, {})
         own, children = _Tally(), _Tally()
         sync_s = async_s = 0.0
         rs_fusion = fused and _reduce_scatter_fusion(instrs)
-        for shape, opcode, operands, raw, attrs in instrs.values():
+        for iname, (shape, opcode, operands, raw, attrs) in instrs.items():
             cat = category_of(attrs, inherited)
             operand_shapes = [instrs[o][0] if o in instrs else "" for o in operands]
             callees = dict(_CALLEES.findall(attrs))
@@ -481,8 +497,9 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                 else:
                     own.add(("kernel_flops", cat), kc[0])
                     kernel_bytes = kc[1]
-            coll = _collective(opcode, shape, operand_shapes, attrs, in_async or opcode.endswith("-start"), cat,
-                               num_partitions, reduce_scatter=rs_fusion)
+            coll = None if mode == "skip" else _collective(
+                opcode, shape, operand_shapes, attrs, mode == "async" or opcode.endswith("-start"), cat,
+                num_partitions, reduce_scatter=rs_fusion)
             if coll is not None:
                 own.collectives[coll] = own.collectives.get(coll, 0.0) + 1
                 if timing is not None:
@@ -500,7 +517,16 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                 if not _OP_NAME.search(attrs):          # no metadata: the computation's name may tell
                     hinted = categorize(HLO_COMPUTATION_PREFIX + callees["calls"])
                     cat = cat if hinted == categorize(HLO_COMPUTATION_PREFIX) else hinted
-                own.merge(cost(callees["calls"], True, cat))
+                sub_mode = mode
+                if iname.startswith(ASYNC_COLLECTIVE_START) and mode == "sync":
+                    sub_mode = "async"
+                elif iname.startswith(ASYNC_COLLECTIVE_DONE) or callees["calls"].startswith(ASYNC_COLLECTIVE_FUSION):
+                    sub_mode = "skip"       # the same collective as its start's (its compute still counts)
+                sub = cost(callees["calls"], True, cat, sub_mode)
+                own.merge(sub)
+                own.exposed_comm_seconds -= sub.exposed_comm_seconds   # decided at this level, below
+                sync_s += sub.sync_seconds
+                async_s += sub.async_seconds
             elif opcode == "while" and "body" in callees:
                 trip = trip_count(comps, name, operands, attrs, callees.get("condition", ""), callees["body"])
                 loops[callees["body"]] = trip
@@ -515,12 +541,13 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                     children.merge(max(tallies, key=lambda t: (t.total("flops") + t.total("kernel_flops"),
                                                                 t.total("bytes"))))
             elif opcode in ("call", "async-start", "call-start") and ("calls" in callees or "to_apply" in callees):
-                is_async = in_async or opcode != "call"
-                sub = cost(callees.get("calls") or callees["to_apply"], fused, cat, is_async)
+                sub_mode = "async" if mode == "sync" and opcode != "call" else mode
+                sub = cost(callees.get("calls") or callees["to_apply"], fused, cat, sub_mode)
                 children.merge(sub)
-                if is_async and not in_async:    # its collectives overlap this computation's compute
+                if sub_mode == "async" and mode == "sync":    # its collectives overlap this computation's compute
                     children.exposed_comm_seconds -= sub.exposed_comm_seconds
                     async_s += sub.comm_seconds
+        own.sync_seconds, own.async_seconds = sync_s, async_s
         if timing is not None:
             compute_s = max((own.total("flops") + own.total("kernel_flops")) / timing.peak_flops,
                             own.total("bytes") / timing.hbm_bandwidth)

@@ -99,7 +99,9 @@ def check_memory_and_flops(report, n_params):
 def test_compile_only_small_glm5_on_v5p(tmp_path):
     # ragged_dot experts: the hand counts below include its masked-convolution weight gradients (the megablox
     # path that `moe_impl="auto"` takes on TPU is checked in tests/pallas_kernels/test_grouped_matmul.py)
-    report = compile_only(tmp_path, SMALL + ["model.moe_impl=ragged_dot"])
+    # libtpu's default flags (train.tpu_flags=none): the hand counts are of that program; the collective-
+    # overlap flag set (the default) is checked in tests/train/test_tpu_flags.py
+    report = compile_only(tmp_path, SMALL + ["model.moe_impl=ragged_dot", "train.tpu_flags=none"])
     assert report["num_hidden_layers"] == 3
     assert report["attention_impl"] == "xla" and report["moe_impl"] == "ragged_dot"
     check_memory_and_flops(report, state_param_count(SMALL))

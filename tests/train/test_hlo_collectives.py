@@ -97,3 +97,62 @@ def test_overlap_rule_exposes_sync_collectives_and_hides_async_ones_behind_compu
     # sync 3 s in full + async 5 s less the 2 s of compute it overlaps
     assert cost.exposed_comm_seconds == 3.0 + (5.0 - 2.0)
     assert np.isclose(cost.by_category["flops"]["c"], 2 * 64 * 128 * 128)
+
+
+# The TPU compiler's async collective fusion (libtpu flag --xla_tpu_enable_async_collective_fusion): one
+# all-gather written three times, in the fusion that starts it (async-collective-start), in the compute
+# fusion it runs beside (computation async_collective_fusion.N) and in the fusion that waits for it
+# (async-collective-done); a plain fusion may also carry a (synchronous) collective.
+FUSED_STEP = """HloModule m, num_partitions=4
+
+%fused_computation.1 (s0: f32[1000]) -> f32[4000] {
+  %s0 = f32[1000]{0} parameter(0)
+  %ag.1 = f32[4000]{0} all-gather(%s0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="b"}
+  ROOT %cc.1 = f32[4000]{0} custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%fused_computation.2 (r0: f32[1000]) -> f32[4000] {
+  %r0 = f32[1000]{0} parameter(0)
+  %ag.2 = f32[4000]{0} all-gather(%r0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="b"}
+  ROOT %cc.2 = f32[4000]{0} custom-call(%ag.2), custom_call_target="AsyncCollectiveDone"
+}
+
+%async_collective_fusion.7 (p0: f32[1000], p1: f32[64,128], p2: f32[128,128]) -> (f32[4000], f32[64,128]) {
+  %p0 = f32[1000]{0} parameter(0)
+  %p1 = f32[64,128]{1,0} parameter(1)
+  %p2 = f32[128,128]{1,0} parameter(2)
+  %ag = f32[4000]{0} all-gather(%p0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="b"}
+  %d = f32[64,128]{1,0} dot(%p1, %p2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="c"}
+  ROOT %t = (f32[4000]{0}, f32[64,128]{1,0}) tuple(%ag, %d)
+}
+
+%fused_computation.3 (q0: f32[1000]) -> f32[1000] {
+  %q0 = f32[1000]{0} parameter(0)
+  ROOT %ar = f32[1000]{0} all-reduce(%q0), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%add, metadata={op_name="a"}
+}
+
+ENTRY %main (x: f32[64,128], w: f32[128,128], g: f32[1000]) -> f32[64,128] {
+  %x = f32[64,128]{1,0} parameter(0)
+  %w = f32[128,128]{1,0} parameter(1)
+  %g = f32[1000]{0} parameter(2)
+  %s = f32[1000]{0} fusion(%g), kind=kCustom, calls=%fused_computation.3, metadata={op_name="a"}
+  %async-collective-start = f32[4000]{0} fusion(%s), kind=kCustom, calls=%fused_computation.1, metadata={op_name="b"}
+  %f = (f32[4000]{0}, f32[64,128]{1,0}) fusion(%s, %x, %w), kind=kOutput, calls=%async_collective_fusion.7, metadata={op_name="c"}
+  %async-collective-done = f32[4000]{0} fusion(%s), kind=kCustom, calls=%fused_computation.2, metadata={op_name="b"}
+  ROOT %o = f32[64,128]{1,0} get-tuple-element(%f), index=1
+}
+"""
+
+
+def test_async_collective_fusion_hides_behind_compute_and_fused_sync_collectives_stay_exposed():
+    seconds = {"a": 3.0, "b": 5.0}
+    timing = StepTiming(peak_flops=2 * 64 * 128 * 128 / 2.0, hbm_bandwidth=1e30,     # the dot takes 2 s
+                        collective_seconds=lambda op: seconds[op.category])
+    cost = hlo_cost(FUSED_STEP, categorize=lambda name: name, timing=timing)
+    ops = {op.category: op for op in cost.collectives}
+    assert sorted(cost.collectives.values()) == [1.0, 1.0]            # the all-gather counted once
+    assert ops["b"].kind == "all-gather" and ops["b"].is_async
+    assert ops["a"].kind == "all-reduce" and not ops["a"].is_async
+    assert cost.comm_seconds == 8.0
+    # the fused all-reduce (sync) in full + the fused all-gather (async) less the 2 s of the dot beside it
+    assert cost.exposed_comm_seconds == 3.0 + (5.0 - 2.0)

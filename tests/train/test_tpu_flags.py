@@ -1,0 +1,76 @@
+"""glm5_jax.tpu_flags: named libtpu flag sets, merged with the user's own LIBTPU_INIT_ARGS, and their effect
+on a real AOT TPU compile (a fresh process: libtpu reads its flags once, when it starts)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from glm5_jax.experiment import apply_overrides, load_config_file
+from glm5_jax.tpu_flags import FLAG_SETS, libtpu_init_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_flag_sets_merge_with_the_users_flags():
+    assert libtpu_init_args("none", "--a=1") == "--a=1"
+    merged = libtpu_init_args("collective_overlap", "--xla_enable_async_all_gather=false --a=1").split()
+    assert merged[:2] == ["--xla_enable_async_all_gather=false", "--a=1"]            # the user's value wins
+    assert "--xla_enable_async_all_gather=true" not in merged
+    assert set(merged[2:]) == set(FLAG_SETS["collective_overlap"]) - {"--xla_enable_async_all_gather=true"}
+    with pytest.raises(ValueError, match="tpu_flags='fast'"):
+        libtpu_init_args("fast")
+    cfg = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    with pytest.raises(ValueError, match="train.tpu_flags"):
+        apply_overrides(cfg, ["train.tpu_flags=fast"]).validate()
+
+
+# An FSDP-sharded scan of matmuls and its gradient, compiled for v5p:2x2x1 after tpu_flags.apply(name):
+# prints hlo_cost's collectives (kind, async) and its exposed communication.
+PROGRAM = textwrap.dedent("""
+    import json, os, sys
+    from glm5_jax import tpu_flags
+    tpu_flags.apply(sys.argv[1])
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from glm5_jax.hlo_cost import StepTiming, hlo_cost
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
+    mesh = Mesh(np.array(devices).reshape(4), ("fsdp",))
+
+    def loss(ws, x):
+        x, _ = jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, ws)
+        return jnp.sum(x)
+
+    ws = jax.ShapeDtypeStruct((8, 2048, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+    x = jax.ShapeDtypeStruct((32768, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    text = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()
+    cost = hlo_cost(text, timing=StepTiming(peak_flops=4.59e14, hbm_bandwidth=2.76e12,
+                                            collective_seconds=lambda op: op.nbytes / 1e11))
+    print(json.dumps({"collectives": sorted({(op.kind, op.is_async) for op in cost.collectives}),
+                      "comm": cost.comm_seconds, "exposed": cost.exposed_comm_seconds}))
+""")
+
+
+def _compile(flag_set):
+    pytest.importorskip("libtpu", reason="libtpu not installed (pip install -r requirements-tpu.txt)")
+    env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    run = subprocess.run([sys.executable, "-c", PROGRAM, flag_set], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_collective_overlap_makes_the_fsdp_collectives_async():
+    plain, overlap = _compile("none"), _compile("collective_overlap")
+    # libtpu's defaults: the weight all-gathers and the gradient all-reduce stall compute
+    assert plain["collectives"] == [["all-gather", False], ["all-reduce", False]]
+    assert plain["exposed"] == pytest.approx(plain["comm"])
+    # with the set: the compiler fuses them into the compute around them (each counted once, at its start:
+    # the same bytes), and the counter hides them behind that compute
+    assert ["all-gather", True] in overlap["collectives"] and ["all-reduce", True] in overlap["collectives"]
+    assert overlap["comm"] == pytest.approx(plain["comm"])
+    assert overlap["exposed"] < 0.5 * plain["exposed"]
