@@ -36,12 +36,12 @@ CONFIG = os.path.join(ROOT, "configs", "bench_small.py")
 # a 3-layer (1 dense + 2 MoE) GLM-5 at width 256 with GLM-5's DSA structure; index_topk 512
 FULL = ["model.num_hidden_layers=3", "model.hidden_size=256", "model.num_attention_heads=4",
         "model.q_lora_rank=128", "model.kv_lora_rank=128", "model.intermediate_size=512",
-        "model.moe_intermediate_size=128", "model.index_topk=512", "model.num_nextn_predict_layers=0",
-        "model.mtp_depth=0", "model.max_position_embeddings=131072", "data.batch_size=1"]
+        "model.moe_intermediate_size=128", "model.index_topk=512", "model.mtp_depth=0",
+        "model.num_nextn_predict_layers=0", "model.max_position_embeddings=131072", "data.batch_size=1"]
 QUICK = ["model.num_hidden_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
          "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.intermediate_size=128",
          "model.moe_intermediate_size=32", "model.index_topk=256", "model.vocab_size=512", "data.vocab_size=512",
-         "model.num_nextn_predict_layers=0", "model.mtp_depth=0", "model.max_position_embeddings=131072",
+         "model.mtp_depth=0", "model.num_nextn_predict_layers=0", "model.max_position_embeddings=131072",
          "data.batch_size=1"]
 
 

@@ -15,6 +15,11 @@ Layout (a plain pytree, so it can be donated, sharded or inspected):
 
 Shared-index layers have no ``index_key`` (they reuse the previous full layer's selection). Each MTP
 depth applies the one shared MTP block to different hidden states, so each depth has its own cache.
+
+Every leaf's logical axes are ``([layers,] batch, cache_seq, None)``: `constrain_cache` lays a cache out
+by the rules in context, `cache_shardings` gives its NamedShardings. Mapping ``cache_seq`` to a mesh axis
+splits each row's slots across chips; what a decode step then moves between chips is in
+docs/long_context.md.
 """
 from __future__ import annotations
 
