@@ -8,6 +8,12 @@ Prompts are right-padded; row b's prompt is ``prompt_tokens[b, :prompt_lengths[b
 program runs the prefill and a ``lax.while_loop`` of decode steps over a static-size cache
 (`glm5_jax.kv_cache`), stopping when every row has emitted an EOS id or ``max_new_tokens``.
 
+The prefill runs ``prefill_chunk`` prompt tokens at a time (0: the whole prompt in one): each chunk
+writes its rows into the cache and its queries attend to every slot written so far plus their own
+chunk, with the DSA indexer scoring all of them, so activation memory is bounded by the chunk, not the
+prompt. Logits are computed only at each row's last prompt token. The cache's slot axis is the logical
+axis ``cache_seq`` (docs/long_context.md).
+
 ``logprobs`` are the log-probabilities of the sampled tokens under the distribution actually sampled
 from: ``log_softmax(logits / temperature)`` restricted and renormalised to the top-k / top-p set. This is
 what the RL learner's importance ratio needs (token-in, token-out). Greedy decoding (``temperature=0``)
@@ -31,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.kv_cache import init_cache
+from glm5_jax.kv_cache import constrain_cache, init_cache
 from glm5_jax.model import Transformer
+
+PREFILL_CHUNK = 4096   # default prompt tokens per prefill step
 
 
 class GenerationResult(NamedTuple):
@@ -103,16 +111,17 @@ def decode_config(cfg):
 
 def generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, rng=None, eos_ids=(), speculative: bool = False,
-             cache_dtype=None) -> GenerationResult:
+             cache_dtype=None, prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per row (see the module docstring)."""
     fn, args = prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_p=top_p, top_k=top_k, rng=rng, eos_ids=eos_ids,
-                                speculative=speculative, cache_dtype=cache_dtype)
+                                speculative=speculative, cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
     return fn(*args)
 
 
 def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature=1.0,
-                     top_p=1.0, top_k=0, rng=None, eos_ids=(), speculative=False, cache_dtype=None):
+                     top_p=1.0, top_k=0, rng=None, eos_ids=(), speculative=False, cache_dtype=None,
+                     prefill_chunk=PREFILL_CHUNK):
     """Validate the request; return (jitted program, its arguments) so callers can compile it ahead."""
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
@@ -126,6 +135,8 @@ def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_t
         raise ValueError(f"prompt_lengths must be in [1, {T}], got {lengths_np.tolist()}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk={prefill_chunk}: must be >= 0 (0 = the whole prompt at once)")
     sampler = Sampler(float(temperature), float(top_p), int(top_k))
     sampler.validate(cfg.vocab_size)
     if speculative:
@@ -142,15 +153,16 @@ def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_t
     if max_position > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
+    chunk = T if prefill_chunk == 0 else min(int(prefill_chunk), T)
     fn = _compiled(decode_config(cfg), int(max_new_tokens), sampler, tuple(int(e) for e in eos_ids),
-                   bool(speculative), None if cache_dtype is None else jnp.dtype(cache_dtype).name)
+                   bool(speculative), None if cache_dtype is None else jnp.dtype(cache_dtype).name, chunk)
     return fn, (variables, prompt_tokens, prompt_lengths, rng)
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(cfg, max_new_tokens, sampler, eos_ids, speculative, cache_dtype):
+def _compiled(cfg, max_new_tokens, sampler, eos_ids, speculative, cache_dtype, chunk):
     loop = _speculative_loop if speculative else _sampling_loop
-    return jax.jit(functools.partial(loop, cfg, max_new_tokens, sampler, eos_ids, cache_dtype))
+    return jax.jit(functools.partial(loop, cfg, max_new_tokens, sampler, eos_ids, cache_dtype, chunk))
 
 
 def _is_eos(tokens, eos_ids):
@@ -159,21 +171,69 @@ def _is_eos(tokens, eos_ids):
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def _prefill(model, variables, prompt_BT, lengths_B, cache):
+def _chunk_start(c, T, C):
+    """First position of prefill chunk c of ceil(T / C): c * C, except that the last chunk ends at T
+    (it may overlap its predecessor, whose rows it then rewrites with the same values)."""
+    return jnp.minimum(c * C, T - C).astype(jnp.int32)
+
+
+def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
+    """Write every prompt row into ``cache`` in chunks of C tokens.
+
+    Returns (logits [B, V] at each row's last prompt token, cache, mtp). Without ``mtp_cache`` mtp is
+    None; with it, every chunk also runs the K MTP depths over itself (depth d at position j takes the
+    prompt token at j + d) and mtp = (mtp_cache, h_tail [B, K, D]): the main model's hidden state at
+    positions max(L - K, 0) .. + K - 1 (L = the row's length). Depth d's slots from L - d on need tokens
+    past the prompt, which only the first sampled token and the drafts give; `_mtp_window` rewrites them.
+    """
     B, T = prompt_BT.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    segments = (positions < lengths_B[:, None]).astype(jnp.int32)
-    logits, h, cache = model.apply(variables, prompt_BT, positions, segments, cache, method=Transformer.decode)
-    last_logits = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return last_logits, h, positions, segments, cache
+    last_B = lengths_B - 1
+    with_mtp = mtp_cache is not None
+    K = len(mtp_cache) if with_mtp else 0
+    prompt_pad = jnp.pad(prompt_BT, ((0, 0), (0, K)))
+    tail_start_B = jnp.maximum(lengths_B - K, 0)
+    window = jnp.arange(C, dtype=jnp.int32)
+
+    def chunk(c, carry):
+        cache, last_logits, mtp = carry
+        start = _chunk_start(c, T, C)
+        tokens = jax.lax.dynamic_slice_in_dim(prompt_BT, start, C, axis=1)
+        positions = jnp.broadcast_to(start + window, (B, C))
+        segments = (positions < lengths_B[:, None]).astype(jnp.int32)
+        logits_at = jnp.clip(last_B - start, 0, C - 1)[:, None]
+        logits, h, cache = model.apply(variables, tokens, positions, segments, cache, logits_at=logits_at,
+                                       method=Transformer.decode)
+        here = (last_B >= start) & (last_B < start + C)
+        last_logits = jnp.where(here[:, None], logits[:, 0], last_logits)
+        if with_mtp:
+            mtp_cache, h_tail = mtp
+            tail_index = tail_start_B[:, None] + jnp.arange(K) - start                     # [B, K]
+            in_chunk = (tail_index >= 0) & (tail_index < C)
+            h_tail = jnp.where(in_chunk[..., None],
+                               jnp.take_along_axis(h, jnp.clip(tail_index, 0, C - 1)[..., None], axis=1),
+                               h_tail).astype(h_tail.dtype)
+            new_mtp, h_d = [], h
+            for d in range(1, K + 1):
+                next_tokens = jax.lax.dynamic_slice_in_dim(prompt_pad, start + d, C, axis=1)
+                h_d, _, cache_d = model.apply(variables, h_d, next_tokens, positions, segments, mtp_cache[d - 1],
+                                              logits_at=jnp.zeros((B, 1), jnp.int32), method=Transformer.mtp_decode)
+                new_mtp.append(constrain_cache(cache_d))
+            mtp = (tuple(new_mtp), h_tail)
+        return constrain_cache(cache), last_logits, mtp
+
+    D = model.cfg.hidden_size
+    mtp = (constrain_cache(mtp_cache), jnp.zeros((B, K, D), model.cfg.jnp_dtype)) if with_mtp else None
+    last_logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
+    cache, last_logits, mtp = jax.lax.fori_loop(0, -(-T // C), chunk, (constrain_cache(cache), last_logits, mtp))
+    return last_logits, cache, mtp
 
 
-def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, variables, prompt_BT, lengths_B, rng):
+def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prompt_BT, lengths_B, rng):
     """Prefill, then one token per step: step s feeds token s-1 (at position length + s - 1)."""
     model = Transformer(cfg)
     B, T = prompt_BT.shape
     cache = init_cache(cfg, B, T + N, cache_dtype)["decoder"]
-    last_logits, _, _, _, cache = _prefill(model, variables, prompt_BT, lengths_B, cache)
+    last_logits, cache, _ = _prefill(model, variables, prompt_BT, lengths_B, cache, chunk)
     token, logprob = sampler.sample(last_logits, jax.random.fold_in(rng, 0))
     out_tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(token)
     out_logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(logprob)
@@ -190,6 +250,7 @@ def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, variables, prompt_BT, 
         positions = (lengths_B + step - 1)[:, None]
         logits, _, cache = model.apply(variables, token[:, None], positions, ones, cache,
                                        method=Transformer.decode)
+        cache = constrain_cache(cache)
         token, logprob = sampler.sample(logits[:, 0], jax.random.fold_in(rng, step))
         live = ~done
         out_tokens = out_tokens.at[:, step].set(jnp.where(live, token, 0))
@@ -224,26 +285,37 @@ def _mtp_drafts(model, variables, K, h_BWD, known_BW, anchor_B, positions_BW, se
             next_tokens = jnp.where(i <= anchor, next_tokens, from_drafts)
         h, logits, cache_d = model.apply(variables, h, next_tokens, positions_BW, segments_BW, mtp_cache[d - 1],
                                          method=Transformer.mtp_decode)
-        new_cache.append(cache_d)
+        new_cache.append(constrain_cache(cache_d))
         drafts.append(jnp.argmax(jnp.take_along_axis(logits, anchor[:, :, None], axis=1)[:, 0], -1)
                       .astype(jnp.int32))
     return jnp.stack(drafts, axis=1), tuple(new_cache)
 
 
-def _speculative_loop(cfg, N, sampler, eos_ids, cache_dtype, variables, prompt_BT, lengths_B, rng):
+def _mtp_window(model, variables, prompt_BT, lengths_B, token_B, h_tail_BKD, mtp_cache):
+    """The first drafts after the prompt: `_mtp_drafts` over the K positions ending at each row's last
+    prompt token, which (re)writes every MTP slot whose input is past the prompt (see `_prefill`)."""
+    K = h_tail_BKD.shape[1]
+    start_B = jnp.maximum(lengths_B - K, 0)
+    positions_BW = start_B[:, None] + jnp.arange(K, dtype=jnp.int32)
+    segments_BW = (positions_BW < lengths_B[:, None]).astype(jnp.int32)
+    # the token after window index j (position j + 1): the prompt's, then the first generated token
+    prompt_next = jnp.take_along_axis(jnp.pad(prompt_BT, ((0, 0), (0, K + 1))), positions_BW + 1, axis=1)
+    known_BW = jnp.where(positions_BW + 1 == lengths_B[:, None], token_B[:, None], prompt_next)
+    return _mtp_drafts(model, variables, K, h_tail_BKD, known_BW, lengths_B - 1 - start_B, positions_BW,
+                       segments_BW, mtp_cache)
+
+
+def _speculative_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prompt_BT, lengths_B, rng):
     """Greedy MTP speculation: verify [pending, d_1..d_K] in one forward, keep the agreeing prefix."""
     del rng
     model = Transformer(cfg)
     K = cfg.mtp_depth
     B, T = prompt_BT.shape
     caches = init_cache(cfg, B, T + N + K, cache_dtype, mtp=True)
-    last_logits, h, positions, segments, cache = _prefill(model, variables, prompt_BT, lengths_B, caches["decoder"])
+    last_logits, cache, (mtp_cache, h_tail) = _prefill(model, variables, prompt_BT, lengths_B, caches["decoder"],
+                                                       chunk, caches["mtp"])
     token, logprob = sampler.sample(last_logits, None)
-    # the token after window index j: the prompt's next token, and the first generated one after the prompt
-    known = jnp.where(jnp.arange(T)[None] == (lengths_B - 1)[:, None], token[:, None],
-                      jnp.pad(prompt_BT[:, 1:], ((0, 0), (0, 1))))
-    drafts, mtp_cache = _mtp_drafts(model, variables, K, h, known, lengths_B - 1, positions, segments,
-                                    caches["mtp"])
+    drafts, mtp_cache = _mtp_window(model, variables, prompt_BT, lengths_B, token, h_tail, mtp_cache)
     width = N + K + 1                                             # room for a full window past N
     out_tokens = jnp.zeros((B, width), jnp.int32).at[:, 0].set(token)
     out_logprobs = jnp.zeros((B, width), jnp.float32).at[:, 0].set(logprob)
@@ -260,6 +332,7 @@ def _speculative_loop(cfg, N, sampler, eos_ids, cache_dtype, variables, prompt_B
         tokens_W = jnp.concatenate([pending[:, None], drafts], axis=1)         # [B, K+1] at pos .. pos + K
         positions_W = pos[:, None] + window
         logits, h, cache = model.apply(variables, tokens_W, positions_W, ones, cache, method=Transformer.decode)
+        cache = constrain_cache(cache)
         logp = sampler.log_probs(logits)
         target = jnp.argmax(logp, axis=-1).astype(jnp.int32)                  # model's token after each slot
         target_logp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]

@@ -23,6 +23,7 @@ flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("speculative", False, "Greedy MTP speculative decoding (needs an MTP module).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype override (weights cast once).")
+flags.DEFINE_integer("prefill_chunk", 4096, "Prompt tokens per prefill step (0 = the whole prompt at once).")
 
 
 def main(argv):
@@ -54,7 +55,8 @@ def main(argv):
     eos_ids = tuple(sorted(set(cfg.eos_token_id) | {tokenizer.eos_id}))
     fn, args = prepare_generate(cfg, variables, batch, lengths, max_new_tokens=FLAGS.max_new_tokens,
                                 temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
-                                rng=jax.random.key(FLAGS.seed), eos_ids=eos_ids, speculative=FLAGS.speculative)
+                                rng=jax.random.key(FLAGS.seed), eos_ids=eos_ids, speculative=FLAGS.speculative,
+                                prefill_chunk=FLAGS.prefill_chunk)
     t0 = time.perf_counter()
     compiled = fn.lower(*args).compile()
     t1 = time.perf_counter()

@@ -15,13 +15,26 @@ Layout (a plain pytree, so it can be donated, sharded or inspected):
 
 Shared-index layers have no ``index_key`` (they reuse the previous full layer's selection). Each MTP
 depth applies the one shared MTP block to different hidden states, so each depth has its own cache.
+
+Every leaf's logical axes are ``([layers,] batch, cache_seq, None)``: `constrain_cache` lays a cache out
+by the rules in context, `cache_shardings` gives its NamedShardings. Mapping ``cache_seq`` to a mesh axis
+splits each row's slots across chips; what a decode step then moves between chips is in
+docs/long_context.md.
 """
 from __future__ import annotations
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from glm5_jax.layer_plan import plan_segments
+
+# Logical axes of one layer's [B, S, X] leaf; decoder leaves carry their segment's repeats in front
+# ("layers"). The slot axis is "cache_seq": mapped to a mesh axis, each chip holds S / n slots of every
+# row (docs/long_context.md#a-sequence-sharded-decode-cache).
+LAYER_AXES = ("batch", "cache_seq", None)
 
 
 def _layer_cache(cfg, indexer_kind, batch, max_len, dtype, lead=()):
@@ -53,3 +66,19 @@ def cache_bytes_per_token(cfg, dtype=None, *, mtp: bool = False) -> int:
     if mtp and cfg.num_nextn_predict_layers:
         per_layer += [width + (cfg.index_head_dim if cfg.use_indexer else 0)] * cfg.mtp_depth
     return int(sum(per_layer) * itemsize)
+
+
+def leaf_axes(x) -> tuple:
+    """Logical axis names of one cache leaf: [repeats,] B, S, X."""
+    return ("layers",) * (x.ndim - 3) + LAYER_AXES
+
+
+def constrain_cache(cache):
+    """``cache`` laid out by the logical rules in context (``cache_seq`` on the slot axis); a no-op
+    without a mesh and rules."""
+    return jax.tree.map(lambda x: nn.with_logical_constraint(x, leaf_axes(x)), cache)
+
+
+def cache_shardings(cache, mesh, rules) -> dict:
+    """NamedShardings of every cache leaf under ``rules`` (e.g. to ``jax.device_put`` a cache)."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, nn.logical_to_mesh_axes(leaf_axes(x), rules)), cache)

@@ -112,14 +112,14 @@ class Transformer(nn.Module):
         return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, cfg.jnp_dtype, jnp.float32,
                                 cfg.projection_impl), ("batch", "seq", "act_vocab"))
 
-    def _main(self, tokens_BT, positions, segment_ids, cache):
+    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None):
         """(logits, final hidden h, normed h, decoder `LayerStats`, cache) of the main stack."""
         B, T = tokens_BT.shape
         num_keys = T if cache is None else _cache_len(cache)
         h, stats, cache = self.decoder(self.embed(tokens_BT), positions, segment_ids,
                                        empty_selection(self.cfg, B, T, num_keys), cache)
         h_normed = self.final_norm(h)
-        return self.head(h_normed), h, h_normed, stats, cache
+        return self.head(_rows_at(h_normed, logits_at)), h, h_normed, stats, cache
 
     def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False) -> ModelOutput:
         """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training)."""
@@ -148,19 +148,29 @@ class Transformer(nn.Module):
                 mtp_stats = [jax.tree.map(lambda x: jnp.zeros_like(x[:1]), stats)]
         return ModelOutput(logits=logits, stats=concatenate([stats] + mtp_stats), mtp_logits=mtp_logits)
 
-    def decode(self, tokens_BT, positions_BT, segment_ids_BT, cache):
+    def decode(self, tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
         """Main stack over a decode cache: the rows' tokens sit at contiguous positions (slots).
 
-        Returns (logits [B,T,V], the hidden state MTP depth 1 takes [B,T,D], updated cache).
+        Returns (logits [B,T,V], the hidden state MTP depth 1 takes [B,T,D], updated cache). With
+        ``logits_at`` [B, X] (indices into T) the logits are [B, X, V] at those tokens only: a long
+        prefill chunk needs one row's logits, not [B, T, V].
         """
-        logits, h, h_normed, _, cache = self._main(tokens_BT, positions_BT, segment_ids_BT, cache)
+        logits, h, h_normed, _, cache = self._main(tokens_BT, positions_BT, segment_ids_BT, cache, logits_at)
         return logits, (h_normed if self.cfg.mtp_use_normed_hidden else h), cache
 
-    def mtp_decode(self, h_prev_BTD, next_tokens_BT, positions_BT, segment_ids_BT, cache):
-        """One MTP depth over its decode cache: (h for the next depth, logits, updated cache)."""
+    def mtp_decode(self, h_prev_BTD, next_tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
+        """One MTP depth over its decode cache: (h for the next depth, logits, updated cache);
+        ``logits_at`` as in `decode`."""
         h, h_normed, _, cache = self.mtp(h_prev_BTD, self.embed(next_tokens_BT), positions_BT, segment_ids_BT,
                                          cache)
-        return h, self.head(h_normed), cache
+        return h, self.head(_rows_at(h_normed, logits_at)), cache
+
+
+def _rows_at(x_BTD, index_BX):
+    """x[b, index[b, x]] -> [B, X, D]; all of x when index is None."""
+    if index_BX is None:
+        return x_BTD
+    return jnp.take_along_axis(x_BTD, index_BX[:, :, None], axis=1)
 
 
 def _cache_len(cache):

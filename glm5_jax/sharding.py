@@ -19,6 +19,7 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp", "expert")),   # activations: batch over every data-parallel axis
     ("seq", None),
+    ("cache_seq", None),                     # decode cache slots (kv_cache.LAYER_AXES): one shard per row
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),

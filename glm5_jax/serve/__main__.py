@@ -24,6 +24,7 @@ flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype overrid
 flags.DEFINE_string("model_name", None, "Model id reported by the API (default: the checkpoint folder's name).")
 flags.DEFINE_float("reload_interval_s", 0.0, "Poll for newer committed steps this often (0: never).")
 flags.DEFINE_string("policy_workdir", None, "Reload from this RL run's policy versions instead of --checkpoint.")
+flags.DEFINE_integer("prefill_chunk", 4096, "Prompt tokens per prefill call (0 = a whole prompt per call).")
 flags.DEFINE_multi_integer("warmup_prompt_len", [1], "Compile the prefill for these prompt lengths before serving.")
 
 
@@ -49,7 +50,8 @@ def main(argv):
     if FLAGS.dtype:
         cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)
     engine = Engine(cfg, variables, max_batch=FLAGS.max_batch, max_seq_len=FLAGS.max_seq_len,
-                    eos_ids=set(cfg.eos_token_id) | {tokenizer.eos_id}, weights_version=step)
+                    eos_ids=set(cfg.eos_token_id) | {tokenizer.eos_id}, weights_version=step,
+                    prefill_chunk=FLAGS.prefill_chunk)
     engine.warmup(FLAGS.warmup_prompt_len)
     engine.start()
     watcher = None

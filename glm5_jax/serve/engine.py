@@ -5,7 +5,8 @@ program has a fixed shape. A background thread repeats:
 
 1. admit waiting requests into free slots: pick the slot whose cached tokens share the longest prefix
    with the prompt (copying a busy slot's row into a free one when that slot is the best match), prefill
-   only the rest of the prompt (padded to a power-of-two bucket) and sample the first token;
+   only the rest of the prompt, ``prefill_chunk`` tokens per call (each padded to a power-of-two bucket,
+   so memory is bounded by the chunk, not the prompt), and sample the first token;
 2. run one decode step for all slots at once: each active slot feeds its last sampled token at its own
    position; inactive slots write to the spare last position, which no query ever sees (a query at
    position p attends to slots <= p, and p < max_seq_len);
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.generate import Sampler, decode_config
+from glm5_jax.generate import PREFILL_CHUNK, Sampler, decode_config
 from glm5_jax.kv_cache import init_cache
 from glm5_jax.model import Transformer
 from glm5_jax.serve import cache_rows
@@ -104,14 +105,18 @@ class Engine:
     """Serve `Request`s over one model; `start()` runs the batching thread, `submit()` queues work."""
 
     def __init__(self, cfg, variables, *, max_batch: int = 8, max_seq_len: int = 1024, eos_ids=(),
-                 cache_dtype=None, weights_version: int = 0, prefill_buckets=None):
+                 cache_dtype=None, weights_version: int = 0, prefill_buckets=None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={prefill_chunk}: must be >= 0 (0 = a whole prompt per call)")
         if not 2 <= max_seq_len < cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len}: must be in [2, max_position_embeddings="
                              f"{cfg.max_position_embeddings})")
         self.cfg = decode_config(cfg)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.prefill_chunk = min(prefill_chunk or max_seq_len, max_seq_len)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.num_top = min(NUM_TOP_LOGPROBS, cfg.vocab_size)
         self.variables = variables
@@ -127,8 +132,8 @@ class Engine:
         self.stats = collections.Counter()        # prompt_tokens, cached_tokens, generated_tokens, requests
         self._recent = collections.deque()        # (time, tokens) of recent steps, for tokens/s
         # prompt chunks are padded to one of these lengths (one compiled prefill each)
-        self.buckets = sorted({min(b, max_seq_len) for b in prefill_buckets or _powers_of_two(max_seq_len)}
-                              | {max_seq_len})
+        self.buckets = sorted({min(b, self.prefill_chunk) for b in prefill_buckets or _powers_of_two(max_seq_len)}
+                              | {self.prefill_chunk})
         self._prefill, self._decode, self._copy = _programs(self.cfg, self.num_top)
 
     # ---- public API (any thread) ----
@@ -306,16 +311,21 @@ class Engine:
         return next(b for b in self.buckets if b >= n)
 
     def _run_prefill(self, slot: _Slot, prompt: list[int], start: int, request: Request) -> Token:
-        """Write prompt[start:]'s rows into the slot (padded to a bucket) and sample the first token."""
-        T = self._bucket(len(prompt) - start)
-        start = min(start, self.max_seq_len + 1 - T)      # the padded chunk must fit in the slot's row
-        chunk = np.zeros((1, T), np.int32)
-        chunk[0, :len(prompt) - start] = prompt[start:]
+        """Write prompt[start:]'s rows into the slot, at most ``prefill_chunk`` tokens per call (each call
+        padded to a bucket), and sample the first token from the last call's logits."""
         key_data = slot.key_data if slot.key_data is not None else np.zeros(2, np.uint32)
-        self._cache, out = self._prefill(
-            self.variables, self._cache, np.int32(slot.index), chunk, np.int32(start), np.int32(len(prompt) - start),
-            np.float32(request.temperature), np.float32(request.top_p), np.int32(request.top_k), key_data,
-            np.int32(0))
+        out = None
+        while out is None or start < len(prompt):
+            end = min(start + self.prefill_chunk, len(prompt))
+            T = self._bucket(end - start)
+            start = min(start, self.max_seq_len + 1 - T)  # the padded chunk must fit in the slot's row
+            chunk = np.zeros((1, T), np.int32)
+            chunk[0, :end - start] = prompt[start:end]
+            self._cache, out = self._prefill(
+                self.variables, self._cache, np.int32(slot.index), chunk, np.int32(start), np.int32(end - start),
+                np.float32(request.temperature), np.float32(request.top_p), np.int32(request.top_k), key_data,
+                np.int32(0))
+            start = end
         slot.tokens = list(prompt)
         return _tokens_from(*jax.device_get(out))[0]
 
@@ -395,9 +405,11 @@ def _prefill(model, num_top, variables, cache, slot, chunk_1T, start, n_real, te
     T = chunk_1T.shape[1]
     positions = start + jnp.arange(T, dtype=jnp.int32)[None]
     segments = (jnp.arange(T)[None] < n_real).astype(jnp.int32)
-    logits, row = decode_logits(model, variables, chunk_1T, positions, segments, cache_rows.read_row(cache, slot))
+    last_index = jnp.reshape(n_real - 1, (1, 1)).astype(jnp.int32)
+    logits, row = decode_logits(model, variables, chunk_1T, positions, segments, cache_rows.read_row(cache, slot),
+                                logits_at=last_index)
     cache = cache_rows.write_row(cache, row, slot)
-    last = jax.lax.dynamic_index_in_dim(logits[0], n_real - 1, keepdims=True)
+    last = logits[0]                                                     # [1, V]: the last real token's
     out = sample_rows(last, temperature[None], top_p[None], top_k[None], key_data[None], index[None], num_top)
     return cache, out
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 from glm5_jax.model import Transformer
 
 
-def decode_logits(model: Transformer, variables, tokens_BT, positions_BT, segment_ids_BT, cache):
-    """(logits [B, T, V] fp32, updated decoder cache) for tokens at the given positions."""
+def decode_logits(model: Transformer, variables, tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
+    """(logits [B, T, V] fp32, updated decoder cache) for tokens at the given positions; with
+    ``logits_at`` [B, X] the logits at those token indices only ([B, X, V])."""
     logits, _, cache = model.apply(variables, tokens_BT, positions_BT, segment_ids_BT, cache,
-                                   method=Transformer.decode)
+                                   logits_at=logits_at, method=Transformer.decode)
     return logits, cache

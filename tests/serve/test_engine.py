@@ -7,12 +7,12 @@ import pytest
 
 from glm5_jax.convert.hf_to_orbax import config_to_json
 from glm5_jax.generate import Sampler
-from glm5_jax.serve.engine import Request
+from glm5_jax.serve.engine import Engine, Request
 from glm5_jax.rl.handoff import PolicyWriter
 from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
 from glm5_jax.serve.sampling import row_log_probs
 from tests.generate.tiny_models import init_variables
-from tests.serve.conftest import SERVE_CFG, greedy_reference, make_engine
+from tests.serve.conftest import MAX_SEQ_LEN, SERVE_CFG, eos_ids, greedy_reference, make_engine, variables
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 1.0, 5), (1.3, 0.8, 0),
@@ -46,6 +46,25 @@ def test_next_turn_reuses_the_cached_prefix(engine):
     (want1, lp1), (want2, lp2) = greedy_reference([first.prompt, second_prompt], 6)
     assert _ids(first) == want1 and _ids(second) == want2
     np.testing.assert_allclose([t.logprob for t in second.tokens], lp2, atol=1e-4)
+
+
+def test_a_long_prompt_prefills_in_chunks():
+    """prefill_chunk=8: a 21-token prompt runs as three prefill calls of 8 tokens (the last padded) at
+    positions 0, 8, 16; greedy tokens and log-probs equal generate()'s whole-prompt prefill."""
+    engine = Engine(SERVE_CFG, variables(), max_batch=2, max_seq_len=MAX_SEQ_LEN, eos_ids=eos_ids(),
+                    prefill_buckets=(32,), prefill_chunk=8)
+    calls, prefill = [], engine._prefill
+    engine._prefill = lambda *a: (calls.append((a[3].shape, int(a[4]), int(a[5]))), prefill(*a))[1]
+    engine.start()
+    try:
+        prompt = list(range(30, 51))
+        got = engine.generate(Request(prompt, 6, temperature=0.0), timeout=120)
+    finally:
+        engine.stop()
+    assert calls == [((1, 8), 0, 8), ((1, 8), 8, 8), ((1, 8), 16, 5)]
+    (want, logprobs), _ = greedy_reference([prompt, prompt], 6)
+    assert _ids(got) == want
+    np.testing.assert_allclose([t.logprob for t in got.tokens], logprobs, atol=1e-4)
 
 
 def test_parallel_samples_copy_a_busy_slots_prefix(engine):
