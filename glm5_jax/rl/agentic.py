@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from glm5_jax.rl import rollouts as ro
-from glm5_jax.rl.env import Environment, ServerPolicy, ToolLatency, episodes_to_batch, run_episode
+from glm5_jax.rl.env import Environment, Episode, ServerPolicy, ToolLatency, episodes_to_batch, run_episode
 from glm5_jax.rl.generator import Generator
 from glm5_jax.rl.number_guess import NumberGuess
 
@@ -60,6 +60,16 @@ def sft_seed(seed: int, index: int) -> tuple[int, np.random.Generator]:
     """(environment seed, teacher noise generator) of SFT demonstration `index`: a stream disjoint from RL's."""
     rng = np.random.default_rng([seed, _SFT_SALT, index])
     return int(rng.integers(0, 2 ** 31)), rng
+
+
+def empty_batch(exp) -> ro.RolloutBatch:
+    """A batch of the run's shape with nothing in the loss: the learner compiles its update on it while
+    the first episodes are played."""
+    rl, ag = exp.rl, exp.agentic
+    n = rl.prompts_per_batch * rl.group_size
+    episode = Episode(prompt=make_env(rl.task, ag).reset(0))
+    return episodes_to_batch([episode] * n, np.zeros(n), {}, completion_width=ag.completion_width,
+                             turns_width=ag.max_turns)
 
 
 class EpisodeGenerator(Generator):

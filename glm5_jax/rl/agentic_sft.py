@@ -83,6 +83,7 @@ def train_teacher_sft(sft_cfg, sft_workdir: str, env_name: str, agentic) -> int:
     schedule = optax.linear_schedule(0.0, train.learning_rate, max(train.warmup_steps, 1))
     tx = optax.chain(optax.clip_by_global_norm(train.clip_norm), optax.adam(schedule, b1=train.b1, b2=train.b2))
     opt_state = jax.jit(tx.init)(variables["params"])
+    opt_shardings = jax.tree.map(lambda a: a.sharding, policy.abstract_opt_state(tx))
     step_fn = _sft_step_fn(policy, tx)
     t0, wins, loss = time.perf_counter(), [], float("nan")
     for step in range(train.steps):
@@ -92,6 +93,9 @@ def train_teacher_sft(sft_cfg, sft_workdir: str, env_name: str, agentic) -> int:
                                   turns_width=agentic.max_turns)
         arrays = {k: jnp.asarray(getattr(batch, k)) for k in ("prompt_tokens", "prompt_lengths", "completion_tokens",
                                                                "completion_lengths", "loss_mask")}
+        # the same placement every step (as the learner does), so the step compiles once
+        variables = jax.device_put(variables, policy.shardings)
+        opt_state = jax.device_put(opt_state, opt_shardings)
         with policy.context():
             variables, opt_state, loss = step_fn(variables, opt_state, arrays)
         if (step + 1) % train.log_every == 0 or step + 1 == train.steps:

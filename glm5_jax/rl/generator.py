@@ -13,6 +13,9 @@ the batches): batch o starts only while o <= consumed + tau, where consumed is t
 the newest committed version has consumed (= its version when nothing was dropped), and while this
 generator has fewer than max_ready unconsumed files. In lockstep mode batch o waits for, and samples
 with, exactly version max(0, o - tau), so the run is bit-reproducible whatever the timing.
+
+For a multi-turn environment (rl.task in glm5_jax.rl.tasks.ENVIRONMENTS) the same loop runs with
+`glm5_jax.rl.agentic.EpisodeGenerator`, which plays episodes through a policy server (--policy_url).
 """
 from __future__ import annotations
 

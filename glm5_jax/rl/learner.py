@@ -217,10 +217,22 @@ class Learner:
             time.sleep(self.rl.poll_seconds)
         return time.perf_counter() - start
 
+    def warm_up(self, variables, opt_state, batch: ro.RolloutBatch) -> float:
+        """Compiles the update on a batch of the run's shape (results discarded, state untouched);
+        seconds taken."""
+        t0 = time.perf_counter()
+        self.train_on(variables, jax.tree.map(jnp.copy, opt_state), batch)     # the update donates opt_state
+        return time.perf_counter() - t0
+
     def run(self):
         rl = self.rl
         variables, opt_state, meta = self.start()
         version = meta["version"]
+        if self.exp.is_agentic and version < rl.num_versions:
+            from glm5_jax.rl.agentic import empty_batch
+
+            # multi-turn batches have a fixed shape: compile while the servers play the first episodes
+            log.info("update compiled in %.1f s", self.warm_up(variables, opt_state, empty_batch(self.exp)))
         while version < rl.num_versions:
             ordinal = meta["next_ordinal"]
             generator, seq = split_ordinal(ordinal, rl.num_generators)

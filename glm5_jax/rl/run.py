@@ -6,6 +6,7 @@ processes, restarts any that dies, and stops when the learner has published its 
 When rl.task is a multi-turn environment (glm5_jax.rl.agentic) it also runs agentic.num_servers policy
 servers (`glm5_jax.rl.policy_server`) and a router in front of them (`glm5_jax.serve.router`), on
 fixed loopback ports so a restarted one is found at the same address; generators play through the router.
+There the learner makes the (short) teacher SFT itself when it is missing, while the others start up.
 
 `--chaos_kills=K` is fault injection for tests and bench/rl.py: K times, after a random pause in
 `--chaos_interval` seconds, SIGKILL a random live child (learner, generator, server or router; or only
@@ -108,7 +109,10 @@ class Supervisor:
         from glm5_jax.rl.handoff import committed_versions, policy_dir
 
         os.makedirs(self.log_dir, exist_ok=True)
-        self.make_sft()
+        if not self.num_servers:
+            self.make_sft()
+        # else multi-turn: the learner makes the (short) teacher SFT itself if it is missing (Learner.start),
+        # while the servers and generators start up and wait for version 0
         start = time.time()
         for role in self.restarts:
             self._start(role)
