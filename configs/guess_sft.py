@@ -16,7 +16,7 @@ def get_config() -> ExperimentConfig:
         vocab_size=tokens.invalid + 1, hidden_size=64, num_hidden_layers=2, first_k_dense_replace=1,
         intermediate_size=128, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16,
-        index_topk=16,                     # >= the longest episode (12 tokens): the frozen indexer drops nothing
+        index_topk=16,                     # every prediction in an episode sees <= 16 keys: the frozen indexer drops none
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         num_nextn_predict_layers=0, mtp_depth=0, max_position_embeddings=64, initializer_range=0.02,
         eos_token_id=(tokens.end,), pad_token_id=0, bos_token_id=None, remat_policy="none",
