@@ -1,6 +1,7 @@
 """Multi-turn RL through a policy server (configs/rl_guess.py): the demo, asynchrony vs lockstep, and the kill test.
 
     python bench/agentic_rl.py --out=bench/results/agentic_rl.json [--workdir=/tmp/glm5_agentic_bench] [--kills=10]
+        [--parts=compare,kill] [--set=agentic.step_latency_s=0.3]
 
 Every run goes through the supervisor: learner, policy server, router and 2 generators as processes,
 number guessing played over HTTP with agentic.step_latency_s of tool latency per step.
@@ -74,7 +75,8 @@ def main():
     parser.add_argument("--chaos_seed", type=int, default=4, help="which roles are killed, and when (4: all five)")
     parser.add_argument("--target", type=float, default=0.75)
     parser.add_argument("--window", type=int, default=4)
-    parser.add_argument("--set", action="append", default=[], help="extra config override, e.g. agentic.step_latency_s=0.3")
+    parser.add_argument("--set", action="append", default=[],
+                        help="extra config override, e.g. agentic.step_latency_s=0.3")
     parser.add_argument("--parts", default="compare,kill", help="which parts to run: compare (demo + async vs "
                         "lockstep), kill")
     args = parser.parse_args()

@@ -72,7 +72,8 @@ def train_teacher_sft(sft_cfg, sft_workdir: str, env_name: str, agentic) -> int:
     from glm5_jax.rl.sft import sft_checkpoint_dir
 
     if sft_cfg.data.source != SFT_SOURCE:
-        raise ValueError(f"an SFT config for {env_name!r} needs data.source={SFT_SOURCE!r}, got {sft_cfg.data.source!r}")
+        raise ValueError(f"an SFT config for {env_name!r} needs data.source={SFT_SOURCE!r}, "
+                         f"got {sft_cfg.data.source!r}")
     train, batch_size = sft_cfg.train, sft_cfg.data.batch_size
     policy = Policy(rl_model_config(sft_cfg.model), build_mesh(sft_cfg.mesh), sft_cfg.mesh.rules)
     with policy.context():
