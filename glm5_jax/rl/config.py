@@ -81,14 +81,62 @@ class RLConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgenticConfig:
+    """Multi-turn RL (rl.task names an environment, glm5_jax.rl.tasks.ENVIRONMENTS): generators play
+    episodes through policy servers that hot-reload each version (glm5_jax.rl.agentic)."""
+    digits: int = 1                     # number_guess: the secret lies in [0, 10**digits)
+    max_turns: int = 4                  # an episode ends after this many actions
+    step_latency_s: float = 0.0         # each environment step sleeps this long (a real tool's latency)
+    num_servers: int = 1                # policy server processes behind one router
+    server_max_batch: int = 32          # cache rows per server (concurrent episodes it decodes at once)
+    reload_interval_s: float = 0.05     # how often a server polls for a newer committed version
+    retry_s: float = 300.0              # a generator retries an unanswered turn this long, then fails
+    teacher_noise: float = 0.5          # the SFT teacher's share of random guesses (number_guess.teacher_guess)
+
+    @property
+    def max_action_tokens(self) -> int:
+        return self.digits + 1          # the digits, then the end token
+
+    @property
+    def completion_width(self) -> int:
+        """Longest completion: every turn's action and the observation after it (an episode that runs
+        out of turns ends with the answer to its last guess)."""
+        return self.max_turns * (self.max_action_tokens + 1)
+
+    def validate(self):
+        for f in ("digits", "max_turns", "num_servers", "server_max_batch"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"agentic.{f}={getattr(self, f)}: must be >= 1")
+        if self.step_latency_s < 0 or self.reload_interval_s <= 0 or self.retry_s < 0:
+            raise ValueError("agentic.step_latency_s and retry_s must be >= 0, reload_interval_s > 0")
+        if not 0 <= self.teacher_noise <= 1:
+            raise ValueError(f"agentic.teacher_noise={self.teacher_noise}: must lie in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLExperiment:
     rl: RLConfig = RLConfig()
     sft_config: str = "configs/sort_sft.py"   # train.py config of the starting policy (and its model)
     sft_workdir: str = ""                      # where its checkpoint is found or made; "": <workdir>/sft
     mesh: MeshConfig = MeshConfig(data=1, fsdp=-1)
+    agentic: AgenticConfig = AgenticConfig()   # used when rl.task is a multi-turn environment
+
+    @property
+    def is_agentic(self) -> bool:
+        from glm5_jax.rl.tasks import is_environment
+
+        return is_environment(self.rl.task)
 
     def validate(self):
         self.rl.validate()
+        if self.is_agentic:
+            self.agentic.validate()
+            if self.rl.eval_every:
+                raise ValueError("rl.eval_every must be 0 for a multi-turn environment: its success rate is "
+                                 "the batches' mean reward (rl_metrics.jsonl mean_reward)")
+            if self.rl.lockstep and self.rl.tau:
+                raise ValueError("rl.lockstep with a policy server needs rl.tau=0: a server serves its newest "
+                                 "version, so batch o can only be pinned to version o")
         return self
 
 

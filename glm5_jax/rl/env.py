@@ -9,11 +9,15 @@ can change a token, and a server with a prefix cache prefills only the newest ob
 becomes one RL sample: prompt = the first observation, completion = the rest, loss mask 1 on the
 policy's tokens and 0 on the environment's, behaviour logprobs as the sampler reported them
 (`episodes_to_batch` gives the learner's `RolloutBatch`).
+
+`ToolLatency` wraps an environment so each step takes a fixed time, standing for a real tool call
+(a sandbox, a search engine): the wait that asynchronous RL overlaps with training.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from typing import Callable
 
 import numpy as np
@@ -91,26 +95,77 @@ def run_episode(policy: Policy, env: Environment, seed: int, *, max_turns: int, 
     return episode
 
 
-class ServerPolicy:
-    """A `Policy` served by `python -m glm5_jax.serve` (its /v1/tokens endpoint)."""
+class ToolLatency(Environment):
+    """`env` whose every step first sleeps `seconds` (a stand-in for a real tool's latency)."""
 
-    def __init__(self, url: str, *, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                 session_id: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, env: Environment, seconds: float):
+        self.env, self.seconds = env, seconds
+
+    def reset(self, seed: int) -> list[int]:
+        return self.env.reset(seed)
+
+    def step(self, action: list[int]) -> StepResult:
+        if self.seconds > 0:
+            time.sleep(self.seconds)
+        return self.env.step(action)
+
+
+class PolicyUnavailable(RuntimeError):
+    """The policy server did not answer within the retry deadline."""
+
+
+class ServerPolicy:
+    """A `Policy` served by `python -m glm5_jax.serve` (its /v1/tokens endpoint).
+
+    ``min_weights_version``: the server answers only with weights at least this new (it holds the
+    request until it has loaded them). Connection errors and 5xx answers are retried with the same
+    seed until ``retry_s`` has passed, so a killed and restarted server or router costs time, not the
+    episode.
+    """
+
+    def __init__(self, url: str, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, session_id: str | None = None, timeout_s: float = 600.0,
+                 min_weights_version: int | None = None, retry_s: float = 0.0, client=None):
         import httpx2
 
-        self.http = httpx2.Client(base_url=url, timeout=timeout_s)
-        self.temperature, self.top_p, self.seed, self.session_id = temperature, top_p, seed, session_id
-        self.calls = 0
+        self._own_client = client is None
+        self.http = client or httpx2.Client(base_url=url, timeout=timeout_s)
+        self.url = url.rstrip("/")
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.seed, self.session_id = seed, session_id
+        self.min_weights_version, self.retry_s = min_weights_version, retry_s
+        self.calls = self.retries = 0
+
+    def _post(self, body: dict):
+        import httpx2
+
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                r = self.http.post(self.url + "/v1/tokens", json=body)
+                # 5xx: the router has no live replica (503) or lost one mid-answer (500), or the server
+                # has not loaded min_weights_version yet (503)
+                if r.status_code < 500:
+                    return r
+                why = f"{r.status_code}: {r.text[:200]}"
+            except httpx2.TransportError as e:
+                why = repr(e)
+            if time.monotonic() >= deadline:
+                raise PolicyUnavailable(f"policy server {self.url}: {why}")
+            self.retries += 1
+            time.sleep(0.1)
 
     def __call__(self, context, max_tokens, stop_token_ids) -> Sampled:
         body = {"prompt_ids": list(context), "max_tokens": max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "stop_token_ids": list(stop_token_ids)}
+                "top_p": self.top_p, "top_k": self.top_k, "stop_token_ids": list(stop_token_ids)}
         if self.seed is not None:
             body["seed"] = self.seed + self.calls          # a fresh stream per turn, reproducible
         if self.session_id is not None:
             body["session_id"] = self.session_id
+        if self.min_weights_version is not None:
+            body["min_weights_version"] = self.min_weights_version
+        r = self._post(body)
         self.calls += 1
-        r = self.http.post("/v1/tokens", json=body)
         if r.status_code != 200:
             raise RuntimeError(f"policy server answered {r.status_code}: {r.text}")
         out = r.json()
@@ -119,14 +174,18 @@ class ServerPolicy:
                        out["usage"]["prompt_tokens_details"]["cached_tokens"])
 
     def close(self):
-        self.http.close()
+        if self._own_client:
+            self.http.close()
 
 
-def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict) -> RolloutBatch:
-    """The learner's batch: one row per episode; ``versions`` holds each turn's weights version (-1 pad)."""
+def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict, *, completion_width: int = 0,
+                      turns_width: int = 0) -> RolloutBatch:
+    """The learner's batch: one row per episode; ``versions`` holds each turn's weights version (-1 pad,
+    which the learner's staleness check ignores). ``completion_width`` / ``turns_width`` pad to a fixed
+    shape (0: the longest episode), so every batch of a run has one shape and the update compiles once."""
     P = max(len(e.prompt) for e in episodes)
-    C = max(max(len(e.completion) for e in episodes), 1)
-    K = max(max(len(e.weights_versions) for e in episodes), 1)
+    C = max(max(len(e.completion) for e in episodes), completion_width, 1)
+    K = max(max(len(e.weights_versions) for e in episodes), turns_width, 1)
     n = len(episodes)
     batch = RolloutBatch(
         prompt_tokens=np.zeros((n, P), np.int32), prompt_lengths=np.array([len(e.prompt) for e in episodes], np.int32),

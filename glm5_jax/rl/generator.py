@@ -13,6 +13,9 @@ the batches): batch o starts only while o <= consumed + tau, where consumed is t
 the newest committed version has consumed (= its version when nothing was dropped), and while this
 generator has fewer than max_ready unconsumed files. In lockstep mode batch o waits for, and samples
 with, exactly version max(0, o - tau), so the run is bit-reproducible whatever the timing.
+
+For a multi-turn environment (rl.task in glm5_jax.rl.tasks.ENVIRONMENTS) the same loop runs with
+`glm5_jax.rl.agentic.EpisodeGenerator`, which plays episodes through a policy server (--policy_url).
 """
 from __future__ import annotations
 
@@ -57,13 +60,17 @@ class Generator:
                              f"{self.rl.num_generators})")
         self.gen = generator_id
         self.workdir = os.path.abspath(workdir)
-        self.task = make_task(self.rl.task)
         self.dirs = ro.RolloutDirs(self.workdir)
         self.reader = PolicyReader(self.workdir)
-        self.policy = Policy(sampler_model_config(sft_cfg.model, self.rl.sampler_dtype), build_mesh(exp.mesh),
-                             exp.mesh.rules)
         self._meta_cache: dict[int, dict] = {}
         self._loaded: tuple[int, dict] | None = None
+        self._init_sampler(exp, sft_cfg)
+
+    def _init_sampler(self, exp, sft_cfg):
+        """The task and the local sampling model (a subclass samples elsewhere: glm5_jax.rl.agentic)."""
+        self.task = make_task(self.rl.task)
+        self.policy = Policy(sampler_model_config(sft_cfg.model, self.rl.sampler_dtype), build_mesh(exp.mesh),
+                             exp.mesh.rules)
 
     # ------------------------------------------------------------------ policy versions
     def meta(self, version: int) -> dict:
@@ -164,13 +171,20 @@ class Generator:
 
 
 def main(argv):
-    from absl import flags
+    from absl import app, flags
 
     from glm5_jax.rl.config import load_rl_config, resolve_sft
     from glm5_jax.rl.logs import setup_logging
 
     setup_logging(f"gen{flags.FLAGS.generator_id}")
     exp = load_rl_config(flags.FLAGS.config, flags.FLAGS.set)
+    if exp.is_agentic:
+        from glm5_jax.rl.agentic import EpisodeGenerator
+
+        if not flags.FLAGS.policy_url:
+            raise app.UsageError(f"rl.task={exp.rl.task!r} is played through a policy server: give --policy_url")
+        EpisodeGenerator(exp, flags.FLAGS.workdir, flags.FLAGS.generator_id, flags.FLAGS.policy_url).run()
+        return
     sft_cfg, _ = resolve_sft(exp, flags.FLAGS.workdir)
     Generator(exp, flags.FLAGS.workdir, flags.FLAGS.generator_id, sft_cfg).run()
 
@@ -182,4 +196,5 @@ if __name__ == "__main__":
 
     define_common_flags()
     flags.DEFINE_integer("generator_id", 0, "This generator's index in [0, rl.num_generators).")
+    flags.DEFINE_string("policy_url", None, "Multi-turn environments: the policy server (or router) to play through.")
     app.run(main)

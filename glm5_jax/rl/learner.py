@@ -57,9 +57,16 @@ def split_ordinal(ordinal: int, num_generators: int) -> tuple[int, int]:
     return ordinal % num_generators, ordinal // num_generators
 
 
+def oldest_version(batch_versions) -> int:
+    """The oldest policy version that produced any token of the batch. Multi-turn rows list one version
+    per turn, padded with -1 (glm5_jax.rl.env.episodes_to_batch), which is not a version."""
+    versions = np.asarray(batch_versions)
+    return int(np.min(versions[versions >= 0]))
+
+
 def staleness_of(version: int, batch_versions) -> int:
     """Learner version minus the oldest policy version that produced any sample of the batch."""
-    return int(version - int(np.min(batch_versions)))
+    return int(version - oldest_version(batch_versions))
 
 
 def admit(version: int, batch_versions, tau: int) -> bool:
@@ -123,7 +130,8 @@ class Learner:
         self.exp, self.rl = exp, exp.rl
         self.workdir = os.path.abspath(workdir)
         self.sft_cfg, self.sft_workdir = sft_cfg, sft_workdir
-        self.task = make_task(self.rl.task)
+        # a multi-turn environment has no held-out prompts to evaluate (its configs set eval_every=0)
+        self.task = None if exp.is_agentic else make_task(self.rl.task)
         self.dirs = ro.RolloutDirs(self.workdir)
         mesh = build_mesh(exp.mesh)
         self.policy = Policy(rl_model_config(sft_cfg.model), mesh, exp.mesh.rules)
@@ -150,7 +158,7 @@ class Learner:
         if latest is None:
             from glm5_jax.rl.sft import ensure_sft, load_sft_variables
 
-            ensure_sft(self.sft_cfg, self.sft_workdir)
+            ensure_sft(self.sft_cfg, self.sft_workdir, self.exp)
             variables = load_sft_variables(self.sft_cfg, self.sft_workdir, self.policy)
             opt_state = jax.jit(self.tx.init)(variables["params"])
             meta = {**self._fresh_meta(), "record": {"time": time.time()}}
@@ -209,10 +217,22 @@ class Learner:
             time.sleep(self.rl.poll_seconds)
         return time.perf_counter() - start
 
+    def warm_up(self, variables, opt_state, batch: ro.RolloutBatch) -> float:
+        """Compiles the update on a batch of the run's shape (results discarded, state untouched);
+        seconds taken."""
+        t0 = time.perf_counter()
+        self.train_on(variables, jax.tree.map(jnp.copy, opt_state), batch)     # the update donates opt_state
+        return time.perf_counter() - t0
+
     def run(self):
         rl = self.rl
         variables, opt_state, meta = self.start()
         version = meta["version"]
+        if self.exp.is_agentic and version < rl.num_versions:
+            from glm5_jax.rl.agentic import empty_batch
+
+            # multi-turn batches have a fixed shape: compile while the servers play the first episodes
+            log.info("update compiled in %.1f s", self.warm_up(variables, opt_state, empty_batch(self.exp)))
         while version < rl.num_versions:
             ordinal = meta["next_ordinal"]
             generator, seq = split_ordinal(ordinal, rl.num_generators)
@@ -233,9 +253,11 @@ class Learner:
                     self.dirs.reject(path)
                 meta = self._advance(meta, {**entry, "status": "rejected_corrupt"}, rejected=1)
                 continue
-            sampled_with = int(batch.versions.min())
+            sampled_with = oldest_version(batch.versions)
             staleness = staleness_of(version, batch.versions)
             entry.update(sha256=sha, sampled_with=sampled_with, trained_at=version)
+            if "episodes" in batch.meta:          # multi-turn: the environment seeds played, turns per episode
+                entry.update(episodes=batch.meta["episodes"], turns=batch.meta["turns"])
             if not admit(version, batch.versions, rl.tau):
                 log.info("dropping ordinal %d: sampled with version %d, %d > tau=%d behind", ordinal,
                          sampled_with, staleness, rl.tau)

@@ -29,7 +29,7 @@ def group_advantages(rewards_N, group_size: int, std_norm: bool = True, eps: flo
 def policy_loss(logp_NC, logp_rollout_NC, adv_N, mask_NC, kind: str = "dis", eps_low: float = 0.2,
                 eps_high: float = 0.2, icepop_beta: float = 2.0):
     """(scalar loss, stats): token-level mean over Σ mask. stats: keep_fraction (tokens with gradient),
-    ratio_dev (mean |r − 1| of π_θ / π_rollout), tokens."""
+    ratio_dev (mean |r − 1| of π_θ / π_rollout), ratio_max_dev (its max), tokens."""
     mask = mask_NC.astype(jnp.float32)
     adv = adv_N[:, None].astype(jnp.float32)
     ratio = jnp.exp(logp_NC - logp_rollout_NC)                       # π_θ / π_rollout
@@ -55,5 +55,6 @@ def policy_loss(logp_NC, logp_rollout_NC, adv_N, mask_NC, kind: str = "dis", eps
     denom = jnp.maximum(tokens, 1.0)
     loss = jnp.sum(per_token * mask) / denom
     stats = {"keep_fraction": jnp.sum(keep * mask) / denom,
-             "ratio_dev": jnp.sum(jnp.abs(ratio - 1.0) * mask) / denom, "tokens": tokens}
+             "ratio_dev": jnp.sum(jnp.abs(ratio - 1.0) * mask) / denom,
+             "ratio_max_dev": jnp.max(jnp.where(mask > 0, jnp.abs(ratio - 1.0), 0.0)), "tokens": tokens}
     return loss, stats

@@ -60,3 +60,31 @@ class NumberGuess(Environment):
         if guess == self.secret:
             return StepResult([], 1.0, True)
         return StepResult([self.tokens.higher if guess < self.secret else self.tokens.lower], 0.0, False)
+
+
+def feasible_range(env: NumberGuess, context: list[int]) -> tuple[int, int]:
+    """[lo, hi] still possible after the guesses and answers in `context` (an episode so far:
+    start, then action / observation pairs)."""
+    t, lo, hi = env.tokens, 0, 10 ** env.digits - 1
+    action, last = [], None
+    for token in context[1:]:
+        if token in (t.higher, t.lower, t.invalid):
+            if token == t.higher and last is not None:
+                lo = max(lo, last + 1)
+            elif token == t.lower and last is not None:
+                hi = min(hi, last - 1)
+            action, last = [], None
+            continue
+        action.append(token)
+        if token == t.end:
+            last = env.parse(action)
+    return lo, hi
+
+
+def teacher_guess(env: NumberGuess, context: list[int], noise: float, rng: np.random.Generator) -> int:
+    """The noisy teacher: binary search (the midpoint of the feasible range), except that with
+    probability `noise` it guesses a uniformly random number, feasible or not (a wasted turn, mostly)."""
+    if rng.random() < noise:
+        return int(rng.integers(0, 10 ** env.digits))
+    lo, hi = feasible_range(env, context)
+    return (lo + hi) // 2

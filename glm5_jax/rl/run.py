@@ -3,9 +3,14 @@ processes, restarts any that dies, and stops when the learner has published its 
 
     python -m glm5_jax.rl.run --config=configs/rl_sort.py --workdir=W [--generators=N] [--set=rl.lockstep=True]
 
+When rl.task is a multi-turn environment (glm5_jax.rl.agentic) it also runs agentic.num_servers policy
+servers (`glm5_jax.rl.policy_server`) and a router in front of them (`glm5_jax.serve.router`), on
+fixed loopback ports so a restarted one is found at the same address; generators play through the router.
+There the learner makes the (short) teacher SFT itself when it is missing, while the others start up.
+
 `--chaos_kills=K` is fault injection for tests and bench/rl.py: K times, after a random pause in
-`--chaos_interval` seconds, SIGKILL a random live child (learner or generator); the supervisor then
-restarts it like any other crash.
+`--chaos_interval` seconds, SIGKILL a random live child (learner, generator, server or router; or only
+the roles given to `run(chaos_roles=...)`); the supervisor then restarts it like any other crash.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,9 +42,17 @@ def child_env(compile_cache: str | None = None) -> dict:
     return env
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 class Supervisor:
     def __init__(self, config: str, workdir: str, overrides: list[str], num_generators: int, *,
                  max_restarts: int = 100, log_dir: str | None = None):
+        from glm5_jax.rl.config import load_rl_config
+
         self.workdir = os.path.abspath(workdir)
         self.common = [f"--config={os.path.abspath(config)}", f"--workdir={self.workdir}"] + \
                       [f"--set={o}" for o in overrides] + [f"--set=rl.num_generators={num_generators}"]
@@ -48,14 +62,30 @@ class Supervisor:
         self.compile_cache = os.path.join(self.workdir, "jax_cache")   # JAX_COMPILATION_CACHE_DIR overrides
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = {"learner": 0, **{f"gen{g}": 0 for g in range(num_generators)}}
+        exp = load_rl_config(config, overrides)
+        self.num_servers = exp.agentic.num_servers if exp.is_agentic else 0
+        self.ports = {role: free_port() for role in [f"server{i}" for i in range(self.num_servers)]
+                      + (["router"] if self.num_servers else [])}
+        self.restarts.update({role: 0 for role in self.ports})
         self.kills: list[dict] = []
+
+    def url(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.ports[role]}"
 
     def _command(self, role: str) -> list[str]:
         if role == "learner":
             return [sys.executable, "-m", "glm5_jax.rl.learner", *self.common]
         if role == "sft":
             return [sys.executable, "-m", "glm5_jax.rl.sft", *self.common]
-        return [sys.executable, "-m", "glm5_jax.rl.generator", *self.common, f"--generator_id={role[3:]}"]
+        if role.startswith("server"):
+            return [sys.executable, "-m", "glm5_jax.rl.policy_server", *self.common, f"--port={self.ports[role]}",
+                    f"--server_id={role[6:]}"]
+        if role == "router":
+            replicas = ",".join(self.url(f"server{i}") for i in range(self.num_servers))
+            return [sys.executable, "-m", "glm5_jax.serve.router", f"--replicas={replicas}",
+                    f"--port={self.ports[role]}", "--health_interval_s=0.2"]
+        policy = [f"--policy_url={self.url('router')}"] if self.num_servers else []
+        return [sys.executable, "-m", "glm5_jax.rl.generator", *self.common, f"--generator_id={role[3:]}", *policy]
 
     def _start(self, role: str) -> None:
         out = open(os.path.join(self.log_dir, f"{role}.log"), "a")
@@ -71,16 +101,29 @@ class Supervisor:
         if rc:
             raise RuntimeError(f"SFT step failed (exit {rc}); see {self.log_dir}/sft.log")
 
-    def run(self, chaos_kills: int = 0, chaos_interval=(3.0, 7.0), chaos_seed: int = 0) -> dict:
+    def run(self, chaos_kills: int = 0, chaos_interval=(3.0, 7.0), chaos_seed: int = 0, chaos_roles=None,
+            chaos_after_version: int = 0) -> dict:
+        """Runs until the learner's last version. Fault injection: `chaos_roles` (role names or prefixes
+        such as "gen") limits which children may be killed; the first kill is timed from the commit of
+        version `chaos_after_version` (0: from the start, whatever is committed)."""
+        from glm5_jax.rl.handoff import committed_versions, policy_dir
+
         os.makedirs(self.log_dir, exist_ok=True)
-        self.make_sft()
+        if not self.num_servers:
+            self.make_sft()
+        # else multi-turn: the learner makes the (short) teacher SFT itself if it is missing (Learner.start),
+        # while the servers and generators start up and wait for version 0
         start = time.time()
         for role in self.restarts:
             self._start(role)
         rng = random.Random(chaos_seed)
-        next_kill = time.time() + rng.uniform(*chaos_interval) if chaos_kills else None
+        next_kill = None
         try:
             while True:
+                if chaos_kills and next_kill is None and not self.kills and \
+                        (chaos_after_version <= 0 or max(committed_versions(policy_dir(self.workdir)), default=-1)
+                         >= chaos_after_version):
+                    next_kill = time.time() + rng.uniform(*chaos_interval)
                 learner_rc = self.procs["learner"].poll()
                 if learner_rc == 0:
                     break
@@ -95,7 +138,8 @@ class Supervisor:
                     log.info("%s exited with %s: restarting", role, rc)
                     self._start(role)
                 if next_kill is not None and time.time() >= next_kill:
-                    live = sorted(r for r, p in self.procs.items() if p.poll() is None)
+                    live = sorted(r for r, p in self.procs.items() if p.poll() is None
+                                  and (chaos_roles is None or r.startswith(tuple(chaos_roles))))
                     if live:
                         victim = rng.choice(live)
                         self.procs[victim].send_signal(signal.SIGKILL)

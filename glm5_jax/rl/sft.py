@@ -23,14 +23,21 @@ def final_sft_step(sft_cfg, sft_workdir: str) -> int | None:
         else None
 
 
-def ensure_sft(sft_cfg, sft_workdir: str) -> int:
-    """Trains (or finishes training) the SFT run unless its final checkpoint exists; returns its step."""
+def ensure_sft(sft_cfg, sft_workdir: str, exp=None) -> int:
+    """Trains (or finishes training) the SFT run unless its final checkpoint exists; returns its step.
+    For a multi-turn environment (`exp.is_agentic`) the SFT clones the environment's scripted teacher
+    (glm5_jax.rl.agentic_sft) instead of running train.py's loop."""
     step = final_sft_step(sft_cfg, sft_workdir)
     if step is None:
-        from glm5_jax.training import run_training
-
         log.info("no finished SFT checkpoint in %s: training it (%d steps)", sft_workdir, sft_cfg.train.steps)
-        run_training(sft_cfg, sft_workdir)
+        if exp is not None and exp.is_agentic:
+            from glm5_jax.rl.agentic_sft import train_teacher_sft
+
+            train_teacher_sft(sft_cfg, sft_workdir, exp.rl.task, exp.agentic)
+        else:
+            from glm5_jax.training import run_training
+
+            run_training(sft_cfg, sft_workdir)
         step = final_sft_step(sft_cfg, sft_workdir)
         if step is None:
             raise RuntimeError(f"SFT training finished but {sft_checkpoint_dir(sft_workdir)} has no step "
@@ -59,7 +66,7 @@ def main(argv):
     setup_logging("sft")
     exp = load_rl_config(flags.FLAGS.config, flags.FLAGS.set)
     sft_cfg, sft_workdir = resolve_sft(exp, flags.FLAGS.workdir)
-    ensure_sft(sft_cfg, sft_workdir)
+    ensure_sft(sft_cfg, sft_workdir, exp)
 
 
 if __name__ == "__main__":

@@ -68,9 +68,17 @@ class SortTask(Task):
 
 
 TASKS = {"sort": SortTask, "sort_partial": lambda: SortTask(partial_credit=True)}
+# multi-turn environments (glm5_jax.rl.env): episodes played through a policy server
+# (glm5_jax.rl.agentic), rewards from the environment
+ENVIRONMENTS = ("number_guess",)
+
+
+def is_environment(name: str) -> bool:
+    return name in ENVIRONMENTS
 
 
 def make_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"rl.task={name!r}: unknown task; known: {sorted(TASKS)}")
+        hint = " (a multi-turn environment: it has no single-turn prompts)" if is_environment(name) else ""
+        raise ValueError(f"rl.task={name!r}: unknown task{hint}; known: {sorted(TASKS)}")
     return TASKS[name]()

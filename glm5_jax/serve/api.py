@@ -2,7 +2,8 @@
 
     POST /v1/completions         prompt (text or ids), stream, logprobs, stop, max_tokens, n, seed, ...
     POST /v1/chat/completions    messages rendered with the tokenizer's chat template
-    POST /v1/tokens              prompt_ids -> token ids + per-token logprobs (+ weights version)
+    POST /v1/tokens              prompt_ids -> token ids + per-token logprobs (+ weights version);
+                                 min_weights_version holds the request until those weights are served
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Errors come back as ``{"error": {"message", "type", "param", "code"}}`` with status 400 for a bad request
@@ -27,6 +28,7 @@ from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, TokenRequest
 from glm5_jax.serve.text import ChatTemplate, TextStream
 
 DISCONNECT_POLL_S = 0.25
+WEIGHTS_WAIT_S = 10.0           # how long /v1/tokens holds a request for min_weights_version
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
@@ -280,11 +282,24 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
 
     # ---- /v1/tokens: token in, token out ----
 
+    async def wait_for_weights(version: int):
+        """Until the engine serves weights version >= `version` (versions only grow: a reload that lands
+        between this check and the request's admission is newer still); 503 after WEIGHTS_WAIT_S."""
+        deadline = time.monotonic() + WEIGHTS_WAIT_S
+        while (engine.weights_version or 0) < version:
+            check_alive()
+            if time.monotonic() > deadline:
+                raise _Unavailable(f"weights version {version} is not served yet (serving "
+                                   f"{engine.weights_version})")
+            await asyncio.sleep(0.01)
+
     @app.post("/v1/tokens")
     async def tokens(body: TokenRequest, http: HttpRequest):
         check_alive()
         if body.stream:
             raise RequestError("/v1/tokens does not stream")
+        if body.min_weights_version is not None:
+            await wait_for_weights(body.min_weights_version)
         streams = _Streams()
         requests = [streams.attach(i, build(list(body.prompt_ids), body, body.max_tokens, body.top_logprobs, None, i))
                     for i in range(body.n)]

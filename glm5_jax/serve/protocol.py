@@ -103,3 +103,6 @@ class TokenRequest(Sampling):
     stop_token_ids: list[StrictInt] = []
     ignore_eos: bool = False
     top_logprobs: int = Field(0, ge=0, le=20)
+    # answer only with weights at least this new: the request waits until the server has loaded them
+    # (503 after WEIGHTS_WAIT_S); an RL generator's staleness bound and lockstep rely on it
+    min_weights_version: int | None = None
