@@ -131,20 +131,17 @@ def _mib(r, key):
 
 
 def print_tables(rows):
-    print("\ntrain step (forward + backward + AdamW), batch 1")
-    print("| T | stage | s/step | tokens/s | XLA peak MiB | max RSS MiB |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        if r["kind"] == "train":
-            timing = f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f}" if "seconds" in r else f"{r['error']} | -"
-            print(f"| {r['T']} | {r['stage']} | {timing} | {_mib(r, 'xla_peak_bytes')} | {_mib(r, 'max_rss_bytes')} |")
-    print("\nprefill (generate, max_new_tokens=1), batch 1; chunk 0 = the whole prompt in one step")
-    print("| T | chunk | s | tokens/s | XLA peak MiB | max RSS MiB |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        if r["kind"] == "prefill":
-            timing = f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f}" if "seconds" in r else f"{r['error']} | -"
-            print(f"| {r['T']} | {r['chunk']} | {timing} | {_mib(r, 'xla_peak_bytes')} | {_mib(r, 'max_rss_bytes')} |")
+    tables = (("train", "stage", "train step (forward + backward + AdamW), batch 1", "s/step"),
+              ("prefill", "chunk", "prefill (generate, max_new_tokens=1), batch 1; chunk 0 = the whole prompt in one step",
+               "s"))
+    for kind, column, title, seconds in tables:
+        print(f"\n{title}")
+        print(f"| T | {column} | {seconds} | tokens/s | XLA peak MiB | max RSS MiB |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            if r["kind"] == kind:
+                timing = f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f}" if "seconds" in r else f"{r['error']} | -"
+                print(f"| {r['T']} | {r[column]} | {timing} | {_mib(r, 'xla_peak_bytes')} | {_mib(r, 'max_rss_bytes')} |")
 
 
 def main():
