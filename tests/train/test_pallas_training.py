@@ -1,8 +1,10 @@
 """Training through the Pallas DSA kernels (Pallas interpreter on CPU) equals training on the XLA path.
 
-Five optimizer steps per DSA stage, on one device and on a (data, fsdp, expert, tensor) = (1, 2, 2, 1)
+Five optimizer steps of the sparse stage, on one device and on a (data, fsdp, expert, tensor) = (1, 2, 2, 1)
 mesh, where the kernels run per shard inside shard_map and the init batch of 1 does not divide the
-batch axes. The sequence is three times index_topk, so the top-k selection drops keys.
+batch axes. The sequence is three times index_topk, so the top-k selection drops keys. Only the sparse
+stage runs the kernels: the dense and warm-up stages attend densely (XLA under every attention_impl, see
+train_step.model_config_for_stage) and select no keys, so their programs are the XLA path's.
 """
 import dataclasses
 
@@ -33,7 +35,7 @@ def train(stage, impl, mesh_name):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("stage", ["dense", "warmup", "sparse"])
+@pytest.mark.parametrize("stage", ["sparse"])
 def test_pallas_training_equals_xla(stage, mesh_name):
     xla_losses, xla_params = train(stage, "xla", mesh_name)
     pallas_losses, pallas_params = train(stage, "pallas_interpret", mesh_name)
