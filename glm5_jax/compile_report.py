@@ -142,7 +142,8 @@ def _setup(exp_cfg, topology: str):
     exp_cfg.validate()
     devices = topology_devices(topology)
     mesh = build_mesh(exp_cfg.mesh, devices=devices)
-    check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size)
+    check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size,
+                          exp_cfg.data.seq_len)
     return Trainer(exp_cfg, mesh), mesh, devices
 
 

@@ -43,6 +43,27 @@ def _indivisible_axes(mesh, args, in_axes) -> set[str]:
     return bad
 
 
+def logical_axis_shards(name: str) -> int:
+    """How many shards the current mesh and rules split the logical axis ``name`` into (1 without a mesh)."""
+    mesh = _mesh_in_context()
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in logical_mesh_axes(name))
+
+
+def logical_mesh_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the rules in context give the logical axis ``name`` (possibly none)."""
+    spec = nn.logical_to_mesh_axes((name,))
+    return _mesh_axes_of(spec[0] if spec is not None and len(spec) else None)
+
+
+def all_gather_logical(x, name: str, axis: int):
+    """Inside a `logical_shard_map` body: ``x`` gathered whole along ``axis``, the dimension the logical
+    axis ``name`` split (shards concatenated in mesh order). Its transpose is a reduce-scatter."""
+    axes = logical_mesh_axes(name)
+    return jax.lax.all_gather(x, axes, axis=axis, tiled=True) if axes else x
+
+
 def logical_shard_map(fn, in_axes, out_axes):
     """`fn` applied per shard when a multi-device mesh is in context, else `fn` itself.
 

@@ -1,7 +1,14 @@
 """Meshes and the logical-axis rules: the only place where model axis names meet device axes.
 
-Mesh axes are ``data, fsdp, expert, tensor`` (AxisType.Auto: GSPMD semantics, which Flax's logical
-helpers need). A sharding experiment is a change of `MeshConfig` (axis sizes, rules), never of model code.
+Mesh axes are ``data, fsdp, context, expert, tensor`` (AxisType.Auto: GSPMD semantics, which Flax's
+logical helpers need). A sharding experiment is a change of `MeshConfig` (axis sizes, rules), never of
+model code.
+
+``context`` splits the sequence of training activations (logical "seq"): context parallelism for long
+sequences. The sequence then runs in a zig-zag layout and attention gathers only the compressed keys
+(glm5_jax/context_parallel.py, docs/training.md#context-parallelism). Parameters are FSDP-sharded over
+``context`` too (its shards hold different tokens, like data-parallel shards), so a long-sequence mesh
+does not replicate weights or optimizer state across it.
 """
 from __future__ import annotations
 
@@ -13,18 +20,18 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated). First match wins (Flax semantics).
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp", "expert")),   # activations: batch over every data-parallel axis
-    ("seq", None),
+    ("seq", "context"),                      # context parallelism: the sequence over `context`
     ("cache_seq", None),                     # decode cache slots (kv_cache.LAYER_AXES): one shard per row
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
-    ("embed", "fsdp"),                       # parameters: FSDP over the model width
+    ("embed", ("fsdp", "context")),          # parameters: FSDP over the model width
     ("vocab", "tensor"),
     ("heads", "tensor"),
     # the lightning indexer's few small heads (GLM-5: 32 x 128) stay whole on every tensor shard: its score
@@ -36,8 +43,8 @@ DEFAULT_RULES = (
     ("mlp_moe", "tensor"),
     # the MLA / indexer up-projections [q_lora|kv_lora, heads, ...] are FSDP-sharded on their LoRA rank
     # (their other dims are heads or small); the down-projections keep fsdp on "embed", which wins
-    ("q_lora", "fsdp"),
-    ("kv_lora", "fsdp"),
+    ("q_lora", ("fsdp", "context")),
+    ("kv_lora", ("fsdp", "context")),
     ("kv", None),
     ("index_dim", None),
     ("mtp_concat", None),
@@ -53,6 +60,7 @@ class MeshError(ValueError):
 class MeshConfig:
     data: int = 1
     fsdp: int = -1          # -1: whatever is left of the devices
+    context: int = 1        # sequence shards (context parallelism); needs seq_len % (2 * context) == 0
     expert: int = 1
     tensor: int = 1
     rules: tuple = DEFAULT_RULES
@@ -76,16 +84,22 @@ class MeshConfig:
         return sizes
 
 
-def check_mesh_fits_model(sizes: dict[str, int], model_cfg, global_batch: int) -> None:
-    """Divisibility the rules need, checked before any compile."""
+def check_mesh_fits_model(sizes: dict[str, int], model_cfg, global_batch: int, seq_len: int | None = None) -> None:
+    """Divisibility the rules need, checked before any compile (``seq_len``: the training sequence length,
+    checked against ``context``)."""
     problems = []
+    context = sizes.get("context", 1)
     if model_cfg.num_attention_heads % sizes["tensor"]:
         problems.append(f"tensor={sizes['tensor']} does not divide num_attention_heads={model_cfg.num_attention_heads}")
     if model_cfg.num_moe_layers and model_cfg.n_routed_experts % sizes["expert"]:
         problems.append(f"expert={sizes['expert']} does not divide n_routed_experts={model_cfg.n_routed_experts}")
+    weight_shards = sizes["fsdp"] * context          # the FSDP rules shard weights over fsdp x context
     for field in ("hidden_size", "q_lora_rank", "kv_lora_rank"):
-        if getattr(model_cfg, field) % sizes["fsdp"]:
-            problems.append(f"fsdp={sizes['fsdp']} does not divide {field}={getattr(model_cfg, field)}")
+        if getattr(model_cfg, field) % weight_shards:
+            problems.append(f"fsdp*context={weight_shards} does not divide {field}={getattr(model_cfg, field)}")
+    if context > 1 and seq_len is not None and seq_len % (2 * context):
+        problems.append(f"seq_len={seq_len} is not divisible by 2*context={2 * context} (the zig-zag layout "
+                        f"gives each context shard two equal chunks)")
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if global_batch % batch_shards:
         problems.append(f"global batch {global_batch} is not divisible by data*fsdp*expert={batch_shards}")
@@ -98,10 +112,11 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     sizes = mesh_cfg.axis_sizes(len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     try:
-        device_grid = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices).devices
+        device_grid = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                                    devices=devices).devices
     except Exception:   # topologies make_mesh cannot lay out: plain row-major order
         device_grid = np.asarray(devices).reshape(shape)
-    return Mesh(device_grid, MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    return Mesh(device_grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def logical_shardings(abstract_boxed_tree, mesh: Mesh, rules):

@@ -75,7 +75,8 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     os.makedirs(workdir, exist_ok=True)
     is_main = jax.process_index() == 0
     mesh = build_mesh(exp_cfg.mesh)
-    check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size)
+    check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size,
+                          exp_cfg.data.seq_len)
     train = exp_cfg.train
     ckpt = RunCheckpoints(workdir, max_to_keep=train.max_to_keep, async_save=train.async_checkpointing)
     start = ckpt.latest_step()
