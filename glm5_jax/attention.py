@@ -12,6 +12,9 @@ The core runs in the absorbed form: W_UK is folded into the query and W_UV appli
 every head attends to the one shared latent row [c; k_rot] (576 wide for GLM-5). ``cfg.mla_form="mha"``
 is the naive form instead (keys/values expanded per head, the selection as a mask over all keys): the
 same function, kept as a readable cross-check.
+
+When the mesh splits the sequence (context parallelism), select + attend + indexer KL run per sequence
+shard over the gathered latent rows and indexer keys instead (glm5_jax/context_attention.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from glm5_jax import context_attention, context_parallel
 from glm5_jax.kernel_sharding import logical_pmean, logical_shard_map
 from glm5_jax.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.rope import apply_rope, rope_cos_sin
@@ -121,6 +125,14 @@ class MLAttention(nn.Module):
         latent_BSC = latent_BSC.astype(dt)
         q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
 
+        n_shards = context_parallel.layout_shards(a_BTD.shape[1]) if cfg.mla_form == "absorbed" else 1
+        if cache is None and n_shards > 1:     # the sequence is split over shards (context parallelism)
+            o_lat, selection, indexer_kl = self._context_parallel(a_BTD, qr, positions_BT, segment_ids_BT,
+                                                                  prev_selection, q_abs, latent_BSC, n_shards)
+            o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
+            o = constrain(o, ("batch", "seq", "act_heads", None))
+            return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
+
         # ---- select
         selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
                                                        q_abs, latent_BSC, cache)
@@ -151,6 +163,30 @@ class MLAttention(nn.Module):
         # ---- project out
         o = constrain(o, ("batch", "seq", "act_heads", None))
         return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
+
+    def _context_parallel(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC,
+                          n_shards):
+        """Select + attend + indexer KL with the sequence split over ``n_shards`` (glm5_jax/context_attention.py)
+        -> (o_lat, selection, indexer KL or None)."""
+        cfg = self.cfg
+        full = self.indexer_kind == "full"
+        indexer_qkw = None
+        if full:   # detached inputs: the indexer learns only from its KL (see _select)
+            indexer_qkw = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
+                                                       positions_BT)
+            if cfg.attention_mode != "sparse" and cfg.indexer_loss == "none":
+                indexer_qkw = None                     # dense stage: the indexer's outputs are unused
+        with jax.named_scope("attention_core"):
+            o_lat, selection, kl_parts = context_attention.context_parallel_attention(
+                cfg, n_shards, q_abs, latent_BSC, positions_BT, segment_ids_BT, prev_selection, indexer_qkw,
+                select=full and cfg.attention_mode == "sparse",
+                sparse=cfg.attention_mode == "sparse" and self.indexer_kind != "none",
+                kl_stage=cfg.indexer_loss if indexer_qkw is not None else "none")
+        if full and cfg.attention_mode == "sparse":
+            selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
+        with jax.named_scope("indexer_kl"):
+            indexer_kl = None if kl_parts is None else indexer_kl_ops.mean_over_tokens(*kl_parts)
+        return o_lat, selection, indexer_kl
 
     def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache):
         """(selection, indexer KL or None, cache): this layer's top-k (full), the previous full layer's

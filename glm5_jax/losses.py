@@ -8,14 +8,21 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from glm5_jax import context_parallel
+
 
 def shifted_targets(tokens_BT, segment_ids_BT, k: int):
-    """Targets k steps ahead and where they are valid: same non-padding segment at t and t + k."""
+    """Targets k steps ahead and where they are valid: same non-padding segment at t and t + k.
+
+    In the sequence order the model's logits use: natural, or the context-parallel layout when the mesh
+    in context splits the sequence (`glm5_jax.context_parallel`; the shift itself runs in natural order).
+    """
     T = tokens_BT.shape[1]
     targets = jnp.pad(tokens_BT[:, k:], ((0, 0), (0, min(k, T))))
     later_segment = jnp.pad(segment_ids_BT[:, k:], ((0, 0), (0, min(k, T))))
     valid = (segment_ids_BT > 0) & (later_segment == segment_ids_BT)
-    return targets, valid
+    n = context_parallel.layout_shards(T)
+    return context_parallel.to_layout(targets, n), context_parallel.to_layout(valid, n)
 
 
 def cross_entropy(logits_BTV, targets_BT, valid_BT):

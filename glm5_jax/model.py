@@ -17,6 +17,11 @@ segments. Missing ``positions`` restart at 0 at each segment start. ``apply`` re
 * ``mtp_logits`` [depth, B, T, V] (depth k at position t predicts token t + k + 1) when ``with_mtp``
   and the model has an MTP module with ``mtp_depth`` > 0; None otherwise.
 
+Under a mesh that splits the logical "seq" axis (context parallelism, glm5_jax/context_parallel.py) the
+forward runs in the zig-zag sequence layout: inputs are permuted on entry (after MTP's shifts, which
+need natural order) and ``logits`` / ``mtp_logits`` come out in layout order, position t of the layout
+being token ``to_layout(arange(T))[t]``; `glm5_jax.losses` permutes its targets the same way.
+
 `decode` and `mtp_decode` (the same computation over a decode cache) return tuples, see their docstrings.
 """
 from __future__ import annotations
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from glm5_jax import context_parallel
 from glm5_jax.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
 from glm5_jax.layer_plan import LayerKind
 from glm5_jax.layer_stats import LayerStats, concatenate
@@ -129,15 +135,20 @@ class Transformer(nn.Module):
             segment_ids = jnp.ones((B, T), jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
-        logits, h, h_normed, stats, _ = self._main(tokens_BT, positions, segment_ids, None)
+        n = context_parallel.layout_shards(T)               # 1 unless the sequence is split over shards
+        layout = functools.partial(context_parallel.to_layout, n=n)
+        tokens_l, positions, segment_ids = (constrain(layout(x), ("batch", "seq"))
+                                            for x in (tokens_BT, positions, segment_ids))
+        logits, h, h_normed, stats, _ = self._main(tokens_l, positions, segment_ids, None)
         mtp_logits, mtp_stats = None, []
         if cfg.num_nextn_predict_layers:
             depth_stats, depth_logits = [], []
             if (with_mtp and cfg.mtp_depth > 0) or self.is_initializing():
                 h_prev = h_normed if cfg.mtp_use_normed_hidden else h
                 for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
+                    next_tokens = constrain(layout(shift_left(tokens_BT, depth)), ("batch", "seq"))
                     h_prev, h_mtp_normed, depth_stat, _ = self.mtp(
-                        h_prev, self.embed(shift_left(tokens_BT, depth)), positions, segment_ids)
+                        h_prev, self.embed(next_tokens), positions, segment_ids)
                     depth_logits.append(self.head(h_mtp_normed))
                     depth_stats.append(depth_stat)
             if depth_stats and cfg.mtp_depth > 0:

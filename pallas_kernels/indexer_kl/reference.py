@@ -21,6 +21,7 @@ per-head dots instead of keeping [B, T_chunk, k, H] of them.
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunking import merge_queries
 from pallas_kernels.indexer_kl.selected_scores import selected_index_scores
 from pallas_kernels.lightning_indexer.reference import index_scores
 from pallas_kernels.masking import visible_mask
@@ -83,6 +84,22 @@ def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
     slots when the caller already has them (the XLA sparse attention computes them from the same
     logits: `sparse_mla.reference.sparse_mla(..., with_target=True)`); q and kv are then unused.
     """
+    kl_BT, has_set_BT = indexer_kl_per_token(
+        q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
+        scale=scale, stage=stage, idx_BTK=idx_BTK, valid_BTK=valid_BTK, target_BTK=target_BTK, q_chunk=q_chunk)
+    return mean_over_tokens(kl_BT, has_set_BT)
+
+
+def mean_over_tokens(kl_BT, has_set_BT):
+    """The loss from per-token KL: mean over the query tokens that have a non-empty key set."""
+    return jnp.sum(kl_BT) / jnp.maximum(jnp.sum(has_set_BT.astype(jnp.float32)), 1.0)
+
+
+def indexer_kl_per_token(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
+                         q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, stage,
+                         idx_BTK=None, valid_BTK=None, target_BTK=None, q_chunk=128):
+    """(kl [B, T] fp32, has_set [B, T] bool) per query token (arguments as `indexer_kl_loss`): callers
+    that hold a share of the queries (a context-parallel shard) sum them across shards themselves."""
     if stage not in STAGES:
         raise ValueError(f"indexer_kl_loss: stage must be one of {STAGES}, got {stage!r}")
     if stage == "sparse" and (idx_BTK is None or valid_BTK is None):
@@ -116,9 +133,8 @@ def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
     if stage == "warmup":
         chunk_kl = jax.checkpoint(chunk_kl)
 
-    def step(totals, xs):  # totals = (sum of per-token KL, number of tokens with a non-empty set)
-        kl, has_set = chunk_kl(xs, index_k_BSD)
-        return totals + jnp.stack([jnp.sum(kl), jnp.sum(has_set).astype(jnp.float32)]), None
+    def step(carry, xs):
+        return carry, chunk_kl(xs, index_k_BSD)
 
-    totals, _ = jax.lax.scan(step, jnp.zeros(2, jnp.float32), tuple(split(x) for x in per_query))
-    return totals[0] / jnp.maximum(totals[1], 1.0)
+    _, (kl, has_set) = jax.lax.scan(step, None, tuple(split(x) for x in per_query))
+    return merge_queries(kl, T), merge_queries(has_set, T)
