@@ -1,7 +1,8 @@
 """Expert-parallel routed experts: a `shard_map` over the mesh in context.
 
-Tokens arrive sharded over the batch axes, experts over the mesh axis the logical "exp" axis maps to
-(mesh names come from the current logical-axis rules, never from model code). Per token shard:
+Tokens arrive sharded over the batch axes (and the sequence axes under context parallelism), experts
+over the mesh axis the logical "exp" axis maps to (mesh names come from the current logical-axis rules,
+never from model code). Per token shard:
 
     assignments (token, expert) -> rank within their expert -> capacity check -> transport to the expert's
     shard -> grouped SwiGLU over the local experts' received rows -> reverse transport -> [N, K, D]
@@ -154,11 +155,17 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     """Routed-expert outputs y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, K, D] fp32, dropped count).
 
     Must run under a mesh (`jax.set_mesh`) and Flax logical-axis rules; the mesh axes are those of the
-    logical "batch", "exp" and "mlp_moe" axes."""
+    logical "batch", "seq", "exp" and "mlp_moe" axes."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise ValueError(f"moe_ep={cfg.moe_ep!r} needs a mesh in context (jax.set_mesh) and logical axis rules")
+    # token shards: the batch axes, then the sequence axes (context parallelism): the [B, T] -> [N] flatten
+    # of tokens sharded that way is sharded over both, batch-major. Tokens are independent here, so any
+    # split is correct; one that does not divide N (a short decode step) keeps to the batch axes.
     batch = tuple(a for a in _mesh_axes("batch") if mesh.shape[a] > 1)
+    with_seq = batch + tuple(a for a in _mesh_axes("seq") if mesh.shape[a] > 1)
+    if expert_idx_NK.shape[0] % math.prod(mesh.shape[a] for a in with_seq) == 0:
+        batch = with_seq
     ep = _single(_mesh_axes("exp"), "exp")
     mlp = _single(_mesh_axes("mlp_moe"), "mlp_moe")
     ep = ep if ep and mesh.shape[ep] > 1 else None
