@@ -1,0 +1,70 @@
+"""GLM-5 (744B) context extension with DSA, 4K -> 32K -> 128K -> 200K, on 2048 v5p chips (v5p:8x16x16).
+
+The 4K stage is configs/glm5_744b.py. `get_config()` is the last stage, 202,752 tokens; the earlier
+stages are the same config with the overrides `STAGES` lists, e.g. the 32K stage:
+
+    python train.py --config=configs/glm5_744b_long.py --workdir=DIR_32K \
+        --set=data.seq_len=32768 --set=data.batch_size=256 --set=mesh.context=8 --set=mesh.fsdp=32 \
+        --set=train.steps=2000 --set=train.init_from=DIR_4K
+
+and each stage starts from the previous one with ``--set=train.init_from=<previous workdir>``.
+AOT check of the 200K step:
+
+    python train.py --config=configs/glm5_744b_long.py --compile_only --topology=v5p:8x16x16 --workdir=DIR
+
+Where the numbers come from:
+
+* stage lengths 4K, 32K, 128K, 200K: the GLM-5 report (arXiv:2602.15763) extends the context from 4K
+  to 200K in mid-training through these lengths; 200K is taken as ``max_position_embeddings`` = 202,752
+  of the released config.json (zai-org/GLM-5);
+* RoPE: ``rope_theta`` = 1e6 and no scaling in every stage, the released config.json's values (the
+  model is served at 202,752 tokens with them); the report names no per-stage RoPE change for us to copy;
+* global batch, steps, learning rate: our choice. Every stage keeps about 4K tokens per chip (3,168
+  at 200K) so activation memory stays that of the 4K run; tokens per step are 8.4M (32K, 128K) and
+  6.5M (200K);
+* mesh: our choice. ``context`` = T / 4096 sequence shards (the zig-zag layout, docs/training.md#context-
+  parallelism), ``expert`` = 8 as in the 4K run, ``tensor`` = 1 (the context-parallel attention runs all
+  heads per shard), ``fsdp`` takes the rest; weights are FSDP-sharded over fsdp x context = 256 chips in
+  every stage.
+"""
+import dataclasses
+
+from glm5_jax.data import DataConfig
+from glm5_jax.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.sharding import MeshConfig
+
+from configs.glm5_744b import model_config
+
+CHIPS = 2048
+EXPERT = 8
+# stage: (seq_len, global batch in sequences, context shards, steps)
+STAGES = {
+    "32k": (32768, 256, 8, 2000),
+    "128k": (131072, 64, 32, 1000),
+    "200k": (202752, 32, 64, 500),
+}
+
+
+def stage_config(name: str) -> ExperimentConfig:
+    seq_len, batch, context, steps = STAGES[name]
+    model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25,
+                                   attention_impl="pallas")
+    data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
+    train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0)
+    mesh = MeshConfig(data=1, fsdp=CHIPS // (context * EXPERT), context=context, expert=EXPERT, tensor=1)
+    return ExperimentConfig(model=model, data=data, train=train, mesh=mesh)
+
+
+def stage_overrides(name: str) -> list[str]:
+    """The ``--set`` items that turn `get_config()` into stage ``name``."""
+    final, cfg = get_config(), stage_config(name)
+    out = []
+    for group in ("data", "train", "mesh"):
+        a, b = getattr(final, group), getattr(cfg, group)
+        out += [f"{group}.{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b)
+                if getattr(a, f.name) != getattr(b, f.name)]
+    return out
+
+
+def get_config() -> ExperimentConfig:
+    return stage_config("200k")
