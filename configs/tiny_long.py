@@ -3,7 +3,7 @@ the second stage with the sequence split over 2 devices (context parallelism, zi
 
 `get_config()` is the second (long) stage; the first is the same config with the overrides below:
 
-    python train.py --config=configs/tiny_long.py --workdir=/tmp/tiny_long/256 --host_devices=2 \
+    python train.py --config=configs/tiny_long.py --workdir=/tmp/tiny_long/256 \
         --set=data.seq_len=256 --set=data.batch_size=8 --set=mesh.context=1 --set=train.steps=60
     python train.py --config=configs/tiny_long.py --workdir=/tmp/tiny_long/1024 --host_devices=2 \
         --set=train.init_from=/tmp/tiny_long/256

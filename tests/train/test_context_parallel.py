@@ -6,6 +6,9 @@ A few AdamW steps per DSA stage on one device and on meshes with context=4 and c
 T = 64 is eight times index_topk, so the top-k drops keys and picks them across shard boundaries, and
 the packed documents of every row straddle shard boundaries (chunks of 8 tokens at context=4).
 """
+import functools
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.context_parallel import from_layout, to_layout
 from glm5_jax.data import DataConfig
 from glm5_jax.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.hlo_collectives import collective_groups, spanned_axes
 from glm5_jax.sharding import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
 from glm5_jax.train_step import Trainer
 
@@ -39,41 +43,69 @@ def batch(seed):
     return {"tokens": tokens, "segment_ids": segments, "positions": np.repeat(positions[None], B, 0)}
 
 
-def train(stage, mesh_name, impl="xla", steps=4):
+@functools.lru_cache
+def initial_weights():
+    """Step-0 params and routing bias on the host: the same for every stage, impl and mesh (built once)."""
+    state = make_trainer("sparse", "context1", "xla").init_state(0)
+    return jax.device_get((state.params, state.moe_bias))
+
+
+def make_trainer(stage, mesh_name, impl, rows=B):
     mesh_cfg, n_devices = MESHES[mesh_name]
-    exp = ExperimentConfig(model=MODEL.replace(attention_impl=impl), data=DataConfig(batch_size=B, seq_len=T),
+    exp = ExperimentConfig(model=MODEL.replace(attention_impl=impl), data=DataConfig(batch_size=rows, seq_len=T),
                            train=TrainConfig(stage=stage, warmup_steps=1, learning_rate=1e-2, eps=1e-4),
                            mesh=mesh_cfg)
-    trainer = Trainer(exp, build_mesh(mesh_cfg, jax.devices()[:n_devices]))
-    state = trainer.init_state(0)
+    return Trainer(exp, build_mesh(mesh_cfg, jax.devices()[:n_devices]))
+
+
+@functools.lru_cache
+def train(stage, mesh_name, impl="xla", steps=4, rows=B):
+    """(per-step [loss, lm_loss, indexer_loss], final (params, routing bias)) on the host; ``rows`` of
+    each batch."""
+    trainer = make_trainer(stage, mesh_name, impl, rows)
+    params, moe_bias = initial_weights()
+    state = trainer.state_from_weights(jax.device_put(params, trainer.state_shardings.params),
+                                       jax.device_put(moe_bias, trainer.state_shardings.moe_bias), seed=0)
     losses = []
     for i in range(steps):
-        state, metrics = trainer.step(state, trainer.put_batch(batch(seed=i)))
+        state, metrics = trainer.step(state, trainer.put_batch({k: v[:rows] for k, v in batch(seed=i).items()}))
         losses.append([float(metrics[k]) for k in ("loss", "lm_loss")] + [float(metrics.get("indexer_loss", 0))])
     return np.array(losses), jax.device_get((state.params, state.moe_bias))
 
 
 def assert_same_training(got, want):
     (got_losses, got_state), (want_losses, want_state) = got, want
-    assert np.all(np.isfinite(want_losses)) and want_losses[-1, 0] != want_losses[0, 0]
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_state), jax.tree.leaves(want_state)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("stage", ["dense", "warmup", "sparse"])
-def test_context_parallel_training_equals_one_device(stage):
-    want = train(stage, "context1")
-    if stage != "dense":
-        assert want[0][-1, 2] > 0                       # the indexer KL is part of the comparison
-    for mesh_name in ("context4", "context2_fsdp2"):
-        assert_same_training(train(stage, mesh_name), want)
+def test_one_device_baseline_trains(stage):
+    """The single-device runs the context-parallel ones are compared with (cached for them): the step
+    moves the loss, and the indexer KL is in play outside the dense stage."""
+    losses, _ = train(stage, "context1")
+    assert np.all(np.isfinite(losses)) and losses[-1, 0] != losses[0, 0]
+    assert (losses[:, 2] > 0).all() if stage != "dense" else (losses[:, 2] == 0).all()
+
+
+@pytest.mark.parametrize("mesh_name", ["context4", "context2_fsdp2"])
+@pytest.mark.parametrize("stage", ["dense", "warmup", "sparse"])
+def test_context_parallel_training_equals_one_device(stage, mesh_name):
+    assert_same_training(train(stage, mesh_name), train(stage, "context1"))
+
+
+def test_one_device_pallas_baseline_trains():
+    """The Pallas kernels' single-device run (interpreted; batch rows 0-1, the padded one included, to
+    keep the interpreter short), cached for the next test."""
+    losses, _ = train("sparse", "context1", impl="pallas_interpret", steps=2, rows=2)
+    assert np.all(np.isfinite(losses)) and losses[-1, 0] != losses[0, 0] and (losses[:, 2] > 0).all()
 
 
 def test_context_parallel_pallas_kernels_equal_one_device():
     """The Pallas indexer and sparse-attention kernels (interpreted) per sequence shard."""
-    want = train("sparse", "context1", impl="pallas_interpret", steps=2)
-    assert_same_training(train("sparse", "context2", impl="pallas_interpret", steps=2), want)
+    want = train("sparse", "context1", impl="pallas_interpret", steps=2, rows=2)
+    assert_same_training(train("sparse", "context2", impl="pallas_interpret", steps=2, rows=2), want)
 
 
 def test_zigzag_layout():
@@ -93,3 +125,37 @@ def test_context_mesh_checks():
         check_mesh_fits_model({"data": 1, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1}, MODEL, B, 60)
     with pytest.raises(MeshError, match="fsdp\\*context=64 does not divide hidden_size=32"):
         check_mesh_fits_model({"data": 1, "fsdp": 4, "context": 16, "expert": 1, "tensor": 1}, MODEL, 4, 64)
+
+
+def test_only_compressed_keys_cross_the_context_axis():
+    """In the compiled sparse-stage step (one sequence per batch shard, expert-parallel MoE), every
+    collective over `context` that carries tokens outside the MoE router carries latent rows
+    (kv_lora_rank + qk_rope_head_dim), indexer keys (index_head_dim) or per-token scalars (positions,
+    segment ids, loss masks): never hidden states or per-head keys / values. (The router's top-k over
+    the flattened tokens is all-gathered by the partitioner, [B*T, n_routed_experts]: MoE, not attention.)"""
+    seq_len, batch = 80, 2                        # a length no weight dimension has
+    mesh_cfg = MeshConfig(data=1, fsdp=2, context=4)
+    model = MODEL.replace(q_lora_rank=40, moe_ep="a2a")   # per-token widths distinct from the keys' (24, 16)
+    exp = ExperimentConfig(model=model, data=DataConfig(batch_size=batch, seq_len=seq_len),
+                           train=TrainConfig(stage="sparse"), mesh=mesh_cfg)
+    mesh = build_mesh(mesh_cfg, jax.devices()[:8])
+    trainer = Trainer(exp, mesh)
+    spec = jax.ShapeDtypeStruct((batch, seq_len), np.int32, sharding=trainer.batch_sharding)
+    with trainer._context():
+        hlo = trainer._step.lower(trainer.abstract_state, {k: spec for k in ("tokens", "positions",
+                                                                              "segment_ids")}).compile().as_text()
+    collective = re.compile(r"= (.+?) (all-gather|all-gather-start|reduce-scatter|all-to-all|all-reduce|"
+                            r"all-reduce-start|collective-permute|collective-permute-start)\(")
+    widths = {}
+    for line in hlo.splitlines():
+        m = collective.search(line)
+        if (not m or "/moe/" in line
+                or "context" not in spanned_axes(collective_groups(line, 8), mesh.axis_names, mesh.devices.shape)):
+            continue
+        for dims in re.findall(r"\w+\[([0-9,]*)\]", m.group(1)):      # each result (combined ones are tuples)
+            dims = [int(d) for d in dims.split(",") if d]
+            if seq_len in dims:
+                widths.setdefault(int(np.prod(dims[dims.index(seq_len) + 1:])), []).append(m.group(2))
+    latent, index_key = model.kv_lora_rank + model.qk_rope_head_dim, model.index_head_dim
+    assert latent in widths and index_key in widths, widths     # the gathers happen, over `context`
+    assert set(widths) <= {latent, index_key, 1}, widths
