@@ -26,7 +26,8 @@ MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp", "expert")),   # activations: batch over every data-parallel axis
     ("seq", "context"),                      # context parallelism: the sequence over `context`
-    ("cache_seq", None),                     # decode cache slots (kv_cache.LAYER_AXES): one shard per row
+    ("cache_seq", "context"),                # decode cache slots (kv_cache.LAYER_AXES): split like the sequence
+                                             # on a context mesh (docs/long_context.md: how decode reads them)
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),
