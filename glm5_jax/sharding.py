@@ -35,10 +35,10 @@ DEFAULT_RULES = (
     ("embed", ("fsdp", "context")),          # parameters: FSDP over the model width
     ("vocab", "tensor"),
     ("heads", "tensor"),
-    # the lightning indexer's few small heads (GLM-5: 32 x 128) stay whole on every tensor shard: its score
-    # is a sum over heads, so splitting them costs a tensor all-reduce of [tokens, k] partial scores per
-    # query chunk (3.4 s of exposed communication per step in the 744B compile) to save a small projection
-    ("index_heads", None),
+    # split like the attention heads: keeping them whole per tensor shard removes the KL's all-reduce of
+    # partial scores over tensor, but doubles its [tokens, k, heads] HBM traffic per chip (744B compile:
+    # 33.1 vs 27.6 TB per step at the same estimated step time), and the overlap flags hide the all-reduce
+    ("index_heads", "tensor"),
     ("mlp", "tensor"),
     ("exp", "expert"),
     ("mlp_moe", "tensor"),
