@@ -14,9 +14,10 @@ AOT check of the 200K step:
 
 Where the numbers come from:
 
-* stage lengths 4K, 32K, 128K, 200K: the GLM-5 report (arXiv:2602.15763) extends the context from 4K
-  to 200K in mid-training through these lengths; 200K is taken as ``max_position_embeddings`` = 202,752
-  of the released config.json (zai-org/GLM-5);
+* stage lengths: the GLM-5 report (arXiv:2602.15763) grows the context from 4K to 200K in mid-training;
+  the intermediate 32K and 128K stages are our choice (the report's summaries name no intermediate
+  lengths); 200K is taken as ``max_position_embeddings`` = 202,752 of the released config.json
+  (zai-org/GLM-5);
 * RoPE: ``rope_theta`` = 1e6 and no scaling in every stage, the released config.json's values (the
   model is served at 202,752 tokens with them); the report names no per-stage RoPE change for us to copy;
 * global batch, steps, learning rate: our choice. Every stage keeps about 4K tokens per chip (3,168
