@@ -43,7 +43,7 @@ def compile_only(tmp_path, overrides):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.load(open(tmp_path / "compile_report.json"))
     assert report["topology"] == "v5p:2x2x1" and report["num_devices"] == 4
-    assert report["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert report["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 1}
     assert report["moe_ep"] == "a2a" and report["remat_policy"] == "full"
     assert report["hbm_bytes_per_device"] == 95 * 10**9
     return report
