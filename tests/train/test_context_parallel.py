@@ -13,19 +13,14 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.config import ModelConfig
 from glm5_jax.context_parallel import from_layout, to_layout
 from glm5_jax.data import DataConfig
 from glm5_jax.experiment import ExperimentConfig, TrainConfig
 from glm5_jax.hlo_collectives import collective_groups, spanned_axes
 from glm5_jax.sharding import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
 from glm5_jax.train_step import Trainer
+from tests.train.test_train_step import MODEL   # the same tiny GLM-5 as the single-device train-step tests
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1,
-                    intermediate_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=16,
-                    index_topk=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    num_nextn_predict_layers=1, mtp_depth=1, initializer_range=0.1, remat_policy="none")
 B, T = 8, 64
 MESHES = {"context1": (MeshConfig(data=1, fsdp=1), 1),
           "context4": (MeshConfig(data=1, fsdp=1, context=4), 4),
