@@ -15,6 +15,7 @@ allocates for the program: weights, optimizer state, cache, activations), and ``
 
     python bench/long_context.py --out=bench/results/long_context.json            # T = 4K..32K
     python bench/long_context.py --train_t=4096,8192,16384,32768,65536 --prefill_t=16384,32768,65536
+    python bench/long_context.py --train_t=4096,8192,16384,32768,65536 --dense_max_t=32768   # DSA alone at 64K
     python bench/long_context.py --quick --out=/tmp/long_context.json              # smoke run (minutes)
 
 Timings on a shared machine are a smoke check only; compare sides within one run.
@@ -151,6 +152,8 @@ def main():
     p.add_argument("--prefill_t", default=None, help="comma-separated prompt lengths (default 16K, 32K)")
     p.add_argument("--chunk", type=int, default=None, help="prefill_chunk of the chunked side (default 4096)")
     p.add_argument("--stages", default="sparse,dense")
+    p.add_argument("--dense_max_t", type=int, default=None,
+                   help="skip dense-stage train points above this T (dense attention is quadratic in T on CPU)")
     p.add_argument("--reps", type=int, default=3, help="timed calls per point (median reported)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per point before it is abandoned")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -176,6 +179,9 @@ def main():
     print(f"overrides: {' '.join(overrides)}; {os.cpu_count()} CPUs; median of {args.reps}", flush=True)
     rows = []
     for spec in specs:
+        if spec["kind"] == "train" and spec["stage"] == "dense" and args.dense_max_t and spec["T"] > args.dense_max_t:
+            rows.append(dict(spec, error=f"not run (--dense_max_t={args.dense_max_t})"))
+            continue
         t0 = time.perf_counter()
         rows.append(run_point(spec, args.timeout))
         print(f"{spec}: {time.perf_counter() - t0:.0f} s wall -> {rows[-1]}", flush=True)

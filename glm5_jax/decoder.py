@@ -16,6 +16,7 @@ from glm5_jax.layer_plan import LayerKind, plan_segments
 from glm5_jax.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
 from glm5_jax.moe import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
+from glm5_jax.moe_experts import EXPERT_SAVED_NAMES
 
 _cp = jax.checkpoint_policies
 # The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
@@ -46,6 +47,10 @@ REMAT_POLICIES = {
     "dots_attention_saveable": _cp.save_from_both_policies(
         _cp.dots_with_no_batch_dims_saveable,
         _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES)),
+    # "full" except the selection and the routed experts' gate / up products (moe_experts.EXPERT_SAVED_NAMES,
+    # 2 x [rows, F] fp32 per MoE layer): the backward reruns only the experts' down product, so the routed
+    # experts cost 10/3 of a forward instead of 4 (a2a, routing and everything else are still recomputed)
+    "experts_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *EXPERT_SAVED_NAMES),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _offload_dots_keeping_selection,
 }

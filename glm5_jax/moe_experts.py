@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.grouped_matmul.ops import grouped_matmul
 
 KERNEL_IMPLS = ("gmm", "gmm_interpret")   # Pallas calls: must run per shard on a multi-device mesh
+# the gate and up products of `swiglu_rows` ([M, F] fp32 each), named for remat policies: a policy that keeps
+# them (decoder.REMAT_POLICIES "experts_saveable") reruns only the down product of the experts' forward
+EXPERT_SAVED_NAMES = ("moe_gate_out", "moe_up_out")
 
 
 def sort_by_expert(expert_idx_NK, n_experts):
@@ -28,7 +32,8 @@ def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, im
     def gmm(lhs, rhs):
         return grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes_E, impl=impl)
 
-    h = (jax.nn.silu(gmm(x_MD, w_gate_EDF)) * gmm(x_MD, w_up_EDF)).astype(dtype)
+    gate, up = (checkpoint_name(gmm(x_MD, w), name) for w, name in zip((w_gate_EDF, w_up_EDF), EXPERT_SAVED_NAMES))
+    h = (jax.nn.silu(gate) * up).astype(dtype)
     return gmm(h, w_down_EFD)
 
 
