@@ -42,7 +42,7 @@ import numpy as np
 from glm5_jax.flops import train_flops_by_category, train_flops_per_token
 from glm5_jax.hlo_cost import StepTiming, hlo_cost
 from glm5_jax.ici import CollectiveModel, collective_table, torus_dims
-from glm5_jax.step_categories import CATEGORIES, categorize
+from glm5_jax.step_categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
 from glm5_jax.sharding import build_mesh, check_mesh_fits_model
 from glm5_jax.train_step import Trainer
 
@@ -175,6 +175,7 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
         "hlo_loop_trip_counts": [t for _, t in hlo.loops],
         "uncounted_custom_calls": hlo.uncounted_custom_calls,
         "breakdown": breakdown(hlo, by_cat, tokens, n),
+        "routed_expert_passes": expert_passes(hlo_text, by_cat["routed_experts"] * tokens / n, len(devices)),
         "communication": {
             "model": "glm5_jax.ici (v5p 3D torus, 100 GB/s per link per direction)" if comm_model else None,
             "bytes_per_chip": sum(r["bytes_per_chip"] for r in comm_rows),
@@ -235,6 +236,19 @@ def breakdown(hlo, model_per_token: dict, tokens: int, n: int) -> dict:
     return out
 
 
+def expert_passes(hlo_text: str, model_flops: float, n: int) -> dict:
+    """The routed experts' HLO FLOPs per chip by pass (step_categories.expert_pass) next to the model's:
+    a third of the category's model FLOPs each for the forward, input and weight gradients, none for
+    the remat recompute."""
+    hlo = hlo_cost(hlo_text, categorize=expert_pass, num_partitions=n)
+    out = {}
+    for p in EXPERT_PASSES:
+        flops = hlo.by_category["flops"].get(p, 0.0) + hlo.by_category["kernel_flops"].get(p, 0.0)
+        model = 0.0 if p == "remat" else model_flops / 3
+        out[p] = {"hlo_flops": flops, "model_flops": model, "hlo_per_model_flop": flops / model if model else None}
+    return out
+
+
 def optimizer_state_bytes(trainer: Trainer, mesh) -> dict:
     """Bytes per chip of the params and of the optimizer state (from each leaf's sharding), and the mesh
     axes the optimizer state is split over, with the share of its bytes split over each."""
@@ -290,6 +304,11 @@ def markdown_tables(report: dict, top_collectives: int = 12) -> str:
     lines.append(f"| **total** | {report['hlo_flops']:.3g} | {report['kernel_flops']:.3g} | "
                  f"{report['model_flops_per_step'] / n:.3g} (w/o MTP) | {report['flops_per_model_flop']:.2f}x | "
                  f"{report['bytes_accessed'] / 1e9:.1f} |")
+    if "routed_expert_passes" in report:
+        lines += ["", "| routed experts, pass | HLO FLOPs / chip | model FLOPs / chip | HLO / model |", "|---|---|---|---|"]
+        for p, c in report["routed_expert_passes"].items():
+            ratio = "-" if c["hlo_per_model_flop"] is None else f"{c['hlo_per_model_flop']:.2f}x"
+            lines.append(f"| {p} | {c['hlo_flops']:.3g} | {c['model_flops']:.3g} | {ratio} |")
     lines += ["", "| collective | mesh axes | category | async | per step | GB / chip | seconds |",
               "|---|---|---|---|---|---|---|"]
     for r in report["communication"]["collectives"][:top_collectives]:

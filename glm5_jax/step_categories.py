@@ -6,13 +6,11 @@ Flax method scopes (`attention._select`), jitted functions (`jit(take_along_axis
 subscripts (`btd,dq->btq`). The rules below read those; an einsum one of whose terms has no batch
 axis `b` multiplies by a weight (forward) or makes a weight gradient (backward).
 
-The indexer KL loss has no module or method scope of its own: it runs inside `Attention.__call__` after
-the attention core, so it is recognised as the attention layer's own loops and gathers (`closed_call`,
-`while`, `cond`, `vmap()` right under `attention/`). That guess is wrong for the dense-stage core
-(`sparse_mla_ops.dense_mla`, `naive_attention`), which is also called straight from `__call__`. Two
-`jax.named_scope`s in glm5_jax/attention.py would make both exact (the rules already honour the names):
-"indexer_kl" around `indexer_kl_fn(target)` and "attention_core" around the `naive_attention` /
-`_sparse_core` / `dense_mla` calls.
+The attention layer names its parts with `jax.named_scope` (glm5_jax/attention.py, and
+glm5_jax/context_attention.py inside its per-shard `shard_map`): "lightning_indexer" (scores + top-k),
+"attention_core" and "indexer_kl". Steps traced before those scopes existed are still recognised by the
+attention layer's own loops and gathers right under `attention/` (`closed_call`, `while`, `cond`,
+`vmap()`: the KL) and by method scopes (`_select`, `_sparse_core`, ...).
 """
 from __future__ import annotations
 
@@ -80,3 +78,24 @@ def categorize(op_name: str) -> str:
     if op_name.startswith("jit(") and "/" in op_name:
         return "optimizer"            # after the gradient: clipping, AdamW, routing-bias update
     return "other"
+
+
+EXPERT_PASSES = ("forward", "remat", "input_grad", "weight_grad")
+
+
+def expert_pass(op_name: str) -> str:
+    """Which pass of the train step a routed-expert instruction belongs to, else "not_experts".
+
+    forward: the forward pass (`jvp(...)`); remat: the forward rerun inside the backward pass
+    (`rematted_computation`, what the remat policy did not save); weight_grad: the weight gradients (the
+    grouped matmul's `tgmm` kernel, or the TPU compiler's masked-dense expansion of ragged_dot's);
+    input_grad: the rest of the backward pass (input gradients of the expert products, the router's
+    gradients)."""
+    if categorize(op_name) != "routed_experts":
+        return "not_experts"
+    if op_name.startswith(HLO_COMPUTATION_PREFIX) or "tgmm" in op_name:
+        return "weight_grad"
+    if "rematted_computation" in op_name:
+        return "remat"
+    return "input_grad" if "transpose(" in op_name else "forward"
+

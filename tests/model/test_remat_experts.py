@@ -3,13 +3,18 @@ reruns only their down product; "full" reruns all three. Counted on the differen
 matmuls (`ragged_dot_general`: the CPU lowering of every expert product and of both its gradients)."""
 import collections
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.core import meta
 
 from glm5_jax import Transformer
+from glm5_jax.decoder import REMAT_POLICIES
 from glm5_jax.layer_plan import plan_segments
+from glm5_jax.moe import MoE
+from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh
 from tests.model.test_model_properties import TINY, tokens
+from tests.model.test_moe_ep import CFG as EP_CFG
 
 
 def _primitive_counts(jaxpr, counts):
@@ -45,3 +50,28 @@ def test_experts_saveable_reruns_only_the_down_product():
     # "full" reruns gate, up and down in the backward; "experts_saveable" only the down product
     assert counts["full"] - counts["none"] == 3 * moe_bodies
     assert counts["experts_saveable"] - counts["none"] == moe_bodies
+
+
+def test_experts_saveable_reaches_into_the_expert_parallel_shard_map():
+    """With all_to_all expert parallelism the experts run inside a `shard_map`; the policy still saves their
+    gate / up products there (one MoE layer under `jax.checkpoint`, expert=4 fake devices)."""
+    cfg = EP_CFG.replace(moe_ep="a2a")
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 16, cfg.hidden_size), jnp.float32)
+    mask = jnp.ones((8, 16), bool)
+    variables = meta.unbox(MoE(EP_CFG).init(jax.random.PRNGKey(0), x, mask))
+    mesh = build_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), jax.devices()[:8])
+
+    def count(policy):
+        def loss(params):
+            out, _ = MoE(cfg).apply({**variables, "params": params}, x, mask)
+            return jnp.sum(out ** 2)
+
+        rematted = loss if policy is None else jax.checkpoint(loss, policy=REMAT_POLICIES[policy])
+        with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+            jaxpr = jax.make_jaxpr(jax.grad(rematted))(variables["params"]).jaxpr
+        return _primitive_counts(jaxpr, collections.Counter())["ragged_dot_general"]
+
+    none, full, saveable = count(None), count("full"), count("experts_saveable")
+    # the policy-free count holds the forward's three products and the backward's gradient products; a
+    # rematerialised product adds one more
+    assert full == none + 3 and saveable == none + 1

@@ -132,6 +132,14 @@ def check_hand_counted_parts(report, hlo_path):
     u, router = 2 * (tokens * K * 5 // 4) * D * F, 2 * tokens * D * 8
     assert breakdown["routed_experts"]["kernel_flops"] == 21 * u
     assert breakdown["routed_experts"]["hlo_flops"] == 21 * u + 9 * E * u + 8 * router
+    # the same split by pass: segment_1's 6 products and 2 router matmuls recomputed, every weight gradient
+    # (9 masked convolutions), the router's two gradients per layer in "input_grad". XLA's TPU lowering of
+    # ragged_dot gives its input-gradient kernels op_names without the transpose, so on this path the 15
+    # forward + input-gradient ragged dots all read as "forward" (the megablox kernels, the TPU default, carry
+    # exact names: tests/train/test_step_categories.py)
+    passes = {p: c["hlo_flops"] for p, c in report["routed_expert_passes"].items()}
+    assert passes == {"forward": 15 * u + 2 * router, "remat": 6 * u + 2 * router, "input_grad": 4 * router,
+                      "weight_grad": 9 * E * u}
     # one projection, o_proj [H, v, D]: 3 (segment_0) + 2 x 4 (segment_1) + 3 (MTP) matmuls
     o_proj = ("bthv,hvd->btd", "hvbt,btd->hvd")
     with gzip.open(hlo_path, "rt") as f:

@@ -7,7 +7,7 @@ import pytest
 from glm5_jax.experiment import apply_overrides, load_config_file
 from glm5_jax.flops import train_flops_by_category, train_flops_per_token
 from glm5_jax.hlo_cost import HLO_COMPUTATION_PREFIX
-from glm5_jax.step_categories import CATEGORIES, categorize
+from glm5_jax.step_categories import CATEGORIES, categorize, expert_pass
 from tests.train.test_compile_report import SMALL
 from tests.train.test_train_cli import ROOT
 
@@ -45,6 +45,24 @@ BWD = STEP + "transpose(jvp(Transformer))/Transformer._main/decoder/checkpoint/s
 ])
 def test_categorize(op_name, category):
     assert categorize(op_name) == category
+
+
+MOE = "Transformer._main/decoder/while/body/closed_call/checkpoint/segment_1/layer_0/moe/shard_map/cond/branch_0_fun/"
+
+
+@pytest.mark.parametrize("op_name, expert_pass_name", [   # kernel op_names of a 744B step compiled for v5p
+    (STEP + "jvp(Transformer)/" + MOE.replace("checkpoint/", "") + "jit(gmm)/pallas_call", "forward"),
+    (STEP + "transpose(jvp(Transformer))/" + MOE.replace("checkpoint/", "checkpoint/rematted_computation/")
+     + "jit(gmm)/pallas_call", "remat"),
+    (STEP + "transpose(jvp(Transformer))/" + MOE + "jit(gmm)/pallas_call", "input_grad"),
+    (STEP + "transpose(jvp(Transformer))/" + MOE + "jit(tgmm)/pallas_call", "weight_grad"),
+    (STEP + "transpose(jvp(Transformer))/mtp/block/moe/shard_map/cond/branch_0_fun/jit(tgmm)/pallas_call", "not_experts"),
+    (HLO_COMPUTATION_PREFIX + "convolution_select_fusion.3", "weight_grad"),       # ragged_dot's TPU expansion
+    (FWD + "moe/shared_expert/btd,df->btf/dot_general", "not_experts"),
+    (FWD + "attention/indexer_kl/btkd,bthd->btkh/dot_general", "not_experts"),
+])
+def test_expert_pass(op_name, expert_pass_name):
+    assert expert_pass(op_name) == expert_pass_name
 
 
 def test_model_flops_by_category_add_up_to_the_step_count():
