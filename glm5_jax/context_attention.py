@@ -50,33 +50,39 @@ def context_parallel_attention(cfg, n_shards, q_abs_BTHC, latent_BTC, positions_
     names = sorted(args)
     R = cfg.kv_lora_rank
 
+    def _core(q, kv, idx, valid, q_pos, kv_pos, q_seg, kv_seg):
+        """(o, KL target or None): top-k attention when ``sparse``, else every visible key."""
+        if sparse:
+            with_target = kl_stage == "sparse"
+            results = sparse_mla_ops.sparse_mla(q, kv, idx, valid, scale=cfg.softmax_scale, v_dim=R,
+                                                impl=cfg.attention_impl, training_rows=False,
+                                                with_target=with_target)
+            return results[0], (results[2] if with_target else None)
+        visible = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
+        o, _ = sparse_mla_ops.dense_mla(q, kv, visible, scale=cfg.softmax_scale, v_dim=R,
+                                        q_chunk=cfg.attention_q_chunk)
+        return o, None
+
     def per_shard(*values):
         a = dict(zip(names, values))
         kv, kv_pos, kv_seg = (gather_sequence(a[x], n_shards) for x in ("kv", "pos", "seg"))
         ik = gather_sequence(a["ik"], n_shards) if "ik" in a else None
         idx, valid = a["idx"], a["valid"]
         if select:
-            idx, valid = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
-                                                  topk=cfg.index_topk, impl=cfg.attention_impl)
-        target = None
-        if sparse:
-            with_target = kl_stage == "sparse"
-            results = sparse_mla_ops.sparse_mla(a["q"], kv, idx, valid, scale=cfg.softmax_scale, v_dim=R,
-                                                impl=cfg.attention_impl, training_rows=False,
-                                                with_target=with_target)
-            o, target = results[0], (results[2] if with_target else None)
-        else:
-            visible = visible_mask(a["pos"], kv_pos, a["seg"], kv_seg)
-            o, _ = sparse_mla_ops.dense_mla(a["q"], kv, visible, scale=cfg.softmax_scale, v_dim=R,
-                                            q_chunk=cfg.attention_q_chunk)
+            with jax.named_scope("lightning_indexer"):      # scope names: glm5_jax.step_categories
+                idx, valid = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                                                      topk=cfg.index_topk, impl=cfg.attention_impl)
+        with jax.named_scope("attention_core"):
+            o, target = _core(a["q"], kv, idx, valid, a["pos"], kv_pos, a["seg"], kv_seg)
         if kl_stage == "none":
             kl, has_set = jnp.zeros(a["pos"].shape, jnp.float32), jnp.zeros(a["pos"].shape, bool)
         else:
             sg = jax.lax.stop_gradient
             picked = dict(idx_BTK=idx, valid_BTK=valid, target_BTK=target) if kl_stage == "sparse" else {}
-            kl, has_set = indexer_kl_ops.indexer_kl_per_token(
-                sg(a["q"]), sg(kv), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
-                scale=cfg.softmax_scale, stage=kl_stage, **picked)
+            with jax.named_scope("indexer_kl"):
+                kl, has_set = indexer_kl_ops.indexer_kl_per_token(
+                    sg(a["q"]), sg(kv), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                    scale=cfg.softmax_scale, stage=kl_stage, **picked)
         return o, idx, valid, kl, has_set
 
     out_axes = (_AXES["q"], _AXES["idx"], _AXES["valid"], _BT, _BT)

@@ -17,7 +17,9 @@ from glm5_jax.context_parallel import from_layout, to_layout
 from glm5_jax.data import DataConfig
 from glm5_jax.experiment import ExperimentConfig, TrainConfig
 from glm5_jax.hlo_collectives import collective_groups, spanned_axes
+from glm5_jax.hlo_cost import hlo_cost
 from glm5_jax.sharding import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
+from glm5_jax.step_categories import categorize
 from glm5_jax.train_step import Trainer
 from tests.train.test_train_step import MODEL   # the same tiny GLM-5 as the single-device train-step tests
 
@@ -154,3 +156,8 @@ def test_only_compressed_keys_cross_the_context_axis():
     latent, index_key = model.kv_lora_rank + model.qk_rope_head_dim, model.index_head_dim
     assert latent in widths and index_key in widths, widths     # the gathers happen, over `context`
     assert set(widths) <= {latent, index_key, 1}, widths
+    # the per-shard attention names its parts (jax.named_scope), so the step's cost lands in the indexer
+    # top-k, attention core and indexer KL categories of the compile report, not all in one (bytes: XLA:CPU
+    # turns these small einsums into multiply-reduce fusions, which carry no matmul FLOPs)
+    traffic = hlo_cost(hlo, categorize).by_category["bytes"]
+    assert all(traffic.get(part, 0) > 0 for part in ("attention_core", "indexer_topk", "indexer_kl")), traffic
