@@ -1,7 +1,9 @@
 """Model FLOPs per token and the device's measured matmul peak, for MFU (model FLOPs utilisation).
 
 Training FLOPs per token = 6 x (matmul parameters one token uses) + 3 x forward attention FLOPs over
-the keys it actually attends (DSA: min(k, visible); dense: all visible keys), indexer included. The
+the keys it actually attends (DSA: min(k, visible); dense: all visible keys) + the indexer: its scores
+over every visible key (forward only) and 2 x the forward of the keys its KL loss covers (sparse stage:
+the selected min(k, visible); otherwise every visible key). The
 embedding lookup is not a matmul and is excluded; the LM head is included.
 """
 from __future__ import annotations
@@ -27,12 +29,18 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -
     H, L = cfg.num_attention_heads, cfg.num_hidden_layers
     attended = mean_visible_keys(seq_len, cfg.index_topk if (sparse and cfg.use_indexer) else None)
     attention_fwd = 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * attended * L
-    indexer_fwd = 0.0
+    scores_fwd = kl_fwd = 0.0
     if cfg.use_indexer:
-        n_full = sum(t == "full" for t in cfg.layer_indexer_types)
-        indexer_fwd = 2 * cfg.index_n_heads * cfg.index_head_dim * mean_visible_keys(seq_len, None) * n_full
-    return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attention_fwd, "indexer": 3.0 * indexer_fwd,
-            "total": 6.0 * matmul_params + 3.0 * (attention_fwd + indexer_fwd)}
+        # the indexer scores every visible key for the top-k (no gradient); its KL loss trains it on the
+        # keys it is scored against: the selected min(k, visible) in the sparse stage, every visible key
+        # in the warm-up (DeepSeek-V3.2 report, section 2.1), backward = 2 x that forward
+        per_key = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.layer_indexer_types)
+        scores_fwd = per_key * mean_visible_keys(seq_len, None)
+        kl_fwd = per_key * mean_visible_keys(seq_len, cfg.index_topk if sparse else None)
+    indexer = scores_fwd + 2.0 * kl_fwd
+    return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attention_fwd, "indexer": indexer,
+            "indexer_scores": scores_fwd, "indexer_kl": 2.0 * kl_fwd,
+            "total": 6.0 * matmul_params + 3.0 * attention_fwd + indexer}
 
 
 def _param_category(names: list[str]) -> str | None:
@@ -56,8 +64,8 @@ def _param_category(names: list[str]) -> str | None:
 def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
     """`train_flops_per_token` split like the compiled step's attribution (glm5_jax.step_categories):
     6 x the matmul parameters of each part one token uses (routed experts: K of E, plus the router),
-    attention core 3 x its forward, the indexer's 3 x forward as 1 x for the scores behind the top-k
-    (no gradient) and 2 x for the KL loss that trains it. "mtp" (per application x mtp_depth: its block, one
+    attention core 3 x its forward, the indexer's scores behind the top-k (forward, no gradient) and its
+    KL loss's gradient (2 x the forward over the keys the loss covers). "mtp" (per application x mtp_depth: its block, one
     layer of attention and indexer) and the MTP's second use of the shared LM head (in "lm_head_loss",
     where the compiled head's FLOPs land too) are not part of `train_flops_per_token`'s total; without
     them the categories sum to that total up to the norm weights it counts."""
@@ -81,8 +89,8 @@ def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None)
     per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params)
     L = cfg.num_hidden_layers
     out["attention_core"] = per_token["attention"]
-    out["indexer_topk"] = per_token["indexer"] / 3
-    out["indexer_kl"] = 2 * per_token["indexer"] / 3
+    out["indexer_topk"] = per_token["indexer_scores"]
+    out["indexer_kl"] = per_token["indexer_kl"]
     n_full = sum(t == "full" for t in cfg.layer_indexer_types) if cfg.use_indexer else 0
     out["mtp"] = cfg.mtp_depth * (out["mtp"] + per_token["attention"] / L
                                   + (per_token["indexer"] / n_full if n_full else 0.0))
