@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -82,12 +83,7 @@ def evaluate(cfg, variables, prompts, answers):
 def lm_eval_batches(exp, workdir, n):
     """The first ``n`` held-out batches of the run's own pipeline (its tokenizer lives in ``workdir``)."""
     pipeline = build_data_pipeline(exp.data, workdir, show_progress=False)
-    batches = []
-    for i, batch in enumerate(pipeline.eval_dataset()):
-        if i >= n:
-            break
-        batches.append({k: jnp.asarray(v) for k, v in batch.items()})
-    return batches
+    return [{k: jnp.asarray(v) for k, v in batch.items()} for batch in itertools.islice(pipeline.eval_dataset(), n)]
 
 
 def lm_evaluate(exp, cfg, variables, batches):
