@@ -7,7 +7,8 @@ and MFU.
     python bench/mesh_sweep.py --config=configs/glm5_744b.py --topology=v5p:8x16x16 \\
         --out=bench/results/mesh_sweep.json [--jobs=2] [--only=baseline,remat_offload_dots]
 
---topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096). Each point is a separate
+--topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096). Every point compiles the TPU
+path (model.attention_impl=pallas). Each point is a separate
 process (at most --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one
 core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
 model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
@@ -34,31 +35,42 @@ MEASURING = {"hlo_cost.py", "hlo_collectives.py", "ici.py", "step_categories.py"
 
 
 def _mesh(fsdp: int, expert: int, tensor: int) -> list[str]:
-    return [f"mesh.fsdp={fsdp}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", "mesh.data=1"]
+    # every point compiles the TPU path (the Pallas DSA kernels; the config file's default is the XLA form)
+    return [f"mesh.fsdp={fsdp}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", "mesh.data=1",
+            "model.attention_impl=pallas"]
 
+
+# 128 chips: 744B parameters with float32 weights, float32 Adam moments and float32 gradients are 12 TB,
+# the whole pod's HBM (128 x 95 GB); the points that can fit keep the weights (and so the gradients) and
+# Adam's first moment in bfloat16 (6 TB of state, 1.5 TB of gradients). The batch is 4x smaller (256 x 4096).
+_SMALL = ["data.batch_size=256"]
+_BF16_STATE = _SMALL + ["model.param_dtype=bfloat16", "train.mu_dtype=bfloat16"]
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
     "v5p:8x16x16": {          # 2048 chips, the config's 1024 x 4096 batch
         "baseline": _mesh(128, 8, 2),
-        "fsdp64_ep8_tp4": _mesh(64, 8, 4),
+        "remat_selection_saveable": _mesh(128, 8, 2) + ["model.remat_policy=selection_saveable"],
         "fsdp64_ep16_tp2": _mesh(64, 16, 2),
+        "fsdp64_ep8_tp4": _mesh(64, 8, 4),
         "fsdp32_ep16_tp4": _mesh(32, 16, 4),
-        "remat_dots_attention_saveable": _mesh(128, 8, 2) + ["model.remat_policy=dots_attention_saveable"],
-        "remat_offload_dots": _mesh(128, 8, 2) + ["model.remat_policy=offload_dots"],
         "ragged_a2a": _mesh(128, 8, 2) + ["model.moe_ep=ragged_a2a"],
+        "remat_offload_dots": _mesh(128, 8, 2) + ["model.remat_policy=offload_dots"],
         "grad_accum2": _mesh(64, 8, 4) + ["train.grad_accum=2"],
+        "remat_dots_attention_saveable": _mesh(128, 8, 2) + ["model.remat_policy=dots_attention_saveable"],
     },
     "v5p:4x4x8": {            # 128 chips, 256 x 4096
-        "baseline": _mesh(16, 8, 1) + ["data.batch_size=256"],
-        "fsdp8_ep8_tp2": _mesh(8, 8, 2) + ["data.batch_size=256"],
-        "fsdp32_ep4_tp1": _mesh(32, 4, 1) + ["data.batch_size=256"],
-        "fsdp16_ep4_tp2": _mesh(16, 4, 2) + ["data.batch_size=256"],
-        "remat_dots_attention_saveable": _mesh(16, 8, 1) + ["data.batch_size=256",
-                                                             "model.remat_policy=dots_attention_saveable"],
-        "remat_offload_dots": _mesh(16, 8, 1) + ["data.batch_size=256", "model.remat_policy=offload_dots"],
-        "ragged_a2a": _mesh(16, 8, 1) + ["data.batch_size=256", "model.moe_ep=ragged_a2a"],
-        "grad_accum2": _mesh(8, 8, 2) + ["data.batch_size=256", "train.grad_accum=2"],
+        "bf16_fsdp8_ep8_tp2_accum4": _mesh(8, 8, 2) + _BF16_STATE + ["train.grad_accum=4"],
+        "bf16_fsdp16_ep8_tp1_accum2": _mesh(16, 8, 1) + _BF16_STATE + ["train.grad_accum=2"],
+        "fp32_fsdp8_ep8_tp2_accum4": _mesh(8, 8, 2) + _SMALL + ["train.grad_accum=4"],
+        "bf16_fsdp32_ep4_tp1_accum2": _mesh(32, 4, 1) + _BF16_STATE + ["train.grad_accum=2"],
+        "bf16_fsdp8_ep8_tp2_accum4_selection": _mesh(8, 8, 2) + _BF16_STATE + [
+            "train.grad_accum=4", "model.remat_policy=selection_saveable"],
+        "bf16_fsdp8_ep8_tp2_accum4_ragged": _mesh(8, 8, 2) + _BF16_STATE + [
+            "train.grad_accum=4", "model.moe_ep=ragged_a2a"],
+        "bf16_fsdp8_ep8_tp2_accum2": _mesh(8, 8, 2) + _BF16_STATE + ["train.grad_accum=2"],
+        "bf16_fsdp8_ep8_tp2_accum4_offload": _mesh(8, 8, 2) + _BF16_STATE + [
+            "train.grad_accum=4", "model.remat_policy=offload_dots"],
     },
 }
 

@@ -22,8 +22,8 @@ MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.layers.einsum
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
-RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_attention_saveable",
-                      "experts_saveable", "offload_dots"]
+RematPolicy = Literal["none", "full", "selection_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                      "dots_attention_saveable", "experts_saveable", "offload_dots"]
 
 DTYPES = typing.get_args(Dtype)
 ATTENTION_IMPLS = typing.get_args(AttentionImpl)

@@ -37,6 +37,9 @@ def _offload_dots_keeping_selection(prim, *avals, **params):
 
 REMAT_POLICIES = {
     "full": None,   # save nothing, recompute the layer in the backward pass
+    # "full" except the DSA selection (int32 indices + mask, [B, T, k] per full layer): the backward does
+    # not rerun the lightning indexer's scores and top-k, everything else is recomputed
+    "selection_saveable": _keep_selection,
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),

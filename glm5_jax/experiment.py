@@ -44,6 +44,9 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8                      # Adam epsilon (AdamW, and Muon's Adam part)
     clip_norm: float = 1.0
+    # dtype of the first moment (AdamW's mu, Muon's momentum): None keeps the parameters' dtype;
+    # "bfloat16" halves it (at 744B: 3.0 -> 1.5 TB of optimizer state)
+    mu_dtype: str | None = None
     grad_accum: int = 1                    # micro-batches per step (the global batch is split into these)
     # loss weights (docs/architecture.md#balance-and-bias-update, docs/training.md#losses-and-weights,
     # docs/architecture.md#dsa-training-stages-and-the-indexer-kl)
@@ -69,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
         if self.tpu_flags not in TPU_FLAG_SETS:
             raise ValueError(f"train.tpu_flags={self.tpu_flags!r}: must be one of {sorted(TPU_FLAG_SETS)}")
+        if self.mu_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"train.mu_dtype={self.mu_dtype!r}: must be None, 'float32' or 'bfloat16'")
         if (self.init_keep_optimizer or self.init_keep_step) and not self.init_from:
             raise ValueError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
         for f in ("steps", "grad_accum", "log_every", "eval_every", "checkpoint_every", "max_to_keep"):

@@ -78,11 +78,11 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(train_cfg)
     if train_cfg.optimizer == "adamw":
         base = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
-                           weight_decay=train_cfg.weight_decay, mask=_decay_mask)
+                           mu_dtype=train_cfg.mu_dtype, weight_decay=train_cfg.weight_decay, mask=_decay_mask)
     else:
         base = muon(schedule, weight_decay=train_cfg.weight_decay, weight_decay_mask=_decay_mask,
                     adam_b1=train_cfg.b1, adam_b2=train_cfg.b2, adam_weight_decay=train_cfg.weight_decay,
-                    adam_eps_root=0.0, eps=train_cfg.eps,
+                    adam_eps_root=0.0, eps=train_cfg.eps, mu_dtype=train_cfg.mu_dtype,
                     muon_weight_dimension_numbers=muon_dimension_numbers)
     train = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), base)
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()},

@@ -75,3 +75,40 @@ def test_experts_saveable_reaches_into_the_expert_parallel_shard_map():
     # the policy-free count holds the forward's three products and the backward's gradient products; a
     # rematerialised product adds one more
     assert full == none + 3 and saveable == none + 1
+
+
+
+def _indexer_top_ks(jaxpr, k):
+    """Number of `top_k` equations taking the `k` largest (the indexer's; routing takes other k's)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "top_k" and eqn.params.get("k") == k
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _indexer_top_ks(inner, k)
+    return n
+
+
+def _top_ks_in_grad(policy, variables, ids):
+    cfg = TINY.replace(remat_policy=policy, indexer_loss="sparse")
+
+    def loss(params):
+        return jnp.mean(Transformer(cfg).apply({**variables, "params": params}, ids, with_mtp=True).logits)
+
+    return _indexer_top_ks(jax.make_jaxpr(jax.grad(loss))(variables["params"]).jaxpr, cfg.index_topk)
+
+
+def test_selection_saveable_does_not_rerun_the_top_k():
+    """"full" reruns each full layer's lightning-indexer top-k in the backward pass; "selection_saveable"
+    keeps the selection, so its program has the top-k count of no remat."""
+    ids = jnp.asarray(tokens(2, 32))
+    variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
+    assert TINY.index_topk not in (TINY.num_experts_per_tok, TINY.topk_group)
+    counts = {p: _top_ks_in_grad(p, variables, ids) for p in ("none", "full", "selection_saveable")}
+    # one indexer top-k per full-indexer layer of each scanned segment's unit, none in "shared" layers
+    full_bodies = sum(kind.indexer == "full" for segment in plan_segments(TINY) for kind in segment.unit)
+    assert full_bodies >= 1 and counts["none"] >= full_bodies
+    assert counts["full"] - counts["none"] == full_bodies
+    assert counts["selection_saveable"] == counts["none"]

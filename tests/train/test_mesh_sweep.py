@@ -25,7 +25,8 @@ def test_points_are_valid_meshes(topology, chips):
         micro_batch = cfg.data.batch_size // cfg.train.grad_accum
         check_mesh_fits_model(sizes, cfg.model, micro_batch)
     policies = {apply_overrides(load_config_file(CONFIG), o).model.remat_policy for o in points.values()}
-    assert {"full", "offload_dots", "dots_attention_saveable"} <= policies
+    assert {"full", "offload_dots", "selection_saveable"} <= policies
+    assert all("model.attention_impl=pallas" in o for o in points.values())   # the TPU path
 
 
 def test_cache_key_follows_the_resolved_config():
