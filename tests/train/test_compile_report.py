@@ -106,6 +106,25 @@ def test_compile_only_small_glm5_on_v5p(tmp_path):
     assert report["attention_impl"] == "xla" and report["moe_impl"] == "ragged_dot"
     check_memory_and_flops(report, state_param_count(SMALL))
     check_hand_counted_parts(report, tmp_path / "compiled_step.hlo.gz")
+    check_top_ops_add_up(report, tmp_path / "compiled_step.hlo.gz")
+
+
+def check_top_ops_add_up(report, hlo_path):
+    """bench/hlo_top_ops.py files the same instructions under (category, op name): each category's rows
+    add up to the report's total for that category, bytes and FLOPs."""
+    import gzip
+
+    from bench.hlo_top_ops import top_ops
+
+    with gzip.open(hlo_path, "rt") as f:
+        rows = top_ops(f.read(), list(report["breakdown"]), depth=3)
+    assert {"routed_experts", "attention_core", "lm_head_loss"} <= set(rows)
+    for cat, ops in rows.items():
+        total = report["breakdown"][cat]
+        assert math.isclose(sum(r[1] for r in ops), total["bytes_accessed"], rel_tol=1e-9), cat
+        assert math.isclose(sum(r[2] for r in ops), total["hlo_flops"], rel_tol=1e-9, abs_tol=1.0), cat
+    # the LM head's rows are its matmuls and the loss around them, named by their scopes
+    assert any("head" in name or "lm_head" in name for name, _, _ in rows["lm_head_loss"])
 
 
 def check_hand_counted_parts(report, hlo_path):
