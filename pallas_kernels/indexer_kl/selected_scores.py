@@ -26,8 +26,9 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _dots(keys_BTKD, q_BTHD):
-    # key-major per query ([k, D] @ [D, H]), the fastest layout of this product on XLA:CPU
-    return jnp.einsum("btkd,bthd->btkh", keys_BTKD, q_BTHD, precision=_HIGHEST)
+    # key-major per query ([k, D] @ [D, H]), the fastest layout of this product on XLA:CPU; fp32 results
+    # from operands in their own dtype (a bf16 x bf16 product is exact in fp32)
+    return jnp.einsum("btkd,bthd->btkh", keys_BTKD, q_BTHD, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
@@ -41,8 +42,10 @@ def _f32(*xs):
 
 
 def _forward(q_BTHD, k_BSD, w_BTH, idx_BTK):
-    q, k, w = _f32(q_BTHD, k_BSD, w_BTH)
-    scores = jnp.sum(jax.nn.relu(_dots(gather_rows(k, idx_BTK), q)) * w[:, :, None, :], axis=-1)
+    # the keys are gathered in their own dtype: the [B, T, k, D] rows are the largest array of the KL, and
+    # bf16 rows are half the HBM bytes of fp32 ones for the same (exact) products
+    w = w_BTH.astype(jnp.float32)
+    scores = jnp.sum(jax.nn.relu(_dots(gather_rows(k_BSD, idx_BTK), q_BTHD)) * w[:, :, None, :], axis=-1)
     return scores, (q_BTHD, k_BSD, w_BTH, idx_BTK)
 
 
@@ -60,11 +63,12 @@ def _product_grads(g_BTKH, keys_BTKD, q_BTHD):
 def _backward(residuals, d_scores_BTK):
     q_BTHD, k_BSD, w_BTH, idx_BTK = residuals
     q, k, w = _f32(q_BTHD, k_BSD, w_BTH)
-    keys = gather_rows(k, idx_BTK)
-    dots = _dots(keys, q)
+    keys = gather_rows(k_BSD, idx_BTK)           # own dtype, as in the forward
+    dots = _dots(keys, q_BTHD)
     dw = jnp.sum(d_scores_BTK[..., None] * jax.nn.relu(dots), axis=2)
     g = jnp.where(dots > 0, d_scores_BTK[..., None] * w[:, :, None, :], 0.0)
-    dq, dkeys = jax.lax.platform_dependent(g, keys, q, cpu=_multiply_add_grads, default=_product_grads)
+    dq, dkeys = jax.lax.platform_dependent(g, keys.astype(jnp.float32), q, cpu=_multiply_add_grads,
+                                           default=_product_grads)
     dk = scatter_add_rows(jnp.zeros_like(k), idx_BTK, dkeys)
     return dq.astype(q_BTHD.dtype), dk.astype(k_BSD.dtype), dw.astype(w_BTH.dtype), None
 
