@@ -18,7 +18,7 @@ in ``dropped``. Both transports keep exactly the same assignments, so they compu
 
 The grouped matmul is ``ModelConfig.moe_impl``'s (glm5_jax/moe_experts.py; "blocked", a whole-batch CPU
 implementation, runs as ragged_dot here). Expert weights enter with their F (``mlp_moe``) dimension still
-sharded; the partial down-projections are summed over that mesh axis.
+sharded; the partial down-projections are summed over that mesh axis, in the compute dtype.
 """
 from __future__ import annotations
 
@@ -72,22 +72,35 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     _, rank, counts = _rank_within_expert(flat_e, E)
     kept = rank < cap
     slot = jnp.where(kept, flat_e * cap + rank, E * cap)                 # E * cap: out of range -> dropped
-    token_rows = x.astype(dtype)[jnp.arange(n * K) // K]
-    send = jnp.zeros((E * cap, D), dtype).at[slot].set(token_rows, mode="drop")   # [dest, El, C] rows
+    # the token each send slot carries (n: an empty slot), then one gather fills the buffer: no [n * K, D]
+    # copy of the tokens and no zero-filled buffer scattered into (whose bytes a scatter reads and writes)
+    token_of_slot = jnp.full((E * cap,), n, jnp.int32).at[slot].set(
+        jnp.arange(n * K, dtype=jnp.int32) // K, mode="drop")
+    send = x.astype(dtype).at[token_of_slot].get(mode="fill", fill_value=0)      # [dest, El, C] rows
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
     recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
     # pack: local expert e's filled slots from every source, contiguous; padding slots go nowhere
     packed_slot = _packed_slots(recv_counts, cap)                        # [src, El, C]; R = padding
     R = n_ep * El * cap
-    packed = jnp.zeros((R, D), dtype).at[packed_slot.reshape(-1)].set(recv.reshape(R, D), mode="drop")
-    y = swiglu_rows(packed, recv_counts.sum(0), w_gate, w_up, w_down, dtype, impl)
-    if mlp:
-        y = jax.lax.psum(y, mlp)
-    back = y.astype(dtype).at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
+    # the received row each packed row takes (R: a padding row), then a gather, as for `send`
+    recv_row_of_packed = jnp.full((R,), R, jnp.int32).at[packed_slot.reshape(-1)].set(
+        jnp.arange(R, dtype=jnp.int32), mode="drop")
+    packed = recv.reshape(R, D).at[recv_row_of_packed].get(mode="fill", fill_value=0)
+    y = _reduce_partial_widths(swiglu_rows(packed, recv_counts.sum(0), w_gate, w_up, w_down, dtype, impl),
+                               mlp, dtype)
+    back = y.at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
     returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
     y_assign = returned.at[slot].get(mode="fill", fill_value=0)
-    return y_assign.reshape(n, K, D).astype(jnp.float32), jnp.sum(~kept).astype(jnp.int32)
+    return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
+
+
+def _reduce_partial_widths(y_RD, mlp, dtype):
+    """The expert outputs in the compute dtype, summed over the `mlp` axis when the expert width is split
+    over it (each shard holds a partial down product). The sum runs in the compute dtype, as the rows
+    travel back in it anyway: a bf16 all-reduce moves half the bytes of the fp32 one."""
+    y_RD = y_RD.astype(dtype)
+    return jax.lax.psum(y_RD, mlp) if mlp else y_RD
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -134,10 +147,10 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
     piece = jnp.searchsorted(ends, jnp.arange(R), side="right")           # (src, el) index; n_ep*El = padding
     local_e = jnp.where(piece < n_ep * El, piece % El, El)
     by_expert_order = jnp.argsort(local_e, stable=True)
-    y = swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl)
-    if mlp:
-        y = jax.lax.psum(y, mlp)
-    y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y.astype(dtype))
+    y = _reduce_partial_widths(
+        swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl),
+        mlp, dtype)
+    y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y)
     recv_offsets = _exclusive_cumsum(recv_sizes)
     back_offsets = _exclusive_cumsum(sent, axis=1)[:, me]                 # my rows' offsets in each source
     returned = jax.lax.ragged_all_to_all(y_recv, jnp.zeros((A, D), dtype), recv_offsets, recv_sizes,
@@ -145,14 +158,15 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
     # assignment -> its packed row (kept) or zero (dropped)
     packed_of_assignment = jnp.zeros((A,), jnp.int32).at[order].set(packed_pos.astype(jnp.int32))
     y_assign = returned.at[packed_of_assignment].get(mode="fill", fill_value=0)
-    return y_assign.reshape(n, K, D).astype(jnp.float32), jnp.sum(~kept).astype(jnp.int32)
+    return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
 
 
 TRANSPORTS = {"a2a": _a2a_experts, "ragged_a2a": _ragged_a2a_experts}
 
 
 def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, cfg):
-    """Routed-expert outputs y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, K, D] fp32, dropped count).
+    """Routed-expert outputs y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, K, D] in the compute dtype
+    (the rows cross the all_to_all in it), dropped count).
 
     Must run under a mesh (`jax.set_mesh`) and Flax logical-axis rules; the mesh axes are those of the
     logical "batch", "seq", "exp" and "mlp_moe" axes."""
