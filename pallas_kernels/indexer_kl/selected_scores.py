@@ -69,8 +69,7 @@ def _backward(residuals, d_scores_BTK):
     g = jnp.where(dots > 0, d_scores_BTK[..., None] * w[:, :, None, :], 0.0)
     dq, dkeys = jax.lax.platform_dependent(g, keys.astype(jnp.float32), q, cpu=_multiply_add_grads,
                                            default=_product_grads)
-    # the per-slot key gradients in the keys' dtype (as the sparse attention's row gradients), summed in fp32
-    dk = scatter_add_rows(jnp.zeros_like(k), idx_BTK, dkeys.astype(k_BSD.dtype))
+    dk = scatter_add_rows(jnp.zeros_like(k), idx_BTK, dkeys)
     return dq.astype(q_BTHD.dtype), dk.astype(k_BSD.dtype), dw.astype(w_BTH.dtype), None
 
 

@@ -28,10 +28,8 @@ Backward (per query, same gather): recompute p = exp(s - lse), then
     dp = dO v^T,  ds = p (dp - delta),  delta = rowsum(dO * O) - dlse
     dq       += ds @ rows * scale                          (accumulated over k-blocks in VMEM)
     drows     = ds^T @ q * scale  (+ p^T @ dO on the first v_dim columns: the value part)
-The per-slot row gradients drows [B, T, k, C] are scatter-added into an fp32 d(kv) by XLA (ops.py does it
-one query chunk at a time, so only [B, T_chunk, k, C] exists at once). They are written in kv's dtype: with
-bf16 keys each slot's row is rounded once (relative error 2^-9) before the fp32 sum, and the [T, k, 576]
-rows, the largest array of the backward, cost half the HBM bytes of fp32 ones. An in-kernel scatter-add would race
+The per-slot row gradients drows [B, T, k, C] are scatter-added into d(kv) by XLA (ops.py does it one
+query chunk at a time, so only [B, T_chunk, k, C] exists at once). An in-kernel scatter-add would race
 whenever two queries that run concurrently select the same key.
 """
 import functools
@@ -179,7 +177,7 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
 def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref,
                 buf, sem, *, scale, v_dim, block_k):
     # q_ref [1, 1, H, C]; dout_ref [1, 1, H, v_dim]; lse/delta [1, TQ, H] fp32; valid [1, TQ, block_k];
-    # dq_ref [1, 1, H, C] fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] in kv's dtype.
+    # dq_ref [1, 1, H, C] fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] fp32.
     b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
     rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
 
@@ -201,9 +199,8 @@ def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm,
     dq_ref[0, 0] += _mm(ds_HK.astype(rows_KC.dtype), rows_KC) * scale
     dkey_KC = _mm(ds_HK.T.astype(q_HC.dtype), q_HC) * scale
     dvalue_KV = _mm(p_HK.T.astype(dout_HV.dtype), dout_HV)
-    # one rounding to the row dtype, after the value part is added in fp32
-    drows_ref[0, 0] = jnp.concatenate([dkey_KC[:, :v_dim] + dvalue_KV, dkey_KC[:, v_dim:]],
-                                      axis=1).astype(drows_ref.dtype)
+    drows_ref[0, 0] = dkey_KC
+    drows_ref[0, 0, :, :v_dim] += dvalue_KV
 
 
 def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k):
@@ -240,8 +237,7 @@ def _cost(d, v_dim, itemsize, backward, with_target=False):
     Per (query, slot, head): logits 2C; forward adds p @ V 2v (and with the KL target a second sweep:
     logits 2C again); the backward recomputes the logits (2C), dP = dO V^T (2v), dq += dS rows (2C),
     drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered rows (twice with the target sweep), q and
-    the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients
-    (in the rows' dtype)."""
+    the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients."""
     B, T, H, C, K = d["B"], d["T_pad"], d["H"], d["C"], d["K_pad"]
     pairs = B * T * K * H
     rows = B * T * K * C * itemsize
@@ -253,7 +249,7 @@ def _cost(d, v_dim, itemsize, backward, with_target=False):
         return pl.CostEstimate(flops=pairs * (2 * C + 2 * v_dim), transcendentals=pairs,
                                bytes_accessed=rows + per_query)
     return pl.CostEstimate(flops=pairs * (6 * C + 4 * v_dim), transcendentals=pairs,
-                           bytes_accessed=2 * rows + 2 * per_query + B * T * H * C * 4)
+                           bytes_accessed=rows + 2 * per_query + B * T * H * C * 4 + B * T * K * C * 4)
 
 
 def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=512, interpret=False,
@@ -297,8 +293,7 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
 
 def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
                         scale, v_dim, block_k=512, interpret=False):
-    """(dq [B, T, H, C] fp32, drows [B, T, k, C] in kv's dtype): gradients of q and of every gathered slot's
-    row.
+    """(dq [B, T, H, C] fp32, drows [B, T, k, C] fp32): gradients of q and of every gathered slot's row.
 
     ``delta = rowsum(dO * O) - dlse`` [B, T, H] fp32. Invalid slots get zero row gradients.
     """
@@ -322,7 +317,7 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
         out_specs=[pl.BlockSpec((1, 1, H, C), per_query),
                    pl.BlockSpec((1, 1, block_k, C), lambda b, t, i, kb: (b, t * QUERIES_PER_BLOCK + i, kb, 0))],
         out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, C), jnp.float32),
-                   jax.ShapeDtypeStruct((B, T_pad, K_pad, C), kv_BSC.dtype)],
+                   jax.ShapeDtypeStruct((B, T_pad, K_pad, C), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,))],
         compiler_params=_SEMANTICS,
         interpret=interpret,
