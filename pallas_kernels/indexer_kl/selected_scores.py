@@ -21,24 +21,21 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sparse_mla.reference import gather_rows, scatter_add_rows
-
-_HIGHEST = jax.lax.Precision.HIGHEST
+from pallas_kernels.tpu_utils import mxu_precision
 
 
 def _dots(keys_BTKD, q_BTHD):
     # key-major per query ([k, D] @ [D, H]), the fastest layout of this product on XLA:CPU; fp32 results
-    # from operands in their own dtype (a bf16 x bf16 product is exact in fp32)
-    return jnp.einsum("btkd,bthd->btkh", keys_BTKD, q_BTHD, precision=_HIGHEST, preferred_element_type=jnp.float32)
+    # from operands in their own dtype (a bf16 x bf16 product is exact in fp32). The precision follows the
+    # operands: HIGHEST on bf16 operands would make the TPU compiler upcast them and run fp32 passes.
+    return jnp.einsum("btkd,bthd->btkh", keys_BTKD, q_BTHD, precision=mxu_precision(keys_BTKD, q_BTHD),
+                      preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
 def selected_index_scores(q_BTHD, k_BSD, w_BTH, idx_BTK):
     """I[b, t, j] for the keys idx[b, t, j] (any index in [0, S); masking is the caller's) -> [B, T, k] fp32."""
     return _forward(q_BTHD, k_BSD, w_BTH, idx_BTK)[0]
-
-
-def _f32(*xs):
-    return tuple(x.astype(jnp.float32) for x in xs)
 
 
 def _forward(q_BTHD, k_BSD, w_BTH, idx_BTK):
@@ -56,20 +53,23 @@ def _multiply_add_grads(g_BTKH, keys_BTKD, q_BTHD):
 
 
 def _product_grads(g_BTKH, keys_BTKD, q_BTHD):
-    return (jnp.einsum("btkh,btkd->bthd", g_BTKH, keys_BTKD, precision=_HIGHEST),
-            jnp.einsum("btkh,bthd->btkd", g_BTKH, q_BTHD, precision=_HIGHEST))
+    # MXU operands in the keys' dtype with fp32 accumulation, as the sparse-attention kernel's backward
+    # feeds its dS (fp32 operands: exact fp32 products, the CPU path's numbers)
+    g = g_BTKH.astype(keys_BTKD.dtype)
+    precision = mxu_precision(g, keys_BTKD, q_BTHD)
+    return (jnp.einsum("btkh,btkd->bthd", g, keys_BTKD, precision=precision, preferred_element_type=jnp.float32),
+            jnp.einsum("btkh,bthd->btkd", g, q_BTHD, precision=precision, preferred_element_type=jnp.float32))
 
 
 def _backward(residuals, d_scores_BTK):
     q_BTHD, k_BSD, w_BTH, idx_BTK = residuals
-    q, k, w = _f32(q_BTHD, k_BSD, w_BTH)
+    w = w_BTH.astype(jnp.float32)
     keys = gather_rows(k_BSD, idx_BTK)           # own dtype, as in the forward
     dots = _dots(keys, q_BTHD)
     dw = jnp.sum(d_scores_BTK[..., None] * jax.nn.relu(dots), axis=2)
     g = jnp.where(dots > 0, d_scores_BTK[..., None] * w[:, :, None, :], 0.0)
-    dq, dkeys = jax.lax.platform_dependent(g, keys.astype(jnp.float32), q, cpu=_multiply_add_grads,
-                                           default=_product_grads)
-    dk = scatter_add_rows(jnp.zeros_like(k), idx_BTK, dkeys)
+    dq, dkeys = jax.lax.platform_dependent(g, keys, q_BTHD, cpu=_multiply_add_grads, default=_product_grads)
+    dk = scatter_add_rows(jnp.zeros(k_BSD.shape, jnp.float32), idx_BTK, dkeys)
     return dq.astype(q_BTHD.dtype), dk.astype(k_BSD.dtype), dw.astype(w_BTH.dtype), None
 
 
