@@ -7,7 +7,7 @@ and MFU.
     python bench/mesh_sweep.py --config=configs/glm5_744b.py --topology=v5p:8x16x16 \\
         --out=bench/results/mesh_sweep.json [--jobs=2] [--only=baseline,remat_offload_dots]
 
---topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096). Every point compiles the TPU
+--topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096), v5p:4x8x8 256 chips at 512 x 4096. Every point compiles the TPU
 path (model.attention_impl=pallas). Each point is a separate
 process (at most --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one
 core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
@@ -34,10 +34,10 @@ sys.path.insert(0, ROOT)
 MEASURING = {"hlo_cost.py", "hlo_collectives.py", "ici.py", "step_categories.py", "compile_report.py", "flops.py"}
 
 
-def _mesh(fsdp: int, expert: int, tensor: int) -> list[str]:
+def _mesh(fsdp: int, expert: int, tensor: int, context: int = 1) -> list[str]:
     # every point compiles the TPU path (the Pallas DSA kernels; the config file's default is the XLA form)
     return [f"mesh.fsdp={fsdp}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", "mesh.data=1",
-            "model.attention_impl=pallas"]
+            f"mesh.context={context}", "model.attention_impl=pallas"]
 
 
 # 128 chips: 744B parameters with float32 weights, float32 Adam moments and float32 gradients are 12 TB,
@@ -45,6 +45,7 @@ def _mesh(fsdp: int, expert: int, tensor: int) -> list[str]:
 # Adam's first moment in bfloat16 (6 TB of state, 1.5 TB of gradients). The batch is 4x smaller (256 x 4096).
 _SMALL = ["data.batch_size=256"]
 _BF16_STATE = _SMALL + ["model.param_dtype=bfloat16", "train.mu_dtype=bfloat16"]
+_BF16_STATE_256 = ["data.batch_size=512", "model.param_dtype=bfloat16", "train.mu_dtype=bfloat16"]
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
@@ -58,6 +59,8 @@ SWEEPS = {
         "remat_offload_dots": _mesh(128, 8, 2) + ["model.remat_policy=offload_dots"],
         "grad_accum2": _mesh(64, 8, 4) + ["train.grad_accum=2"],
         "remat_dots_attention_saveable": _mesh(128, 8, 2) + ["model.remat_policy=dots_attention_saveable"],
+        # no tensor split: 1024 sequences over 1,024 token shards, each sequence over 2 chips (context)
+        "fsdp128_cp2_ep8_tp1": _mesh(128, 8, 1, context=2),
     },
     "v5p:4x4x8": {            # 128 chips, 256 x 4096
         "bf16_fsdp8_ep8_tp2_accum4": _mesh(8, 8, 2) + _BF16_STATE + ["train.grad_accum=4"],
@@ -71,6 +74,11 @@ SWEEPS = {
         "bf16_fsdp8_ep8_tp2_accum2": _mesh(8, 8, 2) + _BF16_STATE + ["train.grad_accum=2"],
         "bf16_fsdp8_ep8_tp2_accum4_offload": _mesh(8, 8, 2) + _BF16_STATE + [
             "train.grad_accum=4", "model.remat_policy=offload_dots"],
+    },
+    "v5p:4x8x8": {            # 256 chips, 512 x 4096: the smallest pod the sweep on 128 chips leaves
+        "bf16_fsdp16_ep8_tp2_accum4": _mesh(16, 8, 2) + _BF16_STATE_256 + ["train.grad_accum=4"],
+        "fp32_fsdp16_ep8_tp2_accum4": _mesh(16, 8, 2) + ["data.batch_size=512", "train.grad_accum=4"],
+        "bf16_fsdp32_ep8_tp1_accum2": _mesh(32, 8, 1) + _BF16_STATE_256 + ["train.grad_accum=2"],
     },
 }
 
@@ -156,7 +164,8 @@ def markdown(rows: list[dict], topology: str) -> str:
             lines.append(f"| {r['name']} | failed: {r['error']} |" + " |" * 11)
             continue
         m = r["mesh"]
-        lines.append(f"| {r['name']} | {m['fsdp']} x {m['expert']} x {m['tensor']} | {r['remat_policy']} | "
+        cp = f" (context {m['context']})" if m.get("context", 1) > 1 else ""
+        lines.append(f"| {r['name']} | {m['fsdp']} x {m['expert']} x {m['tensor']}{cp} | {r['remat_policy']} | "
                      f"{r['moe_ep']} | {r['grad_accum']} | {_fmt(r['gb_per_chip'], '.1f')} | {r['fits']} | "
                      f"{_fmt(r['flops_per_model_flop'], '.2f')} | {_fmt(r['comm_gb_per_chip'], '.1f')} | "
                      f"{_fmt(r['comm_seconds'], '.2f')} | {_fmt(r['exposed_comm_seconds'], '.2f')} | "
@@ -196,16 +205,22 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=2, help="compiles at once (each ~10 GB of host memory at 744B)")
     ap.add_argument("--only", default="", help="comma-separated point names (default: all)")
     ap.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per compile")
+    ap.add_argument("--sources_sha256", default="",
+                    help="tabulate the points cached for these model sources (an earlier sweep's "
+                         "sources_sha256) instead of the current ones'")
     args = ap.parse_args(argv)
     points = SWEEPS[args.topology]
     names = [n for n in args.only.split(",") if n] or list(points)
     unknown = sorted(set(names) - set(points))
     if unknown:
         raise SystemExit(f"--only: unknown points {unknown}; known: {sorted(points)}")
-    sources = source_digest()
+    sources = args.sources_sha256 or source_digest()
     workdirs = {n: os.path.join(args.cache_dir, f"{n}-{point_key(args.config, points[n], args.topology, sources)}")
                 for n in names}
     cached = [n for n in names if os.path.exists(os.path.join(workdirs[n], "compile_report.json"))]
+    if args.sources_sha256 and args.sources_sha256 != source_digest() and len(cached) < len(names):
+        raise SystemExit(f"--sources_sha256: {sorted(set(names) - set(cached))} not cached for those sources, and "
+                         "compiling them now would file today's code under them")
     print(f"{len(names)} points on {args.topology}: {len(cached)} cached, compiling {len(names) - len(cached)} "
           f"({args.jobs} at a time)", flush=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

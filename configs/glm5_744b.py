@@ -26,8 +26,13 @@ def model_config() -> ModelConfig:
 
 
 def get_config() -> ExperimentConfig:
-    """2048 v5p chips: FSDP 128 x expert-parallel 8 x tensor 2, 1024 sequences of 4096 tokens (4.2M) per step."""
+    """2048 v5p chips: FSDP 128 x context 2 x expert-parallel 8, no tensor split; 1024 sequences of 4096
+    tokens (4.2M) per step, each sequence over 2 chips. The mesh sweep (bench/mesh_sweep.py, README: Scale)
+    chose it: against fsdp 128 x expert 8 x tensor 2 it drops the tensor all-reduces (the KL target's, the
+    experts' partial sums) and the per-chip copies of tensor-replicated activations: 9.1 s vs 18.7 s
+    estimated per step at 52 vs 26 GiB per chip."""
     model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
-    return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=128, expert=8, tensor=2))
+    return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=128, context=2, expert=8,
+                                                                                         tensor=1))

@@ -22,7 +22,7 @@ from tests.train.test_train_cli import ROOT
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="libtpu is not importable (pip install -r requirements-tpu.txt)")
 
-MESH = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=1"]
+MESH = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=1", "mesh.context=1"]
 SMALL = ["model.vocab_size=4096", "data.vocab_size=4096", "model.hidden_size=128", "model.intermediate_size=384",
          "model.num_attention_heads=4", "model.q_lora_rank=96", "model.kv_lora_rank=64", "model.qk_nope_head_dim=32",
          "model.qk_rope_head_dim=16", "model.v_head_dim=32", "model.index_n_heads=4", "model.index_head_dim=32",

@@ -35,8 +35,11 @@ def test_cache_key_follows_the_resolved_config():
     assert key == mesh_sweep.point_key(CONFIG, list(base), "v5p:8x16x16", "src")
     assert key != mesh_sweep.point_key(CONFIG, base + ["model.moe_ep=ragged_a2a"], "v5p:8x16x16", "src")
     assert key != mesh_sweep.point_key(CONFIG, base, "v5p:8x16x16", "other sources")
-    # the config's own mesh is the baseline's: stating it again resolves to the same config
+    # stating one of the point's own axes again resolves to the same config
     assert key == mesh_sweep.point_key(CONFIG, base + ["mesh.tensor=2"], "v5p:8x16x16", "src")
+    # every point names all four mesh axes, so its key does not depend on the config file's mesh
+    cfg = apply_overrides(load_config_file(CONFIG), base)
+    assert (cfg.mesh.fsdp, cfg.mesh.context, cfg.mesh.expert, cfg.mesh.tensor) == (128, 1, 8, 2)
 
 
 def test_cached_point_is_read_not_compiled(tmp_path):
