@@ -170,6 +170,9 @@ def markdown(rows: list[dict], topology: str) -> str:
                      f"{_fmt(r['flops_per_model_flop'], '.2f')} | {_fmt(r['comm_gb_per_chip'], '.1f')} | "
                      f"{_fmt(r['comm_seconds'], '.2f')} | {_fmt(r['exposed_comm_seconds'], '.2f')} | "
                      f"{_fmt(r['estimated_step_seconds'], '.2f')} | {_fmt(r['mfu'], '.3f')} |")
+    errors = [f"* {r['name']}: {r['compile_error']}" for r in rows if r.get("compile_error")]
+    if errors:
+        lines += ["", "Did not compile:", *errors]
     return "\n".join(lines) + "\n"
 
 
