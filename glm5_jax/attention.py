@@ -215,9 +215,8 @@ class MLAttention(nn.Module):
         idx, valid = selection if cfg.indexer_loss == "sparse" else (None, None)
 
         def kl(target_BTK=None):
-            iq, ik = indexer_kl_ops.mxu_operands(q_i, k_i, cfg.jnp_dtype)
             return indexer_kl_ops.indexer_kl_loss(
-                jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC), iq, ik, w_i,
+                jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC), q_i, k_i, w_i,
                 positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
                 stage=cfg.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK)
         return selection, kl, cache

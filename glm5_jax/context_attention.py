@@ -80,9 +80,8 @@ def context_parallel_attention(cfg, n_shards, q_abs_BTHC, latent_BTC, positions_
             sg = jax.lax.stop_gradient
             picked = dict(idx_BTK=idx, valid_BTK=valid, target_BTK=target) if kl_stage == "sparse" else {}
             with jax.named_scope("indexer_kl"):
-                iq, ik_kl = indexer_kl_ops.mxu_operands(a["iq"], ik, cfg.jnp_dtype)
                 kl, has_set = indexer_kl_ops.indexer_kl_per_token(
-                    sg(a["q"]), sg(kv), iq, ik_kl, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                    sg(a["q"]), sg(kv), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                     scale=cfg.softmax_scale, stage=kl_stage, **picked)
         return o, idx, valid, kl, has_set
 

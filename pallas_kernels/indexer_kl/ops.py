@@ -5,11 +5,3 @@ computed while attending (the Pallas forward kernel's second sweep included), so
 indexer at the selected slots; without a target it recomputes one from the same selection."""
 # the public entry points: the loss, and its per-token parts for callers holding a share of the queries
 from pallas_kernels.indexer_kl.reference import indexer_kl_loss, indexer_kl_per_token, mean_over_tokens  # noqa: F401
-
-
-def mxu_operands(index_q, index_k, dtype):
-    """The indexer's q and k as the KL loss scores them: in the compute ``dtype`` (bf16 in training), the
-    MXU's native operands, with fp32 accumulation (selected_scores.py). The top-k selection keeps fp32
-    q and k; GLM-5 and DeepSeek-V3.2 run the indexer's products in FP8. Scored in fp32 on TPU, the KL
-    upcasts the gathered [T, k, d_I] key rows and runs fp32 passes over them."""
-    return index_q.astype(dtype), index_k.astype(dtype)
