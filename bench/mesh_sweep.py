@@ -7,10 +7,9 @@ and MFU.
     python bench/mesh_sweep.py --config=configs/glm5_744b.py --topology=v5p:8x16x16 \\
         --out=bench/results/mesh_sweep.json [--jobs=2] [--only=baseline,remat_offload_dots]
 
---topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096), v5p:4x8x8 256 chips at 512 x 4096. Every point compiles the TPU
-path (model.attention_impl=pallas). Each point is a separate
-process (at most --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one
-core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
+--topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096), v5p:4x8x8 256 chips at 512 x 4096.
+Every point compiles the TPU path (model.attention_impl=pallas). Each point is a separate process (at most
+--jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
 model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
 a rerun compiles only the points whose inputs changed and, when only the measuring modules changed
 (glm5_jax/hlo_cost.py, compile_report.py, ...), re-reads the cached HLO instead of compiling.
@@ -43,9 +42,10 @@ def _mesh(fsdp: int, expert: int, tensor: int, context: int = 1) -> list[str]:
 # 128 chips: 744B parameters with float32 weights, float32 Adam moments and float32 gradients are 12 TB,
 # the whole pod's HBM (128 x 95 GB); the points that can fit keep the weights (and so the gradients) and
 # Adam's first moment in bfloat16 (6 TB of state, 1.5 TB of gradients). The batch is 4x smaller (256 x 4096).
+_BF16 = ["model.param_dtype=bfloat16", "train.mu_dtype=bfloat16"]
 _SMALL = ["data.batch_size=256"]
-_BF16_STATE = _SMALL + ["model.param_dtype=bfloat16", "train.mu_dtype=bfloat16"]
-_BF16_STATE_256 = ["data.batch_size=512", "model.param_dtype=bfloat16", "train.mu_dtype=bfloat16"]
+_BF16_STATE = _SMALL + _BF16
+_BF16_STATE_256 = ["data.batch_size=512"] + _BF16
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
@@ -210,7 +210,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per compile")
     ap.add_argument("--sources_sha256", default="",
                     help="tabulate the points cached for these model sources (an earlier sweep's "
-                         "sources_sha256) instead of the current ones'")
+                         "sources_sha256) instead of the current ones")
     args = ap.parse_args(argv)
     points = SWEEPS[args.topology]
     names = [n for n in args.only.split(",") if n] or list(points)
