@@ -29,7 +29,7 @@ def main(argv):
     if FLAGS.coordinator_address:
         jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                    num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
-    from glm5_jax.experiment import apply_overrides, load_config_file
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
 
     from absl import logging as absl_logging
 
@@ -41,17 +41,17 @@ def main(argv):
     run_log.setLevel(logging.INFO)
     run_log.propagate = False
     cfg = apply_overrides(load_config_file(FLAGS.config), FLAGS.set)
-    from glm5_jax import tpu_flags
+    from glm5_jax.train import tpu_flags
 
     tpu_flags.apply(cfg.train.tpu_flags)    # before libtpu starts (a TPU backend or an AOT topology)
     if FLAGS.compile_only:
         if not FLAGS.topology:
             raise app.UsageError("--compile_only needs --topology (e.g. v5p:8x16x16)")
-        from glm5_jax.compile_report import write_compile_report
+        from glm5_jax.train.compile_report import write_compile_report
 
         write_compile_report(cfg, FLAGS.topology, FLAGS.workdir)
         return
-    from glm5_jax.training import run_training
+    from glm5_jax.train.loop import run_training
 
     run_training(cfg, FLAGS.workdir)
 

@@ -24,10 +24,10 @@ import jax.numpy as jnp  # noqa: E402
 from flax.core import meta  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from glm5_jax import ModelConfig, Transformer  # noqa: E402
-from glm5_jax.generate import decode_config  # noqa: E402
-from glm5_jax.kv_cache import cache_shardings, constrain_cache, init_cache  # noqa: E402
-from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh  # noqa: E402
+from glm5_jax import ModelConfig, RuntimeConfig, Transformer  # noqa: E402
+from glm5_jax.generate.decoding import decode_config  # noqa: E402
+from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache  # noqa: E402
+from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh  # noqa: E402
 
 _COLLECTIVE = re.compile(r"%(\S+) = (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
                          r"(?:-start)?\(")
@@ -40,7 +40,7 @@ def tiny_config(slots, topk, impl):
                        qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20, index_n_heads=8, index_head_dim=32,
                        index_topk=topk, indexer_types=("full", "shared"), n_routed_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=32, n_group=2, topk_group=1, max_position_embeddings=2 * slots,
-                       attention_impl=impl)
+                       runtime=RuntimeConfig(attention_impl=impl))
 
 
 def collectives(hlo_text):

@@ -97,6 +97,7 @@ sys.path.insert(0, {repo!r})
 from absl import logging
 logging.set_verbosity(logging.WARNING)
 import glm5_jax.convert as c
+from glm5_jax.hf.config import config_from_hf
 start = time.perf_counter()
 summary = getattr(c, {fn!r})(*{args!r}, **{kwargs!r})
 summary["wall_s"] = time.perf_counter() - start
@@ -118,7 +119,7 @@ def main(_):
     import ml_dtypes
     import numpy as np
 
-    from glm5_jax.config import ModelConfig
+    from glm5_jax.model.config import ModelConfig
     from glm5_jax.convert.plan import build_plan
     from glm5_jax.convert.synthetic import write_random_hub_checkpoint
 
@@ -130,7 +131,7 @@ def main(_):
         write_random_hub_checkpoint(hf_dir, config, dtype=np.dtype(ml_dtypes.bfloat16), max_shard_bytes=500 * 10**6)
         gen_s = time.perf_counter() - t0
         shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-        plan = build_plan(ModelConfig.from_hf(config))
+        plan = build_plan(config_from_hf(config))
         largest = max(int(np.prod(leaf.shape)) * (4 if leaf.keep_fp32 else 2) for leaf in plan)
 
         raw_bytes, raw_s = raw_read(shards)

@@ -38,10 +38,11 @@ import numpy as np  # noqa: E402
 
 from bench.timing import interleaved_seconds  # noqa: E402
 from glm5_jax import load_hf  # noqa: E402
-from glm5_jax.experiment import load_config_file  # noqa: E402
-from glm5_jax.generate import prepare_generate  # noqa: E402
-from glm5_jax.kv_cache import cache_bytes_per_token  # noqa: E402
-from glm5_jax.layer_plan import layer_kinds  # noqa: E402
+from glm5_jax.train.experiment import load_config_file  # noqa: E402
+from glm5_jax.generate.decoding import prepare_generate  # noqa: E402
+from glm5_jax.model.kv_cache import cache_bytes_per_token  # noqa: E402
+from glm5_jax.model.layer_plan import layer_kinds  # noqa: E402
+from glm5_jax.hf.config import config_to_hf
 
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -153,7 +154,7 @@ def main(argv=None):
     torch.set_num_threads(args.hf_threads)
     cfg32 = load_config_file(args.config).model.replace(dtype="float32", param_dtype="float32")
     torch.manual_seed(0)
-    hf_model32 = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg32.to_hf(), attn_implementation=args.hf_attn)).eval()
+    hf_model32 = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**config_to_hf(cfg32), attn_implementation=args.hf_attn)).eval()
     with tempfile.TemporaryDirectory() as d:
         hf_model32.save_pretrained(d)
         cfg_loaded, variables32 = load_hf(d, dtype="float32")

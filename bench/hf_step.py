@@ -1,6 +1,6 @@
 """Timing of one HF transformers GlmMoeDsaForCausalLM train step (torch CPU, AdamW).
 
-The baseline of bench/train_step.py: the same architecture built from ``ModelConfig.to_hf()`` with random
+The baseline of bench/train_step.py: the same architecture built from ``config_to_hf(ModelConfig)`` with random
 weights in the config's dtype, forward with ``labels`` (next-token loss), backward,
 ``torch.optim.AdamW.step``. Attention is transformers' default for this model, "sdpa"
 (torch.nn.functional.scaled_dot_product_attention); bench/train_step.py --hf_attn=eager times the eager
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from glm5_jax.hf.config import config_to_hf
 
 
 class HFStep:
@@ -22,8 +23,8 @@ class HFStep:
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        hf_cfg = GlmMoeDsaConfig(**model_cfg.to_hf(), attn_implementation=attn_implementation)
-        self.model = GlmMoeDsaForCausalLM(hf_cfg).to(getattr(torch, model_cfg.dtype)).train()
+        hf_cfg = GlmMoeDsaConfig(**config_to_hf(model_cfg), attn_implementation=attn_implementation)
+        self.model = GlmMoeDsaForCausalLM(hf_cfg).to(getattr(torch, model_cfg.runtime.dtype)).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
         self.ids = torch.as_tensor(np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len)))
         self.loss = None

@@ -1,5 +1,5 @@
 """The instructions behind a compiled step's FLOPs and HBM bytes, per category: re-reads a compile's HLO
-(train.py --compile_only writes DIR/compiled_step.hlo.gz) with glm5_jax.hlo_cost, filing every instruction
+(train.py --compile_only writes DIR/compiled_step.hlo.gz) with glm5_jax.cost.hlo_cost, filing every instruction
 under (category, its op_name cut to the last --depth scopes), and prints the largest per category.
 
     python bench/hlo_top_ops.py DIR/compiled_step.hlo.gz --categories=routed_experts,indexer_kl [--top=15]
@@ -18,8 +18,8 @@ import os
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from glm5_jax.hlo_cost import hlo_cost  # noqa: E402
-from glm5_jax.step_categories import categorize  # noqa: E402
+from glm5_jax.cost.hlo_cost import hlo_cost  # noqa: E402
+from glm5_jax.cost.categories import categorize  # noqa: E402
 
 # autodiff / tracing wrappers that say nothing about which op it is
 _WRAPPERS = re.compile(r"^(jit\([^)]*\)/)+")

@@ -10,7 +10,7 @@
    ``model.quant=int4_qat`` (fake-quantised routed experts, straight-through gradients).
 3. Evaluate each checkpoint in full precision and as an INT4 model (`quantize_params`, packed experts).
    sort: answer loss (mean NLL of the correct sorted answer + EOS on `--eval_prompts` held-out prompts)
-   and greedy exact match. lm: the trainer's eval loss (`glm5_jax.losses.lm_losses`, next-token NLL over
+   and greedy exact match. lm: the trainer's eval loss (`glm5_jax.train.losses.lm_losses`, next-token NLL over
    `--eval_batches` batches of the held-out documents).
 
 Runs in-process with one model size; timings are not measured. Numbers from this 2-core shared machine
@@ -34,13 +34,13 @@ import numpy as np  # noqa: E402
 
 from configs import int4_lm, sort_sft  # noqa: E402
 from glm5_jax.data import build_data_pipeline, sort_task  # noqa: E402
-from glm5_jax.experiment import apply_overrides  # noqa: E402
-from glm5_jax.generate import generate  # noqa: E402
-from glm5_jax.inference_checkpoint import load_for_inference  # noqa: E402
-from glm5_jax.losses import lm_losses  # noqa: E402
-from glm5_jax.model import Transformer  # noqa: E402
-from glm5_jax.quant import quantize_params  # noqa: E402
-from glm5_jax.training import run_training  # noqa: E402
+from glm5_jax.train.experiment import apply_overrides  # noqa: E402
+from glm5_jax.generate.decoding import generate  # noqa: E402
+from glm5_jax.checkpoint.inference import load_for_inference  # noqa: E402
+from glm5_jax.train.losses import lm_losses  # noqa: E402
+from glm5_jax.model.transformer import Transformer  # noqa: E402
+from glm5_jax.model.moe.int4_weights import quantize_params  # noqa: E402
+from glm5_jax.train.loop import run_training  # noqa: E402
 
 
 TASKS = {"sort": sort_sft.get_config, "lm": int4_lm.get_config}

@@ -1,5 +1,5 @@
 """Long-context cost of a small GLM-5 on CPU: the train step with DSA vs dense attention, and the prefill
-of `glm5_jax.generate` chunked vs the whole prompt at once.
+of `glm5_jax.generate.decoding` chunked vs the whole prompt at once.
 
 * train: one train step (forward + backward + AdamW) of configs/bench_small.py cut to a few layers and a
   small width, batch 1, at T tokens, with train.stage="sparse" (DSA: indexer top-k attention, indexer KL)
@@ -70,9 +70,9 @@ def train_point(overrides, T, stage, reps):
     import numpy as np
 
     from bench.train_step import random_batch
-    from glm5_jax.experiment import apply_overrides, load_config_file
-    from glm5_jax.sharding import build_mesh
-    from glm5_jax.train_step import Trainer
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
+    from glm5_jax.parallel.mesh import build_mesh
+    from glm5_jax.train.step import Trainer
 
     exp = apply_overrides(load_config_file(CONFIG), overrides + [f"data.seq_len={T}", f"train.stage={stage}"])
     exp = exp.validate()
@@ -100,9 +100,9 @@ def prefill_point(overrides, T, chunk, reps):
     import numpy as np
     from flax.core import meta
 
-    from glm5_jax.experiment import apply_overrides, load_config_file
-    from glm5_jax.generate import prepare_generate
-    from glm5_jax.model import Transformer
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
+    from glm5_jax.generate.decoding import prepare_generate
+    from glm5_jax.model.transformer import Transformer
 
     cfg = apply_overrides(load_config_file(CONFIG), overrides).model
     variables = meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))

@@ -10,7 +10,7 @@ token grow with T (quadratic overall).
     python bench/long_context_compile_table.py /tmp/lc/s3_t*/compile_report.json \\
         --out=bench/results/long_context_compile.json --plot=bench/results/long_context_compile.png
 
-Columns come from the reports' ``breakdown`` (glm5_jax.step_categories; compiler-visible + Pallas kernel
+Columns come from the reports' ``breakdown`` (glm5_jax.cost.categories; compiler-visible + Pallas kernel
 FLOPs as declared by each kernel's cost estimate) and ``per_device_bytes``.
 """
 import argparse

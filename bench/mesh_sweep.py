@@ -1,6 +1,6 @@
 """Sweep mesh splits, remat / offload policies, expert-parallel forms and micro-batching of a config by
 AOT-compiling its train step for a TPU topology (train.py --compile_only; libtpu on this CPU host, no TPU),
-and tabulate what each compiled step costs (glm5_jax.compile_report): per-chip memory and whether it fits,
+and tabulate what each compiled step costs (glm5_jax.train.compile_report): per-chip memory and whether it fits,
 executed FLOPs per model FLOP, communication bytes and seconds (v5p ICI model), estimated step seconds
 and MFU.
 
@@ -12,7 +12,7 @@ Every point compiles the TPU path (model.attention_impl=pallas). Each point is a
 --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
 model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
 a rerun compiles only the points whose inputs changed and, when only the measuring modules changed
-(glm5_jax/hlo_cost.py, compile_report.py, ...), re-reads the cached HLO instead of compiling.
+(glm5_jax/cost/hlo_cost.py, compile_report.py, ...), re-reads the cached HLO instead of compiling.
 Writes the table as JSON (--out) and markdown (same name, .md) and a plot (.png).
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def source_digest(measuring: bool = False) -> str:
 
 def point_key(config: str, overrides: list[str], topology: str, sources: str) -> str:
     """Cache key of one point: the resolved config (after overrides), the topology, the sources."""
-    from glm5_jax.experiment import apply_overrides, load_config_file
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
 
     cfg = apply_overrides(load_config_file(config), overrides)
     return hashlib.sha256(f"{cfg!r}|{topology}|{sources}".encode()).hexdigest()[:16]
@@ -117,7 +117,7 @@ def compile_point(config: str, topology: str, overrides: list[str], workdir: str
         report = json.load(open(report_path))
         if report.get("measuring_sha256") == measuring or "compile_error" in report:
             return report
-        args = [sys.executable, "-m", "glm5_jax.compile_report", f"--config={config}", f"--topology={topology}",
+        args = [sys.executable, "-m", "glm5_jax.train.compile_report", f"--config={config}", f"--topology={topology}",
                 f"--workdir={workdir}"] + sets
     else:
         args = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={config}", "--compile_only",

@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax.core import meta  # noqa: E402
 
-from glm5_jax import ModelConfig, Transformer  # noqa: E402
+from glm5_jax import ModelConfig, RuntimeConfig, Transformer  # noqa: E402
 from glm5_jax.serve.api import create_app  # noqa: E402
 from glm5_jax.serve.engine import Engine  # noqa: E402
 from glm5_jax.serve.router import create_router  # noqa: E402
@@ -46,8 +46,8 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, first_k_
                    qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20, index_n_heads=8, index_head_dim=32,
                    index_topk=8, indexer_types=("full", "shared"), n_routed_experts=8, num_experts_per_tok=2,
                    moe_intermediate_size=32, n_group=2, topk_group=1, initializer_range=0.1,
-                   num_nextn_predict_layers=0, mtp_depth=0, remat_policy="none",
-                   max_position_embeddings=1024)
+                   num_nextn_predict_layers=0, mtp_depth=0,
+                   max_position_embeddings=1024, runtime=RuntimeConfig(remat_policy="none"))
 MAX_SEQ_LEN = 512
 NEW_TOKENS = 32
 

@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bench.timing import interleaved_seconds  # noqa: E402
 from bench.train_step import CONFIG, QUICK, OursStep  # noqa: E402
-from glm5_jax.experiment import apply_overrides, load_config_file  # noqa: E402
+from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
 
 
 def overrides(text):

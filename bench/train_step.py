@@ -3,7 +3,7 @@
 One step = forward + backward + optimizer update (AdamW) of configs/bench_small.py on random tokens,
 timed in steady state (median of --steps after warm-up) at each sequence length. Our step and HF's
 alternate (ours, ours+MTP, HF, ours, ...), so both medians see the same machine state. MFU uses
-glm5_jax.flops.train_flops_per_token (6 x active matmul params + attention over the attended keys +
+glm5_jax.cost.flops.train_flops_per_token (6 x active matmul params + attention over the attended keys +
 indexer) and the fp32 matmul peak measured in the same run. HF runs in the config's dtype (fp32) with
 transformers' default "sdpa" attention (--hf_attn) and --hf_threads torch threads (2: the cores XLA uses here).
 
@@ -13,7 +13,7 @@ transformers' default "sdpa" attention (--hf_attn) and --hf_threads torch thread
 
 Speed settings of configs/bench_small.py (XLA:CPU; timings of fwd+bwd at B=2, measured before
 XLA:CPU tuning was retired as a goal; the CPU step is now a regression check):
-- moe_impl="blocked" (glm5_jax/moe_blocked.py): a loop over 128-row expert blocks with a hand-written
+- moe_impl="blocked" (glm5_jax/model/moe/blocked.py): a loop over 128-row expert blocks with a hand-written
   backward (one MoE layer ~6x faster than ragged_dot on XLA:CPU).
 - mla_form="absorbed" with attention_impl="xla" (pallas_kernels/sparse_mla/ops.py): the leading causal
   128-query blocks that score <= 4k keys attend through the top-k mask in the absorbed form
@@ -48,10 +48,10 @@ import numpy as np  # noqa: E402
 
 from bench.hf_step import HFStep  # noqa: E402
 from bench.timing import interleaved_seconds  # noqa: E402
-from glm5_jax.experiment import apply_overrides, load_config_file  # noqa: E402
-from glm5_jax.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
-from glm5_jax.sharding import build_mesh  # noqa: E402
-from glm5_jax.train_step import Trainer  # noqa: E402
+from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
+from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
+from glm5_jax.parallel.mesh import build_mesh  # noqa: E402
+from glm5_jax.train.step import Trainer  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "bench_small.py")
 QUICK = ["model.vocab_size=512", "model.hidden_size=64", "model.num_hidden_layers=3", "model.intermediate_size=128",

@@ -1,9 +1,9 @@
 """The train-step benchmark model (bench/train_step.py): a ~50M-parameter GLM-5 with every part of the
 architecture (MLA + DSA top-k + MoE with a shared expert + MTP), small enough to step on a CPU."""
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 
 def get_config() -> ExperimentConfig:
@@ -16,8 +16,8 @@ def get_config() -> ExperimentConfig:
         eos_token_id=(1,), pad_token_id=0, bos_token_id=None,
         # CPU speed settings (bench/train_step.py docstring): grouped matmul as padded blocks, absorbed
         # (latent) sparse attention over the gathered top-k rows; remat keeps projection and attention outputs
-        moe_impl="blocked", mla_form="absorbed", remat_policy="dots_attention_saveable",
-        projection_impl="cpu_transposed_grad")
+        runtime=RuntimeConfig(moe_impl="blocked", mla_form="absorbed", remat_policy="dots_attention_saveable",
+                              projection_impl="cpu_transposed_grad"))
     data = DataConfig(source="stdlib", vocab_size=8192, seq_len=1024, batch_size=2)
     train = TrainConfig(stage="sparse", optimizer="adamw")
     return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=-1))

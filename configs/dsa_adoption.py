@@ -15,10 +15,10 @@ routing bias; fresh optimizer, step 0; the tokenizer is reused):
 
 `stage_overrides(stage, init_from)` gives those --set lists (bench/dsa_quality.py uses it).
 """
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 # per stage: steps, peak learning rate, LR warm-up steps. The indexer warm-up is short (it fits a small
 # module to a fixed target); the sparse stage continues at a lower peak than the dense one.
@@ -43,7 +43,8 @@ def get_config() -> ExperimentConfig:
         index_topk=32,                         # T = 128 = 4 x index_topk
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=96,
         num_nextn_predict_layers=0, mtp_depth=0, max_position_embeddings=1024, initializer_range=0.02,
-        eos_token_id=(1,), pad_token_id=0, bos_token_id=None, remat_policy="none", moe_impl="blocked")
+        eos_token_id=(1,), pad_token_id=0, bos_token_id=None,
+        runtime=RuntimeConfig(remat_policy="none", moe_impl="blocked"))
     data = DataConfig(source="stdlib", vocab_size=2048, seq_len=128, batch_size=8, max_corpus_bytes=3_000_000)
     train = TrainConfig(stage="dense", **STAGE_SCHEDULE["dense"], log_every=20, eval_every=60, eval_batches=4,
                         checkpoint_every=60, bias_update_rate=1e-2)

@@ -4,10 +4,10 @@
 
     python train.py --config=configs/glm5_744b.py --compile_only --topology=v5p:8x16x16 --workdir=DIR
 """
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 
 def model_config() -> ModelConfig:
@@ -21,7 +21,7 @@ def model_config() -> ModelConfig:
         n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         num_nextn_predict_layers=1, mtp_depth=1, max_position_embeddings=202752,
         eos_token_id=(154820, 154827, 154829), pad_token_id=154820,
-        dtype="bfloat16", param_dtype="float32",
+        runtime=RuntimeConfig(dtype="bfloat16", param_dtype="float32"),
     )
 
 

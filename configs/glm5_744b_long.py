@@ -31,8 +31,8 @@ Where the numbers come from:
 import dataclasses
 
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 from configs.glm5_744b import model_config
 

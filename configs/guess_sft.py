@@ -3,11 +3,11 @@
 Made by `python -m glm5_jax.rl.run --config=configs/rl_guess.py` on first use; not a train.py config
 (data.source "number_guess" names the teacher, not a corpus).
 """
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 from glm5_jax.rl.number_guess import GuessTokens
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 
 def get_config() -> ExperimentConfig:
@@ -19,8 +19,8 @@ def get_config() -> ExperimentConfig:
         index_topk=16,                     # every prediction in an episode sees <= 16 keys: the frozen indexer drops none
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         num_nextn_predict_layers=0, mtp_depth=0, max_position_embeddings=64, initializer_range=0.02,
-        eos_token_id=(tokens.end,), pad_token_id=0, bos_token_id=None, remat_policy="none",
-        moe_impl="blocked", mla_form="mha")
+        eos_token_id=(tokens.end,), pad_token_id=0, bos_token_id=None,
+        runtime=RuntimeConfig(remat_policy="none", moe_impl="blocked", mla_form="mha"))
     data = DataConfig(source="number_guess", seq_len=16, batch_size=64)
     train = TrainConfig(steps=400, stage="sparse", learning_rate=3e-3, warmup_steps=20, log_every=50)
     return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=-1))

@@ -4,11 +4,11 @@ plateaus near the teacher's quality (~0.6) and RL (configs/rl_sort.py) has room 
 
     python train.py --config=configs/sort_sft.py --workdir=/tmp/glm5_sort_sft
 """
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
 from glm5_jax.data.sort_task import EOS_ID, PAD_ID, SORT
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 
 def get_config() -> ExperimentConfig:
@@ -19,8 +19,8 @@ def get_config() -> ExperimentConfig:
         index_topk=10,                     # < the 15-token example: the top-k selection is real
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
         num_nextn_predict_layers=0, mtp_depth=0, max_position_embeddings=64, initializer_range=0.02,
-        eos_token_id=(EOS_ID,), pad_token_id=PAD_ID, bos_token_id=None, remat_policy="none",
-        moe_impl="blocked", mla_form="mha")
+        eos_token_id=(EOS_ID,), pad_token_id=PAD_ID, bos_token_id=None,
+        runtime=RuntimeConfig(remat_policy="none", moe_impl="blocked", mla_form="mha"))
     data = DataConfig(source=SORT, seq_len=16, batch_size=128)
     train = TrainConfig(steps=300, stage="sparse", learning_rate=1e-3, warmup_steps=20, log_every=20,
                         eval_every=100, eval_batches=4, checkpoint_every=100, bias_update_rate=1e-3,

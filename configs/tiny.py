@@ -1,9 +1,9 @@
 """A small but complete GLM-5 (MLA + DSA with a real top-k + MoE + MTP) that trains on 2 CPU cores in
 minutes on the embedded corpus (the Python standard library's source, BPE-tokenised in the workdir)."""
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 
 def get_config() -> ExperimentConfig:
@@ -13,8 +13,8 @@ def get_config() -> ExperimentConfig:
         v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=64,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
         num_nextn_predict_layers=1, mtp_depth=1, max_position_embeddings=4096, initializer_range=0.02,
-        eos_token_id=(1,), pad_token_id=0, bos_token_id=None, remat_policy="none", moe_impl="blocked",
-        projection_impl="cpu_transposed_grad")
+        eos_token_id=(1,), pad_token_id=0, bos_token_id=None,
+        runtime=RuntimeConfig(remat_policy="none", moe_impl="blocked", projection_impl="cpu_transposed_grad"))
     data = DataConfig(source="stdlib", vocab_size=4096, seq_len=256, batch_size=8, max_corpus_bytes=8_000_000)
     train = TrainConfig(steps=300, stage="sparse", learning_rate=3e-3, warmup_steps=30, log_every=10, bias_update_rate=1e-2,
                         eval_every=50, eval_batches=4, checkpoint_every=100)

@@ -13,8 +13,8 @@ The long stage takes the short stage's weights and tokenizer (train.init_from); 
 a few minutes on two cores); index_topk = 64 is a sixteenth of the long stage's rows.
 """
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.parallel.mesh import MeshConfig
 
 from configs.tiny import get_config as tiny_config
 

@@ -6,7 +6,7 @@ import os
 import shutil
 import tempfile
 
-from glm5_jax.safetensors_io import CheckpointError
+from glm5_jax.checkpoint.errors import CheckpointError
 
 
 def check_output_dir(out_dir: str, overwrite: bool) -> None:

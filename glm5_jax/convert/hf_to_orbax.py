@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from glm5_jax.config import ConfigError, ModelConfig
+from glm5_jax.model.config import ConfigError, ModelConfig
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
 from glm5_jax.convert import int4_layout
 from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, scale_key
@@ -25,8 +25,9 @@ from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import LeafWriter
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
-from glm5_jax.hf_config import read_config_json
-from glm5_jax.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from glm5_jax.hf.config import config_from_hf, read_config_json
+from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
+from glm5_jax.checkpoint.errors import CheckpointError
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -36,9 +37,9 @@ def read_hf_config(hf_dir: str) -> dict:
         raise CheckpointError(f"{hf_dir}: {e}") from None
 
 
-def config_from_hf(hf: dict, hf_dir: str, dtype: str) -> ModelConfig:
+def hub_model_config(hf: dict, hf_dir: str, dtype: str) -> ModelConfig:
     try:
-        return ModelConfig.from_hf(hf, dtype=dtype, param_dtype=dtype)
+        return config_from_hf(hf, dtype=dtype, param_dtype=dtype)
     except (ConfigError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{hf_dir}/config.json: invalid model config: {e}") from None
 
@@ -51,7 +52,7 @@ def config_to_json(cfg: ModelConfig) -> dict:
 
 
 def config_from_json(fields: dict) -> ModelConfig:
-    return ModelConfig(**fields)
+    return ModelConfig.from_fields(fields)
 
 
 def build_leaf(reader: HubReader, leaf: LeafPlan, dtype, mesh) -> jax.Array:
@@ -80,7 +81,7 @@ def open_hub(hf_dir: str, dtype: str):
     """(config.json dict, ModelConfig, HubReader, leaf plan) of a hub checkpoint directory; a checkpoint
     without MTP weights (HF save_pretrained drops them) plans no MTP module."""
     hf = read_hf_config(hf_dir)
-    cfg = config_from_hf(hf, hf_dir, dtype)
+    cfg = hub_model_config(hf, hf_dir, dtype)
     ckpt = SafetensorsCheckpoint(hf_dir)
     qc = hf.get("quantization_config") or {}
     if qc.get("quant_method") == "compressed-tensors":      # INT4 experts: read as their dequantised values

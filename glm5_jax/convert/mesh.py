@@ -11,7 +11,7 @@ import math
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from glm5_jax.safetensors_io import CheckpointError
+from glm5_jax.checkpoint.errors import CheckpointError
 
 LOGICAL_RULES = (
     ("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("mlp_moe", "tensor"), ("exp", "expert"),

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
-from glm5_jax.safetensors_io import CheckpointError
+from glm5_jax.checkpoint.errors import CheckpointError
 
 STEP = 0
 STATE_ITEM = "state"

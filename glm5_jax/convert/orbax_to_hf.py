@@ -16,7 +16,7 @@ import re
 import ml_dtypes
 import numpy as np
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.convert import fp8 as fp8_layout
 from glm5_jax.convert import int4_layout
 from glm5_jax.convert import orbax_io
@@ -26,7 +26,9 @@ from glm5_jax.convert.hub_reader import scale_key, transpose_copy
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
-from glm5_jax.safetensors_io import DTYPES, CheckpointError
+from glm5_jax.hf.safetensors_io import DTYPES
+from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.hf.config import config_from_hf, config_to_hf
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -52,12 +54,12 @@ def export_hf_config(cfg: ModelConfig, source_hf: dict | None, dtype_name: str, 
     """``ModelConfig.to_hf``; a model it cannot express (DeepSeek-V3.2's half-split indexer RoPE) keeps
     its source config.json, which must describe the same architecture."""
     try:
-        hf = cfg.to_hf()
+        hf = config_to_hf(cfg)
     except ValueError as e:
         if source_hf is None:
             raise CheckpointError(f"cannot write config.json: {e}") from None
         hf = {k: v for k, v in source_hf.items() if k != "quantization_config"}
-        same = ModelConfig.from_hf(hf, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        same = config_from_hf(hf, dtype=cfg.runtime.dtype, param_dtype=cfg.runtime.param_dtype)
         if cfg.num_nextn_predict_layers == 0:
             hf["num_nextn_predict_layers"] = 0
             same = same.replace(num_nextn_predict_layers=0, mtp_depth=0)

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from glm5_jax.safetensors_io import DTYPES, INDEX_FILE
+from glm5_jax.hf.safetensors_io import DTYPES, INDEX_FILE
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 

@@ -11,16 +11,17 @@ import os
 
 import numpy as np
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.convert import fp8 as fp8_layout
 from glm5_jax.convert.hub_reader import scale_key
 from glm5_jax.convert.plan import build_plan
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
+from glm5_jax.hf.config import config_from_hf
 
 
 def write_random_hub_checkpoint(out_dir: str, hf_config: dict, dtype=np.float32, seed: int = 0,
                                 max_shard_bytes: int = 2**30, fp8: bool = False) -> None:
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     plan = build_plan(cfg)
     tensors = []
     for leaf in plan:

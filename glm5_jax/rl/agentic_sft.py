@@ -20,13 +20,13 @@ import numpy as np
 import optax
 from flax.core import meta as flax_meta
 
-from glm5_jax.generate import Sampler
-from glm5_jax.moe import BIAS_COLLECTION
+from glm5_jax.generate.decoding import Sampler
+from glm5_jax.model.moe.layer import BIAS_COLLECTION
 from glm5_jax.rl.agentic import make_env, sft_seed, stop_token_ids
 from glm5_jax.rl.env import Sampled, episodes_to_batch, run_episode
 from glm5_jax.rl.number_guess import teacher_guess
 from glm5_jax.rl.policy import Policy, completion_logprobs, rl_model_config
-from glm5_jax.sharding import build_mesh
+from glm5_jax.parallel.mesh import build_mesh
 
 log = logging.getLogger("glm5_jax.rl")
 SFT_SOURCE = "number_guess"          # DataConfig.source of an SFT config for the number_guess environment
@@ -68,8 +68,8 @@ def train_teacher_sft(sft_cfg, sft_workdir: str, env_name: str, agentic) -> int:
     the final checkpoint; returns its step."""
     import orbax.checkpoint as ocp
 
-    from glm5_jax.checkpointing import config_as_json
-    from glm5_jax.rl.sft import sft_checkpoint_dir
+    from glm5_jax.checkpoint.run import config_as_json
+    from glm5_jax.rl.config import sft_checkpoint_dir
 
     if sft_cfg.data.source != SFT_SOURCE:
         raise ValueError(f"an SFT config for {env_name!r} needs data.source={SFT_SOURCE!r}, "

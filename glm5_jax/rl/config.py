@@ -9,11 +9,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from glm5_jax.config import DTYPES
-from glm5_jax.experiment import apply_overrides, load_config_file
-from glm5_jax.sharding import MeshConfig
+from glm5_jax.model.config import DTYPES
+from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.parallel.mesh import MeshConfig
 
 LOSSES = ("dis", "icepop", "ppo_clip")
+
+
+def sft_checkpoint_dir(sft_workdir: str) -> str:
+    """Where the SFT run that starts an RL run keeps its orbax checkpoints."""
+    return os.path.join(os.path.abspath(sft_workdir), "checkpoints")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,17 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
-from glm5_jax.generate import Sampler
-from glm5_jax.model import Transformer
-from glm5_jax.moe import BIAS_COLLECTION
-from glm5_jax.sharding import logical_shardings
-from glm5_jax.train_step import _MeshAndRules
+from glm5_jax.generate.decoding import Sampler
+from glm5_jax.model.transformer import Transformer
+from glm5_jax.model.moe.layer import BIAS_COLLECTION
+from glm5_jax.parallel.mesh import logical_shardings
+from glm5_jax.train.step import _MeshAndRules
 
 
 def rl_model_config(sft_model_cfg):
     """Sparse DSA attention, no indexer loss, and the sampler's MLA form (`generate.decode_config`:
     absorbed latent attention) so learner and sampler compute the same numbers (TITO ratio = 1 on-policy)."""
-    from glm5_jax.generate import decode_config
+    from glm5_jax.generate.decoding import decode_config
 
     return decode_config(sft_model_cfg).replace(attention_mode="sparse", indexer_loss="none")
 

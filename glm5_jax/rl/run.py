@@ -30,9 +30,7 @@ log = logging.getLogger("glm5_jax.rl")
 def child_env(compile_cache: str | None = None) -> dict:
     """This checkout's glm5_jax first on the children's path (not whatever else is installed), and a
     persistent XLA compilation cache so a restarted process does not compile everything again."""
-    import glm5_jax
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(glm5_jax.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # above glm5_jax/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if compile_cache and "JAX_COMPILATION_CACHE_DIR" not in env:
@@ -106,7 +104,7 @@ class Supervisor:
         """Runs until the learner's last version. Fault injection: `chaos_roles` (role names or prefixes
         such as "gen") limits which children may be killed; the first kill is timed from the commit of
         version `chaos_after_version` (0: from the start, whatever is committed)."""
-        from glm5_jax.rl.handoff import committed_versions, policy_dir
+        from glm5_jax.checkpoint.handoff import committed_versions, policy_dir
 
         os.makedirs(self.log_dir, exist_ok=True)
         if not self.num_servers:

@@ -7,13 +7,10 @@ from __future__ import annotations
 import logging
 import os
 
-from glm5_jax.moe import BIAS_COLLECTION
+from glm5_jax.model.moe.layer import BIAS_COLLECTION
+from glm5_jax.rl.config import sft_checkpoint_dir
 
 log = logging.getLogger("glm5_jax.rl")
-
-
-def sft_checkpoint_dir(sft_workdir: str) -> str:
-    return os.path.join(os.path.abspath(sft_workdir), "checkpoints")
 
 
 def final_sft_step(sft_cfg, sft_workdir: str) -> int | None:
@@ -35,7 +32,7 @@ def ensure_sft(sft_cfg, sft_workdir: str, exp=None) -> int:
 
             train_teacher_sft(sft_cfg, sft_workdir, exp.rl.task, exp.agentic)
         else:
-            from glm5_jax.training import run_training
+            from glm5_jax.train.loop import run_training
 
             run_training(sft_cfg, sft_workdir)
         step = final_sft_step(sft_cfg, sft_workdir)
@@ -48,7 +45,7 @@ def ensure_sft(sft_cfg, sft_workdir: str, exp=None) -> int:
 def load_sft_variables(sft_cfg, sft_workdir: str, policy) -> dict:
     """{"params", "moe_bias"} of the final SFT step, placed on `policy`'s mesh (train.init_from's reader:
     only the weights are read, and a model that does not fit names the first differing parameter)."""
-    from glm5_jax.init_from import load_weights
+    from glm5_jax.train.init_from import load_weights
 
     if final_sft_step(sft_cfg, sft_workdir) is None:
         raise FileNotFoundError(f"no finished SFT checkpoint (step {sft_cfg.train.steps}) under "

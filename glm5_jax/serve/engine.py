@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.generate import PREFILL_CHUNK, Sampler, decode_config
-from glm5_jax.kv_cache import init_cache
-from glm5_jax.model import Transformer
+from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config
+from glm5_jax.model.kv_cache import init_cache
+from glm5_jax.model.transformer import Transformer
 from glm5_jax.serve import cache_rows
 from glm5_jax.serve.model_step import decode_logits
 from glm5_jax.serve.sampling import sample_rows

@@ -5,7 +5,7 @@ signature or return type is adapted here only.
 """
 from __future__ import annotations
 
-from glm5_jax.model import Transformer
+from glm5_jax.model.transformer import Transformer
 
 
 def decode_logits(model: Transformer, variables, tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):

@@ -1,7 +1,7 @@
 """Hot reload: poll for a newer committed step and hand its weights to the engine.
 
 Two sources: a checkpoint directory as `load_for_inference` reads it (train.py workdir, its checkpoints/,
-a converter output), or an RL run's policy versions (`glm5_jax.rl.handoff`: only versions carrying the
+a converter output), or an RL run's policy versions (`glm5_jax.checkpoint.handoff`: only versions carrying the
 commit marker count). A step is loaded on the watcher's thread, so serving continues meanwhile; the
 engine swaps the weights in between two decode steps. A checkpoint step whose model config differs from
 the served one is refused (logged and counted) rather than loaded.
@@ -13,8 +13,8 @@ import threading
 
 import jax
 
-from glm5_jax.inference_checkpoint import latest_step, load_for_inference
-from glm5_jax.rl.handoff import PolicyReader
+from glm5_jax.checkpoint.inference import latest_step, load_for_inference
+from glm5_jax.checkpoint.handoff import PolicyReader
 
 log = logging.getLogger("glm5_jax.serve")
 

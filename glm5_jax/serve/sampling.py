@@ -1,6 +1,6 @@
 """Per-row sampling for a batch whose rows belong to different requests.
 
-`glm5_jax.generate.Sampler` fixes temperature / top-p / top-k for the whole batch (they are static
+`glm5_jax.generate.decoding.Sampler` fixes temperature / top-p / top-k for the whole batch (they are static
 under jit); here they are arrays [B], one value per slot, with the same semantics: the log-probabilities
 of ``log_softmax(logits / temperature)`` restricted and renormalised to the top-k, then top-p set, and for
 ``temperature == 0`` (greedy) those of the untempered model distribution. Each row draws with its own

@@ -4,7 +4,7 @@ Grid (row block i, output tile j, contraction tile k). The expert of each row bl
 blocks holding rows arrive by scalar prefetch; the weight BlockSpec picks the block's expert, so only
 packed INT4 words (K*N/2 bytes per expert) and their scales travel from HBM. In VMEM each chunk of 8G
 contraction rows is rebuilt from its G packed rows: nibble j of those words is scale group j of the
-chunk (layout in glm5_jax/quant/int4.py), so a shift, a mask, a subtract and one broadcast scale row per
+chunk (layout in packing.py), so a shift, a mask, a subtract and one broadcast scale row per
 group give the fp32 weights q * s, cast to the activation dtype for the MXU; products accumulate in an
 fp32 VMEM scratch over the k tiles. Blocks past ``n_used`` (padding) write zeros without computing.
 """

@@ -2,16 +2,16 @@
 
 Rows come in blocks of m rows that all belong to one expert (the MoE's expert-sorted, block-padded
 layout): ``y[i] = x[i] @ dequantize(w[expert[i]])`` for the first ``n_used`` blocks, 0 for the rest.
-Weights are packed by `glm5_jax.quant.int4` (int32 words [E, K/8, N], scales [E, K/G, N]).
+Weights are packed as `packing` lays them out (int32 words [E, K/8, N], scales [E, K/G, N]).
 """
 import jax.numpy as jnp
 
-from glm5_jax.quant import int4
+from pallas_kernels.int4_matmul import packing
 
 
 def dequantized_weights(packed_EkN, scale_EgN, group_size, dtype):
     """[E, K, N] in `dtype`: fp32 q * scale (exact for bf16 scales), then cast — as the kernel does."""
-    return int4.dequantize_packed(packed_EkN, scale_EgN, group_size, jnp.float32).astype(dtype)
+    return packing.dequantize_packed(packed_EkN, scale_EgN, group_size, jnp.float32).astype(dtype)
 
 
 def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size):

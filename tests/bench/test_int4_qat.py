@@ -6,7 +6,7 @@ import os
 import numpy as np
 
 from bench.int4_qat import experiment, lm_eval_batches, lm_evaluate, rows_for, train
-from glm5_jax.inference_checkpoint import load_for_inference
+from glm5_jax.checkpoint.inference import load_for_inference
 
 # configs/int4_lm.py at the size of tests/train/small_run_config.py: a few steps in seconds
 SMALL = ["model.vocab_size=512", "data.vocab_size=512", "data.max_corpus_bytes=150000", "data.min_eval_docs=2",

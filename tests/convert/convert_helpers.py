@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from glm5_jax.safetensors_io import SafetensorsCheckpoint
+from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
 
 GLM_KW = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,

@@ -11,7 +11,8 @@ import pytest
 from convert_helpers import GLM_KW, siblings
 from glm5_jax.convert import hf_to_orbax, orbax_to_hf
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
-from glm5_jax.safetensors_io import INDEX_FILE, CheckpointError
+from glm5_jax.hf.safetensors_io import INDEX_FILE
+from glm5_jax.checkpoint.errors import CheckpointError
 
 CONFIG = {**GLM_KW, "model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1, "eos_token_id": 1,
           "pad_token_id": None}

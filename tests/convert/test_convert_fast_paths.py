@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 
 from convert_helpers import GLM_KW
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.convert import hub_reader
 from glm5_jax.convert.hub_reader import HubReader, read_leaf_slice, transpose_copy
 from glm5_jax.convert.plan import build_plan
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
-from glm5_jax.hf_layout import to_ours
-from glm5_jax.safetensors_io import SafetensorsCheckpoint
+from glm5_jax.hf.layout import to_ours
+from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
+from glm5_jax.hf.config import config_from_hf
 
 CONFIG = {**GLM_KW, "model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1, "eos_token_id": 1,
           "pad_token_id": None}
@@ -36,7 +37,7 @@ def test_leaves_read_through_the_reused_buffer_match_the_reference(tmp_path, mon
     write_random_hub_checkpoint(str(tmp_path / "hf"), CONFIG, dtype=ml_dtypes.bfloat16)
     ckpt = SafetensorsCheckpoint(str(tmp_path / "hf"))
     reader = HubReader(ckpt)
-    plan = build_plan(ModelConfig.from_hf(CONFIG))
+    plan = build_plan(config_from_hf(CONFIG))
     first = {leaf.name: read_leaf_slice(reader, leaf, (), ckpt.raw(leaf.hub_keys()[0]).dtype) for leaf in plan}
     for leaf in reversed(plan):
         got = read_leaf_slice(reader, leaf, (), ckpt.raw(leaf.hub_keys()[0]).dtype)
@@ -69,10 +70,10 @@ def test_plan_traced_on_the_cheap_path_matches_the_model():
     from flax.core import meta
     import jax
 
-    from glm5_jax.param_count import abstract_variables
+    from glm5_jax.model.param_count import abstract_variables
 
     for hf in (CONFIG, {**CONFIG, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}):
-        cfg = ModelConfig.from_hf(hf)
+        cfg = config_from_hf(hf)
         leaves = jax.tree_util.tree_leaves_with_path(abstract_variables(cfg),
                                                      is_leaf=lambda x: isinstance(x, meta.Partitioned))
         want = {tuple(k.key for k in path): (tuple(meta.unbox(x).shape), tuple(x.names)) for path, x in leaves}
@@ -123,7 +124,7 @@ def test_import_error_in_reader_thread_writes_nothing(tmp_path, monkeypatch):
     after validation) surfaces in the caller and leaves no output or temporary directory."""
     from convert_helpers import siblings
     from glm5_jax.convert import hf_to_orbax
-    from glm5_jax.safetensors_io import CheckpointError
+    from glm5_jax.checkpoint.errors import CheckpointError
 
     write_random_hub_checkpoint(str(tmp_path / "hf"), CONFIG, dtype=ml_dtypes.bfloat16)
     calls, real = [], hub_reader.read_leaf_slice

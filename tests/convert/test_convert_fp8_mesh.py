@@ -9,14 +9,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from convert_helpers import GLM_KW
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.convert import hf_to_orbax, orbax_to_hf
 from glm5_jax.convert.hub_reader import HubReader, read_leaf_slice
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.plan import build_plan
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
-from glm5_jax.hf_layout import to_ours
-from glm5_jax.safetensors_io import SafetensorsCheckpoint
+from glm5_jax.hf.layout import to_ours
+from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
+from glm5_jax.hf.config import config_from_hf
 
 # hidden 160 and q_lora 136: several 128-blocks per weight with ragged edges
 FP8_CONFIG = {**GLM_KW, "model_type": "glm_moe_dsa", "hidden_size": 160, "q_lora_rank": 136,
@@ -76,7 +77,7 @@ def test_fp8_import_matches_dequantised_reference_and_export_round_trips(tmp_pat
     reference = write_fp8_from(str(tmp_path / "bf16"), str(tmp_path / "fp8"))
     assert any(k.endswith("kv_a_proj_with_mqa.weight_scale_inv") for k in SafetensorsCheckpoint(str(tmp_path / "fp8")).keys())
     hf_to_orbax(str(tmp_path / "fp8"), str(tmp_path / "orbax"), dtype="float32")
-    cfg = ModelConfig.from_hf(FP8_CONFIG)
+    cfg = config_from_hf(FP8_CONFIG)
     state = restore_state(tmp_path / "orbax")
     for leaf in build_plan(cfg):
         got = state[leaf.collection]
@@ -121,7 +122,7 @@ def test_each_device_reads_only_its_slice(tmp_path):
     write_random_hub_checkpoint(str(tmp_path / "hf"), FP8_CONFIG, dtype=np.float32, fp8=True)
     reader = HubReader(SafetensorsCheckpoint(str(tmp_path / "hf")))
     mesh = parse_mesh("fsdp:2,expert:2,tensor:2")
-    for leaf in build_plan(ModelConfig.from_hf(FP8_CONFIG)):
+    for leaf in build_plan(config_from_hf(FP8_CONFIG)):
         whole = read_leaf_slice(reader, leaf, (), np.float32)
         sharding = leaf_sharding(mesh, leaf.shape, leaf.logical_axes)
         for index in sharding.devices_indices_map(leaf.shape).values():

@@ -12,8 +12,8 @@ import pytest
 from convert_helpers import assert_same_tensors, hf_logits, save_hf_model
 from glm5_jax.convert import hf_to_orbax, load_model_config, orbax_to_hf
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
-from glm5_jax.hf_checkpoint import load_hf
-from glm5_jax.safetensors_io import INDEX_FILE
+from glm5_jax.hf.checkpoint import load_hf
+from glm5_jax.hf.safetensors_io import INDEX_FILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,7 +68,7 @@ def test_cli_end_to_end_with_mtp_and_sharded_input(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "hf-to-orbax:" in r.stderr and "tensors" in r.stderr and "peak RSS" in r.stderr and "MB/s" in r.stderr
     cfg = load_model_config(str(tmp_path / "orbax"))
-    assert cfg.num_nextn_predict_layers == 1 and cfg.param_dtype == "bfloat16"
+    assert cfg.num_nextn_predict_layers == 1 and cfg.runtime.param_dtype == "bfloat16"
     assert "mtp" in restore_state(tmp_path / "orbax")["params"]
     r = cli("orbax-to-hf", f"--ckpt_dir={tmp_path / 'orbax'}", f"--out_dir={tmp_path / 'back'}", "--shard_size=300KB")
     assert r.returncode == 0, r.stderr

@@ -12,9 +12,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax import Transformer
-from glm5_jax import generate as gen
-from glm5_jax.kv_cache import cache_shardings, constrain_cache, init_cache
-from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh
+from glm5_jax.generate import decoding as gen
+from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache
+from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 from tests.generate.tiny_models import TINY, full_logits, init_variables
 
 TOL = 1e-5

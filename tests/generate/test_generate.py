@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.generate import Sampler, generate
+from glm5_jax.generate.decoding import Sampler, generate
 from tests.generate.tiny_models import TINY, full_logits, init_variables
 
 LENGTHS = np.array([5, 11])

@@ -3,7 +3,7 @@ import numpy as np
 import torch
 
 from glm5_jax import load_hf
-from glm5_jax.generate import generate
+from glm5_jax.generate.decoding import generate
 from tests.model.hf_fixtures import build_hf_model
 
 

@@ -6,8 +6,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from glm5_jax.generate import generate
-from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh
+from glm5_jax.generate.decoding import generate
+from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 from tests.generate.test_generate import LENGTHS, N, prompts
 from tests.generate.tiny_models import TINY, init_variables
 

@@ -8,7 +8,7 @@ from flax.core import meta
 from jax.sharding import NamedSharding
 
 from glm5_jax import Transformer
-from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh
+from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 from tests.model.test_model_properties import TINY
 
 CFG = TINY.replace(num_nextn_predict_layers=0, mtp_depth=0)

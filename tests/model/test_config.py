@@ -11,6 +11,8 @@ from transformers import GlmMoeDsaConfig
 
 from configs.glm5_744b import model_config
 from glm5_jax import ConfigError, ModelConfig, count_params
+from glm5_jax.hf.config import config_from_hf, config_to_hf
+from glm5_jax.model.config import RUNTIME_FIELDS
 
 # docs/architecture.md#notation-and-sizes: the reconstructed zai-org/GLM-5 config.json
 GLM5_CONFIG_JSON = {
@@ -37,23 +39,23 @@ def architecture(cfg):
 
 def test_glm5_config_json_gives_the_744b_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GLM5_CONFIG_JSON))
-    assert architecture(ModelConfig.from_hf(tmp_path)) == architecture(model_config())
+    assert architecture(config_from_hf(tmp_path)) == architecture(model_config())
 
 
 def test_to_hf_round_trips_and_transformers_accepts_it():
     glm52_pattern = ("full",) * 3 + ("shared", "shared", "shared", "full") * 18 + ("shared",) * 3   # GLM-5.2 style
     cfg = model_config().replace(indexer_types=glm52_pattern)
-    hf = cfg.to_hf()
-    assert architecture(ModelConfig.from_hf(hf)) == architecture(cfg)
+    hf = config_to_hf(cfg)
+    assert architecture(config_from_hf(hf)) == architecture(cfg)
     hf_cfg = GlmMoeDsaConfig(**{k: v for k, v in hf.items() if k != "architectures"})
     assert hf_cfg.indexer_types == list(cfg.indexer_types)
     assert hf_cfg.qk_head_dim == 256 and hf_cfg.mlp_layer_types[:4] == ["dense"] * 3 + ["sparse"]
-    assert architecture(ModelConfig.from_hf(hf_cfg.to_dict())) == architecture(cfg)
+    assert architecture(config_from_hf(hf_cfg.to_dict())) == architecture(cfg)
 
 
 def test_index_sharing_schedule_follows_hf():
     hf = dict(GLM5_CONFIG_JSON, num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3)
-    ours = ModelConfig.from_hf(hf).layer_indexer_types
+    ours = config_from_hf(hf).layer_indexer_types
     assert ours == tuple(GlmMoeDsaConfig(num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3).indexer_types)
     assert ours[:7] == ("full", "full", "full", "shared", "shared", "shared", "full")
 
@@ -66,7 +68,8 @@ def test_index_sharing_schedule_follows_hf():
     (dict(qk_rope_head_dim=63), "qk_rope_head_dim"), (dict(first_k_dense_replace=99), "first_k_dense_replace"),
 ])
 def test_validation_names_the_field(change, field):
-    with pytest.raises(ConfigError, match=rf"ModelConfig\.{field}="):
+    owner = "RuntimeConfig" if field in RUNTIME_FIELDS else "ModelConfig"
+    with pytest.raises(ConfigError, match=rf"{owner}\.{field}="):
         model_config().replace(**change)
 
 
@@ -77,15 +80,15 @@ def test_validation_names_the_field(change, field):
 ])
 def test_from_hf_rejects_unsupported_configs(change, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf({**GLM5_CONFIG_JSON, **change})
+        config_from_hf({**GLM5_CONFIG_JSON, **change})
 
 
 def test_from_hf_reports_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="no HF config"):
-        ModelConfig.from_hf(tmp_path)
+        config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        ModelConfig.from_hf(tmp_path)
+        config_from_hf(tmp_path)
 
 
 def test_glm5_parameter_counts():
@@ -103,26 +106,32 @@ def test_dtypes_given_as_jax_or_numpy_dtypes():
     import numpy as np
 
     cfg = model_config().replace(dtype=jnp.bfloat16, param_dtype=np.float32)
-    assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
+    assert (cfg.runtime.dtype, cfg.runtime.param_dtype) == ("bfloat16", "float32")
     assert cfg == model_config().replace(dtype="bfloat16", param_dtype="float32")
-    with pytest.raises(ConfigError, match=r"ModelConfig\.dtype=.*not a dtype"):
+    with pytest.raises(ConfigError, match=r"RuntimeConfig\.dtype=.*not a dtype"):
         model_config().replace(dtype=object())
-    with pytest.raises(ConfigError, match=r"ModelConfig\.dtype='int8'"):
+    with pytest.raises(ConfigError, match=r"RuntimeConfig\.dtype='int8'"):
         model_config().replace(dtype=jnp.int8)
 
 
 def test_runtime_fields_live_apart_from_the_architecture():
-    """Implementation switches are a RuntimeConfig inside ModelConfig; the old flat names still construct,
-    replace, read and --set, and a removed switch fails naming what replaces it."""
-    from glm5_jax.config import RuntimeConfig
-    from glm5_jax.experiment import apply_overrides, load_config_file
+    """Implementation switches are a RuntimeConfig inside ModelConfig, read as cfg.runtime.<name>; the flat
+    names still replace, --set and load from stored dicts, and a removed switch fails naming what replaces it."""
+    from glm5_jax.model.config import RuntimeConfig
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
 
     cfg = model_config()
     assert cfg.runtime == RuntimeConfig(dtype="bfloat16", param_dtype="float32")
     moved = cfg.replace(attention_impl="pallas", remat_policy="none")
     assert moved.runtime == cfg.runtime.replace(attention_impl="pallas", remat_policy="none")
-    assert moved.attention_impl == "pallas" and architecture(moved) == architecture(cfg)
-    assert ModelConfig(attention_impl="reference").runtime.attention_impl == "reference"
+    assert moved.runtime.attention_impl == "pallas" and architecture(moved) == architecture(cfg)
+    assert not hasattr(moved, "attention_impl")            # read through cfg.runtime only
+    flat = ModelConfig.from_fields({"attention_impl": "reference", "remat_policy": "none"})
+    assert flat.runtime == RuntimeConfig(attention_impl="reference", remat_policy="none")
+    with pytest.raises(TypeError):
+        ModelConfig(attention_impl="reference")            # the constructor takes runtime=RuntimeConfig(...)
+    with pytest.raises(ConfigError, match="sparse_xla_form was removed"):
+        ModelConfig.from_fields({"sparse_xla_form": "gather"})
     tiny = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny.py")
     exp = apply_overrides(load_config_file(tiny), ["model.attention_impl=pallas_interpret",
                                                     "model.runtime.mla_form=mha"])
@@ -131,5 +140,5 @@ def test_runtime_fields_live_apart_from_the_architecture():
         apply_overrides(exp, ["model.sparse_xla_form=gather"])
     with pytest.raises(ConfigError, match="sparse_xla_form was removed"):
         model_config().replace(sparse_xla_form="gather")
-    with pytest.raises(ConfigError, match=r"ModelConfig\.moe_ep='nccl': must be one of"):
+    with pytest.raises(ConfigError, match=r"RuntimeConfig\.moe_ep='nccl': must be one of"):
         model_config().replace(moe_ep="nccl")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.layers import einsum
+from glm5_jax.model.layers import einsum
 
 SPECS = [  # (spec, x shape, w shape): every projection form the model uses
     ("btd,dv->btv", (2, 6, 8), (8, 10)),

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 from flax.core import meta
 
-from glm5_jax.config import ModelConfig
-from glm5_jax.moe import MoE, grouped_swiglu, route
-from glm5_jax.moe_ep import capacity
-from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
+from glm5_jax.model.moe.layer import MoE, grouped_swiglu, route
+from glm5_jax.model.moe.expert_parallel import capacity
+from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 
 CFG = ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, first_k_dense_replace=1,
                   intermediate_size=32, num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8,
                   qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=4,
                   n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=12,
-                  initializer_range=0.3, remat_policy="none")
+                  initializer_range=0.3, runtime=RuntimeConfig(remat_policy="none"))
 B, T = 8, 16
 
 

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import pytest
 from flax.core import meta
 
-from glm5_jax.config import ModelConfig
-from glm5_jax.moe import MoE
-from glm5_jax.moe_ep import capacity
-from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh, logical_shardings
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
+from glm5_jax.model.moe.layer import MoE
+from glm5_jax.model.moe.expert_parallel import capacity
+from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh, logical_shardings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="libtpu is not importable (pip install -r requirements-tpu.txt)")
@@ -27,8 +27,9 @@ N = B * T
 CFG = ModelConfig(vocab_size=128, hidden_size=D, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=64,
                   num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
                   v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=4, n_routed_experts=E,
-                  num_experts_per_tok=K, n_shared_experts=0, moe_intermediate_size=F, dtype="bfloat16",
-                  param_dtype="float32", moe_ep="ragged_a2a", moe_capacity_factor=1.25, remat_policy="none")
+                  num_experts_per_tok=K, n_shared_experts=0, moe_intermediate_size=F,
+                  runtime=RuntimeConfig(dtype="bfloat16", param_dtype="float32", moe_ep="ragged_a2a",
+                                        moe_capacity_factor=1.25, remat_policy="none"))
 
 
 @pytest.mark.slow   # ~85 s of libtpu compile on one core (forward + backward, Mosaic ragged-dot kernels)

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.moe import grouped_swiglu
-from glm5_jax.moe_blocked import blocked_swiglu
+from glm5_jax.model.moe.layer import grouped_swiglu
+from glm5_jax.model.moe.blocked import blocked_swiglu
 
 
 def _inputs(N, E, K, D, F, seed=0, skew=False):
@@ -41,7 +41,7 @@ def test_blocked_matches_ragged_dot_forward_and_gradient(N, E, K, skew, form):
 
 def test_blocked_small_block_many_padded_groups():
     """Blocks much smaller than the groups, and experts with no rows at all."""
-    from glm5_jax import moe_blocked
+    from glm5_jax.model.moe import blocked as moe_blocked
 
     x, idx, wg, wu, wd = _inputs(40, 8, 1, D=6, F=5, skew=True)
     ref = grouped_swiglu(x, idx, wg, wu, wd, jnp.float32, "ragged_dot")

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 from flax.core import meta
 
 from glm5_jax import Transformer
-from glm5_jax.decoder import REMAT_POLICIES
-from glm5_jax.layer_plan import plan_segments
-from glm5_jax.moe import MoE
-from glm5_jax.sharding import DEFAULT_RULES, MeshConfig, build_mesh
+from glm5_jax.model.decoder import REMAT_POLICIES
+from glm5_jax.model.layer_plan import plan_segments
+from glm5_jax.model.moe.layer import MoE
+from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 from tests.model.test_model_properties import TINY, tokens
 from tests.model.test_moe_ep import CFG as EP_CFG
 

@@ -119,7 +119,7 @@ def _compiled_swiglu_gradients(impl) -> str:
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from glm5_jax.moe_experts import swiglu_rows
+    from glm5_jax.model.moe.experts import swiglu_rows
 
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
     mesh = Mesh(np.array(devices).reshape(-1), ("expert",))
@@ -169,8 +169,8 @@ def test_ragged_dot_weight_gradient_is_a_dense_masked_product_on_tpu():
 
 # ------------------------------------------------------------------ training steps
 def _train(moe_impl, moe_ep="none", mesh=None, steps=5):
-    from glm5_jax.sharding import MeshConfig, build_mesh
-    from glm5_jax.train_step import Trainer
+    from glm5_jax.parallel.mesh import MeshConfig, build_mesh
+    from glm5_jax.train.step import Trainer
     from tests.train.test_train_step import MODEL, batch, experiment
 
     mesh = mesh or MeshConfig(data=1, fsdp=1)
@@ -201,7 +201,7 @@ def test_five_training_steps_with_gmm_interpret_equal_ragged_dot():
 
 def test_five_expert_parallel_steps_with_gmm_interpret_equal_ragged_dot():
     """a2a transport over expert=2 (capacity-padded buffers, packed before the grouped matmul)."""
-    from glm5_jax.sharding import MeshConfig
+    from glm5_jax.parallel.mesh import MeshConfig
 
     mesh = MeshConfig(data=1, fsdp=1, expert=2, tensor=1)
     _assert_same_training(_train("gmm_interpret", "a2a", mesh), _train("ragged_dot", "a2a", mesh))

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from glm5_jax import Transformer
-from glm5_jax.generate import generate
-from glm5_jax.quant import EXPERT_WEIGHTS, int4, quantize_params
+from glm5_jax.generate.decoding import generate
+from glm5_jax.quant import int4
+from glm5_jax.model.moe.int4_weights import EXPERT_WEIGHTS, quantize_params
 from tests.generate.tiny_models import init_variables
 from tests.quant.quant_helpers import GROUP, TINY_Q, numpy_fake_quantize
 
@@ -52,7 +53,7 @@ def test_int4_greedy_decode_equals_qat_greedy_decode():
 
 
 def test_config_rejects_widths_int4_cannot_pack():
-    from glm5_jax.config import ConfigError
+    from glm5_jax.model.config import ConfigError
 
     with pytest.raises(ConfigError, match="hidden_size=64.*multiple of 256"):
         TINY_Q.replace(quant="int4_qat", quant_group_size=32)          # D = 64 is not a multiple of 8 * 32

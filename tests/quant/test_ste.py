@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.moe import MoE
+from glm5_jax.model.moe.layer import MoE
 from glm5_jax.quant import int4
 from tests.quant.quant_helpers import GROUP, TINY_Q, numpy_fake_quantize
 

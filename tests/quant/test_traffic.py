@@ -1,6 +1,6 @@
 """Decode bytes per token against a hand count for the tiny model and GLM-5's expert share."""
 from configs.glm5_744b import model_config
-from glm5_jax.quant.traffic import decode_bytes_per_token
+from glm5_jax.cost.decode_traffic import decode_bytes_per_token
 from tests.quant.quant_helpers import TINY_Q
 
 

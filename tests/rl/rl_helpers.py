@@ -1,7 +1,7 @@
 """A tiny sort-task GLM-5 (MLA + DSA top-k + MoE) for the RL tests, and its config file."""
 import textwrap
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.data.sort_task import EOS_ID, PAD_ID
 
 TINY_MODEL = dict(
@@ -14,7 +14,7 @@ TINY_MODEL = dict(
 
 
 def tiny_model_config(**changes) -> ModelConfig:
-    return ModelConfig(**{**TINY_MODEL, **changes})
+    return ModelConfig.from_fields({**TINY_MODEL, **changes})
 
 
 def write_tiny_configs(folder, *, sft_steps=3, num_versions=6, tau=1, lockstep=True, extra_rl="") -> str:
@@ -23,12 +23,12 @@ def write_tiny_configs(folder, *, sft_steps=3, num_versions=6, tau=1, lockstep=T
     sft.write_text(textwrap.dedent(f"""
         import dataclasses
         from configs.sort_sft import get_config as base
-        from glm5_jax.config import ModelConfig
+        from glm5_jax.model.config import ModelConfig
 
         def get_config():
             cfg = base()
             return dataclasses.replace(
-                cfg, model=ModelConfig(**{TINY_MODEL!r}),
+                cfg, model=ModelConfig.from_fields({TINY_MODEL!r}),
                 data=dataclasses.replace(cfg.data, batch_size=16),
                 train=dataclasses.replace(cfg.train, steps={sft_steps}, log_every=1, eval_every={sft_steps},
                                           eval_batches=1, checkpoint_every={sft_steps}, warmup_steps=1))

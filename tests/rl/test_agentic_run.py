@@ -24,11 +24,11 @@ def write_configs(folder):
     sft.write_text(textwrap.dedent(f"""
         import dataclasses
         from configs.guess_sft import get_config as base
-        from glm5_jax.config import ModelConfig
+        from glm5_jax.model.config import ModelConfig
 
         def get_config():
             cfg = base()
-            return dataclasses.replace(cfg, model=ModelConfig(**{model!r}),
+            return dataclasses.replace(cfg, model=ModelConfig.from_fields({model!r}),
                                        data=dataclasses.replace(cfg.data, batch_size=8),
                                        train=dataclasses.replace(cfg.train, steps=1, warmup_steps=1, log_every=1))
     """))

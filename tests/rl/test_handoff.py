@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.rl.handoff import HandoffError, PolicyReader, PolicyWriter, committed_versions
+from glm5_jax.checkpoint.handoff import HandoffError, PolicyReader, PolicyWriter, committed_versions
 
 
 def _vars(v):

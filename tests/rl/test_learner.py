@@ -14,7 +14,7 @@ import pytest
 from rl_helpers import tiny_model_config
 
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig
+from glm5_jax.train.experiment import ExperimentConfig
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig, RLExperiment
 from glm5_jax.rl.learner import SUMMARY, Learner, admit, check_sampled_like, rollout_sampler, watermark

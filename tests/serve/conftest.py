@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.data.tokenizer import train_bpe
-from glm5_jax.generate import generate
+from glm5_jax.generate.decoding import generate
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.engine import Engine
 from glm5_jax.serve.threaded import ThreadedServer

@@ -6,9 +6,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from glm5_jax.convert.hf_to_orbax import config_to_json
-from glm5_jax.generate import Sampler
+from glm5_jax.generate.decoding import Sampler
 from glm5_jax.serve.engine import Engine, Request
-from glm5_jax.rl.handoff import PolicyWriter
+from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
 from glm5_jax.serve.sampling import row_log_probs
 from tests.generate.tiny_models import init_variables

@@ -51,8 +51,8 @@ def compile_only(tmp_path, overrides):
 
 def state_param_count(overrides):
     """Parameters of the model the overrides describe (main stack + MTP), counted here from the config."""
-    from glm5_jax.experiment import apply_overrides, load_config_file
-    from glm5_jax.param_count import count_params
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
+    from glm5_jax.model.param_count import count_params
 
     cfg = apply_overrides(load_config_file(os.path.join(ROOT, "configs", "glm5_744b.py")), overrides).model
     counts = count_params(cfg)
@@ -75,7 +75,7 @@ def check_memory_and_flops(report, n_params):
     breakdown = report["breakdown"]
     assert math.isclose(sum(c["hlo_flops"] for c in breakdown.values()), report["hlo_flops"], rel_tol=1e-9)
     assert math.isclose(sum(c["bytes_accessed"] for c in breakdown.values()), report["bytes_accessed"], rel_tol=1e-9)
-    # executed matmul FLOPs over all chips vs the analytic model FLOPs (glm5_jax/flops.py): at least the
+    # executed matmul FLOPs over all chips vs the analytic model FLOPs (glm5_jax/cost/flops.py): at least the
     # model (x 4/3 for the full-remat recompute of the layers), at most ~4x (MTP layer + head, capacity
     # padding of the expert buffers, recompute)
     assert 1.3 < report["flops_per_model_flop"] < 4.0, report["flops_per_model_flop"]
@@ -136,7 +136,7 @@ def check_hand_counted_parts(report, hlo_path):
     weight gradient) in segment_0 and in the MTP, 4 times (+ recompute) in segment_1."""
     import gzip
 
-    from glm5_jax.hlo_cost import hlo_cost
+    from glm5_jax.cost.hlo_cost import hlo_cost
 
     tokens, D, V, H, v, E, F, K = 128, 128, 4096, 4, 32, 4, 128, 8
     breakdown = report["breakdown"]

@@ -13,14 +13,14 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.context_parallel import from_layout, to_layout
+from glm5_jax.parallel.context import from_layout, to_layout
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.hlo_collectives import collective_groups, spanned_axes
-from glm5_jax.hlo_cost import hlo_cost
-from glm5_jax.sharding import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
-from glm5_jax.step_categories import categorize
-from glm5_jax.train_step import Trainer
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.cost.collectives import collective_groups, spanned_axes
+from glm5_jax.cost.hlo_cost import hlo_cost
+from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
+from glm5_jax.cost.categories import categorize
+from glm5_jax.train.step import Trainer
 from tests.train.test_train_step import MODEL   # the same tiny GLM-5 as the single-device train-step tests
 
 B, T = 8, 64

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.optim import is_indexer_param
-from glm5_jax.sharding import MeshConfig, build_mesh
-from glm5_jax.train_step import Trainer
+from glm5_jax.train.optim import is_indexer_param
+from glm5_jax.parallel.mesh import MeshConfig, build_mesh
+from glm5_jax.train.step import Trainer
 from tests.train.test_train_step import MODEL, T, batch, experiment
 
 MESH = MeshConfig(data=1, fsdp=1)

@@ -1,11 +1,11 @@
-"""glm5_jax.hlo_collectives (replica groups -> partition ids -> mesh axes) and glm5_jax.ici (v5p torus
+"""glm5_jax.cost.collectives (replica groups -> partition ids -> mesh axes) and glm5_jax.cost.ici (v5p torus
 time of a collective), against hand-built groups and hand-computed link times."""
 import numpy as np
 import pytest
 
-from glm5_jax.hlo_collectives import collective_groups, moved_bytes, spanned_axes
-from glm5_jax.hlo_cost import CollectiveOp, StepTiming, hlo_cost
-from glm5_jax.ici import V5P_LINK_BYTES_PER_S, CollectiveModel
+from glm5_jax.cost.collectives import collective_groups, moved_bytes, spanned_axes
+from glm5_jax.cost.hlo_cost import CollectiveOp, StepTiming, hlo_cost
+from glm5_jax.cost.ici import V5P_LINK_BYTES_PER_S, CollectiveModel
 
 
 @pytest.mark.parametrize("attrs, groups", [

@@ -1,9 +1,9 @@
-"""glm5_jax.hlo_cost: matmul FLOPs of compiled programs with loop bodies multiplied by their trip counts."""
+"""glm5_jax.cost.hlo_cost: matmul FLOPs of compiled programs with loop bodies multiplied by their trip counts."""
 import jax
 import jax.numpy as jnp
 import pytest
 
-from glm5_jax.hlo_cost import hlo_cost
+from glm5_jax.cost.hlo_cost import hlo_cost
 
 D, M = 128, 64
 

@@ -1,4 +1,4 @@
-"""glm5_jax.hlo_cost on Mosaic custom calls of a real v5p compile (libtpu, no TPU): a Pallas kernel is
+"""glm5_jax.cost.hlo_cost on Mosaic custom calls of a real v5p compile (libtpu, no TPU): a Pallas kernel is
 counted by its declared `pl.CostEstimate`, `ragged_dot`'s Mosaic lowering by its own estimate, plain
 matmuls as compiler-visible FLOPs; the two kinds are reported apart."""
 import importlib.util
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from glm5_jax.hlo_cost import hlo_cost
+from glm5_jax.cost.hlo_cost import hlo_cost
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="libtpu is not importable (pip install -r requirements-tpu.txt)")

@@ -8,11 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.experiment import apply_overrides, load_config_file
-from glm5_jax.inference_checkpoint import load_for_inference
-from glm5_jax.init_from import ArchitectureMismatch, initial_state
-from glm5_jax.sharding import MeshConfig, build_mesh
-from glm5_jax.train_step import Trainer
+from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.checkpoint.inference import load_for_inference
+from glm5_jax.train.init_from import ArchitectureMismatch, initial_state
+from glm5_jax.parallel.mesh import MeshConfig, build_mesh
+from glm5_jax.train.step import Trainer
+from glm5_jax.hf.config import config_from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")
@@ -28,7 +29,7 @@ def _flat(tree):
 
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory):
-    from glm5_jax.training import run_training
+    from glm5_jax.train.loop import run_training
 
     workdir = str(tmp_path_factory.mktemp("dense"))
     run_training(small("train.stage=dense", "train.steps=2"), workdir)
@@ -36,7 +37,7 @@ def dense_run(tmp_path_factory):
 
 
 def test_warmup_run_starts_from_dense_run_weights(dense_run, tmp_path, caplog):
-    from glm5_jax.training import run_training
+    from glm5_jax.train.loop import run_training
 
     _, dense_vars, _ = load_for_inference(dense_run)
     cfg = small("train.stage=warmup", "train.steps=1", f"train.init_from={dense_run}")
@@ -95,15 +96,15 @@ def test_missing_source_and_keep_without_init_from_are_errors(tmp_path):
 
 
 def test_converter_output_restores_onto_a_sharded_fp32_run(tmp_path):
-    from glm5_jax.config import ModelConfig
+    from glm5_jax.model.config import ModelConfig
     from glm5_jax.convert import hf_to_orbax
-    from glm5_jax.hf_checkpoint import load_hf
+    from glm5_jax.hf.checkpoint import load_hf
     from tests.convert.convert_helpers import save_hf_model
 
     hf_dir = save_hf_model(str(tmp_path / "hf"))
     ckpt = str(tmp_path / "orbax")
     hf_to_orbax(hf_dir, ckpt, dtype="bfloat16")
-    model = ModelConfig.from_hf(hf_dir, remat_policy="none")
+    model = config_from_hf(hf_dir, remat_policy="none")
     cfg = dataclasses.replace(small(), model=model, mesh=MeshConfig(data=2, fsdp=2))
     trainer = Trainer(cfg, build_mesh(cfg.mesh, jax.devices()[:4]))
     state, _ = initial_state(trainer, ckpt)
@@ -120,7 +121,7 @@ def test_hf_checkpoint_step0_loss_equals_transformers_loss(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from glm5_jax.hf_checkpoint import load_hf
+    from glm5_jax.hf.checkpoint import load_hf
     from tests.convert.convert_helpers import save_hf_model
 
     hf_dir = save_hf_model(str(tmp_path / "hf"))                   # index_topk 8 < T: real top-k selection

@@ -1,4 +1,4 @@
-"""glm5_jax/losses.py against transformers' causal-LM loss: the next-token loss of a packed row equals
+"""glm5_jax/train/losses.py against transformers' causal-LM loss: the next-token loss of a packed row equals
 HF's ``labels=`` loss of each segment run alone (token-weighted), and each MTP depth's loss equals HF's
 loss function applied to that segment with the labels moved k - 1 further ahead (depth d predicts t + d + 1)."""
 import jax.numpy as jnp
@@ -6,10 +6,10 @@ import numpy as np
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from glm5_jax.experiment import TrainConfig
-from glm5_jax.config import ModelConfig
-from glm5_jax.losses import lm_losses
-from glm5_jax.model import ModelOutput
+from glm5_jax.train.experiment import TrainConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
+from glm5_jax.train.losses import lm_losses
+from glm5_jax.model.transformer import ModelOutput
 from tests.model.hf_fixtures import build_hf_model
 
 # one packed row of two segments and padding, and a second row holding one segment
@@ -58,7 +58,7 @@ def test_next_token_and_mtp_losses_equal_transformers():
     mtp_logits = rng.standard_normal((MTP_DEPTH,) + logits.shape).astype(np.float32) * 3
 
     train_cfg = TrainConfig(mtp_loss_weight=0.3, balance_loss_weight=0.0)
-    model_cfg = ModelConfig(vocab_size=V, mtp_depth=MTP_DEPTH, indexer_loss="none")
+    model_cfg = ModelConfig(vocab_size=V, mtp_depth=MTP_DEPTH, runtime=RuntimeConfig(indexer_loss="none"))
     out = ModelOutput(logits=jnp.asarray(logits), stats=None, mtp_logits=jnp.asarray(mtp_logits))
     total, parts = lm_losses(out, jnp.asarray(tokens), jnp.asarray(segment_ids), train_cfg, model_cfg, "sparse")
 

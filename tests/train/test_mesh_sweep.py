@@ -7,8 +7,8 @@ import os
 import pytest
 
 from bench import mesh_sweep
-from glm5_jax.experiment import apply_overrides, load_config_file
-from glm5_jax.sharding import check_mesh_fits_model
+from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.parallel.mesh import check_mesh_fits_model
 from tests.train.test_train_cli import ROOT
 
 CONFIG = os.path.join(ROOT, "configs", "glm5_744b.py")
@@ -24,7 +24,7 @@ def test_points_are_valid_meshes(topology, chips):
         assert math.prod(sizes.values()) == chips, name
         micro_batch = cfg.data.batch_size // cfg.train.grad_accum
         check_mesh_fits_model(sizes, cfg.model, micro_batch)
-    policies = {apply_overrides(load_config_file(CONFIG), o).model.remat_policy for o in points.values()}
+    policies = {apply_overrides(load_config_file(CONFIG), o).model.runtime.remat_policy for o in points.values()}
     assert {"full", "offload_dots", "selection_saveable"} <= policies
     assert all("model.attention_impl=pallas" in o for o in points.values())   # the TPU path
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.experiment import TrainConfig
-from glm5_jax.optim import make_optimizer
+from glm5_jax.train.experiment import TrainConfig
+from glm5_jax.train.optim import make_optimizer
 
 PARAMS = {"embed": jnp.ones((8, 4), jnp.float32),
           "decoder": {"q_a_proj": jnp.full((2, 4, 6), 0.5, jnp.float32)},

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 # how many custom calls name it, plus what the report needs.
 SCRIPT = r"""
 import collections, json, re, sys
-from glm5_jax.compile_report import abstract_batch, topology_devices
-from glm5_jax.experiment import apply_overrides, load_config_file
-from glm5_jax.sharding import build_mesh
-from glm5_jax.train_step import Trainer
+from glm5_jax.train.compile_report import abstract_batch, topology_devices
+from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.parallel.mesh import build_mesh
+from glm5_jax.train.step import Trainer
 
 cfg = apply_overrides(load_config_file(sys.argv[1]), sys.argv[2:])
 trainer = Trainer(cfg, build_mesh(cfg.mesh, devices=topology_devices("v5p:2x2x1")))

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.sharding import MeshConfig, build_mesh
-from glm5_jax.train_step import Trainer
+from glm5_jax.parallel.mesh import MeshConfig, build_mesh
+from glm5_jax.train.step import Trainer
 from tests.train.test_train_step import batch, experiment
 
 STEPS = 5

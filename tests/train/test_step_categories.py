@@ -1,13 +1,13 @@
-"""glm5_jax.step_categories on op_names taken from a compiled GLM-5 train step, and the model FLOPs per
-category of glm5_jax.flops against the whole-step count."""
+"""glm5_jax.cost.categories on op_names taken from a compiled GLM-5 train step, and the model FLOPs per
+category of glm5_jax.cost.flops against the whole-step count."""
 import os
 
 import pytest
 
-from glm5_jax.experiment import apply_overrides, load_config_file
-from glm5_jax.flops import train_flops_by_category, train_flops_per_token
-from glm5_jax.hlo_cost import HLO_COMPUTATION_PREFIX
-from glm5_jax.step_categories import CATEGORIES, categorize, expert_pass
+from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
+from glm5_jax.cost.hlo_cost import HLO_COMPUTATION_PREFIX
+from glm5_jax.cost.categories import CATEGORIES, categorize, expert_pass
 from tests.train.test_compile_report import SMALL
 from tests.train.test_train_cli import ROOT
 

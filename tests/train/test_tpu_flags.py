@@ -1,4 +1,4 @@
-"""glm5_jax.tpu_flags: named libtpu flag sets, merged with the user's own LIBTPU_INIT_ARGS, and their effect
+"""glm5_jax.train.tpu_flags: named libtpu flag sets, merged with the user's own LIBTPU_INIT_ARGS, and their effect
 on a real AOT TPU compile (a fresh process: libtpu reads its flags once, when it starts)."""
 import json
 import os
@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from glm5_jax.experiment import apply_overrides, load_config_file
-from glm5_jax.tpu_flags import FLAG_SETS, libtpu_init_args
+from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.train.tpu_flags import FLAG_SETS, libtpu_init_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,12 +31,12 @@ def test_flag_sets_merge_with_the_users_flags():
 # prints hlo_cost's collectives (kind, async) and its exposed communication.
 PROGRAM = textwrap.dedent("""
     import json, os, sys
-    from glm5_jax import tpu_flags
+    from glm5_jax.train import tpu_flags
     tpu_flags.apply(sys.argv[1])
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from glm5_jax.hlo_cost import StepTiming, hlo_cost
+    from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
     mesh = Mesh(np.array(devices).reshape(4), ("fsdp",))
 

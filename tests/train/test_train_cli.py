@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from glm5_jax.experiment import apply_overrides, load_config_file
+from glm5_jax.train.experiment import apply_overrides, load_config_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")

@@ -6,18 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.config import ModelConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.optim import is_indexer_param
-from glm5_jax.sharding import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
-from glm5_jax.train_step import Trainer
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.train.optim import is_indexer_param
+from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
+from glm5_jax.train.step import Trainer
 
 MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1,
                     intermediate_size=64, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=16,
                     index_topk=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    num_nextn_predict_layers=1, mtp_depth=1, initializer_range=0.1, remat_policy="none")
+                    num_nextn_predict_layers=1, mtp_depth=1, initializer_range=0.1,
+                    runtime=RuntimeConfig(remat_policy="none"))
 B, T = 8, 24
 
 

@@ -1,0 +1,115 @@
+"""Model FLOPs per token and the device's measured matmul peak, for MFU (model FLOPs utilisation).
+
+Training FLOPs per token = 6 x (matmul parameters one token uses) + 3 x forward attention FLOPs over
+the keys it actually attends (DSA: min(k, visible); dense: all visible keys) + the indexer: its scores
+over every visible key (forward only) and 2 x the forward of the keys its KL loss covers (sparse stage:
+the selected min(k, visible); otherwise every visible key). The
+embedding lookup is not a matmul and is excluded; the LM head is included.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.model.param_count import count_params
+
+
+def mean_visible_keys(seq_len: int, topk: int | None) -> float:
+    """Average over causal positions 0..T-1 of the keys attended: min(t + 1, k)."""
+    keys = [min(t + 1, topk) if topk else t + 1 for t in range(seq_len)]
+    return sum(keys) / seq_len
+
+
+def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
+    counts = count_params(cfg, params)
+    matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size   # drop the embedding table
+    H, L = cfg.num_attention_heads, cfg.num_hidden_layers
+    attended = mean_visible_keys(seq_len, cfg.index_topk if (sparse and cfg.use_indexer) else None)
+    attention_fwd = 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * attended * L
+    scores_fwd = kl_fwd = 0.0
+    if cfg.use_indexer:
+        # the indexer scores every visible key for the top-k (no gradient); its KL loss trains it on the
+        # keys it is scored against: the selected min(k, visible) in the sparse stage, every visible key
+        # in the warm-up (DeepSeek-V3.2 report, section 2.1), backward = 2 x that forward
+        per_key = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.layer_indexer_types)
+        scores_fwd = per_key * mean_visible_keys(seq_len, None)
+        kl_fwd = per_key * mean_visible_keys(seq_len, cfg.index_topk if sparse else None)
+    indexer = scores_fwd + 2.0 * kl_fwd
+    return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attention_fwd, "indexer": indexer,
+            "indexer_scores": scores_fwd, "indexer_kl": 2.0 * kl_fwd,
+            "total": 6.0 * matmul_params + 3.0 * attention_fwd + indexer}
+
+
+def _param_category(names: list[str]) -> str | None:
+    """Model-FLOP category (glm5_jax.cost.categories) of one parameter by its path; None: not a matmul
+    weight (norms, the embedding table)."""
+    if names[-1] in ("scale", "bias") or names[0] == "embed":
+        return None
+    if names[0] == "mtp":
+        return "mtp"
+    if names[0] == "lm_head":
+        return "lm_head_loss"
+    if "shared_expert" in names or "mlp" in names:
+        return "shared_mlp"
+    if "moe" in names:
+        return "routed_experts"
+    if "attention" in names:
+        return "projections"
+    return "other"
+
+
+def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
+    """`train_flops_per_token` split like the compiled step's attribution (glm5_jax.cost.categories):
+    6 x the matmul parameters of each part one token uses (routed experts: K of E, plus the router),
+    attention core 3 x its forward, the indexer's scores behind the top-k (forward, no gradient) and its
+    KL loss's gradient (2 x the forward over the keys the loss covers). "mtp" (per application x mtp_depth: its block, one
+    layer of attention and indexer) and the MTP's second use of the shared LM head (in "lm_head_loss",
+    where the compiled head's FLOPs land too) are not part of `train_flops_per_token`'s total; without
+    them the categories sum to that total up to the norm weights it counts."""
+    from flax.core import meta
+
+    from glm5_jax.model.param_count import ROUTED_EXPERT_LEAVES, abstract_variables
+
+    params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)
+    active = cfg.num_experts_per_tok / max(cfg.n_routed_experts, 1)
+    out = dict.fromkeys(("attention_core", "indexer_topk", "indexer_kl", "routed_experts", "shared_mlp",
+                         "projections", "lm_head_loss", "mtp", "optimizer", "other"), 0.0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [getattr(k, "key", str(k)) for k in path]
+        cat = _param_category(names)
+        if cat is None:
+            continue
+        n = math.prod(leaf.shape)
+        if len(names) >= 2 and names[-2] == "moe" and names[-1] in ROUTED_EXPERT_LEAVES:
+            n *= active
+        out[cat] += 6.0 * n
+    per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params)
+    L = cfg.num_hidden_layers
+    out["attention_core"] = per_token["attention"]
+    out["indexer_topk"] = per_token["indexer_scores"]
+    out["indexer_kl"] = per_token["indexer_kl"]
+    n_full = sum(t == "full" for t in cfg.layer_indexer_types) if cfg.use_indexer else 0
+    out["mtp"] = cfg.mtp_depth * (out["mtp"] + per_token["attention"] / L
+                                  + (per_token["indexer"] / n_full if n_full else 0.0))
+    out["lm_head_loss"] *= 1 + cfg.mtp_depth       # the MTP runs the shared head again (its HLO is the head's)
+    return out
+
+
+def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5, min_seconds: float = 1.0) -> float:
+    """Best achieved FLOP/s of a jitted n x n x n matmul on the default device, over at least
+    ``repeats`` runs and ``min_seconds`` of them (a few runs can all land in a slow moment: CPU
+    frequency ramp-up, a neighbour's burst)."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    best, runs, start = float("inf"), 0, time.perf_counter()
+    while runs < repeats or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+        runs += 1
+    return 2.0 * n ** 3 / best

@@ -1,0 +1,565 @@
+"""Matmul FLOPs, HBM bytes and collectives of an optimized HLO module with every loop body multiplied by
+its trip count.
+
+XLA's `compiled.cost_analysis()` visits a `while` body once, so for a model whose layers run in a
+`scan` (and attention chunks in a `lax.map`) it reports the cost of roughly one layer. This walks the
+optimized HLO text instead and counts, per computation:
+
+* compiler-visible FLOPs of `dot`, `convolution` and `ragged-dot` (2 x output elements x contracted
+  size; elementwise work is not counted: it is small next to the matmuls of this model);
+* kernel FLOPs of Mosaic custom calls (`tpu_custom_call`): the `pl.CostEstimate` a Pallas kernel
+  declares, which the TPU lowering writes into the call's backend config
+  (``custom_call_config.cost_estimate``), else for the ragged-dot lowering 2 x m x k x n from its shapes;
+* bytes accessed by each top-level instruction (operands + result, or a kernel's declared bytes; a
+  fusion counts at its call site, never inside), roughly what XLA's own cost analysis counts;
+* every collective (`CollectiveOp`: kind, per-chip buffer bytes, replica groups, async or not), an
+  all-reduce that only feeds this chip's dynamic slice (the TPU all-reduce-scatter fusion) as a
+  reduce-scatter;
+
+and adds called computations: fusions and calls once, `while` bodies x their trip count (XLA's
+`known_trip_count`, else read from the loop: `i < N` in the condition, `i`'s initial constant in the
+caller, its step the constant the body adds; a loop whose count cannot be read is counted once and
+reported), conditionals by their dearest branch. With a `categorize` function every count is also filed
+under a category read from the instruction's op_name metadata.
+
+Checked against hand counts (tests/train/test_hlo_cost.py, test_hlo_kernels.py, test_hlo_collectives.py)
+and, on GLM-5 train steps compiled for v5p, against the analytic model FLOPs of glm5_jax/cost/flops.py
+(tests/train/test_compile_report.py). The TPU compiler writes batched matmuls as convolutions with a
+dilated or padded "spatial" batch dim; those count only the taps that meet real input elements.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
+               "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEES = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+# instructions that move no data of their own
+_FREE = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "while", "conditional", "call", "iota"}
+
+
+@dataclasses.dataclass
+class HloCost:
+    flops: float = 0.0                 # compiler-visible matmuls (dot / convolution / ragged-dot)
+    bytes_accessed: float = 0.0
+    loops: list = dataclasses.field(default_factory=list)   # (body, trip count or None), every loop once
+    kernel_flops: float = 0.0          # Mosaic custom calls (Pallas kernels, the ragged-dot lowering)
+    by_category: dict = dataclasses.field(default_factory=dict)   # {"flops"|"kernel_flops"|"bytes": {cat: v}}
+    collectives: dict = dataclasses.field(default_factory=dict)   # CollectiveOp -> executions per step
+    comm_seconds: float = 0.0          # every collective's time, summed (needs `timing`)
+    exposed_comm_seconds: float = 0.0  # what the overlap rule leaves exposed
+    uncounted_custom_calls: list = dataclasses.field(default_factory=list)   # kernels with no known cost
+
+    @property
+    def total_flops(self) -> float:
+        return self.flops + self.kernel_flops
+
+    @property
+    def unknown_trip_loops(self) -> int:
+        return sum(t is None for _, t in self.loops)
+
+
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(text)
+            if dt in DTYPE_BYTES]
+
+
+def _nbytes(arrays) -> int:
+    return sum(DTYPE_BYTES[dt] * math.prod(shape) for dt, shape in arrays)
+
+
+def _split_instruction(line: str):
+    """'[ROOT] %x = SHAPE opcode(OPERANDS), attrs' -> (name, shape, opcode, operand names, operands, attrs)."""
+    if " = " not in line:
+        return None
+    lhs, rest = line.split(" = ", 1)
+    name = lhs.split()[-1].lstrip("%")
+    rest = rest.lstrip()
+    if rest.startswith("("):                       # tuple shape: up to its matching parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    m = re.match(r"([\w\-]+)\(", rest)
+    if not m:
+        return None
+    opcode, depth, start = m.group(1), 0, m.end() - 1
+    for i in range(start, len(rest)):
+        depth += rest[i] == "("
+        depth -= rest[i] == ")"
+        if depth == 0:
+            operands = re.findall(r"%([\w.\-]+)", rest[start + 1:i])
+            return name, shape, opcode, operands, rest[start + 1:i], rest[i + 1:]
+    return None
+
+
+def _conv_taps(out_n: int, n: int, w: int, stride: int, lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, window tap) pairs along one spatial dim that meet a real input element: not a
+    hole of the lhs dilation, not padding. Output o's tap j reads padded position o*stride + j*rhs_dilate,
+    which holds input element p when it equals lo + p*lhs_dilate with 0 <= p < n."""
+    taps = 0
+    last = (n - 1) * lhs_dilate                     # input positions 0, d, ..., last (after removing lo)
+    for o in range(out_n):
+        base = o * stride - lo
+        if rhs_dilate == 1:                         # taps are the interval [base, base + w - 1]
+            a, b = max(base, 0), min(base + w - 1, last)
+            if b >= a:
+                taps += b // lhs_dilate - (-(-a // lhs_dilate)) + 1
+        else:
+            taps += sum(1 for j in range(w) if 0 <= base + j * rhs_dilate <= last
+                        and (base + j * rhs_dilate) % lhs_dilate == 0)
+    return taps
+
+
+def _window(attrs: str, key: str, count: int, default: int) -> list[int]:
+    m = re.search(r"window=\{[^}]*\b" + key + r"=([0-9x_]+)", attrs)
+    if not m:
+        return [default] * count
+    return [int(v) for v in m.group(1).split("x")]
+
+
+def _matmul_flops(shape: str, opcode: str, operand_shapes: list[str], attrs: str) -> float:
+    out = _arrays(shape)
+    ins = [_arrays(t) for t in operand_shapes[:2]]
+    if not out or len(ins) < 2 or not ins[0] or not ins[1]:
+        return 0.0
+    out_elems = math.prod(out[0][1])
+    lhs, rhs = ins[0][0][1], ins[1][0][1]
+    if opcode in ("dot", "ragged-dot"):
+        m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
+        dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+        return 2.0 * out_elems * math.prod(lhs[d] for d in dims)
+    # convolution: per output element, (kernel elements / output features / window) multiply-adds per
+    # window tap that meets a real input element. The TPU compiler writes batched matmuls as convolutions
+    # whose "spatial" dim is the batch, dilated (size = lhs_dilate = batch) or padded (input size 1,
+    # pad = size - 1): most taps there meet dilation holes or padding and do no work.
+    m = re.search(r"dim_labels=([^_]*)_([^-]*)->(\w+)", attrs)
+    if not m or "o" not in m.group(2) or len(m.group(2)) != len(rhs) or len(m.group(1)) != len(lhs) \
+            or len(m.group(3)) != len(out[0][1]):
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = m.group(1), m.group(2), m.group(3)
+    spatial = [c for c in rhs_labels if c.isdigit()]
+    sizes = _window(attrs, "size", len(spatial), 1)
+    if "size=" not in attrs:
+        sizes = [rhs[rhs_labels.index(c)] for c in spatial]
+    strides = _window(attrs, "stride", len(spatial), 1)
+    lhs_dilate = _window(attrs, "lhs_dilate", len(spatial), 1)
+    rhs_dilate = _window(attrs, "rhs_dilate", len(spatial), 1)
+    pad = re.search(r"window=\{[^}]*\bpad=([0-9_x\-]+)", attrs)
+    pads = [int(p.split("_")[0]) for p in pad.group(1).split("x")] if pad else [0] * len(spatial)
+    macs_per_tap = math.prod(rhs) / rhs[rhs_labels.index("o")] / math.prod(sizes)
+    per_position = out_elems
+    taps = 1
+    for i, c in enumerate(spatial):
+        out_n = out[0][1][out_labels.index(c)]
+        n = lhs[lhs_labels.index(c)]
+        per_position /= out_n
+        taps *= _conv_taps(out_n, n, sizes[i], strides[i], pads[i], lhs_dilate[i], rhs_dilate[i])
+    return 2.0 * per_position * taps * macs_per_tap
+
+
+def parse_computations(hlo_text: str):
+    """{computation name: {instruction name: (shape, opcode, operand names, raw operands, attrs)}}, entry name.
+    Dicts keep the instruction order."""
+    comps, entry, current = {}, None, None
+    for raw in hlo_text.splitlines():
+        line = raw.strip()
+        if current is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith("HloModule"):
+                current = m.group(2)
+                comps[current] = {}
+                if m.group(1):
+                    entry = current
+        elif line.startswith("}"):                # "}" or "}, execution_thread=..."
+            current = None
+        elif line:
+            parts = _split_instruction(line)
+            if parts is not None:
+                comps[current][parts[0]] = parts[1:]
+    return comps, entry
+
+
+def _constant(instrs: dict, name: str):
+    """Integer value of `name` if it is a scalar constant (through copies/bitcasts/converts), else None."""
+    for _ in range(8):
+        if name not in instrs:
+            return None
+        shape, opcode, operands, raw, _ = instrs[name]
+        if opcode == "constant":
+            try:
+                return int(raw.strip())
+            except ValueError:
+                return None
+        if opcode not in ("copy", "bitcast", "convert") or len(operands) != 1:
+            return None
+        name = operands[0]
+    return None
+
+
+def trip_count(comps: dict, caller: str, while_operands: list[str], attrs: str, cond: str, body: str = ""):
+    """Iterations of a while loop: XLA's known_trip_count, else `i < N` (or <=) in the condition with the
+    counter's initial value a constant in the caller and its step the constant the body adds to it
+    (`i = i + s`, s > 0); None when these cannot be read."""
+    m = _TRIP.search(attrs)
+    if m:
+        return int(m.group(1))
+    instrs = comps.get(cond, {})
+    root = list(instrs.values())[-1] if instrs else None
+    if root is None or root[1] != "compare" or len(root[2]) != 2:
+        return None
+    direction = re.search(r"direction=(\w+)", root[4])
+    a, b = root[2]
+    if _constant(instrs, a) is not None:          # N > i  ==  i < N
+        a, b = b, a
+        direction = {"GT": "LT", "GE": "LE"}.get(direction.group(1)) if direction else None
+    else:
+        direction = direction.group(1) if direction else None
+    limit = _constant(instrs, b)
+    counter = instrs.get(a)
+    if limit is None or counter is None or counter[1] != "get-tuple-element" or direction not in ("LT", "LE"):
+        return None
+    index = int(re.search(r"index=(\d+)", counter[4]).group(1))
+    init_tuple = comps[caller].get(while_operands[0]) if while_operands else None
+    if init_tuple is None or init_tuple[1] != "tuple" or index >= len(init_tuple[2]):
+        return None
+    start = _constant(comps[caller], init_tuple[2][index])
+    step = _counter_step(comps.get(body, {}), index)
+    if start is None or step is None:
+        return None
+    span = limit - start + (direction == "LE")        # values start, start+step, ... below the bound
+    return max(0, -(-span // step))
+
+
+def _through_copies(instrs: dict, name: str) -> str:
+    for _ in range(4):
+        if name not in instrs or instrs[name][1] not in ("copy", "convert", "bitcast") or not instrs[name][2]:
+            break
+        name = instrs[name][2][0]
+    return name
+
+
+def _counter_step(instrs: dict, index: int):
+    """The constant s > 0 a loop body adds to tuple element `index` of its parameter (the body's root
+    tuple holds add(get-tuple-element(param, index), s) there); None when it is anything else."""
+    if not instrs:
+        return None
+    root = list(instrs.values())[-1]
+    if root[1] != "tuple" or index >= len(root[2]):
+        return None
+    name = _through_copies(instrs, root[2][index])
+    if name not in instrs or instrs[name][1] != "add" or len(instrs[name][2]) != 2:
+        return None
+    for counter, other in (instrs[name][2], instrs[name][2][::-1]):
+        gte = instrs.get(_through_copies(instrs, counter))
+        step = _constant(instrs, other)
+        if gte is not None and gte[1] == "get-tuple-element" and step is not None and step > 0 \
+                and re.search(rf"index={index}\b", gte[4]):
+            return step
+    return None
+
+
+def _params(instrs: dict) -> dict[int, str]:
+    return {int(raw.strip()): n for n, (_, op, _, raw, _) in instrs.items() if op == "parameter"}
+
+
+def _slice_users(comps: dict, instrs: dict, name: str, depth: int = 0):
+    """Bytes touched through `name` when every use is a dynamic-slice of it (sum of the slices) or a
+    dynamic-update-slice into it (in place: 0); None when some use reads it whole."""
+    total = 0
+    users = [(n, i) for n, i in instrs.items() if name in i[2]]
+    if not users or depth > 4:
+        return None
+    for uname, (shape, opcode, operands, _, attrs) in users:
+        if opcode == "dynamic-slice" and operands[0] == name:
+            total += _nbytes(_arrays(shape))
+        elif opcode == "dynamic-update-slice" and operands[0] == name:
+            pass
+        elif opcode == "bitcast":
+            sub = _slice_users(comps, instrs, uname, depth + 1)
+            if sub is None:
+                return None
+            total += sub
+        elif opcode == "fusion" and dict(_CALLEES.findall(attrs)).get("calls") in comps:
+            inner = comps[dict(_CALLEES.findall(attrs))["calls"]]
+            inner_params = _params(inner)
+            for j, o in enumerate(operands):
+                sub = _slice_users(comps, inner, inner_params[j], depth + 1) if o == name and j in inner_params else 0
+                if sub is None:
+                    return None
+                total += sub
+        else:
+            return None
+    return total
+
+
+def _written_bytes(instrs: dict, name: str, depth: int = 0) -> int:
+    """Bytes a fused computation's value `name` writes: only the update of an in-place dynamic-update-slice."""
+    shape, opcode, operands, _, _ = instrs[name]
+    if opcode == "dynamic-update-slice" and len(operands) > 1 and operands[1] in instrs:
+        return _nbytes(_arrays(instrs[operands[1]][0]))
+    if opcode in ("tuple", "bitcast") and depth < 4 and all(o in instrs for o in operands):
+        return sum(_written_bytes(instrs, o, depth + 1) for o in operands)
+    return _nbytes(_arrays(shape))
+
+
+def _instruction_bytes(comps, shape, opcode, operand_shapes, callees) -> float:
+    """Operand + result bytes of one top-level instruction; slices and in-place updates count what they touch."""
+    full_in = [_nbytes(_arrays(t)) for t in operand_shapes]
+    if opcode == "dynamic-slice":
+        return 2 * _nbytes(_arrays(shape))
+    if opcode == "dynamic-update-slice" and len(full_in) > 1:
+        return 2 * full_in[1]
+    if opcode != "fusion" or callees.get("calls") not in comps:
+        return _nbytes(_arrays(shape)) + sum(full_in)
+    instrs = comps[callees["calls"]]
+    params = _params(instrs)
+    nbytes = _written_bytes(instrs, list(instrs)[-1]) if instrs else _nbytes(_arrays(shape))
+    for i, full in enumerate(full_in):
+        touched = _slice_users(comps, instrs, params[i]) if i in params else None
+        nbytes += full if touched is None else touched
+    return nbytes
+
+
+# what `categorize` is given for a fusion without metadata: this prefix + the fused computation's name
+HLO_COMPUTATION_PREFIX = "hlo-computation:"
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COST_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{([^}]*)\}')
+_COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                "collective-permute"}
+
+
+def _kernel_cost(shape: str, operand_shapes: list[str], attrs: str):
+    """(FLOPs, bytes or None) of a Mosaic custom call: the kernel's declared `pl.CostEstimate` (written
+    into the backend config's custom_call_config.cost_estimate), else for the ragged-dot lowering
+    2 x m x k x n from its shapes (lhs [m, k], rhs [groups, k, n]); a kernel with integer results only
+    (e.g. the ragged dot's group metadata) does no matmul; None when none of these applies."""
+    m = _COST_ESTIMATE.search(attrs)
+    if m:
+        fields = dict(re.findall(r'"(\w+)"\s*:\s*"?(\d+)', m.group(1)))
+        if "flops" in fields:
+            nbytes = int(fields["bytes_accessed"]) if "bytes_accessed" in fields else None
+            return float(fields["flops"]), nbytes
+    if all(dt[0] in "sup" for dt, _ in _arrays(shape)):
+        return 0.0, None                            # integer/bool results only: index bookkeeping, no matmul
+    if "ragged_dot" in attrs or "ragged-dot" in attrs:
+        arrays = [a for t in operand_shapes for a in _arrays(t)]
+        out = _arrays(shape)
+        mats = [s for _, s in arrays if len(s) >= 2]
+        if out and len(mats) >= 2 and len(mats[-2]) == 2 and len(mats[-1]) == 3:
+            (m_, k), n = mats[-2], out[0][1][-1]
+            return 2.0 * m_ * k * n, None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction as compiled: `nbytes` is its per-chip buffer (all-gather: the gathered
+    result; the others: the operand), `groups` the partition ids that talk (collective-permute: the
+    (source, target) pairs), `is_async` when the HLO issues it as a start/done pair."""
+    kind: str
+    nbytes: int
+    groups: tuple
+    is_async: bool
+    category: str
+
+
+def _collective(opcode: str, shape: str, operand_shapes: list[str], attrs: str, is_async: bool, category: str,
+                num_partitions: int, reduce_scatter: bool = False):
+    from glm5_jax.cost.collectives import collective_groups
+
+    kind = opcode.removesuffix("-start")
+    if kind not in _COLLECTIVES:
+        return None
+    if kind == "all-reduce" and reduce_scatter:
+        kind = "reduce-scatter"
+    operands = [a for t in operand_shapes for a in _arrays(t)]
+    if kind == "all-gather":
+        nbytes = _nbytes(_arrays(shape)[-1:]) if opcode.endswith("-start") else _nbytes(_arrays(shape))
+    elif kind == "ragged-all-to-all":
+        nbytes = _nbytes(operands[:1])              # the input buffer: an upper bound on what is sent
+    else:
+        nbytes = _nbytes(operands)
+    return CollectiveOp(kind, nbytes, collective_groups(attrs, num_partitions), is_async, category)
+
+
+# The TPU compiler's async collective fusion writes one asynchronous collective three times: in the fusion
+# instruction that starts it (named async-collective-start*), in the compute fusion it runs beside (its
+# computation named async_collective_fusion*) and in the fusion that waits for it (async-collective-done*).
+# It is counted once, at its start, as asynchronous.
+ASYNC_COLLECTIVE_START = "async-collective-start"
+ASYNC_COLLECTIVE_DONE = "async-collective-done"
+ASYNC_COLLECTIVE_FUSION = "async_collective_fusion"
+
+
+class _Tally:
+    """Per-category sums (FLOPs, kernel FLOPs, bytes) and collective counts of a computation."""
+
+    def __init__(self):
+        self.values: dict = {}
+        self.collectives: dict = {}
+        self.exposed_comm_seconds = 0.0
+        self.comm_seconds = 0.0
+        # seconds of the collectives issued at this computation's level (its own and its fusions'):
+        # a fusion's collectives are exposed or hidden against the computation that runs the fusion
+        self.sync_seconds = 0.0
+        self.async_seconds = 0.0
+
+    def add(self, key, value: float):
+        if value:
+            self.values[key] = self.values.get(key, 0.0) + value
+
+    def merge(self, other: "_Tally", times: float = 1.0):
+        for k, v in other.values.items():
+            self.values[k] = self.values.get(k, 0.0) + v * times
+        for k, v in other.collectives.items():
+            self.collectives[k] = self.collectives.get(k, 0.0) + v * times
+        self.exposed_comm_seconds += other.exposed_comm_seconds * times
+        self.comm_seconds += other.comm_seconds * times
+
+    def total(self, field: str) -> float:
+        return sum(v for (f, _), v in self.values.items() if f == field)
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """What turns counts into seconds: per-chip peak FLOP/s and HBM bytes/s, and the time of one
+    collective (`CollectiveOp` -> seconds; glm5_jax.cost.ici)."""
+    peak_flops: float
+    hbm_bandwidth: float
+    collective_seconds: object
+
+
+def _reduce_scatter_fusion(instrs: dict) -> bool:
+    """An all-reduce whose result is only dynamic-sliced to this chip's shard (the TPU compiler's
+    all-reduce-scatter fusion) moves what a reduce-scatter moves."""
+    root = list(instrs.values())[-1] if instrs else None
+    return bool(root and root[1] == "dynamic-slice" and root[2] and root[2][0] in instrs
+                and instrs[root[2][0]][1] == "all-reduce")
+
+
+def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
+             num_partitions: int | None = None) -> HloCost:
+    """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
+    instruction under a category from its metadata (instructions without one take their caller's);
+    `timing` adds communication seconds with this overlap rule: an asynchronous collective (a start/done
+    pair, or one inside the TPU compiler's async collective fusion) hides behind the compute of the
+    computation it is issued in (one loop trip, its fusions included) up to that compute's roofline
+    time; a synchronous one is exposed in full."""
+    comps, entry = parse_computations(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    if num_partitions is None:
+        m = re.search(r"num_partitions=(\d+)", hlo_text[:2000])
+        num_partitions = int(m.group(1)) if m else 1
+    categorize = categorize or (lambda op_name: "all")
+    memo, loops, uncounted = {}, {}, []
+
+    def category_of(attrs: str, inherited: str) -> str:
+        m = _OP_NAME.search(attrs)
+        return categorize(m.group(1)) if m else inherited
+
+    def cost(name: str, fused: bool, inherited: str, mode: str = "sync") -> _Tally:
+        """mode: how the collectives met here count: "sync", "async" (inside an async start) or "skip"
+        (a second copy of a collective counted at its start)."""
+        key = (name, fused, inherited, mode)
+        if key in memo:
+            return memo[key]
+        instrs = comps.get(name, {})
+        own, children = _Tally(), _Tally()
+        sync_s = async_s = 0.0
+        rs_fusion = fused and _reduce_scatter_fusion(instrs)
+        for iname, (shape, opcode, operands, raw, attrs) in instrs.items():
+            cat = category_of(attrs, inherited)
+            operand_shapes = [instrs[o][0] if o in instrs else "" for o in operands]
+            callees = dict(_CALLEES.findall(attrs))
+            kernel_bytes = None
+            if opcode in ("dot", "convolution", "ragged-dot"):
+                own.add(("flops", cat), _matmul_flops(shape, opcode, operand_shapes, attrs))
+            elif opcode == "custom-call" and "tpu_custom_call" in attrs:
+                kc = _kernel_cost(shape, operand_shapes, attrs)
+                if kc is None:
+                    m = _OP_NAME.search(attrs)
+                    uncounted.append(m.group(1) if m else name)
+                else:
+                    own.add(("kernel_flops", cat), kc[0])
+                    kernel_bytes = kc[1]
+            coll = None if mode == "skip" else _collective(
+                opcode, shape, operand_shapes, attrs, mode == "async" or opcode.endswith("-start"), cat,
+                num_partitions, reduce_scatter=rs_fusion)
+            if coll is not None:
+                own.collectives[coll] = own.collectives.get(coll, 0.0) + 1
+                if timing is not None:
+                    seconds = timing.collective_seconds(coll)
+                    own.comm_seconds += seconds
+                    if coll.is_async:
+                        async_s += seconds
+                    else:
+                        sync_s += seconds
+            if not fused and opcode not in _FREE and not opcode.endswith("-done"):
+                nbytes = kernel_bytes if kernel_bytes is not None else \
+                    _instruction_bytes(comps, shape, opcode, operand_shapes, callees)
+                own.add(("bytes", cat), nbytes)
+            if opcode == "fusion" and "calls" in callees:
+                if not _OP_NAME.search(attrs):          # no metadata: the computation's name may tell
+                    hinted = categorize(HLO_COMPUTATION_PREFIX + callees["calls"])
+                    cat = cat if hinted == categorize(HLO_COMPUTATION_PREFIX) else hinted
+                sub_mode = mode
+                if iname.startswith(ASYNC_COLLECTIVE_START) and mode == "sync":
+                    sub_mode = "async"
+                elif iname.startswith(ASYNC_COLLECTIVE_DONE) or callees["calls"].startswith(ASYNC_COLLECTIVE_FUSION):
+                    sub_mode = "skip"       # the same collective as its start's (its compute still counts)
+                sub = cost(callees["calls"], True, cat, sub_mode)
+                own.merge(sub)
+                own.exposed_comm_seconds -= sub.exposed_comm_seconds   # decided at this level, below
+                sync_s += sub.sync_seconds
+                async_s += sub.async_seconds
+            elif opcode == "while" and "body" in callees:
+                trip = trip_count(comps, name, operands, attrs, callees.get("condition", ""), callees["body"])
+                loops[callees["body"]] = trip
+                children.merge(cost(callees["body"], False, cat), 1 if trip is None else trip)
+            elif opcode == "conditional":
+                branches = [callees[k] for k in ("true_computation", "false_computation") if k in callees]
+                m = _BRANCHES.search(attrs)
+                if m:
+                    branches += [b.strip().lstrip("%") for b in m.group(1).split(",") if b.strip()]
+                if branches:
+                    tallies = [cost(c, False, cat) for c in branches]
+                    children.merge(max(tallies, key=lambda t: (t.total("flops") + t.total("kernel_flops"),
+                                                                t.total("bytes"))))
+            elif opcode in ("call", "async-start", "call-start") and ("calls" in callees or "to_apply" in callees):
+                sub_mode = "async" if mode == "sync" and opcode != "call" else mode
+                sub = cost(callees.get("calls") or callees["to_apply"], fused, cat, sub_mode)
+                children.merge(sub)
+                if sub_mode == "async" and mode == "sync":    # its collectives overlap this computation's compute
+                    children.exposed_comm_seconds -= sub.exposed_comm_seconds
+                    async_s += sub.comm_seconds
+        own.sync_seconds, own.async_seconds = sync_s, async_s
+        if timing is not None:
+            compute_s = max((own.total("flops") + own.total("kernel_flops")) / timing.peak_flops,
+                            own.total("bytes") / timing.hbm_bandwidth)
+            own.exposed_comm_seconds = sync_s + max(0.0, async_s - compute_s)
+        own.merge(children)
+        memo[key] = own
+        return own
+
+    tally = cost(entry, False, "other")
+    return HloCost(flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
+                   bytes_accessed=tally.total("bytes"), loops=sorted(loops.items(), key=lambda kv: kv[0]),
+                   by_category={f: {c: v for (g, c), v in sorted(tally.values.items()) if g == f}
+                                for f in ("flops", "kernel_flops", "bytes")},
+                   collectives=tally.collectives, comm_seconds=tally.comm_seconds,
+                   exposed_comm_seconds=tally.exposed_comm_seconds, uncounted_custom_calls=sorted(set(uncounted)))

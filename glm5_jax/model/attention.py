@@ -1,0 +1,296 @@
+"""MLA attention with DeepSeek Sparse Attention (DeepSeek-V3.2 report, section 2; GLM-5 report).
+
+`Indexer` is the DSA lightning indexer; `MLAttention` is one layer's attention, read top to bottom:
+
+    project   queries (q_nope, q_rot) and the compressed latent row [c; k_rot] of every token
+    select    the indexer's top-k keys per query (full layers), the previous full layer's (shared), none
+    attend    the attention core over the selected keys (`pallas_kernels.sparse_mla.ops`, by
+              ``cfg.attention_impl``), or over every visible key in the dense stage
+    project   out through W_UV and o_proj
+
+The core runs in the absorbed form: W_UK is folded into the query and W_UV applied after attention, so
+every head attends to the one shared latent row [c; k_rot] (576 wide for GLM-5). ``cfg.mla_form="mha"``
+is the naive form instead (keys/values expanded per head, the selection as a mask over all keys): the
+same function, kept as a readable cross-check.
+
+When the mesh splits the sequence (context parallelism), select + attend + indexer KL run per sequence
+shard over the gathered latent rows and indexer keys instead (glm5_jax/model/context_attention.py).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from glm5_jax.model import context_attention
+
+from glm5_jax.parallel import context as context_parallel
+from glm5_jax.parallel.shard_map import logical_pmean, logical_shard_map
+from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
+from glm5_jax.model.rope import apply_rope, rope_cos_sin
+from pallas_kernels.indexer_kl import ops as indexer_kl_ops
+from pallas_kernels.lightning_indexer import ops as indexer_ops
+from pallas_kernels.masking import selection_mask, visible_mask
+from pallas_kernels.sparse_mla import ops as sparse_mla_ops
+
+# name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
+SELECTION_NAME = "dsa_selection"
+# the attention core's output and indexer KL target, and the residuals its impls name: a remat policy
+# keeping these never reruns the attention core in the backward pass
+ATTENTION_SAVED_NAMES = ("attention_core_out", "indexer_kl_target") + sparse_mla_ops.SAVED_NAMES
+_PALLAS = ("pallas", "pallas_interpret")
+
+
+def _rope(cfg, x, positions_BT, *, interleaved, head_axis: bool):
+    cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
+                            cfg.max_position_embeddings)
+    if head_axis:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return apply_rope(x, cos, sin, interleaved=interleaved)
+
+
+class Indexer(nn.Module):
+    """Lightning-indexer projections: (q [B,T,H_I,d_I], k [B,T,d_I], w [B,T,H_I]) in fp32.
+
+    Background: docs/architecture.md#lightning-indexer.
+    """
+    cfg: object
+
+    @nn.compact
+    def __call__(self, a_BTD, qr_BTQ, positions_BT):
+        cfg = self.cfg
+        init, pdt = normal_init(cfg), cfg.jnp_param_dtype
+        h_i, d_i, d_r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        wq_b = logical_param(self, "wq_b", (cfg.q_lora_rank, h_i, d_i), ("q_lora", "index_heads", "index_dim"),
+                             init, pdt)
+        wk = logical_param(self, "wk", (cfg.hidden_size, d_i), ("embed", "index_dim"), init, pdt)
+        weights_proj = logical_param(self, "weights_proj", (cfg.hidden_size, h_i), ("embed", "index_heads"),
+                                     init, pdt)
+        f32 = jnp.float32
+        q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
+        k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
+        k = LayerNorm(cfg.indexer_norm_eps, "index_dim", pdt, name="k_norm")(k)
+        # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
+        rot = dict(interleaved=cfg.indexer_rope_interleave)
+        q = jnp.concatenate([_rope(cfg, q[..., :d_r], positions_BT, head_axis=True, **rot), q[..., d_r:]], -1)
+        k = jnp.concatenate([_rope(cfg, k[..., :d_r], positions_BT, head_axis=False, **rot), k[..., d_r:]], -1)
+        # weights_proj runs in fp32 like HF; both positive scales folded into w (ReLU(cx) = cReLU(x)).
+        w = jnp.einsum("btd,dh->bth", a_BTD.astype(f32), weights_proj.astype(f32),
+                       precision=jax.lax.Precision.HIGHEST) * (h_i ** -0.5 * d_i ** -0.5)
+        return q, k, w
+
+
+class MLAttention(nn.Module):
+    """One layer's MLA attention + DSA. `indexer_kind` is "full", "shared" or "none".
+
+    Returns (output, selection, indexer_kl, cache); indexer_kl is None unless this is a full layer and
+    ``cfg.indexer_loss`` asks for the warm-up or sparse-stage KL.
+
+    With a decode ``cache`` ({"latent": [B, S, C], "index_key": [B, S, d_I] on full layers}, see
+    `glm5_jax.model.kv_cache`) the new tokens' rows are written at slots = their positions, and the queries
+    attend over the whole cache instead of over themselves: slot s is visible from position p iff s <= p
+    (every such slot has been written by then). The updated cache is returned; without one, None.
+    """
+    cfg: object
+    indexer_kind: str
+
+    @nn.compact
+    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None):
+        cfg = self.cfg
+        init, pdt, dt, proj = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype, cfg.runtime.projection_impl
+        H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim, cfg.kv_lora_rank)
+        d = cfg.hidden_size
+        w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), ("embed", "q_lora"), init, pdt)
+        w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), ("q_lora", "heads", "kv"), init, pdt)
+        w_kva = logical_param(self, "kv_a_proj", (d, R + dr), ("embed", "kv_lora"), init, pdt)
+        w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), ("kv_lora", "heads", "kv"), init, pdt)
+        w_o = logical_param(self, "o_proj", (H, dv, d), ("heads", "kv", "embed"), init, pdt)
+        w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]                # [R, H, dn], [R, H, dv]
+
+        # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
+        qr = RMSNorm(cfg.latent_norm_eps, "q_lora", pdt, name="q_a_norm")(
+            einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj))
+        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), ("batch", "seq", "act_heads", None))
+        q_nope = q[..., :dn]
+        q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True)
+        ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt, impl=proj)
+        c = RMSNorm(cfg.latent_norm_eps, "kv_lora", pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
+        k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
+        latent_BSC = jnp.concatenate([c, k_rot], axis=-1)
+        kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
+        if cache is not None:
+            cache = dict(cache, latent=write_rows(cache["latent"], latent_BSC, positions_BT))
+            latent_BSC = cache["latent"]
+            kv_positions_BS, kv_segments_BS = cache_slots(latent_BSC)
+        latent_BSC = latent_BSC.astype(dt)
+        q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
+
+        n_shards = context_parallel.layout_shards(a_BTD.shape[1]) if cfg.runtime.mla_form == "absorbed" else 1
+        if cache is None and n_shards > 1:     # the sequence is split over shards (context parallelism)
+            o_lat, selection, indexer_kl = self._context_parallel(a_BTD, qr, positions_BT, segment_ids_BT,
+                                                                  prev_selection, q_abs, latent_BSC, n_shards)
+            o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
+            o = constrain(o, ("batch", "seq", "act_heads", None))
+            return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
+
+        # ---- select
+        selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
+                                                       q_abs, latent_BSC, cache)
+        visible = visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
+        sparse = cfg.runtime.attention_mode == "sparse" and self.indexer_kind != "none"
+
+        # ---- attend (named scopes: the compile report files the HLO by them)
+        target = None
+        with jax.named_scope("attention_core"):
+            if cfg.runtime.mla_form == "mha" and cache is None:
+                allowed = visible & selection_mask(*selection, visible.shape[-1]) if sparse else visible
+                o = naive_attention(cfg, q_nope, q_rot, c, k_rot, w_kvb, allowed)
+            else:
+                with_target = indexer_kl_fn is not None and cfg.runtime.indexer_loss == "sparse"
+                if sparse:
+                    o_lat, target = self._sparse_core(q_abs, latent_BSC, *selection, decoding=cache is not None,
+                                                      with_target=with_target)
+                else:
+                    o_lat, _ = sparse_mla_ops.dense_mla(q_abs, latent_BSC, visible, scale=cfg.softmax_scale,
+                                                        v_dim=R, q_chunk=cfg.runtime.attention_q_chunk)
+        if cfg.runtime.mla_form != "mha" or cache is not None:
+            o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
+        if target is not None:
+            target = checkpoint_name(target, ATTENTION_SAVED_NAMES[1])
+        with jax.named_scope("indexer_kl"):
+            indexer_kl = indexer_kl_fn(target) if indexer_kl_fn is not None else None
+
+        # ---- project out
+        o = constrain(o, ("batch", "seq", "act_heads", None))
+        return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
+
+    def _context_parallel(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC,
+                          n_shards):
+        """Select + attend + indexer KL with the sequence split over ``n_shards`` (glm5_jax/model/context_attention.py)
+        -> (o_lat, selection, indexer KL or None)."""
+        cfg = self.cfg
+        full = self.indexer_kind == "full"
+        indexer_qkw = None
+        if full:   # detached inputs: the indexer learns only from its KL (see _select)
+            indexer_qkw = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
+                                                       positions_BT)
+            if cfg.runtime.attention_mode != "sparse" and cfg.runtime.indexer_loss == "none":
+                indexer_qkw = None                     # dense stage: the indexer's outputs are unused
+        with jax.named_scope("attention_core"):
+            o_lat, selection, kl_parts = context_attention.context_parallel_attention(
+                cfg, n_shards, q_abs, latent_BSC, positions_BT, segment_ids_BT, prev_selection, indexer_qkw,
+                select=full and cfg.runtime.attention_mode == "sparse",
+                sparse=cfg.runtime.attention_mode == "sparse" and self.indexer_kind != "none",
+                kl_stage=cfg.runtime.indexer_loss if indexer_qkw is not None else "none")
+        if full and cfg.runtime.attention_mode == "sparse":
+            selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
+        with jax.named_scope("indexer_kl"):
+            indexer_kl = None if kl_parts is None else indexer_kl_ops.mean_over_tokens(*kl_parts)
+        return o_lat, selection, indexer_kl
+
+    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache):
+        """(selection, indexer KL or None, cache): this layer's top-k (full), the previous full layer's
+        (shared), or pass-through (none / dense attention). The KL comes as a function of an optional
+        precomputed sparse-stage target (see indexer_kl reference), called once attention has run."""
+        cfg = self.cfg
+        if self.indexer_kind != "full":
+            return prev_selection, None, cache
+        # The indexer is trained only by its KL loss: its inputs are detached (DeepSeek-V3.2 report,
+        # section 2.1); top-k indices carry no gradient, so the LM loss never reaches the indexer.
+        q_i, k_i, w_i = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
+                                                     positions_BT)
+        kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
+        if cache is not None:
+            cache = dict(cache, index_key=write_rows(cache["index_key"], k_i, positions_BT))
+            k_i = cache["index_key"].astype(jnp.float32)
+            kv_positions_BS, kv_segments_BS = cache_slots(k_i)
+        selection = prev_selection
+        if cfg.runtime.attention_mode == "sparse":
+            selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, kv_positions_BS, segment_ids_BT,
+                                           kv_segments_BS)
+            if cache is None:
+                selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
+        if cfg.runtime.indexer_loss == "none" or cache is not None:
+            return selection, None, cache
+        idx, valid = selection if cfg.runtime.indexer_loss == "sparse" else (None, None)
+
+        def kl(target_BTK=None):
+            return indexer_kl_ops.indexer_kl_loss(
+                jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC), q_i, k_i, w_i,
+                positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
+                stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK)
+        return selection, kl, cache
+
+    def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):
+        """Top-k selection (lightning_indexer.ops); a Pallas impl runs per batch shard."""
+        cfg = self.cfg
+
+        def topk(q, k, w, q_pos, kv_pos, q_seg, kv_seg):
+            return indexer_ops.indexer_topk(q, k, w, q_pos, kv_pos, q_seg, kv_seg, topk=cfg.index_topk,
+                                            impl=cfg.runtime.attention_impl)
+
+        args = (q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
+        if cfg.runtime.attention_impl not in _PALLAS:
+            return topk(*args)
+        bt, btx = ("batch", None), ("batch", None, None)
+        return logical_shard_map(topk, in_axes=(("batch", None, None, None), btx, btx, bt, bt, bt, bt),
+                                 out_axes=(btx, btx))(*args)
+
+    def _sparse_core(self, q_abs, latent_BSC, idx, valid, *, decoding, with_target):
+        """Absorbed sparse attention -> (o_lat [B,T,H,R], indexer KL target or None); a Pallas impl runs
+        per (batch, head) shard."""
+        cfg = self.cfg
+
+        def core(q, kv, i, v):   # (out, lse, target or None); the XLA impls compute the target on request
+            results = sparse_mla_ops.sparse_mla(q, kv, i, v, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
+                                                impl=cfg.runtime.attention_impl, training_rows=not decoding,
+                                                with_target=with_target)
+            return results if with_target else (*results, None)
+
+        if cfg.runtime.attention_impl not in _PALLAS:
+            out, _, target = core(q_abs, latent_BSC, idx, valid)
+            return out, target
+        heads, btx = ("batch", None, "act_heads", None), ("batch", None, None)
+        if not with_target:
+            out = logical_shard_map(lambda *a: core(*a)[0], in_axes=(heads, btx, btx, btx), out_axes=heads)(
+                q_abs, latent_BSC, idx, valid)
+            return out, None
+
+        def core_with_target(*args):
+            # each head shard's target is the mean over its own heads; every shard holds as many heads,
+            # so the mean of those means over the head shards is the mean over all heads
+            out, _, target = core(*args)
+            return out, logical_pmean(target, "act_heads")
+
+        return logical_shard_map(core_with_target, in_axes=(heads, btx, btx, btx), out_axes=(heads, btx))(
+            q_abs, latent_BSC, idx, valid)
+
+
+def naive_attention(cfg, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, allowed_BTS):
+    """The naive MLA form: per-head keys [k_nope; k_rot] and values v up-projected from the latent,
+    masked softmax in fp32 -> o [B,T,H,d_v]."""
+    dt, dn = cfg.jnp_dtype, cfg.qk_nope_head_dim
+    kv = einsum("bsr,rhk->bshk", c_BSR, w_kvb, dt)
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    logits = (jnp.einsum("bthn,bshn->bhts", q_nope.astype(dt), k_nope, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthr,bsr->bhts", q_rot.astype(dt), k_rot_BSr.astype(dt),
+                           preferred_element_type=jnp.float32)) * cfg.softmax_scale
+    logits = jnp.where(allowed_BTS[:, None], logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return jnp.einsum("bhts,bshv->bthv", probs.astype(dt), v, preferred_element_type=jnp.float32).astype(dt)
+
+
+def write_rows(cache_BSX, rows_BTX, positions_BT):
+    """Write each row's T new entries at slots positions[b, 0] .. positions[b, 0] + T - 1 (contiguous)."""
+    def one(c, r, start):
+        return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), start, axis=0)
+    return jax.vmap(one)(cache_BSX, rows_BTX, positions_BT[:, 0])
+
+
+def cache_slots(cache_BSX):
+    """(positions, segment ids) of a decode cache's slots: slot s holds position s, all in segment 1."""
+    B, S = cache_BSX.shape[:2]
+    return (jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)), jnp.ones((B, S), jnp.int32))

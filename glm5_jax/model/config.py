@@ -1,0 +1,317 @@
+"""`ModelConfig`: every hyper-parameter of GLM-5 (its HF config.json), validated, HF-convertible.
+
+The same dataclass describes GLM-5 (`glm_moe_dsa`), DeepSeek-V3.2 (`deepseek_v32`: half-split indexer
+RoPE) and DeepSeek-V3 (`deepseek_v3`: no indexer, dense attention) so their checkpoints can be read
+into the one model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any, ClassVar, Literal
+
+import jax.numpy as jnp
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+AttentionImpl = Literal["reference", "xla", "pallas", "pallas_interpret"]
+MlaForm = Literal["absorbed", "mha"]
+AttentionMode = Literal["sparse", "dense"]
+IndexerLoss = Literal["none", "warmup", "sparse"]
+MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
+ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
+MoeEp = Literal["none", "a2a", "ragged_a2a"]
+QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
+RematPolicy = Literal["none", "full", "selection_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                      "dots_attention_saveable", "experts_saveable", "offload_dots"]
+
+DTYPES = typing.get_args(Dtype)
+ATTENTION_IMPLS = typing.get_args(AttentionImpl)
+MLA_FORMS = typing.get_args(MlaForm)
+ATTENTION_MODES = typing.get_args(AttentionMode)
+INDEXER_LOSSES = typing.get_args(IndexerLoss)
+MOE_IMPLS = typing.get_args(MoeImpl)
+PROJECTION_IMPLS = typing.get_args(ProjectionImpl)
+MOE_EP = typing.get_args(MoeEp)
+REMAT_POLICIES = typing.get_args(RematPolicy)
+QUANT_MATMULS = typing.get_args(QuantMatmul)
+Quant = Literal["none", "int4_qat", "int4"]   # routed-expert weights: full precision, fake-quantised, packed
+QuantScaleDtype = Literal["bfloat16", "float32"]
+QUANT_MODES = typing.get_args(Quant)
+QUANT_SCALE_DTYPES = typing.get_args(QuantScaleDtype)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How the model runs, never what it is: numerics, which implementation of each hot spot, remat,
+    expert transport, and the DSA stage the forward runs in. None of it changes the parameter tree.
+
+    ``attention_mode`` / ``indexer_loss`` are the DSA stage's facts; `train.py` derives them from
+    ``train.stage`` (`glm5_jax.train.step.model_config_for_stage`), generation from its own needs.
+    """
+    dtype: Dtype = "float32"                 # activation / matmul dtype (a JAX/numpy dtype works too)
+    param_dtype: Dtype = "float32"           # master weights
+    attention_impl: AttentionImpl = "xla"    # pallas_kernels/sparse_mla/ops.py: reference | xla | pallas(_interpret)
+    mla_form: MlaForm = "absorbed"           # "absorbed" (latent MQA) or "mha" (naive per-head form, a cross-check)
+    # routed experts' grouped matmul: "auto" (the Pallas kernel when lowered for TPU, else ragged_dot),
+    # "ragged_dot" (XLA reference), "gmm" / "gmm_interpret" (Pallas TPU kernel / its interpreter), "blocked"
+    # (glm5_jax/model/moe/blocked.py, fast on CPU)
+    moe_impl: MoeImpl = "auto"
+    # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/model/moe/expert_parallel.py): "none" (GSPMD
+    # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
+    moe_ep: MoeEp = "none"
+    moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
+    remat_policy: RematPolicy = "full"       # glm5_jax/model/decoder.py REMAT_POLICIES
+    # weight projections' gradient (glm5_jax.model.layers.einsum): "xla" (as JAX derives it; TPU/GPU) or
+    # "cpu_transposed_grad" (the weight gradient from a materialised x^T: faster on XLA:CPU)
+    projection_impl: ProjectionImpl = "xla"
+    quant_matmul: QuantMatmul = "xla"        # packed INT4 experts: dequantise + the moe_impl matmul, or the kernel
+    attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
+    attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
+    indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
+
+    def __post_init__(self):
+        for f in ("dtype", "param_dtype"):     # jnp.float32 / np.dtype / "float32" all name the same dtype
+            value = getattr(self, f)
+            if not isinstance(value, str):
+                try:
+                    value = jnp.dtype(value).name
+                except TypeError as e:
+                    raise ConfigError(f"RuntimeConfig.{f}={value!r}: not a dtype ({e})") from None
+                object.__setattr__(self, f, value)
+        hints = typing.get_type_hints(RuntimeConfig)
+        for f in dataclasses.fields(self):
+            allowed = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else None
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                raise ConfigError(f"RuntimeConfig.{f.name}={getattr(self, f.name)!r}: must be one of {allowed}")
+        if not (isinstance(self.attention_q_chunk, int) and self.attention_q_chunk > 0):
+            raise ConfigError(f"RuntimeConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
+        if not self.moe_capacity_factor > 0:
+            raise ConfigError(f"RuntimeConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
+        if self.indexer_loss == "sparse" and self.attention_mode != "sparse":
+            raise ConfigError("RuntimeConfig.indexer_loss='sparse': the sparse-stage KL needs attention_mode='sparse'")
+
+    def replace(self, **changes) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+
+RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    # --- sizes ---
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    num_hidden_layers: int = 78
+    first_k_dense_replace: int = 3
+    intermediate_size: int = 12288
+    num_attention_heads: int = 64
+    # --- MLA ---
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    # --- DSA lightning indexer ---
+    use_indexer: bool = True                 # False for deepseek_v3 (dense MLA, no indexer weights)
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    indexer_types: tuple[str, ...] | None = None   # per layer "full" | "shared"; None -> all full
+    indexer_rope_interleave: bool = True     # GLM: pair-interleaved; DeepSeek-V3.2: half-split
+    # --- RoPE ---
+    rope_theta: float = 1_000_000.0
+    # YaRN parameters as sorted (key, value) pairs (DeepSeek-V3.x); None = plain RoPE (GLM-5)
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rope_interleave: bool = True             # MLA q_rot / k_rot pair-interleaved
+    # --- norms ---
+    rms_norm_eps: float = 1e-5
+    latent_norm_eps: float = 1e-6            # q_a_layernorm, kv_a_layernorm (hard-coded upstream)
+    indexer_norm_eps: float = 1e-6           # indexer k_norm LayerNorm
+    # --- MoE ---
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 2048
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    # --- MTP ---
+    num_nextn_predict_layers: int = 1        # MTP modules stored (GLM-5: one, as layer 78)
+    mtp_depth: int = 1                       # recursive applications of the shared MTP module
+    mtp_use_normed_hidden: bool = True       # h^0 = post-final-norm hidden, as inference engines do
+    # --- misc from config.json ---
+    max_position_embeddings: int = 202752
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: tuple[int, ...] = (154820, 154827, 154829)
+    pad_token_id: int | None = 154820
+    # INT4 routed experts (glm5_jax/quant/): "int4_qat" fake-quantises the fp master weights in the forward
+    # (straight-through gradients), "int4" holds packed weights (from glm5_jax.quant.quantize_params) for
+    # inference; both round with glm5_jax/quant/int4.py, so their forwards are the same numbers
+    quant: Quant = "none"
+    quant_group_size: int = 32               # input channels per scale
+    quant_scale_dtype: QuantScaleDtype = "bfloat16"
+    # --- how it runs (not part of the architecture): cfg.runtime.attention_impl; cfg.replace(attention_impl=...)
+    # and ModelConfig.from_fields({... "attention_impl": ...}) take these names at the top level ---
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    # `--set model.<runtime field>` is `--set model.runtime.<runtime field>`; removed fields say what replaced them
+    MOVED_FIELDS: ClassVar[dict[str, str]] = dict.fromkeys(RUNTIME_FIELDS, "runtime")
+    REMOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "sparse_xla_form": "the XLA sparse attention picks its form itself; choose between attention_impl='xla' "
+                           "(tuned) and attention_impl='reference' instead"}
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(d_qk), also in the absorbed form (not 1/sqrt of the latent width); YaRN models multiply by
+        mscale^2 (as DeepSeek-V3's yarn_get_mscale)."""
+        from glm5_jax.model.rope import yarn_softmax_mscale
+
+        return self.qk_head_dim ** -0.5 * yarn_softmax_mscale(self.rope_scaling_dict)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def layer_indexer_types(self) -> tuple[str, ...]:
+        """Indexer mode of each main layer; "none" everywhere when the model has no indexer."""
+        if not self.use_indexer:
+            return ("none",) * self.num_hidden_layers
+        return self.indexer_types or ("full",) * self.num_hidden_layers
+
+    @property
+    def jnp_dtype(self):
+        return self.runtime.jnp_dtype
+
+    @property
+    def jnp_param_dtype(self):
+        return self.runtime.jnp_param_dtype
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes``; runtime fields (``attention_impl=...``) may be given by name."""
+        return dataclasses.replace(self, **self._route_runtime(changes, self.runtime))
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> "ModelConfig":
+        """A config from a flat dict of field values (a stored config, a config file's dict); runtime fields
+        may stand at the top level, as they did before ``runtime`` held them."""
+        return cls(**cls._route_runtime(dict(fields), RuntimeConfig()))
+
+    @classmethod
+    def _route_runtime(cls, changes: dict[str, Any], runtime) -> dict[str, Any]:
+        for old, why in cls.REMOVED_FIELDS.items():
+            if old in changes:
+                raise ConfigError(f"ModelConfig.{old} was removed: {why}")
+        moved = {k: changes.pop(k) for k in list(changes) if k in RUNTIME_FIELDS}
+        if moved:
+            runtime = changes.get("runtime", runtime)
+            if isinstance(runtime, dict):
+                runtime = RuntimeConfig(**runtime)
+            changes["runtime"] = runtime.replace(**moved)
+        return changes
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self):
+        if isinstance(self.runtime, dict):      # a stored config (checkpoint metadata) holds it as a dict
+            object.__setattr__(self, "runtime", RuntimeConfig(**self.runtime))
+        if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
+            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if not isinstance(self.eos_token_id, tuple):
+            eos = self.eos_token_id
+            object.__setattr__(self, "eos_token_id", tuple(eos) if isinstance(eos, (list, tuple)) else
+                               (() if eos is None else (int(eos),)))
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, field: str, why: str):
+            if not ok:
+                owner = self.runtime if field in RUNTIME_FIELDS else self
+                raise ConfigError(f"{type(owner).__name__}.{field}={getattr(owner, field)!r}: {why}")
+
+        if not isinstance(self.runtime, RuntimeConfig):
+            raise ConfigError(f"ModelConfig.runtime={self.runtime!r}: must be a RuntimeConfig")
+
+        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "moe_intermediate_size"):
+            need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
+        need(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
+             f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
+        need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "RoPE needs an even rotary width")
+        if self.num_moe_layers > 0 or self.num_nextn_predict_layers > 0:
+            need(self.n_routed_experts > 0, "n_routed_experts", "must be positive when MoE layers exist")
+            need(0 < self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+                 f"must lie in [1, n_routed_experts={self.n_routed_experts}]")
+            need(self.n_group > 0 and self.n_routed_experts % self.n_group == 0, "n_group",
+                 f"must divide n_routed_experts={self.n_routed_experts}")
+            need(0 < self.topk_group <= self.n_group, "topk_group", f"must lie in [1, n_group={self.n_group}]")
+            per_group = self.n_routed_experts // self.n_group
+            need(self.n_group == 1 or per_group >= 2, "n_group", "group scores need >= 2 experts per group")
+            need(self.topk_group * per_group >= self.num_experts_per_tok, "topk_group",
+                 f"topk_group * experts per group must be >= num_experts_per_tok={self.num_experts_per_tok}")
+            need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+        if self.use_indexer:
+            for f in ("index_n_heads", "index_head_dim", "index_topk"):
+                need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
+            need(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
+                 f"must be >= qk_rope_head_dim={self.qk_rope_head_dim} (the rope slice comes first)")
+            if self.indexer_types is not None:
+                need(len(self.indexer_types) == self.num_hidden_layers, "indexer_types",
+                     f"needs one entry per layer ({self.num_hidden_layers})")
+                need(all(t in ("full", "shared") for t in self.indexer_types), "indexer_types",
+                     'entries must be "full" or "shared"')
+                need(self.indexer_types[0] == "full", "indexer_types",
+                     'layer 0 must be "full" (there is no earlier top-k to share)')
+        need(self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
+             "one shared MTP module (GLM-5) or none is supported")
+        need(self.mtp_depth >= 0 and (self.mtp_depth == 0 or self.num_nextn_predict_layers == 1), "mtp_depth",
+             "needs an MTP module (num_nextn_predict_layers=1) when > 0")
+        need(self.rope_theta > 0, "rope_theta", "must be positive")
+        if self.rope_scaling is not None:
+            rs = dict(self.rope_scaling)
+            need(rs.get("rope_type") == "yarn", "rope_scaling", 'only rope_type "yarn" is supported')
+            need("original_max_position_embeddings" in rs, "rope_scaling",
+                 "yarn needs original_max_position_embeddings")
+        need(self.runtime.indexer_loss == "none" or self.use_indexer, "indexer_loss",
+             "needs a model with an indexer")
+        for f, allowed in (("quant", QUANT_MODES), ("quant_scale_dtype", QUANT_SCALE_DTYPES)):
+            need(getattr(self, f) in allowed, f, f"must be one of {allowed}")
+        if self.quant != "none":
+            g = self.quant_group_size
+            need(isinstance(g, int) and g > 0 and g % 8 == 0, "quant_group_size", "must be a positive multiple of 8")
+            for f in ("hidden_size", "moe_intermediate_size"):     # the experts' input widths
+                need(getattr(self, f) % (8 * g) == 0, f,
+                     f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
+        need(self.runtime.quant_matmul == "xla" or self.quant == "int4", "quant_matmul",
+             'the Pallas INT4 matmul runs on packed weights (quant="int4")')
+        need(self.runtime.quant_matmul == "xla" or self.runtime.moe_ep == "none", "quant_matmul",
+             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none")')
+        need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")

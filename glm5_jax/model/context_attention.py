@@ -1,0 +1,91 @@
+"""One layer's attention core (select, attend, indexer KL) when the sequence is split over shards.
+
+`glm5_jax.parallel.context` describes the layout. Per shard (a `logical_shard_map` over the logical
+"batch" and "seq" axes; heads stay whole, so the head-averaged KL target needs no reduction):
+
+    gather    the latent rows [c; k_rot] (kv_lora_rank + qk_rope_head_dim values per token), the
+              indexer keys (index_head_dim per token, full layers only) and the key positions / segment
+              ids of every shard, in natural order. Nothing per head crosses chips.
+    select    the local queries' top-k over all keys (full layers; earlier shards' keys included)
+    attend    the sparse core over the gathered rows of the selected keys (dense / warm-up stages:
+              every visible key), locally
+    KL        the indexer KL of the local queries, per token
+
+The backward pass returns each key's gradient to the shard that owns it (the all-gather's transpose
+is a reduce-scatter). The sparse core runs with ``training_rows=False``: a local query's keys are not
+its own rows, so the XLA impl takes its general form (selection mask while the keys number at most
+`sparse_mla.ops.DENSE_DECODE_FACTOR` x k, else the gather).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_jax.parallel.context import gather_sequence
+from glm5_jax.parallel.shard_map import logical_shard_map
+from pallas_kernels.indexer_kl import ops as indexer_kl_ops
+from pallas_kernels.lightning_indexer import ops as indexer_ops
+from pallas_kernels.masking import visible_mask
+from pallas_kernels.sparse_mla import ops as sparse_mla_ops
+
+_BT = ("batch", "seq")
+_AXES = {  # logical axes of each per-token operand: split over batch and sequence, whole otherwise
+    "q": _BT + (None, None), "kv": _BT + (None,), "pos": _BT, "seg": _BT, "idx": _BT + (None,),
+    "valid": _BT + (None,), "iq": _BT + (None, None), "ik": _BT + (None,), "iw": _BT + (None,)}
+
+
+def context_parallel_attention(cfg, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
+                               selection, indexer_qkw=None, *, select, sparse, kl_stage):
+    """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k], (kl [B,T], has_set [B,T]) or None).
+
+    All [B, T, ...] operands and results are in the sequence layout over ``n_shards``; a selected index
+    is a natural token index. ``indexer_qkw``: the indexer's (q, k, w) on full layers; ``select``: run the
+    top-k (else ``selection`` is used); ``sparse``: top-k attention (else every visible key);
+    ``kl_stage``: "none", "warmup" or "sparse".
+    """
+    args = {"q": q_abs_BTHC, "kv": latent_BTC, "pos": positions_BT, "seg": segment_ids_BT,
+            "idx": selection[0], "valid": selection[1]}
+    if indexer_qkw is not None:
+        args.update(zip(("iq", "ik", "iw"), indexer_qkw))
+    names = sorted(args)
+    R = cfg.kv_lora_rank
+
+    def _core(q, kv, idx, valid, q_pos, kv_pos, q_seg, kv_seg):
+        """(o, KL target or None): top-k attention when ``sparse``, else every visible key."""
+        if sparse:
+            with_target = kl_stage == "sparse"
+            results = sparse_mla_ops.sparse_mla(q, kv, idx, valid, scale=cfg.softmax_scale, v_dim=R,
+                                                impl=cfg.runtime.attention_impl, training_rows=False,
+                                                with_target=with_target)
+            return results[0], (results[2] if with_target else None)
+        visible = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
+        o, _ = sparse_mla_ops.dense_mla(q, kv, visible, scale=cfg.softmax_scale, v_dim=R,
+                                        q_chunk=cfg.runtime.attention_q_chunk)
+        return o, None
+
+    def per_shard(*values):
+        a = dict(zip(names, values))
+        kv, kv_pos, kv_seg = (gather_sequence(a[x], n_shards) for x in ("kv", "pos", "seg"))
+        ik = gather_sequence(a["ik"], n_shards) if "ik" in a else None
+        idx, valid = a["idx"], a["valid"]
+        if select:
+            with jax.named_scope("lightning_indexer"):      # scope names: glm5_jax.cost.categories
+                idx, valid = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                                                      topk=cfg.index_topk, impl=cfg.runtime.attention_impl)
+        with jax.named_scope("attention_core"):
+            o, target = _core(a["q"], kv, idx, valid, a["pos"], kv_pos, a["seg"], kv_seg)
+        if kl_stage == "none":
+            kl, has_set = jnp.zeros(a["pos"].shape, jnp.float32), jnp.zeros(a["pos"].shape, bool)
+        else:
+            sg = jax.lax.stop_gradient
+            picked = dict(idx_BTK=idx, valid_BTK=valid, target_BTK=target) if kl_stage == "sparse" else {}
+            with jax.named_scope("indexer_kl"):
+                kl, has_set = indexer_kl_ops.indexer_kl_per_token(
+                    sg(a["q"]), sg(kv), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                    scale=cfg.softmax_scale, stage=kl_stage, **picked)
+        return o, idx, valid, kl, has_set
+
+    out_axes = (_AXES["q"], _AXES["idx"], _AXES["valid"], _BT, _BT)
+    o, idx, valid, kl, has_set = logical_shard_map(per_shard, tuple(_AXES[x] for x in names), out_axes)(
+        *(args[x] for x in names))
+    return o, (idx, valid), (None if kl_stage == "none" else (kl, has_set))

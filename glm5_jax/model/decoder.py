@@ -1,0 +1,151 @@
+"""Decoder layers and the scanned stack.
+
+The stack is a sequence of `layer_plan.Segment`s; each segment is one `nn.scan` (under `nn.remat`)
+over a group of layers, with parameters stacked on a leading "layers" axis. The scan carry is the
+residual stream plus the last full layer's top-k selection, which "shared" layers reuse (GLM-5's
+indexer_types: a "shared" layer attends to the previous "full" layer's top-k).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from glm5_jax.model.attention import ATTENTION_SAVED_NAMES, SELECTION_NAME, MLAttention
+from glm5_jax.model.layer_plan import LayerKind, plan_segments
+from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
+from glm5_jax.model.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
+from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
+from glm5_jax.model.moe.experts import EXPERT_SAVED_NAMES
+
+_cp = jax.checkpoint_policies
+# The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
+# mask, [B, T, k] per full layer): recomputing it costs the indexer scores and a top-k in the backward;
+# and the blocked MoE's matmul results (moe.BLOCKED_MOE_NAMES, the dots of its block loop).
+_keep_selection = _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES)
+_offload_dots = _cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+
+def _offload_dots_keeping_selection(prim, *avals, **params):
+    """Keep the selection (and blocked-MoE results) on the device, offload weight-stationary matmul outputs
+    to host memory (TPU/GPU: pinned_host). save_from_both_policies cannot join them: an offload policy
+    answers with offload decisions, not booleans."""
+    if _keep_selection(prim, *avals, **params):
+        return True
+    return _offload_dots(prim, *avals, **params)
+
+
+REMAT_POLICIES = {
+    "full": None,   # save nothing, recompute the layer in the backward pass
+    # "full" except the DSA selection (int32 indices + mask, [B, T, k] per full layer): the backward does
+    # not rerun the lightning indexer's scores and top-k, everything else is recomputed
+    "selection_saveable": _keep_selection,
+    "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
+    "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
+                                                                    _keep_selection),
+    # also keep each layer's attention-core output, indexer KL target and the residuals the attention
+    # impls name (attention.ATTENTION_SAVED_NAMES: the kernels' out and lse, the gather form's
+    # probabilities): the backward pass then does not rerun the attention core's forward; costs
+    # B*T*H*d_c (+ B*T*k, + B*T*H, + B*T*k*H for the gather form) values per layer
+    "dots_attention_saveable": _cp.save_from_both_policies(
+        _cp.dots_with_no_batch_dims_saveable,
+        _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES)),
+    # "full" except the selection and the routed experts' gate / up products (moe_experts.EXPERT_SAVED_NAMES,
+    # 2 x [rows, F] fp32 per MoE layer): the backward reruns only the experts' down product, so the routed
+    # experts cost 10/3 of a forward instead of 4 (a2a, routing and everything else are still recomputed)
+    "experts_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *EXPERT_SAVED_NAMES),
+    # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
+    "offload_dots": _offload_dots_keeping_selection,
+}
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE.
+
+    Returns (h, selection, stats, cache): ``stats`` is this layer's `LayerStats`, ``cache`` its decode
+    cache (None when not decoding).
+    """
+    cfg: object
+    kind: LayerKind
+
+    @nn.compact
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
+        cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
+        a = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="input_norm")(h_BTD)
+        attn_out, selection, indexer_kl, cache = MLAttention(cfg, self.kind.indexer, name="attention")(
+            a, positions_BT, segment_ids_BT, selection, cache)
+        h_BTD = constrain(h_BTD + attn_out, ACT_BTD)
+        m = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="post_attention_norm")(h_BTD)
+        moe_aux = None
+        if self.kind.mlp == "dense":
+            ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
+        else:
+            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
+        stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, indexer_kl)
+        return constrain(h_BTD + ffn_out, ACT_BTD), selection, stats, cache
+
+
+class LayerGroup(nn.Module):
+    """The repeating unit of a segment: consecutive layers of the given kinds (scan body).
+
+    Returns the new carry and (`LayerStats` stacked over the unit's layers [len(unit), ...], decode
+    cache). A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out.
+    """
+    cfg: object
+    unit: tuple
+
+    @nn.compact
+    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None):
+        h, selection = carry
+        # Positions and segment ids are the same for every layer. Left loop-invariant, JAX's scan
+        # linearisation hoists all work that depends on them alone out of the layer loop and stores it
+        # (e.g. the indexer's visibility masks for every query chunk and key-window branch: GBs at
+        # T = 4096); tied to the carry here, that work stays in the layer where it is fused and cheap.
+        h, positions_BT, segment_ids_BT = jax.lax.optimization_barrier((h, positions_BT, segment_ids_BT))
+        unit_stats, new_cache = [], {}
+        for i, kind in enumerate(self.unit):
+            layer_cache = None if cache is None else cache[f"layer_{i}"]
+            h, selection, stats, layer_cache = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(
+                h, positions_BT, segment_ids_BT, selection, layer_cache)
+            unit_stats.append(stats)
+            if layer_cache is not None:
+                new_cache[f"layer_{i}"] = layer_cache
+        return (h, selection), (stack(unit_stats), new_cache)
+
+
+class DecoderStack(nn.Module):
+    """All main layers: returns the final residual stream, their `LayerStats` [num_hidden_layers, ...] in
+    layer order, and the updated decode cache ({segment: {layer_i: {...} [repeats, ...]}}, or None when
+    not decoding)."""
+    cfg: object
+
+    @nn.compact
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
+        cfg = self.cfg
+        group_cls = LayerGroup
+        if cfg.runtime.remat_policy != "none":
+            group_cls = nn.remat(LayerGroup, policy=REMAT_POLICIES[cfg.runtime.remat_policy], prevent_cse=False)
+        carry, segment_stats, new_cache = (h_BTD, selection), [], {}
+        for seg in plan_segments(cfg):
+            scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
+                              split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0),
+                              length=seg.repeats, metadata_params={nn.PARTITION_NAME: "layers"})
+            seg_cache = None if cache is None else cache[seg.name]
+            carry, (stats, seg_cache) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
+                                                                              seg_cache)
+            # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u
+            segment_stats.append(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stats))
+            new_cache[seg.name] = seg_cache
+        return carry[0], concatenate(segment_stats), (None if cache is None else new_cache)
+
+
+# where a DecoderLayer keeps its routing bias in the BIAS_COLLECTION tree (MoE(name="moe")'s variable)
+ROUTING_BIAS_PATH = ("moe", "e_score_correction_bias")
+
+
+def routing_bias_rows(cfg):
+    """[(path of a stacked routing-bias leaf under the stack's BIAS_COLLECTION tree, layer index of each
+    entry of its leading "layers" axis)], one per MoE position of each segment's unit."""
+    return [((seg.name, f"layer_{u}") + ROUTING_BIAS_PATH,
+             np.array([seg.layer_index(r, u) for r in range(seg.repeats)]))
+            for seg in plan_segments(cfg) for u, kind in enumerate(seg.unit) if kind.mlp == "moe"]

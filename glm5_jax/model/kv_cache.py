@@ -1,0 +1,84 @@
+"""The decode cache: per layer only what MLA + DSA need to attend to past tokens.
+
+Background: docs/architecture.md#notation-and-sizes, #mla-attention, #lightning-indexer.
+
+Per layer and token a slot holds the MLA latent row ``[c_kv (kv_lora_rank); k_rot (qk_rope_head_dim)]``
+(post-norm, post-RoPE: 512 + 64 for GLM-5) and, on layers with their own indexer, the indexer key
+(``index_head_dim``, 128). Keys and values are never expanded per head: attention runs in the absorbed
+form against the latent rows. Slot s holds position s, so a batch of prompts of different lengths
+shares one static-size cache and each row writes at its own positions.
+
+Layout (a plain pytree, so it can be donated, sharded or inspected):
+
+    {"decoder": {segment: {"layer_i": {"latent": [repeats, B, S, C], "index_key": [repeats, B, S, d_I]}}},
+     "mtp": ({"latent": [B, S, C], "index_key": [B, S, d_I]},) * mtp_depth}
+
+Shared-index layers have no ``index_key`` (they reuse the previous full layer's selection). Each MTP
+depth applies the one shared MTP block to different hidden states, so each depth has its own cache.
+
+Every leaf's logical axes are ``([layers,] batch, cache_seq, None)``: `constrain_cache` lays a cache out
+by the rules in context, `cache_shardings` gives its NamedShardings. Mapping ``cache_seq`` to a mesh axis
+splits each row's slots across chips; what a decode step then moves between chips is in
+docs/long_context.md.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from glm5_jax.model.layer_plan import plan_segments
+
+# Logical axes of one layer's [B, S, X] leaf; decoder leaves carry their segment's repeats in front
+# ("layers"). The slot axis is "cache_seq": mapped to a mesh axis, each chip holds S / n slots of every
+# row (docs/long_context.md#a-sequence-sharded-decode-cache).
+LAYER_AXES = ("batch", "cache_seq", None)
+
+
+def _layer_cache(cfg, indexer_kind, batch, max_len, dtype, lead=()):
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    layer = {"latent": jnp.zeros(lead + (batch, max_len, width), dtype)}
+    if indexer_kind == "full":
+        layer["index_key"] = jnp.zeros(lead + (batch, max_len, cfg.index_head_dim), dtype)
+    return layer
+
+
+def init_cache(cfg, batch: int, max_len: int, dtype=None, *, mtp: bool = False) -> dict:
+    """A zero cache with ``max_len`` slots per row; ``dtype`` defaults to the model's compute dtype."""
+    dtype = jnp.dtype(dtype or cfg.jnp_dtype)
+    decoder = {seg.name: {f"layer_{u}": _layer_cache(cfg, kind.indexer, batch, max_len, dtype, (seg.repeats,))
+                          for u, kind in enumerate(seg.unit)}
+               for seg in plan_segments(cfg)}
+    cache = {"decoder": decoder}
+    if mtp:
+        kind = "full" if cfg.use_indexer else "none"
+        cache["mtp"] = tuple(_layer_cache(cfg, kind, batch, max_len, dtype) for _ in range(cfg.mtp_depth))
+    return cache
+
+
+def cache_bytes_per_token(cfg, dtype=None, *, mtp: bool = False) -> int:
+    """Bytes one token occupies in the cache across all layers (~110 KB for GLM-5 in bf16)."""
+    itemsize = np.dtype(jnp.dtype(dtype or cfg.jnp_dtype)).itemsize
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    per_layer = [width + (cfg.index_head_dim if t == "full" else 0) for t in cfg.layer_indexer_types]
+    if mtp and cfg.num_nextn_predict_layers:
+        per_layer += [width + (cfg.index_head_dim if cfg.use_indexer else 0)] * cfg.mtp_depth
+    return int(sum(per_layer) * itemsize)
+
+
+def leaf_axes(x) -> tuple:
+    """Logical axis names of one cache leaf: [repeats,] B, S, X."""
+    return ("layers",) * (x.ndim - 3) + LAYER_AXES
+
+
+def constrain_cache(cache):
+    """``cache`` laid out by the logical rules in context (``cache_seq`` on the slot axis); a no-op
+    without a mesh and rules."""
+    return jax.tree.map(lambda x: nn.with_logical_constraint(x, leaf_axes(x)), cache)
+
+
+def cache_shardings(cache, mesh, rules) -> dict:
+    """NamedShardings of every cache leaf under ``rules`` (e.g. to ``jax.device_put`` a cache)."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, nn.logical_to_mesh_axes(leaf_axes(x), rules)), cache)

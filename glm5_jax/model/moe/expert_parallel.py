@@ -1,0 +1,210 @@
+"""Expert-parallel routed experts: a `shard_map` over the mesh in context.
+
+Tokens arrive sharded over the batch axes (and the sequence axes under context parallelism), experts
+over the mesh axis the logical "exp" axis maps to (mesh names come from the current logical-axis rules,
+never from model code). Per token shard:
+
+    assignments (token, expert) -> rank within their expert -> capacity check -> transport to the expert's
+    shard -> grouped SwiGLU over the local experts' received rows -> reverse transport -> [N, K, D]
+
+Each (source shard, expert) pair carries at most ``C = ceil(capacity_factor * N_local * K / E)``
+assignments; later ones (in token order) are dropped: their expert output is zero and they are counted
+in ``dropped``. Both transports keep exactly the same assignments, so they compute the same function:
+
+* ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU); the
+  receiver packs each local expert's received rows together (the per-source counts travel with them), so
+  the grouped matmul never multiplies a padding slot;
+* ``"ragged_a2a"``: only the kept rows travel, with `jax.lax.ragged_all_to_all` (TPU/GPU only).
+
+The grouped matmul is ``ModelConfig.moe_impl``'s (glm5_jax/model/moe/experts.py; "blocked", a whole-batch CPU
+implementation, runs as ragged_dot here). Expert weights enter with their F (``mlp_moe``) dimension still
+sharded; the partial down-projections are summed over that mesh axis, in the compute dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax.model.moe.experts import swiglu_rows
+
+
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+    """Mesh axes the current rules give a logical axis (possibly none)."""
+    spec = nn.logical_to_mesh_axes((logical,))
+    entry = spec[0] if spec is not None and len(spec) else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _single(axes: tuple[str, ...], what: str) -> str | None:
+    if len(axes) > 1:
+        raise ValueError(f"expert parallelism needs the logical {what!r} axis on one mesh axis, got {axes}")
+    return axes[0] if axes else None
+
+
+def capacity(tokens_local: int, top_k: int, n_experts: int, factor: float) -> int:
+    """Slots per (source shard, expert): factor x the fair share of this shard's assignments."""
+    return max(1, math.ceil(factor * tokens_local * top_k / n_experts))
+
+
+def _rank_within_expert(flat_e, n_experts):
+    """order (assignments sorted by expert, stable), each assignment's rank among its expert's, counts [E]."""
+    counts = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
+    order = jnp.argsort(flat_e, stable=True)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(flat_e.shape[0], dtype=jnp.int32) - starts[flat_e[order]]
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    return order, rank, counts
+
+
+def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
+    """Capacity-padded all_to_all transport. Shapes are per shard."""
+    n, K = idx.shape
+    El, D = w_gate.shape[0], x.shape[-1]
+    n_ep = jax.lax.axis_size(ep) if ep else 1
+    E = El * n_ep
+    flat_e = idx.reshape(-1)
+    _, rank, counts = _rank_within_expert(flat_e, E)
+    kept = rank < cap
+    slot = jnp.where(kept, flat_e * cap + rank, E * cap)                 # E * cap: out of range -> dropped
+    # the token each send slot carries (n: an empty slot), then one gather fills the buffer: no [n * K, D]
+    # copy of the tokens and no zero-filled buffer scattered into (whose bytes a scatter reads and writes)
+    token_of_slot = jnp.full((E * cap,), n, jnp.int32).at[slot].set(
+        jnp.arange(n * K, dtype=jnp.int32) // K, mode="drop")
+    send = x.astype(dtype).at[token_of_slot].get(mode="fill", fill_value=0)      # [dest, El, C] rows
+    kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
+    recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
+    recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
+    # pack: local expert e's filled slots from every source, contiguous; padding slots go nowhere
+    packed_slot = _packed_slots(recv_counts, cap)                        # [src, El, C]; R = padding
+    R = n_ep * El * cap
+    # the received row each packed row takes (R: a padding row), then a gather, as for `send`
+    recv_row_of_packed = jnp.full((R,), R, jnp.int32).at[packed_slot.reshape(-1)].set(
+        jnp.arange(R, dtype=jnp.int32), mode="drop")
+    packed = recv.reshape(R, D).at[recv_row_of_packed].get(mode="fill", fill_value=0)
+    y = _reduce_partial_widths(swiglu_rows(packed, recv_counts.sum(0), w_gate, w_up, w_down, dtype, impl),
+                               mlp, dtype)
+    back = y.at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
+    returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
+    y_assign = returned.at[slot].get(mode="fill", fill_value=0)
+    return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
+
+
+def _reduce_partial_widths(y_RD, mlp, dtype):
+    """The expert outputs in the compute dtype, summed over the `mlp` axis when the expert width is split
+    over it (each shard holds a partial down product). The sum runs in the compute dtype, as the rows
+    travel back in it anyway: a bf16 all-reduce moves half the bytes of the fp32 one."""
+    y_RD = y_RD.astype(dtype)
+    return jax.lax.psum(y_RD, mlp) if mlp else y_RD
+
+
+def _exclusive_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _packed_slots(counts_SE, cap):
+    """Row of each received slot [S, E, C] once every local expert's filled slots are packed together
+    (expert-major, then source, then slot); S * E * C for a padding slot (c >= counts[s, e])."""
+    S, El = counts_SE.shape
+    start_ES = _exclusive_cumsum(counts_SE.T.reshape(-1)).reshape(El, S)   # where expert e's rows from s start
+    c = jnp.arange(cap, dtype=jnp.int32)
+    slot = start_ES.T[:, :, None] + c
+    return jnp.where(c < counts_SE[:, :, None], slot, S * El * cap).astype(jnp.int32)
+
+
+def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
+    """ragged_all_to_all transport of the kept rows only (same kept set as `_a2a_experts`)."""
+    n, K = idx.shape
+    El, D = w_gate.shape[0], x.shape[-1]
+    n_ep = jax.lax.axis_size(ep)
+    E, A, R = El * n_ep, n * K, n_ep * El * cap
+    me = jax.lax.axis_index(ep)
+    flat_e = idx.reshape(-1)
+    order, rank, counts = _rank_within_expert(flat_e, E)
+    kept = rank < cap
+    kept_counts = jnp.minimum(counts, cap)                                # [E]
+    # kept assignments, sorted by expert (hence by destination shard), packed to the front
+    kept_sorted = kept[order]
+    packed_pos = jnp.where(kept_sorted, jnp.cumsum(kept_sorted) - 1, A)
+    row_of_sorted = jnp.zeros((A,), jnp.int32).at[packed_pos].set(order.astype(jnp.int32), mode="drop")
+    send = x.astype(dtype)[row_of_sorted // K]                            # rows past the kept ones: unused
+    send_sizes = kept_counts.reshape(n_ep, El).sum(-1)                    # [dest]
+    all_kept = jax.lax.all_gather(kept_counts, ep)                        # [src, E]
+    sent = all_kept.reshape(n_ep, n_ep, El).sum(-1)                       # sent[src, dest]
+    input_offsets = _exclusive_cumsum(send_sizes)
+    output_offsets = _exclusive_cumsum(sent, axis=0)[me]                  # where my rows land on each dest
+    recv_sizes = sent[:, me]
+    recv = jax.lax.ragged_all_to_all(send, jnp.zeros((R, D), dtype), input_offsets, send_sizes,
+                                     output_offsets, recv_sizes, axis_name=ep)
+    # received rows: for each source, for each local expert, its kept rows; then padding
+    cnt = jax.lax.dynamic_slice_in_dim(all_kept, me * El, El, axis=1)     # [src, El]
+    ends = jnp.cumsum(cnt.reshape(-1))
+    piece = jnp.searchsorted(ends, jnp.arange(R), side="right")           # (src, el) index; n_ep*El = padding
+    local_e = jnp.where(piece < n_ep * El, piece % El, El)
+    by_expert_order = jnp.argsort(local_e, stable=True)
+    y = _reduce_partial_widths(
+        swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl),
+        mlp, dtype)
+    y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y)
+    recv_offsets = _exclusive_cumsum(recv_sizes)
+    back_offsets = _exclusive_cumsum(sent, axis=1)[:, me]                 # my rows' offsets in each source
+    returned = jax.lax.ragged_all_to_all(y_recv, jnp.zeros((A, D), dtype), recv_offsets, recv_sizes,
+                                         back_offsets, send_sizes, axis_name=ep)
+    # assignment -> its packed row (kept) or zero (dropped)
+    packed_of_assignment = jnp.zeros((A,), jnp.int32).at[order].set(packed_pos.astype(jnp.int32))
+    y_assign = returned.at[packed_of_assignment].get(mode="fill", fill_value=0)
+    return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
+
+
+TRANSPORTS = {"a2a": _a2a_experts, "ragged_a2a": _ragged_a2a_experts}
+
+
+def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, cfg):
+    """Routed-expert outputs y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, K, D] in the compute dtype
+    (the rows cross the all_to_all in it), dropped count).
+
+    Must run under a mesh (`jax.set_mesh`) and Flax logical-axis rules; the mesh axes are those of the
+    logical "batch", "seq", "exp" and "mlp_moe" axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError(f"moe_ep={cfg.runtime.moe_ep!r} needs a mesh in context (jax.set_mesh) and logical axis rules")
+    # token shards: the batch axes, then the sequence axes (context parallelism): the [B, T] -> [N] flatten
+    # of tokens sharded that way is sharded over both, batch-major. Tokens are independent here, so any
+    # split is correct; one that does not divide N (a short decode step) keeps to the batch axes.
+    batch = tuple(a for a in _mesh_axes("batch") if mesh.shape[a] > 1)
+    with_seq = batch + tuple(a for a in _mesh_axes("seq") if mesh.shape[a] > 1)
+    if expert_idx_NK.shape[0] % math.prod(mesh.shape[a] for a in with_seq) == 0:
+        batch = with_seq
+    ep = _single(_mesh_axes("exp"), "exp")
+    mlp = _single(_mesh_axes("mlp_moe"), "mlp_moe")
+    ep = ep if ep and mesh.shape[ep] > 1 else None
+    mlp = mlp if mlp and mesh.shape[mlp] > 1 else None
+    if cfg.runtime.moe_ep == "ragged_a2a" and ep is None:
+        raise ValueError("moe_ep='ragged_a2a' needs the 'exp' axis on a mesh axis of size > 1")
+    if ep and ep not in batch:
+        raise ValueError(f"expert axis {ep!r} must also shard the batch (tokens) for expert parallelism")
+    if mlp and mlp in batch:
+        raise ValueError(f"mesh axis {mlp!r} cannot shard both tokens and expert widths")
+    N, K = expert_idx_NK.shape
+    shards = math.prod(mesh.shape[a] for a in batch)
+    if N % shards:
+        raise ValueError(f"{N} tokens do not split over the {shards} token shards {batch}")
+    cap = capacity(N // shards, K, cfg.n_routed_experts, cfg.runtime.moe_capacity_factor)
+    body = TRANSPORTS[cfg.runtime.moe_ep]
+    impl = "ragged_dot" if cfg.runtime.moe_impl == "blocked" else cfg.runtime.moe_impl
+    tok = P(batch or None, None)
+
+    def local(x, idx, wg, wu, wd):
+        y, dropped = body(x, idx, wg, wu, wd, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl)
+        return y, jax.lax.psum(dropped, batch) if batch else dropped
+
+    w_in, w_out = P(ep, None, mlp), P(ep, mlp, None)
+    dt = cfg.jnp_dtype            # weights cast before the shard_map: FSDP gathers them in the compute dtype
+    return jax.shard_map(local, in_specs=(tok, tok, w_in, w_in, w_out),
+                         out_specs=(P(batch or None, None, None), P()), check_vma=False)(
+        x_ND, expert_idx_NK, w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))

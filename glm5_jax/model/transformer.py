@@ -1,0 +1,201 @@
+"""`Transformer`: the GLM-5 causal LM with its multi-token-prediction (MTP) module.
+
+    variables = Transformer(cfg).init(rng, tokens)
+    out = Transformer(cfg).apply(variables, tokens, positions=None, segment_ids=None, with_mtp=False)
+    out.logits, out.stats, out.mtp_logits
+
+``segment_ids`` > 0 name packed documents, 0 marks padding; attention and the indexer never cross
+segments. Missing ``positions`` restart at 0 at each segment start. ``apply`` returns a `ModelOutput`:
+
+* ``logits`` [B, T, V] fp32;
+* ``stats``: `LayerStats` [num_hidden_layers + num_nextn_predict_layers, ...] in layer order, the MTP
+  block last (summed over MTP depths; zeros with False masks when the MTP block did not run):
+  ``expert_load`` [L, E] routed assignments of non-padding tokens, ``balance_loss`` [L] the
+  sequence-wise balance term Σ f_i P_i (DeepSeek-V3 report, arXiv:2412.19437, section 2.1.2), ``indexer_kl`` [L]
+  (full-indexer layers when ``cfg.indexer_loss`` is set), ``dropped`` [L] assignments over expert
+  capacity (expert-parallel ``cfg.moe_ep`` only), and the masks ``has_moe`` / ``has_indexer_kl`` [L];
+* ``mtp_logits`` [depth, B, T, V] (depth k at position t predicts token t + k + 1) when ``with_mtp``
+  and the model has an MTP module with ``mtp_depth`` > 0; None otherwise.
+
+Under a mesh that splits the logical "seq" axis (context parallelism, glm5_jax/parallel/context.py) the
+forward runs in the zig-zag sequence layout: inputs are permuted on entry (after MTP's shifts, which
+need natural order) and ``logits`` / ``mtp_logits`` come out in layout order, position t of the layout
+being token ``to_layout(arange(T))[t]``; `glm5_jax.train.losses` permutes its targets the same way.
+
+`decode` and `mtp_decode` (the same computation over a decode cache) return tuples, see their docstrings.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from glm5_jax.parallel import context as context_parallel
+from glm5_jax.model.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
+from glm5_jax.model.layer_plan import LayerKind
+from glm5_jax.model.layer_stats import LayerStats, concatenate
+from glm5_jax.model.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
+
+
+@struct.dataclass
+class ModelOutput:
+    logits: jax.Array                  # [B, T, V] fp32
+    stats: LayerStats                  # [num_hidden_layers + num_nextn_predict_layers, ...], MTP last
+    mtp_logits: jax.Array | None       # [mtp_depth, B, T, V] fp32, or None when MTP did not run
+
+
+def positions_from_segments(segment_ids_BT):
+    """0-based position of each token inside its segment (segments are contiguous runs)."""
+    T = segment_ids_BT.shape[1]
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                              segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    start_index = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+    return (t - start_index).astype(jnp.int32)
+
+
+def empty_selection(cfg, B, T, num_keys=None):
+    """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, keys)]."""
+    k = min(cfg.index_topk, T if num_keys is None else num_keys) if cfg.use_indexer else 1
+    return jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
+
+
+def shift_left(tokens_BT, k):
+    """tokens[:, t + k] at position t; the last k positions get token 0 (their targets are masked)."""
+    return jnp.pad(tokens_BT[:, k:], ((0, 0), (0, min(k, tokens_BT.shape[1]))))
+
+
+class MTPModule(nn.Module):
+    """One MTP depth: u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u).
+
+    Returns (h', shared_head_norm(h'), `LayerStats`, cache); ``cache`` is this depth's decode cache or None.
+    """
+    cfg: object
+
+    @nn.compact
+    def __call__(self, h_prev_BTD, e_next_BTD, positions_BT, segment_ids_BT, cache=None):
+        cfg, pdt, dt = self.cfg, self.cfg.jnp_param_dtype, self.cfg.jnp_dtype
+        d = cfg.hidden_size
+        e = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="enorm")(e_next_BTD)
+        g = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="hnorm")(h_prev_BTD)
+        w_eh = logical_param(self, "eh_proj", (2 * d, d), ("mtp_concat", "embed"), normal_init(cfg), pdt)
+        # embedding half first, as checkpoints expect (vLLM deepseek_mtp.py: eh_proj(cat([embeds, hidden])))
+        u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt, impl=cfg.runtime.projection_impl)
+        kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
+        B, T, _ = u.shape
+        num_keys = T if cache is None else cache["latent"].shape[1]
+        h, _, stats, cache = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
+                                                                   empty_selection(cfg, B, T, num_keys), cache)
+        return h, RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="shared_head_norm")(h), stats, cache
+
+
+class Transformer(nn.Module):
+    """The causal LM. ``__call__`` is the training/scoring forward; ``decode`` and ``mtp_decode`` are the
+    same computation over a decode cache (`glm5_jax.model.kv_cache`), used by `glm5_jax.generate.decoding`."""
+    cfg: object
+
+    def setup(self):
+        cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
+        self.embedding = logical_param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                                       normal_init(cfg), pdt)
+        self.lm_head = logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                     normal_init(cfg), pdt)
+        self.decoder = DecoderStack(cfg)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, "embed", pdt)
+        if cfg.num_nextn_predict_layers:
+            self.mtp = MTPModule(cfg)
+
+    def embed(self, tokens_BT):
+        return constrain(jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.jnp_dtype), ACT_BTD)
+
+    def head(self, h_BTD):
+        cfg = self.cfg
+        return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, cfg.jnp_dtype, jnp.float32,
+                                cfg.runtime.projection_impl), ("batch", "seq", "act_vocab"))
+
+    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None):
+        """(logits, final hidden h, normed h, decoder `LayerStats`, cache) of the main stack."""
+        B, T = tokens_BT.shape
+        num_keys = T if cache is None else _cache_len(cache)
+        h, stats, cache = self.decoder(self.embed(tokens_BT), positions, segment_ids,
+                                       empty_selection(self.cfg, B, T, num_keys), cache)
+        h_normed = self.final_norm(h)
+        return self.head(_rows_at(h_normed, logits_at)), h, h_normed, stats, cache
+
+    def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False) -> ModelOutput:
+        """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training)."""
+        cfg = self.cfg
+        B, T = tokens_BT.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        if positions is None:
+            positions = positions_from_segments(segment_ids)
+        n = context_parallel.layout_shards(T)               # 1 unless the sequence is split over shards
+        layout = functools.partial(context_parallel.to_layout, n=n)
+        tokens_l, positions, segment_ids = (constrain(layout(x), ("batch", "seq"))
+                                            for x in (tokens_BT, positions, segment_ids))
+        logits, h, h_normed, stats, _ = self._main(tokens_l, positions, segment_ids, None)
+        mtp_logits, mtp_stats = None, []
+        if cfg.num_nextn_predict_layers:
+            depth_stats, depth_logits = [], []
+            if (with_mtp and cfg.mtp_depth > 0) or self.is_initializing():
+                h_prev = h_normed if cfg.mtp_use_normed_hidden else h
+                for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
+                    next_tokens = constrain(layout(shift_left(tokens_BT, depth)), ("batch", "seq"))
+                    h_prev, h_mtp_normed, depth_stat, _ = self.mtp(
+                        h_prev, self.embed(next_tokens), positions, segment_ids)
+                    depth_logits.append(self.head(h_mtp_normed))
+                    depth_stats.append(depth_stat)
+            if depth_stats and cfg.mtp_depth > 0:
+                # each depth's losses count once; loads add up (they all go through the same router)
+                mtp_stats = [jax.tree.map(lambda x: x[None], functools.reduce(operator.add, depth_stats))]
+                mtp_logits = jnp.stack(depth_logits) if with_mtp else None
+            else:                                   # the block's row: zeros, masked out
+                mtp_stats = [jax.tree.map(lambda x: jnp.zeros_like(x[:1]), stats)]
+        return ModelOutput(logits=logits, stats=concatenate([stats] + mtp_stats), mtp_logits=mtp_logits)
+
+    def decode(self, tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
+        """Main stack over a decode cache: the rows' tokens sit at contiguous positions (slots).
+
+        Returns (logits [B,T,V], the hidden state MTP depth 1 takes [B,T,D], updated cache). With
+        ``logits_at`` [B, X] (indices into T) the logits are [B, X, V] at those tokens only: a long
+        prefill chunk needs one row's logits, not [B, T, V].
+        """
+        logits, h, h_normed, _, cache = self._main(tokens_BT, positions_BT, segment_ids_BT, cache, logits_at)
+        return logits, (h_normed if self.cfg.mtp_use_normed_hidden else h), cache
+
+    def mtp_decode(self, h_prev_BTD, next_tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
+        """One MTP depth over its decode cache: (h for the next depth, logits, updated cache);
+        ``logits_at`` as in `decode`."""
+        h, h_normed, _, cache = self.mtp(h_prev_BTD, self.embed(next_tokens_BT), positions_BT, segment_ids_BT,
+                                         cache)
+        return h, self.head(_rows_at(h_normed, logits_at)), cache
+
+
+def _rows_at(x_BTD, index_BX):
+    """x[b, index[b, x]] -> [B, X, D]; all of x when index is None."""
+    if index_BX is None:
+        return x_BTD
+    return jnp.take_along_axis(x_BTD, index_BX[:, :, None], axis=1)
+
+
+def _cache_len(cache):
+    """Number of slots S of a decoder cache ({segment: {layer_i: {"latent": [repeats, B, S, C], ...}}})."""
+    for seg in cache.values():
+        for layer in seg.values():
+            return layer["latent"].shape[-2]
+    raise ValueError("decode cache holds no layers")
+
+
+def routing_bias_rows_of_model(cfg):
+    """`decoder.routing_bias_rows` for the whole model: paths under the BIAS_COLLECTION tree (the
+    decoder's stacked leaves, then the MTP block's) and the `ModelOutput.stats` rows they take."""
+    rows = [(("decoder",) + path, layers) for path, layers in routing_bias_rows(cfg)]
+    if cfg.num_nextn_predict_layers:
+        rows.append((("mtp", "block") + ROUTING_BIAS_PATH, np.asarray(cfg.num_hidden_layers)))
+    return rows

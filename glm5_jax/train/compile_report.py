@@ -1,0 +1,335 @@
+"""Ahead-of-time compile of the real train step for a TPU topology, from a CPU host (no TPU, nothing allocated).
+
+The mesh is built from `jax.experimental.topologies` device descriptions; the step is lowered with the
+Trainer's abstract state and an abstract batch and compiled by libtpu. The report gives per-chip memory
+(XLA's memory analysis) and whether it fits the chip's HBM, and a step-time estimate turned into an
+implied MFU.
+
+How the costs are obtained (glm5_jax.cost.hlo_cost on the compiled, partitioned HLO: per chip, every loop
+body times its trip count; XLA's own ``cost_analysis()`` visits each loop body once and is kept as
+``compiler_flops`` / ``compiler_bytes_accessed`` for reference only):
+
+* ``flops``: compiler-visible matmuls (dot / convolution / ragged-dot; elementwise work not counted);
+  ``kernel_flops``: Mosaic custom calls (Pallas kernels by their declared ``pl.CostEstimate``, the
+  ragged-dot lowering); ``hlo_flops`` their sum; ``bytes_accessed`` HBM bytes per instruction.
+* ``breakdown``: those per category of the step (glm5_jax.cost.categories, from each instruction's
+  op_name metadata) next to the model FLOPs of that category (glm5_jax.cost.flops.train_flops_by_category).
+* ``communication``: every collective with its bytes per chip and the mesh axes it spans, turned into
+  seconds by the v5p ICI model of glm5_jax.cost.ici.
+* ``estimated_step_seconds`` = max(hlo_flops / peak, bytes / HBM bandwidth) + the exposed
+  communication: a synchronous collective is exposed in full, an asynchronous one (start/done pair)
+  hides behind the compute of the loop trip it is issued in, up to that compute's roofline time.
+  ``step_seconds_if_all_overlap`` = max(compute, memory, all communication) is the optimistic bound.
+  ``mfu`` = model FLOPs / (chips x peak x estimated_step_seconds); the model FLOPs exclude MTP.
+* ``optimizer_state``: bytes of optimizer state (and params) per chip from the state's shardings, and
+  over which mesh axes they are split (fsdp: ZeRO-style sharding of the AdamW moments).
+
+``hlo_loop_trip_counts`` lists the loops found; a loop whose trip count could not be read is counted
+once and shows as null there; ``uncounted_custom_calls`` names kernels whose cost is unknown.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax.cost.chips import chip_of_topology
+from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
+from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
+from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
+from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
+from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
+from glm5_jax.train.step import Trainer
+
+log = logging.getLogger("glm5_jax.compile")
+
+# (bf16 dense peak FLOP/s, HBM bytes, HBM bytes/s) per chip, keyed by the topology-name prefix
+def chip_spec(topology: str) -> tuple[float, int, float]:
+    """(peak bf16 FLOP/s, HBM bytes, HBM bytes/s) of the topology's chip (`glm5_jax.cost.chips`)."""
+    chip = chip_of_topology(topology)
+    return chip.peak_flops, chip.hbm_bytes, chip.hbm_bandwidth
+
+
+def topology_devices(topology: str):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+
+
+def abstract_batch(trainer: Trainer, batch_size: int, seq_len: int) -> dict:
+    spec = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=trainer.batch_sharding)
+    return {"tokens": spec, "positions": spec, "segment_ids": spec}
+
+
+def compile_train_step(exp_cfg, topology: str, hlo_path: str | None = None) -> dict:
+    """Lower + compile one train step of `exp_cfg` on `topology`; returns the report dict. `hlo_path`:
+    also write the compiled HLO text there (gzip), to re-read it without compiling again."""
+    trainer, mesh, devices = _setup(exp_cfg, topology)
+    peak, hbm, hbm_bandwidth = chip_spec(topology)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    batch = abstract_batch(trainer, exp_cfg.data.batch_size, exp_cfg.data.seq_len)
+    t0 = time.perf_counter()
+    with trainer._context():
+        lowered = trainer._step.lower(trainer.abstract_state, batch)
+    t_lower = time.perf_counter() - t0
+    log.info("lowered in %.1f s; compiling for %s (%d devices, mesh %s)", t_lower, topology, len(devices), sizes)
+    header = {"topology": topology, "num_devices": len(devices), "mesh": sizes,
+              "batch_size": exp_cfg.data.batch_size, "seq_len": exp_cfg.data.seq_len,
+              "remat_policy": exp_cfg.model.runtime.remat_policy, "moe_ep": exp_cfg.model.runtime.moe_ep,
+              "hbm_bytes_per_device": hbm,
+              # the libtpu flags in effect (train.py sets them from train.tpu_flags before libtpu starts)
+              "tpu_flags": exp_cfg.train.tpu_flags, "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "")}
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # the TPU compiler refuses programs that cannot fit HBM: report that instead of failing
+        return {**header, "fits": False, "compile_error": str(e).splitlines()[0],
+                "compile_seconds": round(time.perf_counter() - t0 - t_lower, 1)}
+    t_compile = time.perf_counter() - t0 - t_lower
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    per_device = {
+        "argument": int(mem.argument_size_in_bytes),
+        "output": int(mem.output_size_in_bytes),
+        "temp": int(mem.temp_size_in_bytes),
+        "generated_code": int(mem.generated_code_size_in_bytes),
+        "alias": int(mem.alias_size_in_bytes),
+    }
+    # donated state: outputs alias arguments, so they are not counted twice
+    per_device["total"] = (per_device["argument"] + per_device["output"] - per_device["alias"]
+                           + per_device["temp"] + per_device["generated_code"])
+    hlo_text = compiled.as_text()
+    if hlo_path:
+        with gzip.open(hlo_path, "wt") as f:
+            f.write(hlo_text)
+    report = {
+        **header,
+        "device_kind": getattr(devices[0], "device_kind", ""),
+        "grad_accum": exp_cfg.train.grad_accum,
+        "attention_impl": exp_cfg.model.runtime.attention_impl,
+        "moe_impl": exp_cfg.model.runtime.moe_impl,
+        "num_hidden_layers": exp_cfg.model.num_hidden_layers,
+        "n_routed_experts": exp_cfg.model.n_routed_experts,
+        "per_device_bytes": per_device,
+        "fits": per_device["total"] <= hbm,
+        # XLA's cost analysis as it comes: each loop body counted once (not used for the estimate)
+        "compiler_flops": float(cost.get("flops", 0.0)),
+        "compiler_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "compiler_optimal_seconds": float(cost.get("optimal_seconds", 0.0)),
+        "lower_seconds": round(t_lower, 1),
+        "compile_seconds": round(t_compile, 1),
+    }
+    return {**report, **analyse_step(exp_cfg, topology, trainer, mesh, hlo_text)}
+
+
+def _setup(exp_cfg, topology: str):
+    exp_cfg.validate()
+    devices = topology_devices(topology)
+    mesh = build_mesh(exp_cfg.mesh, devices=devices)
+    check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size,
+                          exp_cfg.data.seq_len)
+    return Trainer(exp_cfg, mesh), mesh, devices
+
+
+def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) -> dict:
+    """The report's keys that come from the compiled HLO (module docstring)."""
+    peak, _, hbm_bandwidth = chip_spec(topology)
+    devices = list(mesh.devices.flat)
+    timing, comm_model = step_timing(topology, mesh, peak, hbm_bandwidth)
+    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=len(devices))
+    n = len(devices)
+    tokens = exp_cfg.data.batch_size * exp_cfg.data.seq_len
+    sparse = trainer.model_cfg.runtime.attention_mode == "sparse"
+    params = trainer.abstract_state.params
+    model_flops = tokens * train_flops_per_token(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse,
+                                                 params=params)["total"]
+    by_cat = train_flops_by_category(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse, params=params)
+    compute_s = max(hlo.total_flops / peak, hlo.bytes_accessed / hbm_bandwidth)
+    comm_s = hlo.comm_seconds if comm_model is not None else 0.0
+    step_seconds = compute_s + (hlo.exposed_comm_seconds if comm_model is not None else 0.0)
+    comm_rows = collective_table(hlo.collectives, comm_model, mesh.axis_names, mesh.devices.shape)
+    return {
+        "optimizer_state": optimizer_state_bytes(trainer, mesh),
+        # per chip, from the optimized HLO with loop bodies x trip counts (module docstring)
+        "flops": hlo.flops,
+        "kernel_flops": hlo.kernel_flops,
+        "hlo_flops": hlo.total_flops,
+        "bytes_accessed": hlo.bytes_accessed,
+        "flops_source": "hlo_matmuls_and_kernel_cost_estimates_x_loop_trip_counts",
+        "hlo_loop_trip_counts": [t for _, t in hlo.loops],
+        "uncounted_custom_calls": hlo.uncounted_custom_calls,
+        "breakdown": breakdown(hlo, by_cat, tokens, n),
+        "routed_expert_passes": expert_passes(hlo_text, by_cat["routed_experts"] * tokens / n, len(devices)),
+        "communication": {
+            "model": "glm5_jax.cost.ici (v5p 3D torus, 100 GB/s per link per direction)" if comm_model else None,
+            "bytes_per_chip": sum(r["bytes_per_chip"] for r in comm_rows),
+            "seconds": comm_s,
+            "exposed_seconds": hlo.exposed_comm_seconds if comm_model is not None else None,
+            "collectives": comm_rows,
+        },
+        "compute_seconds": hlo.total_flops / peak,
+        "memory_seconds": hlo.bytes_accessed / hbm_bandwidth,
+        "estimated_step_seconds": step_seconds,
+        "estimated_step_seconds_source":
+            "max(hlo_flops / peak, bytes_accessed / HBM bandwidth) + exposed communication",
+        "step_seconds_if_all_overlap": max(compute_s, comm_s),
+        "peak_flops_per_device": peak,
+        "hbm_bytes_per_second": hbm_bandwidth,
+        # implied MFU: model FLOPs of one step over (chips x peak x the estimated step time)
+        "model_flops_per_step": model_flops,
+        # executed matmul FLOPs (all chips) per model FLOP: remat recompute, MTP, capacity padding
+        "flops_per_model_flop": hlo.total_flops * n / model_flops,
+        "mfu": model_flops / (n * peak * step_seconds) if step_seconds > 0 else None,
+    }
+
+
+def reanalyse(exp_cfg, topology: str, workdir: str) -> dict:
+    """Recompute the HLO-derived keys of DIR/compile_report.json from DIR/compiled_step.hlo.gz (no
+    compile: for a change of the measuring modules) and rewrite the report."""
+    path = os.path.join(workdir, "compile_report.json")
+    report = json.load(open(path))
+    if report.get("topology") != topology:
+        raise ValueError(f"{path} is for {report.get('topology')}, not {topology}")
+    trainer, mesh, _ = _setup(exp_cfg, topology)
+    with gzip.open(os.path.join(workdir, "compiled_step.hlo.gz"), "rt") as f:
+        report.update(analyse_step(exp_cfg, topology, trainer, mesh, f.read()))
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def step_timing(topology: str, mesh, peak: float, hbm_bandwidth: float):
+    """(StepTiming, CollectiveModel or None): the ICI model is v5p's; other chips get no comm time."""
+    if not topology.startswith("v5p:"):
+        return StepTiming(peak, hbm_bandwidth, lambda op: 0.0), None
+    model = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology))
+    return StepTiming(peak, hbm_bandwidth, model.seconds), model
+
+
+def breakdown(hlo, model_per_token: dict, tokens: int, n: int) -> dict:
+    """Per category: HLO FLOPs (compiler-visible + kernels) and HBM bytes per chip next to the model
+    FLOPs per chip, and their ratio."""
+    out = {}
+    for cat in CATEGORIES:
+        flops = hlo.by_category["flops"].get(cat, 0.0)
+        kernel = hlo.by_category["kernel_flops"].get(cat, 0.0)
+        model = model_per_token.get(cat, 0.0) * tokens / n
+        out[cat] = {"hlo_flops": flops + kernel, "kernel_flops": kernel,
+                    "bytes_accessed": hlo.by_category["bytes"].get(cat, 0.0), "model_flops": model,
+                    "hlo_per_model_flop": (flops + kernel) / model if model else None}
+    return out
+
+
+def expert_passes(hlo_text: str, model_flops: float, n: int) -> dict:
+    """The routed experts' HLO FLOPs per chip by pass (step_categories.expert_pass) next to the model's:
+    a third of the category's model FLOPs each for the forward, input and weight gradients, none for
+    the remat recompute."""
+    hlo = hlo_cost(hlo_text, categorize=expert_pass, num_partitions=n)
+    out = {}
+    for p in EXPERT_PASSES:
+        flops = hlo.by_category["flops"].get(p, 0.0) + hlo.by_category["kernel_flops"].get(p, 0.0)
+        model = 0.0 if p == "remat" else model_flops / 3
+        out[p] = {"hlo_flops": flops, "model_flops": model, "hlo_per_model_flop": flops / model if model else None}
+    return out
+
+
+def optimizer_state_bytes(trainer: Trainer, mesh) -> dict:
+    """Bytes per chip of the params and of the optimizer state (from each leaf's sharding), and the mesh
+    axes the optimizer state is split over, with the share of its bytes split over each."""
+    def per_chip(tree):
+        total, by_axis, full = 0, {}, 0
+        for leaf in jax.tree.leaves(tree):
+            if not hasattr(leaf, "sharding") or not leaf.shape:
+                continue
+            nbytes = leaf.dtype.itemsize * int(np.prod(leaf.shape))
+            shard = leaf.dtype.itemsize * int(np.prod(leaf.sharding.shard_shape(leaf.shape)))
+            total, full = total + shard, full + nbytes
+            for axes in getattr(leaf.sharding, "spec", ()):
+                for a in (axes if isinstance(axes, tuple) else (axes,)):
+                    if a is not None:
+                        by_axis[a] = by_axis.get(a, 0) + nbytes
+        return total, full, {a: v / full for a, v in sorted(by_axis.items())} if full else {}
+
+    opt, opt_full, opt_axes = per_chip(trainer.abstract_state.opt_state)
+    params, params_full, _ = per_chip(trainer.abstract_state.params)
+    return {"optimizer_bytes_per_chip": opt, "optimizer_bytes_total": opt_full,
+            "params_bytes_per_chip": params, "params_bytes_total": params_full,
+            "optimizer_share_sharded_over": opt_axes,
+            "sharded_over_fsdp": opt_axes.get("fsdp", 0.0) > 0.5}
+
+
+def write_compile_report(exp_cfg, topology: str, workdir: str) -> dict:
+    os.makedirs(workdir, exist_ok=True)
+    report = compile_train_step(exp_cfg, topology, hlo_path=os.path.join(workdir, "compiled_step.hlo.gz"))
+    path = os.path.join(workdir, "compile_report.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    if "compile_error" in report:
+        log.info("%s: does not fit -> %s: %s", topology, path, report["compile_error"])
+        return report
+    gib = report["per_device_bytes"]["total"] / 2**30
+    log.info("%s: %.2f GiB per chip of %.0f GiB (fits=%s); estimated step %.3g s, MFU %.3g -> %s", topology, gib,
+             report["hbm_bytes_per_device"] / 2**30, report["fits"], report["estimated_step_seconds"],
+             report["mfu"], path)
+    return report
+
+
+def markdown_tables(report: dict, top_collectives: int = 12) -> str:
+    """The breakdown and the dearest collectives of a report as markdown tables."""
+    from glm5_jax.cost.categories import CATEGORY_TITLES
+
+    lines = ["| category | HLO FLOPs / chip | of which kernels | model FLOPs / chip | HLO / model | HBM GB / chip |",
+             "|---|---|---|---|---|---|"]
+    for cat, c in report["breakdown"].items():
+        ratio = "-" if c["hlo_per_model_flop"] is None else f"{c['hlo_per_model_flop']:.2f}x"
+        lines.append(f"| {CATEGORY_TITLES[cat]} | {c['hlo_flops']:.3g} | {c['kernel_flops']:.3g} | "
+                     f"{c['model_flops']:.3g} | {ratio} | {c['bytes_accessed'] / 1e9:.1f} |")
+    n = report["num_devices"]
+    lines.append(f"| **total** | {report['hlo_flops']:.3g} | {report['kernel_flops']:.3g} | "
+                 f"{report['model_flops_per_step'] / n:.3g} (w/o MTP) | {report['flops_per_model_flop']:.2f}x | "
+                 f"{report['bytes_accessed'] / 1e9:.1f} |")
+    if "routed_expert_passes" in report:
+        lines += ["", "| routed experts, pass | HLO FLOPs / chip | model FLOPs / chip | HLO / model |", "|---|---|---|---|"]
+        for p, c in report["routed_expert_passes"].items():
+            ratio = "-" if c["hlo_per_model_flop"] is None else f"{c['hlo_per_model_flop']:.2f}x"
+            lines.append(f"| {p} | {c['hlo_flops']:.3g} | {c['model_flops']:.3g} | {ratio} |")
+    lines += ["", "| collective | mesh axes | category | async | per step | GB / chip | seconds |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["communication"]["collectives"][:top_collectives]:
+        lines.append(f"| {r['kind']} | {r['mesh_axes']} | {r['category']} | {r['async']} | {r['count']:.0f} | "
+                     f"{r['bytes_per_chip'] / 1e9:.2f} | {r['seconds']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    """python -m glm5_jax.train.compile_report --config=C --topology=T --workdir=DIR [--set=k=v ...]: reanalyse
+    DIR's saved compile (what train.py --compile_only wrote there) with the current measuring modules."""
+    import argparse
+
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--topology", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--markdown", action="store_true", help="also print the breakdown / collective tables")
+    args = ap.parse_args(argv)
+    report = reanalyse(apply_overrides(load_config_file(args.config), args.set), args.topology, args.workdir)
+    if args.markdown:
+        print(markdown_tables(report))
+    print(f"{args.workdir}: step {report['estimated_step_seconds']:.3g} s, MFU {report['mfu']:.3g}, "
+          f"{report['flops_per_model_flop']:.2f}x model FLOPs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Experiment configuration: model + data + training + mesh, and typed ``--set key=value`` overrides.
+
+A config file in ``configs/`` defines ``get_config() -> ExperimentConfig``. Overrides address nested
+fields with dots (``train.steps=100``, ``model.hidden_size=128``, ``mesh.fsdp=2``); values are parsed
+as Python literals and checked against the field's type; unknown keys are errors listing valid ones.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import os
+import types
+import typing
+from typing import Any
+
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.data import DataConfig
+from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.tpu_flags import FLAG_SETS as TPU_FLAG_SETS
+
+STAGES = ("dense", "warmup", "sparse")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    stage: str = "sparse"                  # "dense" | "warmup" | "sparse" (docs/training.md#dsa-stages)
+    seed: int = 0
+    # starting point of a new run (ignored once the workdir holds a checkpoint: that resumes): a train.py
+    # workdir of any stage, a converter output (hf-to-orbax) or a Hugging Face directory; params and
+    # routing bias are taken, the optimizer and step start fresh unless kept (train.py sources only)
+    init_from: str | None = None
+    init_keep_optimizer: bool = False
+    init_keep_step: bool = False
+    # optimisation
+    optimizer: str = "adamw"               # "adamw" | "muon" (Muon Split: per-head orthogonalisation)
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1              # cosine decays to learning_rate * min_lr_ratio
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8                      # Adam epsilon (AdamW, and Muon's Adam part)
+    clip_norm: float = 1.0
+    # dtype of the first moment (AdamW's mu, Muon's momentum): None keeps the parameters' dtype;
+    # "bfloat16" halves it (at 744B: 3.0 -> 1.5 TB of optimizer state)
+    mu_dtype: str | None = None
+    grad_accum: int = 1                    # micro-batches per step (the global batch is split into these)
+    # loss weights (docs/architecture.md#balance-and-bias-update, docs/training.md#losses-and-weights,
+    # docs/architecture.md#dsa-training-stages-and-the-indexer-kl)
+    mtp_loss_weight: float = 0.3           # λ
+    balance_loss_weight: float = 1e-4      # α, sequence-wise balance loss
+    bias_update_rate: float = 1e-3         # γ, auxiliary-loss-free routing-bias step
+    indexer_loss_weight: float = 1.0
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    max_to_keep: int = 3
+    async_checkpointing: bool = True
+    # TPU compiler flags by name (glm5_jax/train/tpu_flags.py): "collective_overlap" runs collectives inside
+    # the compute around them; "none" keeps libtpu's defaults. Applied by train.py before libtpu starts.
+    tpu_flags: str = "collective_overlap"
+
+    def validate(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"train.stage={self.stage!r}: must be one of {STAGES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
+        if self.tpu_flags not in TPU_FLAG_SETS:
+            raise ValueError(f"train.tpu_flags={self.tpu_flags!r}: must be one of {sorted(TPU_FLAG_SETS)}")
+        if self.mu_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"train.mu_dtype={self.mu_dtype!r}: must be None, 'float32' or 'bfloat16'")
+        if (self.init_keep_optimizer or self.init_keep_step) and not self.init_from:
+            raise ValueError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
+        for f in ("steps", "grad_accum", "log_every", "eval_every", "checkpoint_every", "max_to_keep"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"train.{f}={getattr(self, f)}: must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def validate(self):
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
+        if self.model.quant == "int4":
+            raise ValueError('model.quant="int4" holds packed integer inference weights and cannot be '
+                             'trained; train with model.quant="int4_qat" and quantise afterwards')
+        if self.data.batch_size % self.train.grad_accum:
+            raise ValueError(f"data.batch_size={self.data.batch_size} is not divisible by "
+                             f"train.grad_accum={self.train.grad_accum}")
+        return self
+
+
+def load_config_file(path: str, expected_type: type = ExperimentConfig):
+    """The ``get_config()`` of a Python config file, checked to be an ``expected_type``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"glm5_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"{path} defines no get_config()")
+    cfg = module.get_config()
+    if not isinstance(cfg, expected_type):
+        raise TypeError(f"{path}: get_config() returned {type(cfg).__name__}, not {expected_type.__name__}")
+    return cfg
+
+
+def _field_names(obj) -> list[str]:
+    names = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            names += [f"{f.name}.{n}" for n in _field_names(value)]
+        else:
+            names.append(f.name)
+    return names
+
+
+def _matches(value, annotation) -> bool:
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple or annotation is tuple:
+        return isinstance(value, tuple)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, annotation)
+
+
+def _parse(raw: str, annotation):
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw                                      # bare strings: --set=train.stage=warmup
+    if isinstance(value, list):
+        value = tuple(value)
+    if not _matches(value, annotation) and _matches(raw, annotation):
+        value = raw
+    if not _matches(value, annotation):
+        raise ValueError(f"expected {annotation}, got {value!r}")
+    if annotation is float or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                               and float in typing.get_args(annotation) and isinstance(value, int)):
+        value = float(value)
+    return value
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """Return `cfg` with each ``a.b.c=value`` applied (typed, validated)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        cfg = _replace_path(cfg, key.strip().split("."), raw, key, "")
+    return cfg
+
+
+def _replace_path(obj, path, raw, full_key, prefix):
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    name = path[0]
+    moved_to = getattr(type(obj), "MOVED_FIELDS", {}).get(name)
+    removed = getattr(type(obj), "REMOVED_FIELDS", {}).get(name)
+    if removed is not None:
+        raise ValueError(f"--set {full_key}: {name!r} was removed: {removed}")
+    if name not in fields and moved_to is not None:       # e.g. model.attention_impl -> model.runtime.attention_impl
+        return _replace_path(obj, [moved_to, *path], raw, full_key, prefix)
+    if name not in fields:
+        valid = ", ".join(prefix + n for n in _field_names(obj))
+        raise ValueError(f"--set {full_key}: unknown key {name!r}; valid keys: {valid}")
+    current = getattr(obj, name)
+    if len(path) > 1:
+        if not dataclasses.is_dataclass(current):
+            raise ValueError(f"--set {full_key}: {name!r} has no sub-keys")
+        return dataclasses.replace(obj, **{name: _replace_path(current, path[1:], raw, full_key,
+                                                               f"{prefix}{name}.")})
+    if dataclasses.is_dataclass(current):
+        valid = ", ".join(f"{prefix}{name}.{n}" for n in _field_names(current))
+        raise ValueError(f"--set {full_key}: {name!r} is a group; set one of its keys: {valid}")
+    hints = typing.get_type_hints(type(obj))
+    try:
+        value = _parse(raw, hints[name])
+    except ValueError as e:
+        raise ValueError(f"--set {full_key}={raw}: {e}") from None
+    return dataclasses.replace(obj, **{name: value})

@@ -1,0 +1,142 @@
+"""The training loop: data, sharded steps, eval, metrics, checkpoints, resume (what train.py runs)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from glm5_jax.checkpoint.run import RunCheckpoints, config_as_json
+from glm5_jax.data import build_data_pipeline
+from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
+from glm5_jax.train.init_from import initial_state, reuse_tokenizer
+from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
+from glm5_jax.train.step import Trainer
+
+log = logging.getLogger("glm5_jax.train")
+
+
+class MetricsWriter:
+    """metrics.jsonl (one object per logged step; resumed runs drop entries past the restored step) and
+    TensorBoard event files under <workdir>/tb."""
+
+    def __init__(self, workdir: str, resume_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        if not enabled:
+            return
+        if os.path.exists(self.path):           # a killed run may have logged steps past its last checkpoint
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, record: dict):
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self.tb.add_scalar(k, v, record["step"])
+        self.tb.flush()
+
+    def close(self):
+        if self.enabled:
+            self.tb.close()
+
+
+def _to_python(metrics) -> dict:
+    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def evaluate(trainer, state, pipeline, n_batches: int) -> float | None:
+    loss_sum = tokens = 0.0
+    for i, batch in enumerate(pipeline.eval_dataset()):
+        if i >= n_batches:
+            break
+        out = _to_python(trainer.evaluate(state, trainer.put_batch(batch)))
+        loss_sum += out["eval_loss_sum"]
+        tokens += out["eval_tokens"]
+    return loss_sum / tokens if tokens else None
+
+
+def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict:
+    """Train `exp_cfg` in `workdir`, resuming from its latest checkpoint. Returns the last metrics.
+
+    `max_steps` stops early (after that many steps of this invocation) — used by tests."""
+    exp_cfg.validate()
+    os.makedirs(workdir, exist_ok=True)
+    is_main = jax.process_index() == 0
+    mesh = build_mesh(exp_cfg.mesh)
+    check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size,
+                          exp_cfg.data.seq_len)
+    train = exp_cfg.train
+    ckpt = RunCheckpoints(workdir, max_to_keep=train.max_to_keep, async_save=train.async_checkpointing)
+    start = ckpt.latest_step()
+    if train.init_from and start is None and exp_cfg.data.tokenizer_path is None and is_main:
+        reuse_tokenizer(train.init_from, workdir)
+    pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main)
+    if pipeline.tokenizer.vocab_size > exp_cfg.model.vocab_size:
+        raise ValueError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
+                         f"{exp_cfg.model.vocab_size}; raise model.vocab_size")
+    trainer = Trainer(exp_cfg, mesh)
+    train_iter = iter(pipeline.train_dataset())
+    if start is None and train.init_from:
+        state, start = initial_state(trainer, train.init_from, keep_optimizer=train.init_keep_optimizer,
+                                     keep_step=train.init_keep_step, seed=train.seed)
+    elif start is None:
+        state, start = trainer.init_state(train.seed), 0
+        log.info("initialised a new run in %s", workdir)
+    else:
+        state, _ = ckpt.restore(start, trainer.abstract_state, train_iter)
+        log.info("resumed from step %d%s", start, f" (train.init_from={train.init_from} is not used: {workdir} "
+                 f"already holds this run's checkpoints)" if train.init_from else "")
+    if is_main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_as_json(exp_cfg), f, indent=1)
+    writer = MetricsWriter(workdir, start, is_main)
+    peak = measure_matmul_peak()
+    flops = train_flops_per_token(trainer.model_cfg, exp_cfg.data.seq_len,
+                                  sparse=trainer.model_cfg.runtime.attention_mode == "sparse",
+                                  params=trainer.abstract_state.params)
+    tokens_per_step = exp_cfg.data.batch_size * exp_cfg.data.seq_len
+    if is_main:
+        log.info("matmul peak %.1f GFLOP/s per device x %d devices; %.3g model FLOPs per token",
+                 peak / 1e9, jax.device_count(), flops["total"])
+    last = {}
+    end = exp_cfg.train.steps if max_steps is None else min(exp_cfg.train.steps, start + max_steps)
+    t_last, steps_since = time.perf_counter(), 0
+    for step in range(start, end):
+        batch = trainer.put_batch(next(train_iter))
+        state, metrics = trainer.step(state, batch)
+        steps_since += 1
+        done = step + 1
+        if done % exp_cfg.train.log_every == 0 or done == end:
+            record = {"step": done, **_to_python(metrics)}
+            elapsed = time.perf_counter() - t_last
+            record["tokens_per_sec"] = tokens_per_step * steps_since / elapsed
+            record["mfu"] = record["tokens_per_sec"] * flops["total"] / (peak * jax.device_count())
+            if done % exp_cfg.train.eval_every == 0 or done == end:
+                eval_loss = evaluate(trainer, state, pipeline, exp_cfg.train.eval_batches)
+                if eval_loss is not None:
+                    record["eval_loss"] = eval_loss
+            writer.write(record)
+            if is_main:
+                log.info("step %d  loss %.4f  lm %.4f  %s tok/s %.0f  mfu %.3f", done, record["loss"],
+                         record["lm_loss"], f"eval {record['eval_loss']:.4f} " if "eval_loss" in record else "",
+                         record["tokens_per_sec"], record["mfu"])
+            last = record
+            t_last, steps_since = time.perf_counter(), 0
+        if done % exp_cfg.train.checkpoint_every == 0 or done == end:
+            ckpt.save(done, state, train_iter, {"step": done, "config": config_as_json(exp_cfg)})
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    return last

@@ -1,0 +1,82 @@
+"""Training losses: next-token and MTP cross-entropy over packed segments, the sequence-wise balance
+term and the auxiliary-loss-free routing-bias update (DeepSeek-V3 report, arXiv:2412.19437, sections 2.1.2 and
+2.2), and the DSA indexer KL (DeepSeek-V3.2-Exp report: the indexer's output trained towards the
+attention distribution)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from glm5_jax.parallel import context as context_parallel
+
+
+def shifted_targets(tokens_BT, segment_ids_BT, k: int):
+    """Targets k steps ahead and where they are valid: same non-padding segment at t and t + k.
+
+    In the sequence order the model's logits use: natural, or the context-parallel layout when the mesh
+    in context splits the sequence (`glm5_jax.parallel.context`; the shift itself runs in natural order).
+    """
+    T = tokens_BT.shape[1]
+    targets = jnp.pad(tokens_BT[:, k:], ((0, 0), (0, min(k, T))))
+    later_segment = jnp.pad(segment_ids_BT[:, k:], ((0, 0), (0, min(k, T))))
+    valid = (segment_ids_BT > 0) & (later_segment == segment_ids_BT)
+    n = context_parallel.layout_shards(T)
+    return context_parallel.to_layout(targets, n), context_parallel.to_layout(valid, n)
+
+
+def cross_entropy(logits_BTV, targets_BT, valid_BT):
+    """(sum of token NLL over valid positions, number of valid positions); logits in fp32."""
+    logits = logits_BTV.astype(jnp.float32)
+    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets_BT[..., None], -1)[..., 0]
+    mask = valid_BT.astype(jnp.float32)
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def lm_losses(out, tokens, segment_ids, train_cfg, model_cfg, stage: str):
+    """Total loss and its parts from a `model.ModelOutput`. LM and MTP terms are means over valid tokens
+    of this (micro) batch; the balance term is summed over MoE layers, the indexer KL summed over the
+    layers that compute it (logged as their mean)."""
+    parts = {}
+    nll, count = cross_entropy(out.logits, *shifted_targets(tokens, segment_ids, 1))
+    parts["lm_loss"] = nll / jnp.maximum(count, 1.0)
+    parts["tokens"] = count
+    total = jnp.zeros((), jnp.float32)
+    if stage != "warmup":
+        total = total + parts["lm_loss"]
+        if out.mtp_logits is not None and train_cfg.mtp_loss_weight:
+            depth_losses = []
+            for d in range(out.mtp_logits.shape[0]):    # depth d+1 predicts token t + d + 2
+                nll_d, count_d = cross_entropy(out.mtp_logits[d], *shifted_targets(tokens, segment_ids, d + 2))
+                depth_losses.append(nll_d / jnp.maximum(count_d, 1.0))
+            parts["mtp_loss"] = jnp.mean(jnp.stack(depth_losses))          # (1/D) Σ_k L^k
+            total = total + train_cfg.mtp_loss_weight * parts["mtp_loss"]
+        if train_cfg.balance_loss_weight and (model_cfg.num_moe_layers or model_cfg.mtp_depth):
+            parts["balance_loss"] = out.stats.balance_loss_sum
+            total = total + train_cfg.balance_loss_weight * parts["balance_loss"]
+    if model_cfg.runtime.indexer_loss != "none":
+        parts["indexer_loss"] = out.stats.indexer_kl_mean
+        total = total + train_cfg.indexer_loss_weight * out.stats.indexer_kl_sum
+    parts["loss"] = total
+    return total, parts
+
+
+def update_routing_bias(moe_bias, stats, bias_rows, rate: float):
+    """b_i += γ · sign(mean load − load_i) per MoE layer, from the step's global expert loads.
+
+    ``stats``: `LayerStats` [L, ...]; ``bias_rows``: [(path of a routing-bias leaf in ``moe_bias``, the
+    stats rows its entries take)] (`model.routing_bias_rows_of_model`). Layers that did not run their
+    MoE (``has_moe`` False, e.g. MTP with mtp_depth=0) keep their bias.
+    """
+    flat = traverse_util.flatten_dict(moe_bias)
+    for path, rows in bias_rows:
+        load = stats.expert_load[rows]                                       # [..., E], like the leaf
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load).astype(jnp.float32)
+        flat[path] = flat[path] + jnp.where(stats.has_moe[rows][..., None], step, 0.0)
+    return traverse_util.unflatten_dict(flat)
+
+
+def load_spread(expert_load_LE, has_moe_L):
+    """Per-layer max/mean expert load (1.0 = perfectly balanced; 0 on layers without MoE), for logging."""
+    mean = jnp.maximum(jnp.mean(expert_load_LE, axis=-1), 1e-9)
+    return jnp.where(has_moe_L, jnp.max(expert_load_LE, axis=-1) / mean, 0.0)
