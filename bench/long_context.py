@@ -79,7 +79,7 @@ def train_point(overrides, T, stage, reps):
     trainer = Trainer(exp, build_mesh(exp.mesh))
     state = trainer.init_state(0)
     batch = trainer.put_batch(random_batch(1, T, exp.model.vocab_size))
-    with trainer._context():
+    with trainer.context():
         compiled = trainer._step.lower(state, batch).compile()
     holder = {"state": state}
 

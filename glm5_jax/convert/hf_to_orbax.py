@@ -45,7 +45,7 @@ def hub_model_config(hf: dict, hf_dir: str, dtype: str) -> ModelConfig:
 
 
 def config_to_json(cfg: ModelConfig) -> dict:
-    fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     fields["rope_scaling"] = cfg.rope_scaling_dict
     fields["runtime"] = dataclasses.asdict(cfg.runtime)     # config_from_json turns it back into a RuntimeConfig
     return json.loads(json.dumps(fields))

@@ -1,8 +1,9 @@
-"""`--mesh` parsing and the logical-axis -> mesh-axis rules the converter shards leaves with.
+"""`--mesh` parsing, and where each converted leaf lives on that mesh.
 
-`LOGICAL_RULES` is a converter-local default (a project-wide rules table will replace it): a logical
-axis maps to its mesh axis only when the mesh has that axis, the axis is not already used by the leaf,
-and it divides the dimension; otherwise the dimension is replicated.
+The rules are the project's one table (`glm5_jax.parallel.mesh.DEFAULT_RULES`), so a converted checkpoint
+is laid out as training lays it out. The converter's mesh may name only some axes (``fsdp:4,expert:2``):
+a logical axis takes those of its mesh axes that the mesh has, that the leaf does not use already and
+whose sizes divide the dimension; a dimension left with none is replicated.
 """
 from __future__ import annotations
 
@@ -12,12 +13,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from glm5_jax.checkpoint.errors import CheckpointError
-
-LOGICAL_RULES = (
-    ("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("mlp_moe", "tensor"), ("exp", "expert"),
-    ("heads", "tensor"), ("index_heads", "tensor"), ("layers", None), ("q_lora", None), ("kv_lora", None),
-    ("kv", None), ("index_dim", None), ("mtp_concat", None),
-)
+from glm5_jax.parallel.mesh import DEFAULT_RULES
 
 
 def parse_mesh(spec: str | None) -> jax.sharding.Mesh | None:
@@ -36,16 +32,21 @@ def parse_mesh(spec: str | None) -> jax.sharding.Mesh | None:
                          devices=jax.devices()[:n])
 
 
-def leaf_sharding(mesh, shape, logical_axes, rules=LOGICAL_RULES):
+def leaf_sharding(mesh, shape, logical_axes, rules=DEFAULT_RULES):
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
-    rule = dict(rules)
+    rule = {}
+    for name, axes in rules:                  # first match wins, as in Flax
+        rule.setdefault(name, axes)
     spec, used = [], set()
     for dim, name in zip(shape, logical_axes):
-        axis = rule.get(name)
-        if axis in mesh.shape and axis not in used and dim % mesh.shape[axis] == 0:
-            spec.append(axis)
-            used.add(axis)
-        else:
-            spec.append(None)
+        wanted = rule.get(name)
+        wanted = () if wanted is None else (wanted,) if isinstance(wanted, str) else tuple(wanted)
+        taken, shards = [], 1
+        for axis in wanted:
+            if axis in mesh.shape and axis not in used and dim % (shards * mesh.shape[axis]) == 0:
+                taken.append(axis)
+                shards *= mesh.shape[axis]
+        used.update(taken)
+        spec.append(None if not taken else taken[0] if len(taken) == 1 else tuple(taken))
     return NamedSharding(mesh, PartitionSpec(*spec))

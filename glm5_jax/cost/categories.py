@@ -1,4 +1,5 @@
-"""Which part of the GLM-5 train step an HLO instruction belongs to, from its `op_name` metadata.
+"""Which part of the GLM-5 train step an HLO instruction (`categorize`) or a parameter (`categorize_param`)
+belongs to: the one place that files the step into categories.
 
 JAX writes the trace path into each instruction's metadata: transformations (`jvp(...)`,
 `transpose(jvp(...))` for the backward pass), Flax module paths (`decoder/segment_1/layer_0/attention`),
@@ -77,6 +78,24 @@ def categorize(op_name: str) -> str:
         return "lm_head_loss"
     if op_name.startswith("jit(") and "/" in op_name:
         return "optimizer"            # after the gradient: clipping, AdamW, routing-bias update
+    return "other"
+
+
+def categorize_param(names: list[str]) -> str | None:
+    """The category of one parameter by its path in the parameter tree (what the model FLOPs of each
+    category count); None: not a matmul weight (norms, the embedding table)."""
+    if names[-1] in ("scale", "bias") or names[0] == "embed":
+        return None
+    if names[0] == "mtp":
+        return "mtp"
+    if names[0] == "lm_head":
+        return "lm_head_loss"
+    if "shared_expert" in names or "mlp" in names:
+        return "shared_mlp"
+    if "moe" in names:
+        return "routed_experts"
+    if "attention" in names:
+        return "projections"
     return "other"
 
 

@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.cost.categories import CATEGORIES, categorize_param
 from glm5_jax.model.param_count import count_params
 
 
@@ -43,24 +44,6 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -
             "total": 6.0 * matmul_params + 3.0 * attention_fwd + indexer}
 
 
-def _param_category(names: list[str]) -> str | None:
-    """Model-FLOP category (glm5_jax.cost.categories) of one parameter by its path; None: not a matmul
-    weight (norms, the embedding table)."""
-    if names[-1] in ("scale", "bias") or names[0] == "embed":
-        return None
-    if names[0] == "mtp":
-        return "mtp"
-    if names[0] == "lm_head":
-        return "lm_head_loss"
-    if "shared_expert" in names or "mlp" in names:
-        return "shared_mlp"
-    if "moe" in names:
-        return "routed_experts"
-    if "attention" in names:
-        return "projections"
-    return "other"
-
-
 def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
     """`train_flops_per_token` split like the compiled step's attribution (glm5_jax.cost.categories):
     6 x the matmul parameters of each part one token uses (routed experts: K of E, plus the router),
@@ -75,11 +58,10 @@ def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None)
 
     params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)
     active = cfg.num_experts_per_tok / max(cfg.n_routed_experts, 1)
-    out = dict.fromkeys(("attention_core", "indexer_topk", "indexer_kl", "routed_experts", "shared_mlp",
-                         "projections", "lm_head_loss", "mtp", "optimizer", "other"), 0.0)
+    out = dict.fromkeys(CATEGORIES, 0.0)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         names = [getattr(k, "key", str(k)) for k in path]
-        cat = _param_category(names)
+        cat = categorize_param(names)
         if cat is None:
             continue
         n = math.prod(leaf.shape)

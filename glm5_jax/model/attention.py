@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model import context_attention
 
 from glm5_jax.parallel import context as context_parallel
@@ -33,6 +34,7 @@ from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import selection_mask, visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
+from glm5_jax.parallel.axes import ACT_HEADS, BATCH, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA, Q_LORA, SEQ
 
 # name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
 SELECTION_NAME = "dsa_selection"
@@ -42,7 +44,7 @@ ATTENTION_SAVED_NAMES = ("attention_core_out", "indexer_kl_target") + sparse_mla
 _PALLAS = ("pallas", "pallas_interpret")
 
 
-def _rope(cfg, x, positions_BT, *, interleaved, head_axis: bool):
+def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
     cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
                             cfg.max_position_embeddings)
     if head_axis:
@@ -55,22 +57,22 @@ class Indexer(nn.Module):
 
     Background: docs/architecture.md#lightning-indexer.
     """
-    cfg: object
+    cfg: ModelConfig
 
     @nn.compact
     def __call__(self, a_BTD, qr_BTQ, positions_BT):
         cfg = self.cfg
         init, pdt = normal_init(cfg), cfg.jnp_param_dtype
         h_i, d_i, d_r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        wq_b = logical_param(self, "wq_b", (cfg.q_lora_rank, h_i, d_i), ("q_lora", "index_heads", "index_dim"),
+        wq_b = logical_param(self, "wq_b", (cfg.q_lora_rank, h_i, d_i), (Q_LORA, INDEX_HEADS, INDEX_DIM),
                              init, pdt)
-        wk = logical_param(self, "wk", (cfg.hidden_size, d_i), ("embed", "index_dim"), init, pdt)
-        weights_proj = logical_param(self, "weights_proj", (cfg.hidden_size, h_i), ("embed", "index_heads"),
+        wk = logical_param(self, "wk", (cfg.hidden_size, d_i), (EMBED, INDEX_DIM), init, pdt)
+        weights_proj = logical_param(self, "weights_proj", (cfg.hidden_size, h_i), (EMBED, INDEX_HEADS),
                                      init, pdt)
         f32 = jnp.float32
         q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
         k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
-        k = LayerNorm(cfg.indexer_norm_eps, "index_dim", pdt, name="k_norm")(k)
+        k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, name="k_norm")(k)
         # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
         rot = dict(interleaved=cfg.indexer_rope_interleave)
         q = jnp.concatenate([_rope(cfg, q[..., :d_r], positions_BT, head_axis=True, **rot), q[..., d_r:]], -1)
@@ -92,7 +94,7 @@ class MLAttention(nn.Module):
     attend over the whole cache instead of over themselves: slot s is visible from position p iff s <= p
     (every such slot has been written by then). The updated cache is returned; without one, None.
     """
-    cfg: object
+    cfg: ModelConfig
     indexer_kind: str
 
     @nn.compact
@@ -102,21 +104,21 @@ class MLAttention(nn.Module):
         H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                             cfg.v_head_dim, cfg.kv_lora_rank)
         d = cfg.hidden_size
-        w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), ("embed", "q_lora"), init, pdt)
-        w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), ("q_lora", "heads", "kv"), init, pdt)
-        w_kva = logical_param(self, "kv_a_proj", (d, R + dr), ("embed", "kv_lora"), init, pdt)
-        w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), ("kv_lora", "heads", "kv"), init, pdt)
-        w_o = logical_param(self, "o_proj", (H, dv, d), ("heads", "kv", "embed"), init, pdt)
+        w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), (EMBED, Q_LORA), init, pdt)
+        w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), (Q_LORA, HEADS, KV), init, pdt)
+        w_kva = logical_param(self, "kv_a_proj", (d, R + dr), (EMBED, KV_LORA), init, pdt)
+        w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), (KV_LORA, HEADS, KV), init, pdt)
+        w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, KV, EMBED), init, pdt)
         w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]                # [R, H, dn], [R, H, dv]
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
-        qr = RMSNorm(cfg.latent_norm_eps, "q_lora", pdt, name="q_a_norm")(
+        qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, name="q_a_norm")(
             einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj))
-        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), ("batch", "seq", "act_heads", None))
+        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), (BATCH, SEQ, ACT_HEADS, None))
         q_nope = q[..., :dn]
         q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True)
         ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt, impl=proj)
-        c = RMSNorm(cfg.latent_norm_eps, "kv_lora", pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
+        c = RMSNorm(cfg.latent_norm_eps, KV_LORA, pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
         k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)
         kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
@@ -132,7 +134,7 @@ class MLAttention(nn.Module):
             o_lat, selection, indexer_kl = self._context_parallel(a_BTD, qr, positions_BT, segment_ids_BT,
                                                                   prev_selection, q_abs, latent_BSC, n_shards)
             o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
-            o = constrain(o, ("batch", "seq", "act_heads", None))
+            o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
             return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
 
         # ---- select
@@ -163,7 +165,7 @@ class MLAttention(nn.Module):
             indexer_kl = indexer_kl_fn(target) if indexer_kl_fn is not None else None
 
         # ---- project out
-        o = constrain(o, ("batch", "seq", "act_heads", None))
+        o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
         return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
 
     def _context_parallel(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC,
@@ -234,8 +236,8 @@ class MLAttention(nn.Module):
         args = (q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
         if cfg.runtime.attention_impl not in _PALLAS:
             return topk(*args)
-        bt, btx = ("batch", None), ("batch", None, None)
-        return logical_shard_map(topk, in_axes=(("batch", None, None, None), btx, btx, bt, bt, bt, bt),
+        bt, btx = (BATCH, None), (BATCH, None, None)
+        return logical_shard_map(topk, in_axes=((BATCH, None, None, None), btx, btx, bt, bt, bt, bt),
                                  out_axes=(btx, btx))(*args)
 
     def _sparse_core(self, q_abs, latent_BSC, idx, valid, *, decoding, with_target):
@@ -252,7 +254,7 @@ class MLAttention(nn.Module):
         if cfg.runtime.attention_impl not in _PALLAS:
             out, _, target = core(q_abs, latent_BSC, idx, valid)
             return out, target
-        heads, btx = ("batch", None, "act_heads", None), ("batch", None, None)
+        heads, btx = (BATCH, None, ACT_HEADS, None), (BATCH, None, None)
         if not with_target:
             out = logical_shard_map(lambda *a: core(*a)[0], in_axes=(heads, btx, btx, btx), out_axes=heads)(
                 q_abs, latent_BSC, idx, valid)
@@ -262,13 +264,13 @@ class MLAttention(nn.Module):
             # each head shard's target is the mean over its own heads; every shard holds as many heads,
             # so the mean of those means over the head shards is the mean over all heads
             out, _, target = core(*args)
-            return out, logical_pmean(target, "act_heads")
+            return out, logical_pmean(target, ACT_HEADS)
 
         return logical_shard_map(core_with_target, in_axes=(heads, btx, btx, btx), out_axes=(heads, btx))(
             q_abs, latent_BSC, idx, valid)
 
 
-def naive_attention(cfg, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, allowed_BTS):
+def naive_attention(cfg: ModelConfig, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, allowed_BTS):
     """The naive MLA form: per-head keys [k_nope; k_rot] and values v up-projected from the latent,
     masked softmax in fp32 -> o [B,T,H,d_v]."""
     dt, dn = cfg.jnp_dtype, cfg.qk_nope_head_dim

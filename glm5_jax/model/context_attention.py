@@ -21,20 +21,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel.context import gather_sequence
 from glm5_jax.parallel.shard_map import logical_shard_map
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
+from glm5_jax.parallel.axes import BATCH, SEQ
 
-_BT = ("batch", "seq")
+_BT = (BATCH, SEQ)
 _AXES = {  # logical axes of each per-token operand: split over batch and sequence, whole otherwise
     "q": _BT + (None, None), "kv": _BT + (None,), "pos": _BT, "seg": _BT, "idx": _BT + (None,),
     "valid": _BT + (None,), "iq": _BT + (None, None), "ik": _BT + (None,), "iw": _BT + (None,)}
 
 
-def context_parallel_attention(cfg, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
+def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
                                selection, indexer_qkw=None, *, select, sparse, kl_stage):
     """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k], (kl [B,T], has_set [B,T]) or None).
 

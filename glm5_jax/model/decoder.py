@@ -11,12 +11,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.attention import ATTENTION_SAVED_NAMES, SELECTION_NAME, MLAttention
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
 from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 from glm5_jax.model.moe.experts import EXPERT_SAVED_NAMES
+from glm5_jax.parallel.axes import EMBED, LAYERS
 
 _cp = jax.checkpoint_policies
 # The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
@@ -65,17 +67,17 @@ class DecoderLayer(nn.Module):
     Returns (h, selection, stats, cache): ``stats`` is this layer's `LayerStats`, ``cache`` its decode
     cache (None when not decoding).
     """
-    cfg: object
+    cfg: ModelConfig
     kind: LayerKind
 
     @nn.compact
     def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
-        a = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="input_norm")(h_BTD)
+        a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="input_norm")(h_BTD)
         attn_out, selection, indexer_kl, cache = MLAttention(cfg, self.kind.indexer, name="attention")(
             a, positions_BT, segment_ids_BT, selection, cache)
         h_BTD = constrain(h_BTD + attn_out, ACT_BTD)
-        m = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="post_attention_norm")(h_BTD)
+        m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(h_BTD)
         moe_aux = None
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
@@ -91,7 +93,7 @@ class LayerGroup(nn.Module):
     Returns the new carry and (`LayerStats` stacked over the unit's layers [len(unit), ...], decode
     cache). A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out.
     """
-    cfg: object
+    cfg: ModelConfig
     unit: tuple
 
     @nn.compact
@@ -117,7 +119,7 @@ class DecoderStack(nn.Module):
     """All main layers: returns the final residual stream, their `LayerStats` [num_hidden_layers, ...] in
     layer order, and the updated decode cache ({segment: {layer_i: {...} [repeats, ...]}}, or None when
     not decoding)."""
-    cfg: object
+    cfg: ModelConfig
 
     @nn.compact
     def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
@@ -129,7 +131,7 @@ class DecoderStack(nn.Module):
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
                               split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0),
-                              length=seg.repeats, metadata_params={nn.PARTITION_NAME: "layers"})
+                              length=seg.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})
             seg_cache = None if cache is None else cache[seg.name]
             carry, (stats, seg_cache) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
                                                                               seg_cache)
@@ -143,7 +145,7 @@ class DecoderStack(nn.Module):
 ROUTING_BIAS_PATH = ("moe", "e_score_correction_bias")
 
 
-def routing_bias_rows(cfg):
+def routing_bias_rows(cfg: ModelConfig):
     """[(path of a stacked routing-bias leaf under the stack's BIAS_COLLECTION tree, layer index of each
     entry of its leading "layers" axis)], one per MoE position of each segment's unit."""
     return [((seg.name, f"layer_{u}") + ROUTING_BIAS_PATH,

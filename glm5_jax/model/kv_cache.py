@@ -29,15 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import plan_segments
+from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, LAYERS
 
 # Logical axes of one layer's [B, S, X] leaf; decoder leaves carry their segment's repeats in front
 # ("layers"). The slot axis is "cache_seq": mapped to a mesh axis, each chip holds S / n slots of every
 # row (docs/long_context.md#a-sequence-sharded-decode-cache).
-LAYER_AXES = ("batch", "cache_seq", None)
+LAYER_AXES = (BATCH, CACHE_SEQ, None)
 
 
-def _layer_cache(cfg, indexer_kind, batch, max_len, dtype, lead=()):
+def _layer_cache(cfg: ModelConfig, indexer_kind, batch, max_len, dtype, lead=()):
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     layer = {"latent": jnp.zeros(lead + (batch, max_len, width), dtype)}
     if indexer_kind == "full":
@@ -45,7 +47,7 @@ def _layer_cache(cfg, indexer_kind, batch, max_len, dtype, lead=()):
     return layer
 
 
-def init_cache(cfg, batch: int, max_len: int, dtype=None, *, mtp: bool = False) -> dict:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, mtp: bool = False) -> dict:
     """A zero cache with ``max_len`` slots per row; ``dtype`` defaults to the model's compute dtype."""
     dtype = jnp.dtype(dtype or cfg.jnp_dtype)
     decoder = {seg.name: {f"layer_{u}": _layer_cache(cfg, kind.indexer, batch, max_len, dtype, (seg.repeats,))
@@ -58,7 +60,7 @@ def init_cache(cfg, batch: int, max_len: int, dtype=None, *, mtp: bool = False) 
     return cache
 
 
-def cache_bytes_per_token(cfg, dtype=None, *, mtp: bool = False) -> int:
+def cache_bytes_per_token(cfg: ModelConfig, dtype=None, *, mtp: bool = False) -> int:
     """Bytes one token occupies in the cache across all layers (~110 KB for GLM-5 in bf16)."""
     itemsize = np.dtype(jnp.dtype(dtype or cfg.jnp_dtype)).itemsize
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -70,7 +72,7 @@ def cache_bytes_per_token(cfg, dtype=None, *, mtp: bool = False) -> int:
 
 def leaf_axes(x) -> tuple:
     """Logical axis names of one cache leaf: [repeats,] B, S, X."""
-    return ("layers",) * (x.ndim - 3) + LAYER_AXES
+    return (LAYERS,) * (x.ndim - 3) + LAYER_AXES
 
 
 def constrain_cache(cache):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from glm5_jax.model.config import ModelConfig
+
 MAX_GROUP = 8  # longest repeating unit searched for
 
 
@@ -37,7 +39,7 @@ class Segment:
         return len(self.unit) * self.repeats
 
 
-def layer_kinds(cfg) -> tuple[LayerKind, ...]:
+def layer_kinds(cfg: ModelConfig) -> tuple[LayerKind, ...]:
     return tuple(LayerKind("dense" if i < cfg.first_k_dense_replace else "moe", t)
                  for i, t in enumerate(cfg.layer_indexer_types))
 
@@ -55,7 +57,7 @@ def _best_unit(kinds, start):
     return best
 
 
-def plan_segments(cfg) -> tuple[Segment, ...]:
+def plan_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
     kinds = layer_kinds(cfg)
     segments, i = [], 0
     while i < len(kinds):

@@ -13,9 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.model.config import PROJECTION_IMPLS
+from glm5_jax.model.config import ModelConfig, PROJECTION_IMPLS
+from glm5_jax.parallel.axes import ACT_EMBED, ACT_MLP, BATCH, EMBED, MLP, SEQ
 
-ACT_BTD = ("batch", "seq", "act_embed")
+ACT_BTD = (BATCH, SEQ, ACT_EMBED)
 
 
 def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
@@ -25,7 +26,7 @@ def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequ
     return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 
 
-def normal_init(cfg):
+def normal_init(cfg: ModelConfig):
     return nn.initializers.normal(stddev=cfg.initializer_range)
 
 
@@ -127,18 +128,18 @@ class LayerNorm(nn.Module):
 
 class SwiGLU(nn.Module):
     """(silu(x Wg) * (x Wu)) Wd — the dense FFN of the first layers and the shared expert."""
-    cfg: object
+    cfg: ModelConfig
     width: int
 
     @nn.compact
     def __call__(self, x_BTD):
         cfg, d = self.cfg, x_BTD.shape[-1]
         init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
-        w_gate = logical_param(self, "gate_proj", (d, self.width), ("embed", "mlp"), init, pdt)
-        w_up = logical_param(self, "up_proj", (d, self.width), ("embed", "mlp"), init, pdt)
-        w_down = logical_param(self, "down_proj", (self.width, d), ("mlp", "embed"), init, pdt)
+        w_gate = logical_param(self, "gate_proj", (d, self.width), (EMBED, MLP), init, pdt)
+        w_up = logical_param(self, "up_proj", (d, self.width), (EMBED, MLP), init, pdt)
+        w_down = logical_param(self, "down_proj", (self.width, d), (MLP, EMBED), init, pdt)
         impl = cfg.runtime.projection_impl
         gate = einsum("btd,df->btf", x_BTD, w_gate, dt, jnp.float32, impl)
         up = einsum("btd,df->btf", x_BTD, w_up, dt, jnp.float32, impl)
-        h = constrain((jax.nn.silu(gate) * up).astype(dt), ("batch", "seq", "act_mlp"))
+        h = constrain((jax.nn.silu(gate) * up).astype(dt), (BATCH, SEQ, ACT_MLP))
         return einsum("btf,fd->btd", h, w_down, dt, impl=impl)

@@ -7,18 +7,19 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.transformer import Transformer
 
 ROUTED_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
 
-def abstract_variables(cfg):
+def abstract_variables(cfg: ModelConfig):
     """ShapeDtypeStructs of every variable collection of `Transformer(cfg)`, no allocation."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(lambda t: Transformer(cfg).init(jax.random.PRNGKey(0), t), tokens)
 
 
-def count_params(cfg, params=None) -> dict[str, int]:
+def count_params(cfg: ModelConfig, params=None) -> dict[str, int]:
     """Main-stack parameters (embedding, layers, final norm, head) as "total"; those one token uses
     ("active": K of E routed experts, docs/architecture.md#notation-and-sizes; "active_without_embeddings" also drops
     the embedding

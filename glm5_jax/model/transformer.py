@@ -35,11 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel import context as context_parallel
 from glm5_jax.model.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
 from glm5_jax.model.layer_plan import LayerKind
 from glm5_jax.model.layer_stats import LayerStats, concatenate
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
+from glm5_jax.parallel.axes import ACT_VOCAB, BATCH, EMBED, MTP_CONCAT, SEQ, VOCAB
 
 
 @struct.dataclass
@@ -59,7 +61,7 @@ def positions_from_segments(segment_ids_BT):
     return (t - start_index).astype(jnp.int32)
 
 
-def empty_selection(cfg, B, T, num_keys=None):
+def empty_selection(cfg: ModelConfig, B, T, num_keys=None):
     """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, keys)]."""
     k = min(cfg.index_topk, T if num_keys is None else num_keys) if cfg.use_indexer else 1
     return jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
@@ -75,15 +77,15 @@ class MTPModule(nn.Module):
 
     Returns (h', shared_head_norm(h'), `LayerStats`, cache); ``cache`` is this depth's decode cache or None.
     """
-    cfg: object
+    cfg: ModelConfig
 
     @nn.compact
     def __call__(self, h_prev_BTD, e_next_BTD, positions_BT, segment_ids_BT, cache=None):
         cfg, pdt, dt = self.cfg, self.cfg.jnp_param_dtype, self.cfg.jnp_dtype
         d = cfg.hidden_size
-        e = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="enorm")(e_next_BTD)
-        g = RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="hnorm")(h_prev_BTD)
-        w_eh = logical_param(self, "eh_proj", (2 * d, d), ("mtp_concat", "embed"), normal_init(cfg), pdt)
+        e = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="enorm")(e_next_BTD)
+        g = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="hnorm")(h_prev_BTD)
+        w_eh = logical_param(self, "eh_proj", (2 * d, d), (MTP_CONCAT, EMBED), normal_init(cfg), pdt)
         # embedding half first, as checkpoints expect (vLLM deepseek_mtp.py: eh_proj(cat([embeds, hidden])))
         u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt, impl=cfg.runtime.projection_impl)
         kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
@@ -91,22 +93,22 @@ class MTPModule(nn.Module):
         num_keys = T if cache is None else cache["latent"].shape[1]
         h, _, stats, cache = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
                                                                    empty_selection(cfg, B, T, num_keys), cache)
-        return h, RMSNorm(cfg.rms_norm_eps, "embed", pdt, name="shared_head_norm")(h), stats, cache
+        return h, RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="shared_head_norm")(h), stats, cache
 
 
 class Transformer(nn.Module):
     """The causal LM. ``__call__`` is the training/scoring forward; ``decode`` and ``mtp_decode`` are the
     same computation over a decode cache (`glm5_jax.model.kv_cache`), used by `glm5_jax.generate.decoding`."""
-    cfg: object
+    cfg: ModelConfig
 
     def setup(self):
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
-        self.embedding = logical_param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+        self.embedding = logical_param(self, "embed", (cfg.vocab_size, cfg.hidden_size), (VOCAB, EMBED),
                                        normal_init(cfg), pdt)
-        self.lm_head = logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+        self.lm_head = logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), (EMBED, VOCAB),
                                      normal_init(cfg), pdt)
         self.decoder = DecoderStack(cfg)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, "embed", pdt)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, EMBED, pdt)
         if cfg.num_nextn_predict_layers:
             self.mtp = MTPModule(cfg)
 
@@ -116,7 +118,7 @@ class Transformer(nn.Module):
     def head(self, h_BTD):
         cfg = self.cfg
         return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, cfg.jnp_dtype, jnp.float32,
-                                cfg.runtime.projection_impl), ("batch", "seq", "act_vocab"))
+                                cfg.runtime.projection_impl), (BATCH, SEQ, ACT_VOCAB))
 
     def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None):
         """(logits, final hidden h, normed h, decoder `LayerStats`, cache) of the main stack."""
@@ -137,7 +139,7 @@ class Transformer(nn.Module):
             positions = positions_from_segments(segment_ids)
         n = context_parallel.layout_shards(T)               # 1 unless the sequence is split over shards
         layout = functools.partial(context_parallel.to_layout, n=n)
-        tokens_l, positions, segment_ids = (constrain(layout(x), ("batch", "seq"))
+        tokens_l, positions, segment_ids = (constrain(layout(x), (BATCH, SEQ))
                                             for x in (tokens_BT, positions, segment_ids))
         logits, h, h_normed, stats, _ = self._main(tokens_l, positions, segment_ids, None)
         mtp_logits, mtp_stats = None, []
@@ -146,7 +148,7 @@ class Transformer(nn.Module):
             if (with_mtp and cfg.mtp_depth > 0) or self.is_initializing():
                 h_prev = h_normed if cfg.mtp_use_normed_hidden else h
                 for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
-                    next_tokens = constrain(layout(shift_left(tokens_BT, depth)), ("batch", "seq"))
+                    next_tokens = constrain(layout(shift_left(tokens_BT, depth)), (BATCH, SEQ))
                     h_prev, h_mtp_normed, depth_stat, _ = self.mtp(
                         h_prev, self.embed(next_tokens), positions, segment_ids)
                     depth_logits.append(self.head(h_mtp_normed))
@@ -192,7 +194,7 @@ def _cache_len(cache):
     raise ValueError("decode cache holds no layers")
 
 
-def routing_bias_rows_of_model(cfg):
+def routing_bias_rows_of_model(cfg: ModelConfig):
     """`decoder.routing_bias_rows` for the whole model: paths under the BIAS_COLLECTION tree (the
     decoder's stacked leaves, then the MTP block's) and the `ModelOutput.stats` rows they take."""
     rows = [(("decoder",) + path, layers) for path, layers in routing_bias_rows(cfg)]

@@ -12,6 +12,7 @@ does not replicate weights or optimizer state across it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -20,36 +21,40 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
+from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
+                                     INDEX_DIM, INDEX_HEADS, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA,
+                                     SEQ, VOCAB)
+
+DATA, FSDP, CONTEXT, EXPERT, TENSOR = MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated). First match wins (Flax semantics).
 DEFAULT_RULES = (
-    ("batch", ("data", "fsdp", "expert")),   # activations: batch over every data-parallel axis
-    ("seq", "context"),                      # context parallelism: the sequence over `context`
-    ("cache_seq", "context"),                # decode cache slots (kv_cache.LAYER_AXES): split like the sequence
-                                             # on a context mesh (docs/long_context.md: how decode reads them)
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-    ("embed", ("fsdp", "context")),          # parameters: FSDP over the model width
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
+    (BATCH, (DATA, FSDP, EXPERT)),      # activations: batch over every data-parallel axis
+    (SEQ, CONTEXT),                     # context parallelism: the sequence over `context`
+    (CACHE_SEQ, CONTEXT),               # decode cache slots (kv_cache.LAYER_AXES): split like the sequence
+                                        # on a context mesh (docs/long_context.md: how decode reads them)
+    (ACT_EMBED, None),
+    (ACT_HEADS, TENSOR),
+    (ACT_MLP, TENSOR),
+    (ACT_VOCAB, TENSOR),
+    (EMBED, (FSDP, CONTEXT)),           # parameters: FSDP over the model width
+    (VOCAB, TENSOR),
+    (HEADS, TENSOR),
     # split like the attention heads: keeping them whole per tensor shard removes the KL's all-reduce of
     # partial scores over tensor, but doubles its [tokens, k, heads] HBM traffic per chip (744B compile:
     # 33.1 vs 27.6 TB per step at the same estimated step time), and the overlap flags hide the all-reduce
-    ("index_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("exp", "expert"),
-    ("mlp_moe", "tensor"),
+    (INDEX_HEADS, TENSOR),
+    (MLP, TENSOR),
+    (EXP, EXPERT),
+    (MLP_MOE, TENSOR),
     # the MLA / indexer up-projections [q_lora|kv_lora, heads, ...] are FSDP-sharded on their LoRA rank
     # (their other dims are heads or small); the down-projections keep fsdp on "embed", which wins
-    ("q_lora", ("fsdp", "context")),
-    ("kv_lora", ("fsdp", "context")),
-    ("kv", None),
-    ("index_dim", None),
-    ("mtp_concat", None),
-    ("layers", None),
+    (Q_LORA, (FSDP, CONTEXT)),
+    (KV_LORA, (FSDP, CONTEXT)),
+    (KV, None),
+    (INDEX_DIM, None),
+    (MTP_CONCAT, None),
+    (LAYERS, None),
 )
 
 
@@ -128,8 +133,16 @@ def logical_shardings(abstract_boxed_tree, mesh: Mesh, rules):
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
     """[B, T] inputs: batch over the data-parallel axes."""
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", "seq"), rules))
+    return NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, SEQ), rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+@contextlib.contextmanager
+def mesh_and_rules(mesh: Mesh, rules):
+    """Run under `mesh` (``jax.set_mesh``) with the logical-axis `rules` (Flax) in context: how model code,
+    which names only logical axes, gets placed on devices."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield

@@ -95,5 +95,5 @@ def logical_pmean(x, logical_axis: str):
     multi-device mesh, or for an axis the rules leave unsharded, ``x`` itself."""
     if _mesh_in_context() is None:
         return x
-    axes = _mesh_axes_of(nn.logical_to_mesh_axes((logical_axis,))[0])
+    axes = logical_mesh_axes(logical_axis)
     return jax.lax.pmean(x, axes) if axes else x

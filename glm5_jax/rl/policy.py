@@ -17,8 +17,7 @@ from flax.core import meta
 from glm5_jax.generate.decoding import Sampler
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
-from glm5_jax.parallel.mesh import logical_shardings
-from glm5_jax.train.step import _MeshAndRules
+from glm5_jax.parallel.mesh import logical_shardings, mesh_and_rules
 
 
 def rl_model_config(sft_model_cfg):
@@ -62,7 +61,7 @@ class Policy:
                             shardings)
 
     def context(self):
-        return _MeshAndRules(self.mesh, self.rules)
+        return mesh_and_rules(self.mesh, self.rules)
 
 
 def sequence_layout(prompt_BP, prompt_lengths_B, completion_BC, completion_lengths_B):

@@ -75,7 +75,7 @@ def compile_train_step(exp_cfg, topology: str, hlo_path: str | None = None) -> d
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     batch = abstract_batch(trainer, exp_cfg.data.batch_size, exp_cfg.data.seq_len)
     t0 = time.perf_counter()
-    with trainer._context():
+    with trainer.context():
         lowered = trainer._step.lower(trainer.abstract_state, batch)
     t_lower = time.perf_counter() - t0
     log.info("lowered in %.1f s; compiling for %s (%d devices, mesh %s)", t_lower, topology, len(devices), sizes)

@@ -12,21 +12,23 @@ import importlib.util
 import os
 import types
 import typing
-from typing import Any
+from typing import Any, Literal
 
-from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.config import ConfigError, ModelConfig
 from glm5_jax.data import DataConfig
 from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.train.tpu_flags import FLAG_SETS as TPU_FLAG_SETS
 
-STAGES = ("dense", "warmup", "sparse")
-OPTIMIZERS = ("adamw", "muon")
+Stage = Literal["dense", "warmup", "sparse"]       # DSA training stages (docs/training.md#dsa-stages)
+Optimizer = Literal["adamw", "muon"]
+STAGES = typing.get_args(Stage)
+OPTIMIZERS = typing.get_args(Optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
-    stage: str = "sparse"                  # "dense" | "warmup" | "sparse" (docs/training.md#dsa-stages)
+    stage: Stage = "sparse"
     seed: int = 0
     # starting point of a new run (ignored once the workdir holds a checkpoint: that resumes): a train.py
     # workdir of any stage, a converter output (hf-to-orbax) or a Hugging Face directory; params and
@@ -35,7 +37,7 @@ class TrainConfig:
     init_keep_optimizer: bool = False
     init_keep_step: bool = False
     # optimisation
-    optimizer: str = "adamw"               # "adamw" | "muon" (Muon Split: per-head orthogonalisation)
+    optimizer: Optimizer = "adamw"         # Muon Split: per-head orthogonalisation
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1              # cosine decays to learning_rate * min_lr_ratio
@@ -67,9 +69,9 @@ class TrainConfig:
 
     def validate(self):
         if self.stage not in STAGES:
-            raise ValueError(f"train.stage={self.stage!r}: must be one of {STAGES}")
+            raise ConfigError(f"train.stage={self.stage!r}: must be one of {STAGES}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
+            raise ConfigError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
         if self.tpu_flags not in TPU_FLAG_SETS:
             raise ValueError(f"train.tpu_flags={self.tpu_flags!r}: must be one of {sorted(TPU_FLAG_SETS)}")
         if self.mu_dtype not in (None, "float32", "bfloat16"):

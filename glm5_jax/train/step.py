@@ -15,10 +15,12 @@ from flax.core import meta
 from optax.transforms._masking import MaskedNode
 
 from glm5_jax.train.losses import load_spread, lm_losses, update_routing_bias
+from glm5_jax.model.config import ConfigError
 from glm5_jax.model.transformer import Transformer, routing_bias_rows_of_model
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
+from glm5_jax.train.experiment import STAGES
 from glm5_jax.train.optim import learning_rate_schedule, make_optimizer, trainable_labels
-from glm5_jax.parallel.mesh import batch_sharding, logical_shardings
+from glm5_jax.parallel.mesh import batch_sharding, logical_shardings, mesh_and_rules
 
 
 @struct.dataclass
@@ -38,7 +40,9 @@ def model_config_for_stage(model_cfg, stage: str):
         return model_cfg.replace(attention_mode="dense", indexer_loss="none")
     if stage == "warmup":
         return model_cfg.replace(attention_mode="dense", indexer_loss="warmup")
-    return model_cfg.replace(attention_mode="sparse", indexer_loss="sparse" if model_cfg.use_indexer else "none")
+    if stage == "sparse":
+        return model_cfg.replace(attention_mode="sparse", indexer_loss="sparse" if model_cfg.use_indexer else "none")
+    raise ConfigError(f"train.stage={stage!r}: must be one of {STAGES}")
 
 
 class Trainer:
@@ -53,7 +57,7 @@ class Trainer:
         self.tx = make_optimizer(exp_cfg.train)
         self.lr_schedule = learning_rate_schedule(exp_cfg.train)
         self._init_boxed_jit = jax.jit(self._init_boxed)      # traced once: for shapes here and for init
-        with self._context():
+        with self.context():
             # an abstract key: nothing runs here (the mesh may be an AOT topology without devices)
             abstract = self._init_boxed_jit.eval_shape(jax.ShapeDtypeStruct((2,), jnp.uint32))
         unboxed = meta.unbox(abstract)
@@ -78,20 +82,21 @@ class Trainer:
                           moe_bias=variables.get(BIAS_COLLECTION, {}), rng=state_rng)
 
     def init_state(self, seed: int) -> TrainState:
-        with self._context():
+        with self.context():
             init = jax.jit(lambda r: meta.unbox(self._init_boxed_jit(r)), out_shardings=self.state_shardings)
             return init(jax.random.PRNGKey(seed))
 
     def state_from_weights(self, params, moe_bias, seed: int) -> TrainState:
         """A step-0 state around given (already placed) weights: fresh optimizer state, the seed's RNG."""
-        with self._context():
+        with self.context():
             opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
         _, rng = jax.random.split(jax.random.PRNGKey(seed))
         return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step), params=params,
                           opt_state=opt_state, moe_bias=moe_bias, rng=jax.device_put(rng, self.state_shardings.rng))
 
-    def _context(self):
-        return _MeshAndRules(self.mesh, self.rules)
+    def context(self):
+        """The mesh and the logical-axis rules this trainer's code runs under."""
+        return mesh_and_rules(self.mesh, self.rules)
 
     # ------------------------------------------------------------------ step
     def _loss(self, params, moe_bias, batch):
@@ -151,28 +156,13 @@ class Trainer:
         return {"eval_loss_sum": parts["lm_loss"] * parts["tokens"], "eval_tokens": parts["tokens"]}
 
     def step(self, state, batch):
-        with self._context():
+        with self.context():
             return self._step(state, batch)
 
     def evaluate(self, state, batch):
-        with self._context():
+        with self.context():
             return self._eval(state, batch)
 
     def put_batch(self, batch_np):
         """Host numpy batch (this process's rows) -> a global array sharded over the batch axes."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch_np.items()}
-
-
-class _MeshAndRules:
-    def __init__(self, mesh, rules):
-        self.mesh, self.rules = mesh, rules
-
-    def __enter__(self):
-        self._m = jax.set_mesh(self.mesh)
-        self._m.__enter__()
-        self._r = nn.logical_axis_rules(self.rules)
-        self._r.__enter__()
-
-    def __exit__(self, *exc):
-        self._r.__exit__(*exc)
-        self._m.__exit__(*exc)

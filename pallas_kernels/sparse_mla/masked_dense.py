@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.masking import selection_mask
+from pallas_kernels.sparse_mla.attention_vjp import attention_vjp
 
 # a causal query block runs dense while it scores <= this x k keys per query: a scored key costs a
 # fraction of a gathered one (dense matmul vs per-query gather); bench/train_step.py has the measurements.
@@ -53,7 +54,7 @@ def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, q_chunk=Q_CH
     out, lse, target = _forward(jax.lax.stop_gradient(q_BTHC), jax.lax.stop_gradient(kv_BSC), idx_BTK, valid_BTK,
                                 float(scale), v_dim, q_chunk)
     out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
-    out, lse = _with_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse, float(scale), v_dim, q_chunk)
+    out, lse = _with_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse, (float(scale), v_dim, q_chunk))
     return (out, lse, target) if with_target else (out, lse)
 
 
@@ -98,23 +99,9 @@ def _forward(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim, q_chunk):
     return cat(outs), cat(lses), cat(targets)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _with_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse, scale, v_dim, q_chunk):
-    """Identity on (out, lse), the forward's results; its VJP is the attention's gradient w.r.t. q, kv."""
-    return out, lse
-
-
-def _with_grads_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse, scale, v_dim, q_chunk):
-    return (out, lse), (q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse)
-
-
-def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
-    """Per block: dP = dO V^T, dS = P (dP - delta) (delta = rowsum(dO * O) - dlse), dq = dS K,
-    dK += dS^T q, dV += P^T dO (flash-attention style: P recomputed from q, kv and lse)."""
-    q_BTHC, kv_BSC, idx_BTK, valid_BTK, out, lse_BTH = residuals
-    dout, dlse = cotangents
-    dlse = jnp.where(jnp.isfinite(lse_BTH), dlse, 0.0)  # a query with no valid slot does not depend on q/kv
-    delta_BTH = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
+def _grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout, lse_BTH, delta_BTH, scale, v_dim, q_chunk):
+    """Per block: dP = dO V^T, dS = P (dP - delta), dq = dS K, dK += dS^T q, dV += P^T dO (flash-attention
+    style: P recomputed from q, kv and lse)."""
     dkv = jnp.zeros(kv_BSC.shape, jnp.float32)
     dqs = []
     for t0, t1 in _blocks(q_BTHC.shape[1], q_chunk):
@@ -128,8 +115,7 @@ def _with_grads_bwd(scale, v_dim, q_chunk, residuals, cotangents):
         dk_BCS = jnp.einsum("bthc,bths->bcs", q, dlogits, preferred_element_type=jnp.float32)
         dv_BVS = jnp.einsum("bthv,bths->bvs", do, probs.astype(kv.dtype), preferred_element_type=jnp.float32)
         dkv = dkv.at[:, :t1].add(jnp.swapaxes(dk_BCS.at[:, :v_dim].add(dv_BVS), 1, 2))
-    dq = jnp.concatenate(dqs, axis=1)
-    return dq.astype(q_BTHC.dtype), dkv.astype(kv_BSC.dtype), None, None, None, None
+    return jnp.concatenate(dqs, axis=1), dkv
 
 
-_with_grads.defvjp(_with_grads_fwd, _with_grads_bwd)
+_with_grads = attention_vjp(_grads)   # identity on (out, lse); its VJP is `_grads`

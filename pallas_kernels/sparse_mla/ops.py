@@ -30,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from pallas_kernels.chunking import merge_queries, split_queries
 from pallas_kernels.masking import selection_mask
 from pallas_kernels.sparse_mla import gather_saved, kernel, masked_dense, reference
+from pallas_kernels.sparse_mla.attention_vjp import attention_vjp
 
 IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
 BWD_Q_CHUNK = 64  # queries per backward kernel call; the row gradients of one chunk live in HBM
@@ -116,32 +117,14 @@ def _pallas(q, kv, idx, valid, scale, v_dim, interpret, with_target):
     results = kernel.sparse_mla_fwd(sg(q), sg(kv), idx, valid, scale=scale, v_dim=v_dim, interpret=interpret,
                                     with_target=with_target)
     out, lse = (checkpoint_name(x, name) for x, name in zip(results[:2], PALLAS_SAVED_NAMES))
-    return (*_with_grads(q, kv, idx, valid, out, lse, scale, v_dim, interpret), results[2] if with_target else None)
+    return (*_with_grads(q, kv, idx, valid, out, lse, (scale, v_dim, interpret)), results[2] if with_target else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _with_grads(q, kv, idx, valid, out, lse, scale, v_dim, interpret):
-    """Identity on (out, lse), the forward kernel's results; its VJP runs the backward kernel."""
-    return out, lse
+def _kernel_grads(q, kv, idx, valid, dout, lse, delta, scale, v_dim, interpret):
+    return sparse_mla_grads(q, kv, idx, valid, dout, lse, delta, scale=scale, v_dim=v_dim, interpret=interpret)
 
 
-def _with_grads_fwd(q, kv, idx, valid, out, lse, scale, v_dim, interpret):
-    return (out, lse), (q, kv, idx, valid, out, lse)
-
-
-def _with_grads_bwd(scale, v_dim, interpret, residuals, cotangents):
-    q, kv, idx, valid, out, lse = residuals
-    dout, dlse = cotangents
-    # d lse / d s = p, so an lse cotangent enters exactly like -delta (see kernel.py docstring).
-    # A query without valid slots has lse = -inf and no dependence on q/kv: ignore its lse cotangent.
-    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
-    dq, dkv = sparse_mla_grads(q, kv, idx, valid, dout, lse, delta, scale=scale, v_dim=v_dim,
-                               interpret=interpret)
-    return dq.astype(q.dtype), dkv.astype(kv.dtype), None, None, None, None
-
-
-_with_grads.defvjp(_with_grads_fwd, _with_grads_bwd)
+_with_grads = attention_vjp(_kernel_grads)   # identity on (out, lse); its VJP runs the backward kernel
 
 
 def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,

@@ -138,7 +138,7 @@ def test_only_compressed_keys_cross_the_context_axis():
     mesh = build_mesh(mesh_cfg, jax.devices()[:8])
     trainer = Trainer(exp, mesh)
     spec = jax.ShapeDtypeStruct((batch, seq_len), np.int32, sharding=trainer.batch_sharding)
-    with trainer._context():
+    with trainer.context():
         hlo = trainer._step.lower(trainer.abstract_state, {k: spec for k in ("tokens", "positions",
                                                                               "segment_ids")}).compile().as_text()
     collective = re.compile(r"= (.+?) (all-gather|all-gather-start|reduce-scatter|all-to-all|all-reduce|"

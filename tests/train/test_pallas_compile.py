@@ -27,7 +27,7 @@ from glm5_jax.train.step import Trainer
 
 cfg = apply_overrides(load_config_file(sys.argv[1]), sys.argv[2:])
 trainer = Trainer(cfg, build_mesh(cfg.mesh, devices=topology_devices("v5p:2x2x1")))
-with trainer._context():
+with trainer.context():
     compiled = trainer._step.lower(trainer.abstract_state, abstract_batch(trainer, cfg.data.batch_size,
                                                                           cfg.data.seq_len)).compile()
 hlo = compiled.as_text()

@@ -24,21 +24,14 @@ from __future__ import annotations
 
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.moe.experts import swiglu_rows
-
-
-def _mesh_axes(logical: str) -> tuple[str, ...]:
-    """Mesh axes the current rules give a logical axis (possibly none)."""
-    spec = nn.logical_to_mesh_axes((logical,))
-    entry = spec[0] if spec is not None and len(spec) else None
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+from glm5_jax.parallel.shard_map import logical_mesh_axes
+from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE, SEQ
 
 
 def _single(axes: tuple[str, ...], what: str) -> str | None:
@@ -164,7 +157,7 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
 TRANSPORTS = {"a2a": _a2a_experts, "ragged_a2a": _ragged_a2a_experts}
 
 
-def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, cfg):
+def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, cfg: ModelConfig):
     """Routed-expert outputs y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, K, D] in the compute dtype
     (the rows cross the all_to_all in it), dropped count).
 
@@ -176,12 +169,12 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     # token shards: the batch axes, then the sequence axes (context parallelism): the [B, T] -> [N] flatten
     # of tokens sharded that way is sharded over both, batch-major. Tokens are independent here, so any
     # split is correct; one that does not divide N (a short decode step) keeps to the batch axes.
-    batch = tuple(a for a in _mesh_axes("batch") if mesh.shape[a] > 1)
-    with_seq = batch + tuple(a for a in _mesh_axes("seq") if mesh.shape[a] > 1)
+    batch = tuple(a for a in logical_mesh_axes(BATCH) if mesh.shape[a] > 1)
+    with_seq = batch + tuple(a for a in logical_mesh_axes(SEQ) if mesh.shape[a] > 1)
     if expert_idx_NK.shape[0] % math.prod(mesh.shape[a] for a in with_seq) == 0:
         batch = with_seq
-    ep = _single(_mesh_axes("exp"), "exp")
-    mlp = _single(_mesh_axes("mlp_moe"), "mlp_moe")
+    ep = _single(logical_mesh_axes(EXP), EXP)
+    mlp = _single(logical_mesh_axes(MLP_MOE), MLP_MOE)
     ep = ep if ep and mesh.shape[ep] > 1 else None
     mlp = mlp if mlp and mesh.shape[mlp] > 1 else None
     if cfg.runtime.moe_ep == "ragged_a2a" and ep is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel.shard_map import logical_shard_map
 from glm5_jax.model.moe.experts import expert_blocks
 from pallas_kernels.int4_matmul import ops
@@ -18,7 +19,7 @@ MAX_BLOCK = 128
 ROW_MULTIPLE = 16            # sublane tile of bf16 activations
 
 
-def grouped_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, dtype, cfg):
+def grouped_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, dtype, cfg: ModelConfig):
     """y[n, k] = SwiGLU_{expert_idx[n, k]}(x[n]) with `Int4Weight` experts -> [N, K, D] fp32."""
     N, K = expert_idx_NK.shape
     E = w_gate.packed.shape[0]

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import logical_param
 from glm5_jax.quant import int4
 
@@ -28,7 +29,7 @@ class Int4Weight(NamedTuple):
     scale: jax.Array
 
 
-def expert_weight(module: nn.Module, name: str, shape, axes, init, cfg):
+def expert_weight(module: nn.Module, name: str, shape, axes, init, cfg: ModelConfig):
     """Declare routed-expert weight `name` of `shape` [E, K, N] on `module`; return what the grouped
     matmul multiplies by: an array, or an `Int4Weight` for the Pallas INT4 matmul."""
     group, scale_dtype, pdt = cfg.quant_group_size, cfg.quant_scale_dtype, cfg.jnp_param_dtype
@@ -44,7 +45,7 @@ def expert_weight(module: nn.Module, name: str, shape, axes, init, cfg):
     return int4.fake_quantize(w, group, scale_dtype) if cfg.quant == "int4_qat" else w
 
 
-def quantize_params(params, cfg):
+def quantize_params(params, cfg: ModelConfig):
     """The offline quantiser: a ``params`` tree of a ``quant="none"`` or ``"int4_qat"`` model -> the tree
     of the ``quant="int4"`` model (every MoE layer's routed-expert weights packed, nothing else changed).
 

@@ -13,19 +13,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel.shard_map import logical_shard_map, multi_device_mesh_in_context
 from glm5_jax.model.layers import SwiGLU, constrain, logical_param, normal_init
 from glm5_jax.model.moe.blocked import BLOCKED_MOE_NAMES, blocked_swiglu
 from glm5_jax.model.moe.expert_parallel import expert_parallel_swiglu
 from glm5_jax.model.moe import int4_swiglu, int4_weights
 from glm5_jax.model.moe.experts import KERNEL_IMPLS, sorted_swiglu
+from glm5_jax.parallel.axes import ACT_EMBED, BATCH, EMBED, EXP, MLP_MOE, SEQ
 
 __all__ = ["BIAS_COLLECTION", "BLOCKED_MOE_NAMES", "MoE", "grouped_swiglu", "route", "sequence_balance_loss"]
 
 BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, never by gradients
 
 
-def route(scores_NE, bias_E, cfg):
+def route(scores_NE, bias_E, cfg: ModelConfig):
     """Expert choice: indices [N,K] chosen on sigmoid + bias, gates [N,K] from the unbiased sigmoid."""
     N, E = scores_NE.shape
     biased = scores_NE + bias_E
@@ -54,9 +56,9 @@ def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
         impl = "ragged_dot"
     if impl not in KERNEL_IMPLS:
         return sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl)
-    tokens, experts = ("batch", None), (None, None, None)
+    tokens, experts = (BATCH, None), (None, None, None)
     per_shard = logical_shard_map(lambda *a: sorted_swiglu(*a, dtype, impl), (tokens, tokens) + (experts,) * 3,
-                                  ("batch", None, None))
+                                  (BATCH, None, None))
     return per_shard(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
@@ -72,7 +74,7 @@ def sequence_balance_loss(scores_BTE, expert_idx_BTK, token_mask_BT, num_experts
 
 
 class MoE(nn.Module):
-    cfg: object
+    cfg: ModelConfig
 
     @nn.compact
     def __call__(self, x_BTD, token_mask_BT):
@@ -81,15 +83,15 @@ class MoE(nn.Module):
         E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
         init, dt = normal_init(cfg), cfg.jnp_dtype
         # Router weight stays fp32 whatever param_dtype is (HF keeps it in fp32).
-        w_router = logical_param(self, "router", (D, E), ("embed", None), init, jnp.float32)
+        w_router = logical_param(self, "router", (D, E), (EMBED, None), init, jnp.float32)
         bias = self.variable(BIAS_COLLECTION, "e_score_correction_bias",
                              nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                              jax.random.PRNGKey(0), (E,), jnp.float32)
         # routed-expert weights under ModelConfig.quant (glm5_jax/model/moe/int4_weights.py): fp, fake-quantised
         # INT4 (QAT), dequantised INT4, or packed INT4 for the Pallas dequantise-matmul
-        w_gate = int4_weights.expert_weight(self, "gate_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, cfg)
-        w_up = int4_weights.expert_weight(self, "up_proj", (E, D, F), ("exp", "embed", "mlp_moe"), init, cfg)
-        w_down = int4_weights.expert_weight(self, "down_proj", (E, F, D), ("exp", "mlp_moe", "embed"), init, cfg)
+        w_gate = int4_weights.expert_weight(self, "gate_proj", (E, D, F), (EXP, EMBED, MLP_MOE), init, cfg)
+        w_up = int4_weights.expert_weight(self, "up_proj", (E, D, F), (EXP, EMBED, MLP_MOE), init, cfg)
+        w_down = int4_weights.expert_weight(self, "down_proj", (E, F, D), (EXP, MLP_MOE, EMBED), init, cfg)
 
         x_ND = x_BTD.reshape(B * T, D)
         scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
@@ -118,4 +120,4 @@ class MoE(nn.Module):
         }
         if dropped is not None:
             aux["dropped"] = dropped.astype(jnp.float32)          # assignments over expert capacity
-        return constrain(out.astype(dt), ("batch", "seq", "act_embed")), aux
+        return constrain(out.astype(dt), (BATCH, SEQ, ACT_EMBED)), aux
