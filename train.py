@@ -29,9 +29,9 @@ def main(argv):
     if FLAGS.coordinator_address:
         jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                    num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
-    from glm5_jax.train.experiment import apply_overrides, load_config_file
-
     from absl import logging as absl_logging
+
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
 
     absl_logging.set_verbosity(absl_logging.WARNING)          # orbax/grain INFO chatter
     handler = logging.StreamHandler()

@@ -119,9 +119,9 @@ def main(_):
     import ml_dtypes
     import numpy as np
 
-    from glm5_jax.model.config import ModelConfig
     from glm5_jax.convert.plan import build_plan
     from glm5_jax.convert.synthetic import write_random_hub_checkpoint
+    from glm5_jax.hf.config import config_from_hf
 
     work = FLAGS.workdir or tempfile.mkdtemp(prefix="bench_convert_")
     hf_dir, orbax_dir, back_dir = (os.path.join(work, n) for n in ("hf", "orbax", "back"))

@@ -38,12 +38,11 @@ import numpy as np  # noqa: E402
 
 from bench.timing import interleaved_seconds  # noqa: E402
 from glm5_jax import load_hf  # noqa: E402
-from glm5_jax.train.experiment import load_config_file  # noqa: E402
 from glm5_jax.generate.decoding import prepare_generate  # noqa: E402
+from glm5_jax.hf.config import config_to_hf
 from glm5_jax.model.kv_cache import cache_bytes_per_token  # noqa: E402
 from glm5_jax.model.layer_plan import layer_kinds  # noqa: E402
-from glm5_jax.hf.config import config_to_hf
-
+from glm5_jax.train.experiment import load_config_file  # noqa: E402
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 

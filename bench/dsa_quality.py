@@ -38,10 +38,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from glm5_jax.data import build_data_pipeline  # noqa: E402
-from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
-from glm5_jax.model.transformer import Transformer  # noqa: E402
 from glm5_jax.model.moe.layer import BIAS_COLLECTION  # noqa: E402
+from glm5_jax.model.transformer import Transformer  # noqa: E402
 from glm5_jax.parallel.mesh import build_mesh  # noqa: E402
+from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
 from glm5_jax.train.step import Trainer, model_config_for_stage  # noqa: E402
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops  # noqa: E402
 from pallas_kernels.indexer_kl.reference import head_summed_target  # noqa: E402

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+
 from glm5_jax.hf.config import config_to_hf
 
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
 import sys
-import os
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from glm5_jax.cost.hlo_cost import hlo_cost  # noqa: E402
 from glm5_jax.cost.categories import categorize  # noqa: E402
+from glm5_jax.cost.hlo_cost import hlo_cost  # noqa: E402
 
 # autodiff / tracing wrappers that say nothing about which op it is
 _WRAPPERS = re.compile(r"^(jit\([^)]*\)/)+")

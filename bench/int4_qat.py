@@ -33,15 +33,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import int4_lm, sort_sft  # noqa: E402
-from glm5_jax.data import build_data_pipeline, sort_task  # noqa: E402
-from glm5_jax.train.experiment import apply_overrides  # noqa: E402
-from glm5_jax.generate.decoding import generate  # noqa: E402
 from glm5_jax.checkpoint.inference import load_for_inference  # noqa: E402
-from glm5_jax.train.losses import lm_losses  # noqa: E402
-from glm5_jax.model.transformer import Transformer  # noqa: E402
+from glm5_jax.data import build_data_pipeline, sort_task  # noqa: E402
+from glm5_jax.generate.decoding import generate  # noqa: E402
 from glm5_jax.model.moe.int4_weights import quantize_params  # noqa: E402
+from glm5_jax.model.transformer import Transformer  # noqa: E402
+from glm5_jax.train.experiment import apply_overrides  # noqa: E402
 from glm5_jax.train.loop import run_training  # noqa: E402
-
+from glm5_jax.train.losses import lm_losses  # noqa: E402
 
 TASKS = {"sort": sort_sft.get_config, "lm": int4_lm.get_config}
 

@@ -70,8 +70,8 @@ def train_point(overrides, T, stage, reps):
     import numpy as np
 
     from bench.train_step import random_batch
-    from glm5_jax.train.experiment import apply_overrides, load_config_file
     from glm5_jax.parallel.mesh import build_mesh
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
     from glm5_jax.train.step import Trainer
 
     exp = apply_overrides(load_config_file(CONFIG), overrides + [f"data.seq_len={T}", f"train.stage={stage}"])
@@ -100,9 +100,9 @@ def prefill_point(overrides, T, chunk, reps):
     import numpy as np
     from flax.core import meta
 
-    from glm5_jax.train.experiment import apply_overrides, load_config_file
     from glm5_jax.generate.decoding import prepare_generate
     from glm5_jax.model.transformer import Transformer
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
 
     cfg = apply_overrides(load_config_file(CONFIG), overrides).model
     variables = meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))

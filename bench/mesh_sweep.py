@@ -29,8 +29,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# modules that measure the compiled step: changing them does not change what is compiled
-MEASURING = {"hlo_cost.py", "hlo_collectives.py", "ici.py", "step_categories.py", "compile_report.py", "flops.py"}
+# what measures the compiled step (the cost model and the report): changing it does not change what is compiled
+MEASURING_DIRS = ("glm5_jax/cost",)
+MEASURING_FILES = ("glm5_jax/train/compile_report.py",)
+
+
+def _is_measuring(relpath: str) -> bool:
+    return relpath in MEASURING_FILES or os.path.dirname(relpath) in MEASURING_DIRS
 
 
 def _mesh(fsdp: int, expert: int, tensor: int, context: int = 1) -> list[str]:
@@ -89,10 +94,10 @@ def source_digest(measuring: bool = False) -> str:
     for top in ("glm5_jax", "pallas_kernels"):
         for dirpath, _, files in sorted(os.walk(os.path.join(ROOT, top))):
             for name in sorted(files):
-                if name.endswith(".py") and (name in MEASURING) == measuring and \
-                        (not measuring or dirpath == os.path.join(ROOT, "glm5_jax")):
-                    path = os.path.join(dirpath, name)
-                    h.update(os.path.relpath(path, ROOT).encode())
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+                if name.endswith(".py") and _is_measuring(rel) == measuring:
+                    h.update(rel.encode())
                     h.update(open(path, "rb").read())
     return h.hexdigest()
 

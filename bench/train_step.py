@@ -48,9 +48,9 @@ import numpy as np  # noqa: E402
 
 from bench.hf_step import HFStep  # noqa: E402
 from bench.timing import interleaved_seconds  # noqa: E402
-from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
 from glm5_jax.parallel.mesh import build_mesh  # noqa: E402
+from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
 from glm5_jax.train.step import Trainer  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "bench_small.py")

@@ -1,9 +1,9 @@
 """The train-step benchmark model (bench/train_step.py): a ~50M-parameter GLM-5 with every part of the
 architecture (MLA + DSA top-k + MoE with a shared expert + MTP), small enough to step on a CPU."""
-from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 
 def get_config() -> ExperimentConfig:

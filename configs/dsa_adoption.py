@@ -15,10 +15,10 @@ routing bias; fresh optimizer, step 0; the tokenizer is reused):
 
 `stage_overrides(stage, init_from)` gives those --set lists (bench/dsa_quality.py uses it).
 """
-from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 # per stage: steps, peak learning rate, LR warm-up steps. The indexer warm-up is short (it fits a small
 # module to a fixed target); the sparse stage continues at a lower peak than the dense one.

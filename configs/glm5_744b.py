@@ -4,10 +4,10 @@
 
     python train.py --config=configs/glm5_744b.py --compile_only --topology=v5p:8x16x16 --workdir=DIR
 """
-from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 
 def model_config() -> ModelConfig:

@@ -30,11 +30,10 @@ Where the numbers come from:
 """
 import dataclasses
 
-from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.parallel.mesh import MeshConfig
-
 from configs.glm5_744b import model_config
+from glm5_jax.data import DataConfig
+from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 CHIPS = 2048
 EXPERT = 8

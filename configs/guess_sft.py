@@ -3,11 +3,11 @@
 Made by `python -m glm5_jax.rl.run --config=configs/rl_guess.py` on first use; not a train.py config
 (data.source "number_guess" names the teacher, not a corpus).
 """
-from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.rl.number_guess import GuessTokens
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.rl.number_guess import GuessTokens
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 
 def get_config() -> ExperimentConfig:

@@ -4,11 +4,11 @@ plateaus near the teacher's quality (~0.6) and RL (configs/rl_sort.py) has room 
 
     python train.py --config=configs/sort_sft.py --workdir=/tmp/glm5_sort_sft
 """
-from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
 from glm5_jax.data.sort_task import EOS_ID, PAD_ID, SORT
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 
 def get_config() -> ExperimentConfig:

@@ -1,9 +1,9 @@
 """A small but complete GLM-5 (MLA + DSA with a real top-k + MoE + MTP) that trains on 2 CPU cores in
 minutes on the embedded corpus (the Python standard library's source, BPE-tokenised in the workdir)."""
-from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 
 def get_config() -> ExperimentConfig:

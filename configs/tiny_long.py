@@ -12,11 +12,10 @@ The long stage takes the short stage's weights and tokenizer (train.init_from); 
 1024-token rows is logged next to the short stage's. Sizes, steps and rates are our choice (a run of
 a few minutes on two cores); index_topk = 64 is a sixteenth of the long stage's rows.
 """
-from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.parallel.mesh import MeshConfig
-
 from configs.tiny import get_config as tiny_config
+from glm5_jax.data import DataConfig
+from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 
 def get_config() -> ExperimentConfig:

@@ -17,17 +17,10 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from glm5_jax.model.config import ModelConfig
 from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.checkpoint.stored_config import config_from_json
 
 COLLECTIONS = ("params", "moe_bias")
-
-
-def _model_config(fields: dict, where: str) -> ModelConfig:
-    try:
-        return ModelConfig.from_fields(fields)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: stored model config is invalid: {e}") from None
 
 
 def locate_checkpoint(path: str, step: int | None):
@@ -49,7 +42,7 @@ def locate_checkpoint(path: str, step: int | None):
         raise CheckpointError(f"{step_dir}: no 'state' item")
     custom = manager.metadata(step).custom_metadata or {}
     if "model_config" in custom:                                   # converter output
-        return path, step, _model_config(custom["model_config"], step_dir)
+        return path, step, config_from_json(custom["model_config"], step_dir)
     meta_dir = os.path.join(step_dir, "meta")
     meta_files = [f for f in os.listdir(meta_dir)] if os.path.isdir(meta_dir) else []
     for name in meta_files:
@@ -59,7 +52,7 @@ def locate_checkpoint(path: str, step: int | None):
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict) and "model" in meta.get("config", {}):
-            return path, step, _model_config(meta["config"]["model"], step_dir)
+            return path, step, config_from_json(meta["config"]["model"], step_dir)
     raise CheckpointError(f"{step_dir}: found no model config (neither converter metadata nor a train.py "
                           f"'meta' item)")
 

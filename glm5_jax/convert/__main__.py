@@ -5,8 +5,8 @@ import sys
 
 from absl import app, flags, logging
 
-from glm5_jax.model.config import ConfigError
 from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.model.config import ConfigError
 
 COMMANDS = ("hf-to-orbax", "orbax-to-hf")
 flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors)")

@@ -10,16 +10,15 @@ the output directory is created.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
 
-from glm5_jax.model.config import ConfigError, ModelConfig
-from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
+from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.checkpoint.stored_config import config_to_json
 from glm5_jax.convert import int4_layout
+from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
 from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, scale_key
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import LeafWriter
@@ -27,7 +26,7 @@ from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.hf.config import config_from_hf, read_config_json
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
-from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.model.config import ConfigError, ModelConfig
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -42,17 +41,6 @@ def hub_model_config(hf: dict, hf_dir: str, dtype: str) -> ModelConfig:
         return config_from_hf(hf, dtype=dtype, param_dtype=dtype)
     except (ConfigError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{hf_dir}/config.json: invalid model config: {e}") from None
-
-
-def config_to_json(cfg: ModelConfig) -> dict:
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    fields["rope_scaling"] = cfg.rope_scaling_dict
-    fields["runtime"] = dataclasses.asdict(cfg.runtime)     # config_from_json turns it back into a RuntimeConfig
-    return json.loads(json.dumps(fields))
-
-
-def config_from_json(fields: dict) -> ModelConfig:
-    return ModelConfig.from_fields(fields)
 
 
 def build_leaf(reader: HubReader, leaf: LeafPlan, dtype, mesh) -> jax.Array:

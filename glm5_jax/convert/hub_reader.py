@@ -15,10 +15,10 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.convert.plan import HubSource, LeafPlan
 from glm5_jax.hf.layout import layout_perm, split_dims
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
-from glm5_jax.checkpoint.errors import CheckpointError
 
 FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64)}
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)

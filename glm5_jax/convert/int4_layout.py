@@ -16,8 +16,8 @@ import re
 import ml_dtypes
 import numpy as np
 
-from glm5_jax.quant import int4
 from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.quant import int4
 
 EXPERT_KEY = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"

@@ -16,19 +16,18 @@ import re
 import ml_dtypes
 import numpy as np
 
-from glm5_jax.model.config import ModelConfig
-from glm5_jax.convert import fp8 as fp8_layout
-from glm5_jax.convert import int4_layout
-from glm5_jax.convert import orbax_io
+from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.checkpoint.stored_config import config_from_json
+from glm5_jax.convert import fp8 as fp8_layout, int4_layout, orbax_io
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
-from glm5_jax.convert.hf_to_orbax import config_from_json, prefetched
+from glm5_jax.convert.hf_to_orbax import prefetched
 from glm5_jax.convert.hub_reader import scale_key, transpose_copy
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
-from glm5_jax.hf.safetensors_io import DTYPES
-from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.config import config_from_hf, config_to_hf
+from glm5_jax.hf.safetensors_io import DTYPES
+from glm5_jax.model.config import ModelConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -12,11 +12,11 @@ import functools
 import jax
 from flax.core import meta
 
+from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.checkpoint import FP32_LEAVES
 from glm5_jax.hf.layout import (GLOBAL_TENSORS, heads_for, hub_shape, layer_slots, layer_tensor_maps, layout_perm,
                                 mtp_extra_tensors, split_dims)
 from glm5_jax.model.param_count import abstract_variables
-from glm5_jax.checkpoint.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

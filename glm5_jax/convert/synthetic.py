@@ -11,7 +11,6 @@ import os
 
 import numpy as np
 
-from glm5_jax.model.config import ModelConfig
 from glm5_jax.convert import fp8 as fp8_layout
 from glm5_jax.convert.hub_reader import scale_key
 from glm5_jax.convert.plan import build_plan

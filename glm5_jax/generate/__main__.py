@@ -35,9 +35,9 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
+    from glm5_jax.checkpoint.inference import cast_variables, checkpoint_tokenizer, load_for_inference
     from glm5_jax.data.tokenizer import load_tokenizer
     from glm5_jax.generate.decoding import prepare_generate
-    from glm5_jax.checkpoint.inference import cast_variables, checkpoint_tokenizer, load_for_inference
 
     if not FLAGS.prompt:
         raise app.UsageError("give at least one --prompt")

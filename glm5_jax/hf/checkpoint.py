@@ -8,20 +8,18 @@ checked against the shapes the model expects; missing or unexpected tensors are 
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
-from glm5_jax.model.config import ModelConfig
+from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.config import config_from_hf, read_config_json
-from glm5_jax.hf.layout import (GLOBAL_TENSORS, heads_for, layer_slots, layer_tensor_maps, mtp_extra_tensors,
-                                to_hf, to_ours)
+from glm5_jax.hf.layout import (GLOBAL_TENSORS, heads_for, layer_slots, layer_tensor_maps, mtp_extra_tensors, to_hf,
+                                to_ours)
+from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
 from glm5_jax.model.param_count import abstract_variables
-from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
-from glm5_jax.checkpoint.errors import CheckpointError
 
 # kept fp32 whatever the dtype (docs/architecture.md#routing-bias-is-a-buffer-fp32)
 FP32_LEAVES = {("moe", "router"), ("moe", "e_score_correction_bias")}

@@ -18,30 +18,31 @@ shard over the gathered latent rows and indexer keys instead (glm5_jax/model/con
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.model.config import ModelConfig
 from glm5_jax.model import context_attention
-
-from glm5_jax.parallel import context as context_parallel
-from glm5_jax.parallel.shard_map import logical_pmean, logical_shard_map
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_rope, rope_cos_sin
+from glm5_jax.parallel import context as context_parallel
+from glm5_jax.parallel.axes import ACT_HEADS, BATCH, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA, Q_LORA, SEQ
+from glm5_jax.parallel.shard_map import logical_pmean, logical_shard_map
+from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import selection_mask, visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
-from glm5_jax.parallel.axes import ACT_HEADS, BATCH, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA, Q_LORA, SEQ
 
 # name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
 SELECTION_NAME = "dsa_selection"
 # the attention core's output and indexer KL target, and the residuals its impls name: a remat policy
 # keeping these never reruns the attention core in the backward pass
 ATTENTION_SAVED_NAMES = ("attention_core_out", "indexer_kl_target") + sparse_mla_ops.SAVED_NAMES
-_PALLAS = ("pallas", "pallas_interpret")
 
 
 def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
@@ -50,6 +51,13 @@ def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
     if head_axis:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return apply_rope(x, cos, sin, interleaved=interleaved)
+
+
+class AttentionOutput(NamedTuple):
+    out: jax.Array              # [B, T, D] the layer's output projection
+    selection: tuple            # (idx [B, T, k], valid [B, T, k]): this layer's top-k, or the one it reused
+    indexer_kl: jax.Array | None   # the indexer KL term when the stage trains the indexer, else None
+    cache: Any                  # the updated decode cache (None when not decoding)
 
 
 class Indexer(nn.Module):
@@ -135,7 +143,7 @@ class MLAttention(nn.Module):
                                                                   prev_selection, q_abs, latent_BSC, n_shards)
             o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
             o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
-            return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
+            return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
 
         # ---- select
         selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
@@ -166,7 +174,7 @@ class MLAttention(nn.Module):
 
         # ---- project out
         o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
-        return einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache
+        return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
 
     def _context_parallel(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC,
                           n_shards):
@@ -234,7 +242,7 @@ class MLAttention(nn.Module):
                                             impl=cfg.runtime.attention_impl)
 
         args = (q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
-        if cfg.runtime.attention_impl not in _PALLAS:
+        if cfg.runtime.attention_impl not in PALLAS_IMPLS:
             return topk(*args)
         bt, btx = (BATCH, None), (BATCH, None, None)
         return logical_shard_map(topk, in_axes=((BATCH, None, None, None), btx, btx, bt, bt, bt, bt),
@@ -245,18 +253,17 @@ class MLAttention(nn.Module):
         per (batch, head) shard."""
         cfg = self.cfg
 
-        def core(q, kv, i, v):   # (out, lse, target or None); the XLA impls compute the target on request
-            results = sparse_mla_ops.sparse_mla(q, kv, i, v, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
-                                                impl=cfg.runtime.attention_impl, training_rows=not decoding,
-                                                with_target=with_target)
-            return results if with_target else (*results, None)
+        def core(q, kv, i, v):   # the XLA impls compute the target on request
+            return sparse_mla_ops.sparse_mla(q, kv, i, v, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
+                                             impl=cfg.runtime.attention_impl, training_rows=not decoding,
+                                             with_target=with_target)
 
-        if cfg.runtime.attention_impl not in _PALLAS:
+        if cfg.runtime.attention_impl not in PALLAS_IMPLS:
             out, _, target = core(q_abs, latent_BSC, idx, valid)
             return out, target
         heads, btx = (BATCH, None, ACT_HEADS, None), (BATCH, None, None)
         if not with_target:
-            out = logical_shard_map(lambda *a: core(*a)[0], in_axes=(heads, btx, btx, btx), out_axes=heads)(
+            out = logical_shard_map(lambda *a: core(*a).out, in_axes=(heads, btx, btx, btx), out_axes=heads)(
                 q_abs, latent_BSC, idx, valid)
             return out, None
 

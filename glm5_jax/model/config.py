@@ -7,11 +7,12 @@ into the one model.
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from typing import Any, ClassVar, Literal
 
 import jax.numpy as jnp
+
+from pallas_kernels.impls import XLA
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["reference", "xla", "pallas", "pallas_interpret"]
@@ -310,8 +311,8 @@ class ModelConfig:
             for f in ("hidden_size", "moe_intermediate_size"):     # the experts' input widths
                 need(getattr(self, f) % (8 * g) == 0, f,
                      f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
-        need(self.runtime.quant_matmul == "xla" or self.quant == "int4", "quant_matmul",
+        need(self.runtime.quant_matmul == XLA or self.quant == "int4", "quant_matmul",
              'the Pallas INT4 matmul runs on packed weights (quant="int4")')
-        need(self.runtime.quant_matmul == "xla" or self.runtime.moe_ep == "none", "quant_matmul",
+        need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep == "none", "quant_matmul",
              'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none")')
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")

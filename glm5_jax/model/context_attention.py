@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.parallel.axes import BATCH, SEQ
 from glm5_jax.parallel.context import gather_sequence
 from glm5_jax.parallel.shard_map import logical_shard_map
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
-from glm5_jax.parallel.axes import BATCH, SEQ
 
 _BT = (BATCH, SEQ)
 _AXES = {  # logical axes of each per-token operand: split over batch and sequence, whole otherwise
@@ -56,10 +56,10 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
         """(o, KL target or None): top-k attention when ``sparse``, else every visible key."""
         if sparse:
             with_target = kl_stage == "sparse"
-            results = sparse_mla_ops.sparse_mla(q, kv, idx, valid, scale=cfg.softmax_scale, v_dim=R,
-                                                impl=cfg.runtime.attention_impl, training_rows=False,
-                                                with_target=with_target)
-            return results[0], (results[2] if with_target else None)
+            attended = sparse_mla_ops.sparse_mla(q, kv, idx, valid, scale=cfg.softmax_scale, v_dim=R,
+                                                 impl=cfg.runtime.attention_impl, training_rows=False,
+                                                 with_target=with_target)
+            return attended.out, attended.target
         visible = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
         o, _ = sparse_mla_ops.dense_mla(q, kv, visible, scale=cfg.softmax_scale, v_dim=R,
                                         q_chunk=cfg.runtime.attention_q_chunk)

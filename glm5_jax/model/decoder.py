@@ -7,17 +7,19 @@ indexer_types: a "shared" layer attends to the previous "full" layer's top-k).
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import flax.linen as nn
 import jax
 import numpy as np
 
-from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.attention import ATTENTION_SAVED_NAMES, SELECTION_NAME, MLAttention
+from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
-from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 from glm5_jax.model.moe.experts import EXPERT_SAVED_NAMES
+from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 from glm5_jax.parallel.axes import EMBED, LAYERS
 
 _cp = jax.checkpoint_policies
@@ -61,12 +63,21 @@ REMAT_POLICIES = {
 }
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE.
+class LayerOutput(NamedTuple):
+    h: jax.Array               # [B, T, D] the residual stream after the layer
+    selection: tuple           # the top-k selection a following "shared" layer reuses
+    stats: LayerStats          # this layer's statistics
+    cache: Any                 # its updated decode cache (None when not decoding)
 
-    Returns (h, selection, stats, cache): ``stats`` is this layer's `LayerStats`, ``cache`` its decode
-    cache (None when not decoding).
-    """
+
+class StackOutput(NamedTuple):
+    h: jax.Array               # [B, T, D] the final residual stream (before the final norm)
+    stats: LayerStats          # [num_hidden_layers, ...] in layer order
+    cache: Any                 # {segment: {layer_i: {...} [repeats, ...]}}, or None when not decoding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE -> `LayerOutput`."""
     cfg: ModelConfig
     kind: LayerKind
 
@@ -74,17 +85,17 @@ class DecoderLayer(nn.Module):
     def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="input_norm")(h_BTD)
-        attn_out, selection, indexer_kl, cache = MLAttention(cfg, self.kind.indexer, name="attention")(
-            a, positions_BT, segment_ids_BT, selection, cache)
-        h_BTD = constrain(h_BTD + attn_out, ACT_BTD)
+        attn = MLAttention(cfg, self.kind.indexer, name="attention")(a, positions_BT, segment_ids_BT, selection,
+                                                                    cache)
+        h_BTD = constrain(h_BTD + attn.out, ACT_BTD)
         m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(h_BTD)
         moe_aux = None
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
             ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
-        stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, indexer_kl)
-        return constrain(h_BTD + ffn_out, ACT_BTD), selection, stats, cache
+        stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, attn.indexer_kl)
+        return LayerOutput(constrain(h_BTD + ffn_out, ACT_BTD), attn.selection, stats, attn.cache)
 
 
 class LayerGroup(nn.Module):
@@ -107,18 +118,17 @@ class LayerGroup(nn.Module):
         unit_stats, new_cache = [], {}
         for i, kind in enumerate(self.unit):
             layer_cache = None if cache is None else cache[f"layer_{i}"]
-            h, selection, stats, layer_cache = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(
-                h, positions_BT, segment_ids_BT, selection, layer_cache)
-            unit_stats.append(stats)
-            if layer_cache is not None:
-                new_cache[f"layer_{i}"] = layer_cache
+            out = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(h, positions_BT, segment_ids_BT, selection,
+                                                                  layer_cache)
+            h, selection = out.h, out.selection
+            unit_stats.append(out.stats)
+            if out.cache is not None:
+                new_cache[f"layer_{i}"] = out.cache
         return (h, selection), (stack(unit_stats), new_cache)
 
 
 class DecoderStack(nn.Module):
-    """All main layers: returns the final residual stream, their `LayerStats` [num_hidden_layers, ...] in
-    layer order, and the updated decode cache ({segment: {layer_i: {...} [repeats, ...]}}, or None when
-    not decoding)."""
+    """All main layers -> `StackOutput`."""
     cfg: ModelConfig
 
     @nn.compact
@@ -138,7 +148,7 @@ class DecoderStack(nn.Module):
             # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u
             segment_stats.append(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stats))
             new_cache[seg.name] = seg_cache
-        return carry[0], concatenate(segment_stats), (None if cache is None else new_cache)
+        return StackOutput(carry[0], concatenate(segment_stats), None if cache is None else new_cache)
 
 
 # where a DecoderLayer keeps its routing bias in the BIAS_COLLECTION tree (MoE(name="moe")'s variable)

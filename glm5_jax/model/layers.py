@@ -13,8 +13,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.model.config import ModelConfig, PROJECTION_IMPLS
+from glm5_jax.model.config import PROJECTION_IMPLS, ModelConfig
 from glm5_jax.parallel.axes import ACT_EMBED, ACT_MLP, BATCH, EMBED, MLP, SEQ
+from pallas_kernels.impls import XLA
 
 ACT_BTD = (BATCH, SEQ, ACT_EMBED)
 
@@ -34,7 +35,7 @@ def constrain(x, axes):
     return nn.with_logical_constraint(x, axes)
 
 
-def einsum(spec: str, x, w, dtype, out_dtype=None, impl: str = "xla"):
+def einsum(spec: str, x, w, dtype, out_dtype=None, impl: str = XLA):
     """x, w cast to the compute dtype; fp32 accumulation; result in `out_dtype` (default: `dtype`).
 
     `x` is an activation and `w` a weight. ``impl`` (`ModelConfig.projection_impl`) picks how a projection
@@ -47,7 +48,7 @@ def einsum(spec: str, x, w, dtype, out_dtype=None, impl: str = "xla"):
     x, w = x.astype(dtype), w.astype(dtype)
     x_dims, rest = spec.split(",")
     w_dims, out_dims = rest.split("->")
-    if impl == "xla" or set(x_dims) & set(w_dims) & set(out_dims):
+    if impl == XLA or set(x_dims) & set(w_dims) & set(out_dims):
         y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     else:
         y = _transposed_grad_projection(spec, x, w)

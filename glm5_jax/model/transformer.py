@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -36,11 +37,11 @@ import numpy as np
 from flax import struct
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.parallel import context as context_parallel
 from glm5_jax.model.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
 from glm5_jax.model.layer_plan import LayerKind
 from glm5_jax.model.layer_stats import LayerStats, concatenate
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
+from glm5_jax.parallel import context as context_parallel
 from glm5_jax.parallel.axes import ACT_VOCAB, BATCH, EMBED, MTP_CONCAT, SEQ, VOCAB
 
 
@@ -49,6 +50,23 @@ class ModelOutput:
     logits: jax.Array                  # [B, T, V] fp32
     stats: LayerStats                  # [num_hidden_layers + num_nextn_predict_layers, ...], MTP last
     mtp_logits: jax.Array | None       # [mtp_depth, B, T, V] fp32, or None when MTP did not run
+
+
+class MainOutput(NamedTuple):
+    """The main stack's results (`Transformer._main`)."""
+    logits: jax.Array                  # [B, T, V] (or [B, X, V] at ``logits_at``)
+    h: jax.Array                       # [B, T, D] final hidden state before the final norm
+    h_normed: jax.Array                # [B, T, D] after it
+    stats: LayerStats                  # [num_hidden_layers, ...]
+    cache: Any                         # the updated decode cache, or None
+
+
+class MTPOutput(NamedTuple):
+    """One MTP depth's results."""
+    h: jax.Array                       # [B, T, D] the next depth's input
+    h_normed: jax.Array                # shared_head_norm(h): what the LM head reads
+    stats: LayerStats
+    cache: Any                         # this depth's updated decode cache, or None
 
 
 def positions_from_segments(segment_ids_BT):
@@ -73,10 +91,7 @@ def shift_left(tokens_BT, k):
 
 
 class MTPModule(nn.Module):
-    """One MTP depth: u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u).
-
-    Returns (h', shared_head_norm(h'), `LayerStats`, cache); ``cache`` is this depth's decode cache or None.
-    """
+    """One MTP depth: u = [enorm(emb(t_{i+k})), hnorm(h_i)] @ eh_proj; h' = DecoderBlock(u) -> `MTPOutput`."""
     cfg: ModelConfig
 
     @nn.compact
@@ -91,9 +106,10 @@ class MTPModule(nn.Module):
         kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
         B, T, _ = u.shape
         num_keys = T if cache is None else cache["latent"].shape[1]
-        h, _, stats, cache = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
-                                                                   empty_selection(cfg, B, T, num_keys), cache)
-        return h, RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="shared_head_norm")(h), stats, cache
+        out = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
+                                                    empty_selection(cfg, B, T, num_keys), cache)
+        return MTPOutput(out.h, RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="shared_head_norm")(out.h), out.stats,
+                         out.cache)
 
 
 class Transformer(nn.Module):
@@ -120,14 +136,13 @@ class Transformer(nn.Module):
         return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, cfg.jnp_dtype, jnp.float32,
                                 cfg.runtime.projection_impl), (BATCH, SEQ, ACT_VOCAB))
 
-    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None):
-        """(logits, final hidden h, normed h, decoder `LayerStats`, cache) of the main stack."""
+    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None) -> MainOutput:
         B, T = tokens_BT.shape
         num_keys = T if cache is None else _cache_len(cache)
-        h, stats, cache = self.decoder(self.embed(tokens_BT), positions, segment_ids,
-                                       empty_selection(self.cfg, B, T, num_keys), cache)
-        h_normed = self.final_norm(h)
-        return self.head(_rows_at(h_normed, logits_at)), h, h_normed, stats, cache
+        stack = self.decoder(self.embed(tokens_BT), positions, segment_ids,
+                             empty_selection(self.cfg, B, T, num_keys), cache)
+        h_normed = self.final_norm(stack.h)
+        return MainOutput(self.head(_rows_at(h_normed, logits_at)), stack.h, h_normed, stack.stats, stack.cache)
 
     def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False) -> ModelOutput:
         """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training)."""
@@ -141,7 +156,8 @@ class Transformer(nn.Module):
         layout = functools.partial(context_parallel.to_layout, n=n)
         tokens_l, positions, segment_ids = (constrain(layout(x), (BATCH, SEQ))
                                             for x in (tokens_BT, positions, segment_ids))
-        logits, h, h_normed, stats, _ = self._main(tokens_l, positions, segment_ids, None)
+        main = self._main(tokens_l, positions, segment_ids, None)
+        logits, h, h_normed, stats = main.logits, main.h, main.h_normed, main.stats
         mtp_logits, mtp_stats = None, []
         if cfg.num_nextn_predict_layers:
             depth_stats, depth_logits = [], []
@@ -149,10 +165,10 @@ class Transformer(nn.Module):
                 h_prev = h_normed if cfg.mtp_use_normed_hidden else h
                 for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
                     next_tokens = constrain(layout(shift_left(tokens_BT, depth)), (BATCH, SEQ))
-                    h_prev, h_mtp_normed, depth_stat, _ = self.mtp(
-                        h_prev, self.embed(next_tokens), positions, segment_ids)
-                    depth_logits.append(self.head(h_mtp_normed))
-                    depth_stats.append(depth_stat)
+                    depth = self.mtp(h_prev, self.embed(next_tokens), positions, segment_ids)
+                    h_prev = depth.h
+                    depth_logits.append(self.head(depth.h_normed))
+                    depth_stats.append(depth.stats)
             if depth_stats and cfg.mtp_depth > 0:
                 # each depth's losses count once; loads add up (they all go through the same router)
                 mtp_stats = [jax.tree.map(lambda x: x[None], functools.reduce(operator.add, depth_stats))]
@@ -168,15 +184,14 @@ class Transformer(nn.Module):
         ``logits_at`` [B, X] (indices into T) the logits are [B, X, V] at those tokens only: a long
         prefill chunk needs one row's logits, not [B, T, V].
         """
-        logits, h, h_normed, _, cache = self._main(tokens_BT, positions_BT, segment_ids_BT, cache, logits_at)
-        return logits, (h_normed if self.cfg.mtp_use_normed_hidden else h), cache
+        main = self._main(tokens_BT, positions_BT, segment_ids_BT, cache, logits_at)
+        return main.logits, (main.h_normed if self.cfg.mtp_use_normed_hidden else main.h), main.cache
 
     def mtp_decode(self, h_prev_BTD, next_tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
         """One MTP depth over its decode cache: (h for the next depth, logits, updated cache);
         ``logits_at`` as in `decode`."""
-        h, h_normed, _, cache = self.mtp(h_prev_BTD, self.embed(next_tokens_BT), positions_BT, segment_ids_BT,
-                                         cache)
-        return h, self.head(_rows_at(h_normed, logits_at)), cache
+        depth = self.mtp(h_prev_BTD, self.embed(next_tokens_BT), positions_BT, segment_ids_BT, cache)
+        return depth.h, self.head(_rows_at(depth.h_normed, logits_at)), depth.cache
 
 
 def _rows_at(x_BTD, index_BX):

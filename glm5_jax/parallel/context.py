@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from glm5_jax.parallel.shard_map import all_gather_logical, logical_axis_shards
 from glm5_jax.parallel.axes import SEQ
-
+from glm5_jax.parallel.shard_map import all_gather_logical, logical_axis_shards
 
 
 def layout_shards(T: int) -> int:

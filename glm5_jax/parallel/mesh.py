@@ -22,8 +22,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
-                                     INDEX_DIM, INDEX_HEADS, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA,
-                                     SEQ, VOCAB)
+                                    INDEX_DIM, INDEX_HEADS, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
+                                    VOCAB)
 
 DATA, FSDP, CONTEXT, EXPERT, TENSOR = MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 

@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.int4_matmul.packing import (PER_WORD, check_shape, dequantize, dequantize_packed, expand_scales,
-                                              pack_grouped, packed_shapes, unpack_grouped)
+# the packed operand format is the INT4 kernel's (pallas_kernels/int4_matmul/packing.py); re-exported so that
+# every INT4 user finds the whole quantiser here
+from pallas_kernels.int4_matmul.packing import (PER_WORD, check_shape, dequantize, dequantize_packed,  # noqa: F401
+                                                expand_scales, pack_grouped, packed_shapes, unpack_grouped)
 
 QMIN, QMAX = -8, 7
 SCALE_DTYPES = ("bfloat16", "float32")

@@ -28,8 +28,8 @@ import numpy as np
 
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.env import Environment, Episode, ServerPolicy, ToolLatency, episodes_to_batch, run_episode
-from glm5_jax.rl.rollout_generator import Generator
 from glm5_jax.rl.number_guess import NumberGuess
+from glm5_jax.rl.rollout_generator import Generator
 
 _ENV_SALT, _SAMPLING_SALT, _SFT_SALT = 0xE5, 0x5A, 0x5F
 TURN_SEED_STRIDE = 64            # an episode's turn t samples with seed base + t (t < max_turns <= 64)

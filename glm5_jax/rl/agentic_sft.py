@@ -22,11 +22,11 @@ from flax.core import meta as flax_meta
 
 from glm5_jax.generate.decoding import Sampler
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
+from glm5_jax.parallel.mesh import build_mesh
 from glm5_jax.rl.agentic import make_env, sft_seed, stop_token_ids
 from glm5_jax.rl.env import Sampled, episodes_to_batch, run_episode
 from glm5_jax.rl.number_guess import teacher_guess
 from glm5_jax.rl.policy import Policy, completion_logprobs, rl_model_config
-from glm5_jax.parallel.mesh import build_mesh
 
 log = logging.getLogger("glm5_jax.rl")
 SFT_SOURCE = "number_guess"          # DataConfig.source of an SFT config for the number_guess environment

@@ -10,8 +10,8 @@ import dataclasses
 import os
 
 from glm5_jax.model.config import DTYPES
-from glm5_jax.train.experiment import apply_overrides, load_config_file
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import apply_overrides, load_config_file
 
 LOSSES = ("dis", "icepop", "ppo_clip")
 

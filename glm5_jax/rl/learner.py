@@ -28,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.generate.decoding import Sampler, generate
+from glm5_jax.parallel.mesh import build_mesh
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig
-from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.rl.loss import group_advantages, policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, rl_model_config
 from glm5_jax.rl.tasks import make_task
-from glm5_jax.parallel.mesh import build_mesh
 
 log = logging.getLogger("glm5_jax.rl")
 METRICS = "rl_metrics.jsonl"

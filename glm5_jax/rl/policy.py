@@ -15,8 +15,8 @@ import numpy as np
 from flax.core import meta
 
 from glm5_jax.generate.decoding import Sampler
-from glm5_jax.model.transformer import Transformer
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
+from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.mesh import logical_shardings, mesh_and_rules
 
 

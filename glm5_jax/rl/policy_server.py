@@ -28,12 +28,12 @@ def build_engine(exp, sft_cfg, workdir: str):
     """(engine started on the newest committed version, weights watcher started)."""
     import jax
 
-    from glm5_jax.rl.agentic import make_env, stop_token_ids
     from glm5_jax.checkpoint.handoff import PolicyReader
+    from glm5_jax.parallel.mesh import MeshConfig, build_mesh
+    from glm5_jax.rl.agentic import make_env, stop_token_ids
     from glm5_jax.rl.policy import Policy, sampler_model_config
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.reload import PolicySource, WeightsWatcher
-    from glm5_jax.parallel.mesh import MeshConfig, build_mesh
 
     ag = exp.agentic
     cfg = sampler_model_config(sft_cfg.model, exp.rl.sampler_dtype)

@@ -25,12 +25,12 @@ import time
 import jax
 import numpy as np
 
-from glm5_jax.generate.decoding import generate
-from glm5_jax.rl import rollouts as ro
 from glm5_jax.checkpoint.handoff import PolicyReader
+from glm5_jax.generate.decoding import generate
+from glm5_jax.parallel.mesh import build_mesh
+from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.policy import Policy, sampler_model_config
 from glm5_jax.rl.tasks import make_task
-from glm5_jax.parallel.mesh import build_mesh
 
 log = logging.getLogger("glm5_jax.rl")
 

@@ -37,8 +37,8 @@ def main(argv):
 
     import uvicorn
 
-    from glm5_jax.data.tokenizer import load_tokenizer
     from glm5_jax.checkpoint.inference import cast_variables, checkpoint_tokenizer, load_for_inference
+    from glm5_jax.data.tokenizer import load_tokenizer
     from glm5_jax.serve.api import create_app
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher

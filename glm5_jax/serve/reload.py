@@ -13,8 +13,8 @@ import threading
 
 import jax
 
-from glm5_jax.checkpoint.inference import latest_step, load_for_inference
 from glm5_jax.checkpoint.handoff import PolicyReader
+from glm5_jax.checkpoint.inference import latest_step, load_for_inference
 
 log = logging.getLogger("glm5_jax.serve")
 

@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
 from glm5_jax.cost.chips import chip_of_topology
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
 from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
 from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
-from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.train.step import Trainer
 

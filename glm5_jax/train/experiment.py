@@ -14,8 +14,8 @@ import types
 import typing
 from typing import Any, Literal
 
-from glm5_jax.model.config import ConfigError, ModelConfig
 from glm5_jax.data import DataConfig
+from glm5_jax.model.config import ConfigError, ModelConfig
 from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.train.tpu_flags import FLAG_SETS as TPU_FLAG_SETS
 

@@ -26,7 +26,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from glm5_jax.checkpoint.inference import locate_checkpoint
-from glm5_jax.checkpoint.errors import CheckpointError
 
 log = logging.getLogger("glm5_jax.train")
 WEIGHTS = ("params", "moe_bias")

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 
 from glm5_jax.checkpoint.run import RunCheckpoints, config_as_json
-from glm5_jax.data import build_data_pipeline
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
-from glm5_jax.train.init_from import initial_state, reuse_tokenizer
+from glm5_jax.data import build_data_pipeline
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
+from glm5_jax.train.init_from import initial_state, reuse_tokenizer
 from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.train")

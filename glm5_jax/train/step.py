@@ -6,7 +6,6 @@ code runs on one CPU, fake CPU meshes or a TPU pod.
 """
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -14,13 +13,13 @@ from flax import struct
 from flax.core import meta
 from optax.transforms._masking import MaskedNode
 
-from glm5_jax.train.losses import load_spread, lm_losses, update_routing_bias
 from glm5_jax.model.config import ConfigError
-from glm5_jax.model.transformer import Transformer, routing_bias_rows_of_model
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
-from glm5_jax.train.experiment import STAGES
-from glm5_jax.train.optim import learning_rate_schedule, make_optimizer, trainable_labels
+from glm5_jax.model.transformer import Transformer, routing_bias_rows_of_model
 from glm5_jax.parallel.mesh import batch_sharding, logical_shardings, mesh_and_rules
+from glm5_jax.train.experiment import STAGES
+from glm5_jax.train.losses import lm_losses, load_spread, update_routing_bias
+from glm5_jax.train.optim import learning_rate_schedule, make_optimizer, trainable_labels
 
 
 @struct.dataclass

@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import kernel, reference
+from pallas_kernels.impls import AUTO, GMM, GMM_INTERPRET, RAGGED_DOT
 
-IMPLS = ("ragged_dot", "gmm", "gmm_interpret", "auto")
+IMPLS = (RAGGED_DOT, GMM, GMM_INTERPRET, AUTO)
 
 
-def grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, *, impl="ragged_dot", out_dtype=jnp.float32):
+def grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, *, impl=RAGGED_DOT, out_dtype=jnp.float32):
     """y[m] = lhs[m] @ rhs[group of m] -> [M, N] in ``out_dtype``, accumulated in fp32.
 
     lhs_MK: rows sorted by group; rhs_EKN: one [K, N] matrix per group; group_sizes_E: int rows per group.
@@ -37,7 +38,7 @@ def grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, *, impl="ragged_dot", out_dty
         raise ValueError(f"grouped_matmul: group_sizes {group_sizes_E.shape} needs one entry per rhs group "
                          f"({rhs_EKN.shape[0]})")
     group_sizes_E = group_sizes_E.astype(jnp.int32)
-    if impl == "ragged_dot":
+    if impl == RAGGED_DOT:
         return reference.grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, out_dtype)
     return _kernel_grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, impl, jnp.dtype(out_dtype))
 
@@ -51,10 +52,10 @@ def _forward(lhs, rhs, group_sizes, impl, out_dtype):
     def run_kernel(lhs, rhs, group_sizes, interpret=False):
         return kernel.gmm(lhs, rhs, group_sizes, out_dtype=out_dtype, interpret=interpret)
 
-    if impl == "auto":
+    if impl == AUTO:
         return _on_tpu_else_reference(
             run_kernel, functools.partial(reference.grouped_matmul, out_dtype=out_dtype), lhs, rhs, group_sizes)
-    return run_kernel(lhs, rhs, group_sizes, interpret=impl == "gmm_interpret")
+    return run_kernel(lhs, rhs, group_sizes, interpret=impl == GMM_INTERPRET)
 
 
 def _backward(lhs, rhs, group_sizes, dy, impl):
@@ -71,9 +72,9 @@ def _backward(lhs, rhs, group_sizes, dy, impl):
         d_lhs, d_rhs = vjp(dy.astype(jnp.float32))
         return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
 
-    if impl == "auto":
+    if impl == AUTO:
         return _on_tpu_else_reference(run_kernel, run_reference, lhs, rhs, group_sizes, dy)
-    return run_kernel(lhs, rhs, group_sizes, dy, interpret=impl == "gmm_interpret")
+    return run_kernel(lhs, rhs, group_sizes, dy, interpret=impl == GMM_INTERPRET)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

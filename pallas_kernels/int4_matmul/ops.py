@@ -9,18 +9,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.impls import PALLAS, PALLAS_IMPLS, PALLAS_INTERPRET, XLA
 from pallas_kernels.int4_matmul import kernel, reference
 
-IMPLS = ("xla", "pallas", "pallas_interpret")
+IMPLS = (XLA, PALLAS, PALLAS_INTERPRET)
 
 
 def _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl):
-    if impl == "xla":
+    if impl == XLA:
         return reference.int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN,
                                            group_size=group_size)
-    if impl in ("pallas", "pallas_interpret"):
+    if impl in PALLAS_IMPLS:
         return kernel.int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN,
-                                        group_size=group_size, interpret=impl == "pallas_interpret")
+                                        group_size=group_size, interpret=impl == PALLAS_INTERPRET)
     raise ValueError(f"int4_block_matmul: unknown impl {impl!r}; choose one of {IMPLS}")
 
 

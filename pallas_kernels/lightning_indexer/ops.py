@@ -10,9 +10,10 @@ differentiation of a model that uses the indexer never asks ``pallas_call`` for 
 """
 import jax
 
+from pallas_kernels.impls import PALLAS, PALLAS_INTERPRET, REFERENCE, XLA
 from pallas_kernels.lightning_indexer import kernel, reference
 
-IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
+IMPLS = (REFERENCE, XLA, PALLAS, PALLAS_INTERPRET)
 
 
 def check_impl(impl):
@@ -27,4 +28,4 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
     args = (q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
     if impl in ("reference", "xla"):
         return reference.indexer_topk(*args, topk=topk)
-    return kernel.indexer_topk(*args, topk=topk, interpret=impl == "pallas_interpret")
+    return kernel.indexer_topk(*args, topk=topk, interpret=impl == PALLAS_INTERPRET)

@@ -33,6 +33,7 @@ query chunk at a time, so only [B, T_chunk, k, C] exists at once). An in-kernel 
 whenever two queries that run concurrently select the same key.
 """
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +204,21 @@ def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm,
     drows_ref[0, 0, :, :v_dim] += dvalue_KV
 
 
-def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k):
+class _Padded(NamedTuple):
+    """A call's sizes and its padded selection: T padded to QUERIES_PER_BLOCK, k to block_k."""
+    B: int
+    T: int
+    H: int
+    C: int
+    K: int
+    T_pad: int
+    K_pad: int
+    block_k: int
+    idx_flat: jax.Array        # int32 [B * T_pad * K_pad]; invalid / padded slots point at row 0
+    valid: jax.Array           # int32 [B, T_pad, K_pad]
+
+
+def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k) -> _Padded:
     """Pad T to TQ and k to block_k; invalid/padded slots point at row 0 (gathered, then masked)."""
     B, T, H, C = q_BTHC.shape
     K = idx_BTK.shape[2]
@@ -211,20 +226,20 @@ def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k):
     T_pad, K_pad = round_up(T, QUERIES_PER_BLOCK), round_up(K, block_k)
     valid = pad_axis(pad_axis(valid_BTK, 2, K_pad, False), 1, T_pad, False)
     idx = jnp.where(valid, jnp.clip(pad_axis(pad_axis(idx_BTK, 2, K_pad), 1, T_pad), 0, S - 1), 0)
-    return dict(B=B, T=T, H=H, C=C, K=K, T_pad=T_pad, K_pad=K_pad, block_k=block_k,
-                idx_flat=idx.astype(jnp.int32).reshape(-1), valid=valid.astype(jnp.int32))
+    return _Padded(B=B, T=T, H=H, C=C, K=K, T_pad=T_pad, K_pad=K_pad, block_k=block_k,
+                   idx_flat=idx.astype(jnp.int32).reshape(-1), valid=valid.astype(jnp.int32))
 
 
 def _grid_and_common_specs(d, sweeps=1):
     """Grid (B, T/TQ, TQ, sweeps * k/block_k): the last axis walks the k-blocks ``sweeps`` times."""
-    TQ, block_k, T_pad = QUERIES_PER_BLOCK, d["block_k"], d["T_pad"]
-    n_kb = d["K_pad"] // block_k
-    grid = (d["B"], T_pad // TQ, TQ, sweeps * n_kb)
+    TQ, block_k, T_pad = QUERIES_PER_BLOCK, d.block_k, d.T_pad
+    n_kb = d.K_pad // block_k
+    grid = (d.B, T_pad // TQ, TQ, sweeps * n_kb)
     per_query = lambda b, t, i, kb: (b, t * TQ + i, 0, 0)  # noqa: E731
-    idx_spec = pl.BlockSpec((d["K_pad"],), lambda b, t, i, kb: (b * T_pad + t * TQ + i,),
+    idx_spec = pl.BlockSpec((d.K_pad,), lambda b, t, i, kb: (b * T_pad + t * TQ + i,),
                             memory_space=pltpu.SMEM)
     valid_spec = pl.BlockSpec((1, TQ, block_k), lambda b, t, i, kb: (b, t, _block_of_step(kb, n_kb)))
-    per_query_row_block = pl.BlockSpec((1, TQ, d["H"]), lambda b, t, i, kb: (b, t, 0))
+    per_query_row_block = pl.BlockSpec((1, TQ, d.H), lambda b, t, i, kb: (b, t, 0))
     return grid, per_query, idx_spec, valid_spec, per_query_row_block
 
 
@@ -238,7 +253,7 @@ def _cost(d, v_dim, itemsize, backward, with_target=False):
     logits 2C again); the backward recomputes the logits (2C), dP = dO V^T (2v), dq += dS rows (2C),
     drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered rows (twice with the target sweep), q and
     the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients."""
-    B, T, H, C, K = d["B"], d["T_pad"], d["H"], d["C"], d["K_pad"]
+    B, T, H, C, K = d.B, d.T_pad, d.H, d.C, d.K_pad
     pairs = B * T * K * H
     rows = B * T * K * C * itemsize
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
@@ -259,7 +274,7 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
     contract as reference.sparse_mla."""
     S = kv_BSC.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
-    B, H, C, T_pad, K_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["K_pad"], d["block_k"]
+    B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d, sweeps=2 if with_target else 1)
     q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
     out_specs = [pl.BlockSpec((1, 1, H, v_dim), per_query), row_block]
@@ -285,8 +300,8 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
         interpret=interpret,
         name="sparse_mla_fwd_target" if with_target else "sparse_mla_fwd",
         cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=False, with_target=with_target),
-    )(d["idx_flat"], q, d["valid"], kv_BSC[:, :, None, :])
-    T, K = d["T"], d["K"]
+    )(d.idx_flat, q, d.valid, kv_BSC[:, :, None, :])
+    T, K = d.T, d.K
     out, lse = results[0][:, :T], results[1][:, :T]
     return (out, lse, results[2][:, :T, :K]) if with_target else (out, lse)
 
@@ -299,7 +314,7 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
     """
     S = kv_BSC.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
-    B, H, C, T_pad, K_pad, block_k = d["B"], d["H"], d["C"], d["T_pad"], d["K_pad"], d["block_k"]
+    B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
     q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
     dout = pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
@@ -323,8 +338,8 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
         interpret=interpret,
         name="sparse_mla_bwd",
         cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=True),
-    )(d["idx_flat"], q, dout, lse, delta, d["valid"], kv_BSC[:, :, None, :])
-    T, K = d["T"], d["K"]
+    )(d.idx_flat, q, dout, lse, delta, d.valid, kv_BSC[:, :, None, :])
+    T, K = d.T, d.K
     if (T, K) != (T_pad, K_pad):
         dq, drows = dq[:, :T], drows[:, :T, :K]
     return dq, drows

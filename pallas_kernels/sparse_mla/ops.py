@@ -22,17 +22,19 @@ forward kernel emits it from a second sweep over the selected rows (kernel.py).
 Shapes: q [B,T,H,C], kv [B,S,C], idx / valid [B,T,k] -> out [B,T,H,v_dim], lse [B,T,H] (fp32).
 """
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.chunking import merge_queries, split_queries
+from pallas_kernels.impls import PALLAS, PALLAS_IMPLS, PALLAS_INTERPRET, REFERENCE, XLA
 from pallas_kernels.masking import selection_mask
 from pallas_kernels.sparse_mla import gather_saved, kernel, masked_dense, reference
 from pallas_kernels.sparse_mla.attention_vjp import attention_vjp
 
-IMPLS = ("reference", "xla", "pallas", "pallas_interpret")
+IMPLS = (REFERENCE, XLA, PALLAS, PALLAS_INTERPRET)
 BWD_Q_CHUNK = 64  # queries per backward kernel call; the row gradients of one chunk live in HBM
 # A decode cache of at most this many times k slots attends through the selection mask (one matmul over
 # every slot) instead of gathering k rows per query: the same result for a few times the FLOPs.
@@ -47,27 +49,33 @@ def check_impl(impl):
         raise ValueError(f"sparse_mla: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
-def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl="xla", training_rows=True,
-               with_target=False):
-    """(out, lse), or with ``with_target`` (out, lse, target): the indexer KL target [B,T,k] (fp32, no
-    gradient), or None over a decode cache attended through the selection mask.
+class SparseAttention(NamedTuple):
+    out: jax.Array              # [B, T, H, v_dim]
+    lse: jax.Array              # [B, T, H] fp32 log-sum-exp of the scores (-inf: a query without valid slots)
+    target: jax.Array | None    # [B, T, k] fp32 indexer-KL target (head-mean probabilities), no gradient
+
+
+def sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl=XLA, training_rows=True,
+               with_target=False) -> SparseAttention:
+    """Sparse attention of each query over its k selected latent rows. ``target`` is the indexer KL target
+    with ``with_target`` (None over a decode cache attended through the selection mask), else None.
 
     ``training_rows``: the keys are the queries' own tokens (kv row t is query t), so causal blocks of
     queries see only a prefix of the keys; False for a decode cache, whose slots may run ahead.
     """
     check_impl(impl)
-    results = _sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim, impl=impl,
-                          training_rows=training_rows, with_target=with_target)
-    return results if with_target else results[:2]
+    out, lse, target = _sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale=scale, v_dim=v_dim, impl=impl,
+                                   training_rows=training_rows, with_target=with_target)
+    return SparseAttention(out, lse, target if with_target else None)
 
 
 def _sparse_mla(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, impl, training_rows, with_target):
     """(out, lse, target or None)."""
-    if impl in ("pallas", "pallas_interpret"):
-        return _pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim, impl == "pallas_interpret",
+    if impl in PALLAS_IMPLS:
+        return _pallas(q_BTHC, kv_BSC, idx_BTK, valid_BTK, float(scale), v_dim, impl == PALLAS_INTERPRET,
                        with_target)
     args = (q_BTHC, kv_BSC, idx_BTK, valid_BTK)
-    if impl == "reference":
+    if impl == REFERENCE:
         return _with_optional_target(reference.sparse_mla, args, scale, v_dim, with_target)
     if training_rows:
         return _xla_training(*args, scale=scale, v_dim=v_dim, with_target=with_target)

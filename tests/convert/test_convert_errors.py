@@ -7,12 +7,12 @@ import sys
 
 import numpy as np
 import pytest
-
 from convert_helpers import GLM_KW, siblings
+
+from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.convert import hf_to_orbax, orbax_to_hf
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
 from glm5_jax.hf.safetensors_io import INDEX_FILE
-from glm5_jax.checkpoint.errors import CheckpointError
 
 CONFIG = {**GLM_KW, "model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1, "eos_token_id": 1,
           "pad_token_id": None}

@@ -2,16 +2,15 @@
 import ml_dtypes
 import numpy as np
 import pytest
-
 from convert_helpers import GLM_KW
-from glm5_jax.model.config import ModelConfig
+
 from glm5_jax.convert import hub_reader
 from glm5_jax.convert.hub_reader import HubReader, read_leaf_slice, transpose_copy
 from glm5_jax.convert.plan import build_plan
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
+from glm5_jax.hf.config import config_from_hf
 from glm5_jax.hf.layout import to_ours
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
-from glm5_jax.hf.config import config_from_hf
 
 CONFIG = {**GLM_KW, "model_type": "glm_moe_dsa", "num_nextn_predict_layers": 1, "eos_token_id": 1,
           "pad_token_id": None}
@@ -67,8 +66,8 @@ def test_leaf_buffers_are_aligned_so_jax_adopts_them():
 def test_plan_traced_on_the_cheap_path_matches_the_model():
     """build_plan traces the model with dense attention and no remat; shapes and logical axes must be
     those of the model as configured."""
-    from flax.core import meta
     import jax
+    from flax.core import meta
 
     from glm5_jax.model.param_count import abstract_variables
 
@@ -86,6 +85,7 @@ def test_prefetched_export_round_trip_is_bit_identical(tmp_path, monkeypatch, ba
     """orbax-to-hf restores leaves in batches in a background thread; with tiny batches (one leaf each,
     or a few) the round trip is still bit-identical, bf16 and the fp32 router alike."""
     from convert_helpers import assert_same_tensors
+
     from glm5_jax.convert import hf_to_orbax, orbax_to_hf
 
     export_module = __import__("sys").modules["glm5_jax.convert.orbax_to_hf"]
@@ -100,6 +100,7 @@ def test_export_error_in_prefetch_thread_writes_nothing(tmp_path, monkeypatch):
     """A restore failing in the background thread (here: the third batch) surfaces in the caller and
     leaves no output or temporary directory behind."""
     from convert_helpers import siblings
+
     from glm5_jax.convert import hf_to_orbax, orbax_io, orbax_to_hf
 
     export_module = __import__("sys").modules["glm5_jax.convert.orbax_to_hf"]
@@ -123,8 +124,9 @@ def test_import_error_in_reader_thread_writes_nothing(tmp_path, monkeypatch):
     """hf-to-orbax builds the next leaf in a background thread; a read failing there (a file shrinking
     after validation) surfaces in the caller and leaves no output or temporary directory."""
     from convert_helpers import siblings
-    from glm5_jax.convert import hf_to_orbax
+
     from glm5_jax.checkpoint.errors import CheckpointError
+    from glm5_jax.convert import hf_to_orbax
 
     write_random_hub_checkpoint(str(tmp_path / "hf"), CONFIG, dtype=ml_dtypes.bfloat16)
     calls, real = [], hub_reader.read_leaf_slice

@@ -7,17 +7,16 @@ import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
-
 from convert_helpers import GLM_KW
-from glm5_jax.model.config import ModelConfig
+
 from glm5_jax.convert import hf_to_orbax, orbax_to_hf
 from glm5_jax.convert.hub_reader import HubReader, read_leaf_slice
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.plan import build_plan
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
+from glm5_jax.hf.config import config_from_hf
 from glm5_jax.hf.layout import to_ours
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
-from glm5_jax.hf.config import config_from_hf
 
 # hidden 160 and q_lora 136: several 128-blocks per weight with ragged edges
 FP8_CONFIG = {**GLM_KW, "model_type": "glm_moe_dsa", "hidden_size": 160, "q_lora_rank": 136,

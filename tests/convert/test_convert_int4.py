@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.convert import hf_to_orbax, load_model_config, orbax_to_hf
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
-from glm5_jax.quant import int4
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
-from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.quant import int4
 
 ct_quant = pytest.importorskip("compressed_tensors.quantization")
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402

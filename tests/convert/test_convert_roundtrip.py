@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from convert_helpers import assert_same_tensors, hf_logits, save_hf_model
+
 from glm5_jax.convert import hf_to_orbax, load_model_config, orbax_to_hf
 from glm5_jax.convert.synthetic import write_random_hub_checkpoint
 from glm5_jax.hf.checkpoint import load_hf

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from glm5_jax import Transformer
-from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 from glm5_jax.generate.decoding import decode_config
 from glm5_jax.model.kv_cache import cache_bytes_per_token, init_cache
+from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 from tests.generate.tiny_models import TINY, full_logits, init_variables
 
 TOL = 1e-5

@@ -2,10 +2,9 @@
 import numpy as np
 
 from glm5_jax import load_hf
-
-from glm5_jax.generate import __main__ as generate_cli
 from glm5_jax.convert.hf_to_orbax import hf_to_orbax
 from glm5_jax.data.tokenizer import train_bpe
+from glm5_jax.generate import __main__ as generate_cli
 from glm5_jax.generate.decoding import generate
 from tests.model.hf_fixtures import build_hf_model
 

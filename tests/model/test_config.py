@@ -142,3 +142,20 @@ def test_runtime_fields_live_apart_from_the_architecture():
         model_config().replace(sparse_xla_form="gather")
     with pytest.raises(ConfigError, match=r"RuntimeConfig\.moe_ep='nccl': must be one of"):
         model_config().replace(moe_ep="nccl")
+
+
+def test_runtime_switches_take_the_kernels_implementation_names():
+    """The RuntimeConfig switches accept exactly the names each hot spot's ops.py dispatches on."""
+    import typing
+
+    from glm5_jax.model.config import AttentionImpl, MoeImpl, ProjectionImpl, QuantMatmul
+    from pallas_kernels import impls
+    from pallas_kernels.grouped_matmul import ops as gmm_ops
+    from pallas_kernels.int4_matmul import ops as int4_ops
+    from pallas_kernels.lightning_indexer import ops as indexer_ops
+    from pallas_kernels.sparse_mla import ops as sparse_ops
+
+    assert set(typing.get_args(AttentionImpl)) == set(sparse_ops.IMPLS) == set(indexer_ops.IMPLS)
+    assert set(typing.get_args(MoeImpl)) == set(gmm_ops.IMPLS) | {impls.BLOCKED}
+    assert set(typing.get_args(QuantMatmul)) == set(int4_ops.IMPLS)
+    assert set(typing.get_args(ProjectionImpl)) == {impls.XLA, impls.CPU_TRANSPOSED_GRAD}

@@ -10,8 +10,8 @@ from flax.core import meta
 from glm5_jax import ModelConfig, Transformer
 from glm5_jax.model.decoder import REMAT_POLICIES
 from glm5_jax.model.layer_plan import plan_segments
-from glm5_jax.train.losses import update_routing_bias
 from glm5_jax.model.transformer import positions_from_segments, routing_bias_rows_of_model
+from glm5_jax.train.losses import update_routing_bias
 from pallas_kernels.sparse_mla import masked_dense
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, first_k_dense_replace=1,

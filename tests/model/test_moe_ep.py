@@ -7,8 +7,8 @@ import pytest
 from flax.core import meta
 
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
-from glm5_jax.model.moe.layer import MoE, grouped_swiglu, route
 from glm5_jax.model.moe.expert_parallel import capacity
+from glm5_jax.model.moe.layer import MoE, grouped_swiglu, route
 from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 
 CFG = ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, first_k_dense_replace=1,

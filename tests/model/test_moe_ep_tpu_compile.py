@@ -15,8 +15,8 @@ import pytest
 from flax.core import meta
 
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
-from glm5_jax.model.moe.layer import MoE
 from glm5_jax.model.moe.expert_parallel import capacity
+from glm5_jax.model.moe.layer import MoE
 from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh, logical_shardings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

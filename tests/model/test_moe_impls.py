@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.model.moe.layer import grouped_swiglu
 from glm5_jax.model.moe.blocked import blocked_swiglu
+from glm5_jax.model.moe.layer import grouped_swiglu
 
 
 def _inputs(N, E, K, D, F, seed=0, skew=False):

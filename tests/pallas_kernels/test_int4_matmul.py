@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from glm5_jax import Transformer
-from glm5_jax.quant import int4
 from glm5_jax.model.moe.int4_weights import quantize_params
+from glm5_jax.quant import int4
 from pallas_kernels.int4_matmul import ops
 from tests.generate.tiny_models import init_variables
 from tests.quant.quant_helpers import TINY_Q

@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dsa_inputs import assert_close, normal, positions_and_segments
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dsa_inputs import assert_close, normal, positions_and_segments
 from pallas_kernels.lightning_indexer import reference as indexer_reference
 from pallas_kernels.sparse_mla import kernel, ops, reference
 
@@ -35,7 +35,7 @@ def scalar_of(out, lse):
 
 
 def loss_of(impl, idx, valid, v_dim):
-    return lambda q, kv: scalar_of(*ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=v_dim, impl=impl))
+    return lambda q, kv: scalar_of(*ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=v_dim, impl=impl)[:2])
 
 
 # (B, T, S, H, C, v_dim, topk, block_k): k not a multiple of block_k, T not a multiple of 8.
@@ -94,8 +94,8 @@ def test_gradients_match_reference_fp32():
 def test_forward_and_gradients_bf16():
     B, T, S, H, C, V, topk, _ = CASES[1]
     q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, dtype=jnp.bfloat16, seed=2)
-    out, lse = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl="pallas_interpret")
-    ref_out, ref_lse = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl="reference")
+    out, lse, _ = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl="pallas_interpret")
+    ref_out, ref_lse, _ = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl="reference")
     assert out.dtype == jnp.bfloat16
     assert_close(out, ref_out, 2e-2)
     assert_close(lse, ref_lse, 1e-3)
@@ -175,7 +175,7 @@ def test_inside_shard_map_over_queries():
 
     def loss(impl):
         def per_device(q, kv, idx, valid):
-            out, _ = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl=impl)
+            out = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl=impl).out
             return jax.lax.psum(jnp.sum(jnp.sin(out)), "q")
 
         return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
@@ -201,7 +201,7 @@ def test_dsa_equals_dense_when_every_visible_key_fits_in_k():
     pos_seg = positions_and_segments(B, T, S)
     idx, valid = indexer_ops.indexer_topk(normal(rng, (B, T, 2, 8)), normal(rng, (B, S, 8)),
                                           normal(rng, (B, T, 2)), *pos_seg, topk=64, impl="pallas_interpret")
-    out, lse = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl="pallas_interpret")
+    out, lse, _ = ops.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V, impl="pallas_interpret")
     dense_out, dense_lse = reference.dense_mla(q, kv, visible_mask(*pos_seg), scale=SCALE, v_dim=V)
     assert_close(out, dense_out, 1e-5)
     assert_close(lse, dense_lse, 1e-5)

@@ -7,8 +7,8 @@ import pytest
 
 from glm5_jax import Transformer
 from glm5_jax.generate.decoding import generate
-from glm5_jax.quant import int4
 from glm5_jax.model.moe.int4_weights import EXPERT_WEIGHTS, quantize_params
+from glm5_jax.quant import int4
 from tests.generate.tiny_models import init_variables
 from tests.quant.quant_helpers import GROUP, TINY_Q, numpy_fake_quantize
 

@@ -1,8 +1,8 @@
 """A tiny sort-task GLM-5 (MLA + DSA top-k + MoE) for the RL tests, and its config file."""
 import textwrap
 
-from glm5_jax.model.config import ModelConfig
 from glm5_jax.data.sort_task import EOS_ID, PAD_ID
+from glm5_jax.model.config import ModelConfig
 
 TINY_MODEL = dict(
     vocab_size=16, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=64,

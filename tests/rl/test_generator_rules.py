@@ -5,14 +5,13 @@ import numpy as np
 import pytest
 from rl_helpers import tiny_model_config
 
-from glm5_jax.data import sort_task as st
-from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig
+from glm5_jax.checkpoint.handoff import PolicyWriter
+from glm5_jax.data import DataConfig, sort_task as st
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig, RLExperiment
 from glm5_jax.rl.rollout_generator import Generator, lockstep_version, may_start
-from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.rl.tasks import SortTask, make_task
+from glm5_jax.train.experiment import ExperimentConfig
 
 
 def test_sort_reward_is_exact_match_with_eos():

@@ -14,12 +14,12 @@ import pytest
 from rl_helpers import tiny_model_config
 
 from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig, RLExperiment
 from glm5_jax.rl.learner import SUMMARY, Learner, admit, check_sampled_like, rollout_sampler, watermark
 from glm5_jax.rl.policy import completion_logprobs
 from glm5_jax.rl.tasks import SortTask
+from glm5_jax.train.experiment import ExperimentConfig
 
 TAU, VERSIONS = 1, 4
 # ordinal -> sampling version written into its file; ordinal 2 claims version 0 while the learner is at 2

@@ -10,9 +10,9 @@ import pytest
 from rl_helpers import tiny_model_config
 
 from glm5_jax.generate.decoding import Sampler, generate
+from glm5_jax.parallel.mesh import MeshConfig, build_mesh
 from glm5_jax.rl.loss import policy_loss
 from glm5_jax.rl.policy import OUTSIDE_SUPPORT_LOGP, Policy, completion_logprobs, rl_model_config, sequence_layout
-from glm5_jax.parallel.mesh import MeshConfig, build_mesh
 
 
 def test_sequence_layout_places_completion_after_each_prompt():

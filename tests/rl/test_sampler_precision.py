@@ -7,10 +7,10 @@ import pytest
 from rl_helpers import tiny_model_config
 
 from glm5_jax.generate.decoding import Sampler, generate
+from glm5_jax.parallel.mesh import MeshConfig, build_mesh
 from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.loss import policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, rl_model_config, sampler_model_config
-from glm5_jax.parallel.mesh import MeshConfig, build_mesh
 
 
 def _dis_stats(sampler_dtype):

@@ -5,10 +5,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from glm5_jax.convert.hf_to_orbax import config_to_json
+from glm5_jax.checkpoint.handoff import PolicyWriter
+from glm5_jax.checkpoint.stored_config import config_to_json
 from glm5_jax.generate.decoding import Sampler
 from glm5_jax.serve.engine import Engine, Request
-from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
 from glm5_jax.serve.sampling import row_log_probs
 from tests.generate.tiny_models import init_variables

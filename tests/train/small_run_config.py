@@ -1,8 +1,8 @@
 """A run small enough to start, compile and train a few steps in seconds (resume tests)."""
-from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 
 def get_config() -> ExperimentConfig:

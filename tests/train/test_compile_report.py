@@ -51,8 +51,8 @@ def compile_only(tmp_path, overrides):
 
 def state_param_count(overrides):
     """Parameters of the model the overrides describe (main stack + MTP), counted here from the config."""
-    from glm5_jax.train.experiment import apply_overrides, load_config_file
     from glm5_jax.model.param_count import count_params
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
 
     cfg = apply_overrides(load_config_file(os.path.join(ROOT, "configs", "glm5_744b.py")), overrides).model
     counts = count_params(cfg)

@@ -13,15 +13,15 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.parallel.context import from_layout, to_layout
-from glm5_jax.data import DataConfig
-from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+from glm5_jax.cost.categories import categorize
 from glm5_jax.cost.collectives import collective_groups, spanned_axes
 from glm5_jax.cost.hlo_cost import hlo_cost
+from glm5_jax.data import DataConfig
+from glm5_jax.parallel.context import from_layout, to_layout
 from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
-from glm5_jax.cost.categories import categorize
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 from glm5_jax.train.step import Trainer
-from tests.train.test_train_step import MODEL   # the same tiny GLM-5 as the single-device train-step tests
+from tests.train.test_train_step import MODEL  # the same tiny GLM-5 as the single-device train-step tests
 
 B, T = 8, 64
 MESHES = {"context1": (MeshConfig(data=1, fsdp=1), 1),

@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.train.experiment import apply_overrides, load_config_file
 from glm5_jax.checkpoint.inference import load_for_inference
-from glm5_jax.train.init_from import ArchitectureMismatch, initial_state
-from glm5_jax.parallel.mesh import MeshConfig, build_mesh
-from glm5_jax.train.step import Trainer
 from glm5_jax.hf.config import config_from_hf
+from glm5_jax.parallel.mesh import MeshConfig, build_mesh
+from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.train.init_from import ArchitectureMismatch, initial_state
+from glm5_jax.train.step import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")
@@ -96,7 +96,6 @@ def test_missing_source_and_keep_without_init_from_are_errors(tmp_path):
 
 
 def test_converter_output_restores_onto_a_sharded_fp32_run(tmp_path):
-    from glm5_jax.model.config import ModelConfig
     from glm5_jax.convert import hf_to_orbax
     from glm5_jax.hf.checkpoint import load_hf
     from tests.convert.convert_helpers import save_hf_model

@@ -6,10 +6,10 @@ import numpy as np
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from glm5_jax.train.experiment import TrainConfig
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
-from glm5_jax.train.losses import lm_losses
 from glm5_jax.model.transformer import ModelOutput
+from glm5_jax.train.experiment import TrainConfig
+from glm5_jax.train.losses import lm_losses
 from tests.model.hf_fixtures import build_hf_model
 
 # one packed row of two segments and padding, and a second row holding one segment

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from bench import mesh_sweep
-from glm5_jax.train.experiment import apply_overrides, load_config_file
 from glm5_jax.parallel.mesh import check_mesh_fits_model
+from glm5_jax.train.experiment import apply_overrides, load_config_file
 from tests.train.test_train_cli import ROOT
 
 CONFIG = os.path.join(ROOT, "configs", "glm5_744b.py")

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from glm5_jax.train.experiment import apply_overrides, load_config_file
+from glm5_jax.cost.categories import CATEGORIES, categorize, expert_pass
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
 from glm5_jax.cost.hlo_cost import HLO_COMPUTATION_PREFIX
-from glm5_jax.cost.categories import CATEGORIES, categorize, expert_pass
+from glm5_jax.train.experiment import apply_overrides, load_config_file
 from tests.train.test_compile_report import SMALL
 from tests.train.test_train_cli import ROOT
 

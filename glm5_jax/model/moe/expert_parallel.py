@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.moe.experts import swiglu_rows
-from glm5_jax.parallel.shard_map import logical_mesh_axes
 from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE, SEQ
+from glm5_jax.parallel.shard_map import logical_mesh_axes
+from pallas_kernels.impls import BLOCKED, RAGGED_DOT
 
 
 def _single(axes: tuple[str, ...], what: str) -> str | None:
@@ -189,7 +190,7 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
         raise ValueError(f"{N} tokens do not split over the {shards} token shards {batch}")
     cap = capacity(N // shards, K, cfg.n_routed_experts, cfg.runtime.moe_capacity_factor)
     body = TRANSPORTS[cfg.runtime.moe_ep]
-    impl = "ragged_dot" if cfg.runtime.moe_impl == "blocked" else cfg.runtime.moe_impl
+    impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
     tok = P(batch or None, None)
 
     def local(x, idx, wg, wu, wd):

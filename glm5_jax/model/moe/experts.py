@@ -14,8 +14,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.grouped_matmul.ops import grouped_matmul
+from pallas_kernels.impls import GMM_IMPLS
 
-KERNEL_IMPLS = ("gmm", "gmm_interpret")   # Pallas calls: must run per shard on a multi-device mesh
+KERNEL_IMPLS = GMM_IMPLS   # Pallas calls: must run per shard on a multi-device mesh
 # the gate and up products of `swiglu_rows` ([M, F] fp32 each), named for remat policies: a policy that keeps
 # them (decoder.REMAT_POLICIES "experts_saveable") reruns only the down product of the experts' forward
 EXPERT_SAVED_NAMES = ("moe_gate_out", "moe_up_out")

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.parallel.shard_map import logical_shard_map
 from glm5_jax.model.moe.experts import expert_blocks
+from glm5_jax.parallel.shard_map import logical_shard_map
 from pallas_kernels.int4_matmul import ops
 
 MAX_BLOCK = 128

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import logical_param
 from glm5_jax.quant import int4
+from pallas_kernels.impls import XLA
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")   # the routed experts' [E, K, N] weights
 MOE_MODULE = "moe"                                       # parameter-tree key of every MoE layer
@@ -38,7 +39,7 @@ def expert_weight(module: nn.Module, name: str, shape, axes, init, cfg: ModelCon
         packed = logical_param(module, f"{name}_packed", packed_shape, axes, nn.initializers.zeros, jnp.int32)
         scale = logical_param(module, f"{name}_scale", scale_shape, axes, nn.initializers.zeros,
                               jnp.dtype(scale_dtype))
-        if cfg.runtime.quant_matmul != "xla":
+        if cfg.runtime.quant_matmul != XLA:
             return Int4Weight(packed, scale)
         return int4.dequantize_packed(packed, scale, group, pdt)
     w = logical_param(module, name, shape, axes, init, pdt)

@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.parallel.shard_map import logical_shard_map, multi_device_mesh_in_context
 from glm5_jax.model.layers import SwiGLU, constrain, logical_param, normal_init
+from glm5_jax.model.moe import int4_swiglu, int4_weights
 from glm5_jax.model.moe.blocked import BLOCKED_MOE_NAMES, blocked_swiglu
 from glm5_jax.model.moe.expert_parallel import expert_parallel_swiglu
-from glm5_jax.model.moe import int4_swiglu, int4_weights
 from glm5_jax.model.moe.experts import KERNEL_IMPLS, sorted_swiglu
 from glm5_jax.parallel.axes import ACT_EMBED, BATCH, EMBED, EXP, MLP_MOE, SEQ
+from glm5_jax.parallel.shard_map import logical_shard_map, multi_device_mesh_in_context
+from pallas_kernels.impls import AUTO, BLOCKED, RAGGED_DOT
 
 __all__ = ["BIAS_COLLECTION", "BLOCKED_MOE_NAMES", "MoE", "grouped_swiglu", "route", "sequence_balance_loss"]
 
@@ -44,16 +45,16 @@ def route(scores_NE, bias_E, cfg: ModelConfig):
     return expert_idx.astype(jnp.int32), gates * cfg.routed_scaling_factor
 
 
-def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl="ragged_dot"):
+def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl=RAGGED_DOT):
     """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, K, D] (fp32), by ``impl`` (a ``ModelConfig.moe_impl``).
 
     On a multi-device mesh (no expert parallelism) the Pallas kernels run per token shard with the expert
     weights gathered whole; "auto" there stays with ragged_dot, which XLA partitions itself.
     """
-    if impl == "blocked":
+    if impl == BLOCKED:
         return blocked_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
-    if impl == "auto" and multi_device_mesh_in_context():
-        impl = "ragged_dot"
+    if impl == AUTO and multi_device_mesh_in_context():
+        impl = RAGGED_DOT
     if impl not in KERNEL_IMPLS:
         return sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl)
     tokens, experts = (BATCH, None), (None, None, None)
@@ -101,7 +102,7 @@ class MoE(nn.Module):
         if isinstance(w_gate, int4_weights.Int4Weight):              # packed INT4 experts, Pallas kernel
             y_NKD = int4_swiglu.grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg)
         elif self.is_initializing():   # only the variables matter; init's dummy batch need not split over the mesh
-            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, "ragged_dot")
+            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, RAGGED_DOT)
         elif cfg.runtime.moe_ep == "none":
             y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.runtime.moe_impl)
         else:   # expert parallel over the mesh in context (glm5_jax/model/moe/expert_parallel.py)
