@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model import context_attention
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_rope, rope_cos_sin
 from glm5_jax.parallel import context as context_parallel
@@ -290,16 +291,3 @@ def naive_attention(cfg: ModelConfig, q_nope, q_rot, c_BSR, k_rot_BSr, w_kvb, al
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     probs = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0))
     return jnp.einsum("bhts,bshv->bthv", probs.astype(dt), v, preferred_element_type=jnp.float32).astype(dt)
-
-
-def write_rows(cache_BSX, rows_BTX, positions_BT):
-    """Write each row's T new entries at slots positions[b, 0] .. positions[b, 0] + T - 1 (contiguous)."""
-    def one(c, r, start):
-        return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), start, axis=0)
-    return jax.vmap(one)(cache_BSX, rows_BTX, positions_BT[:, 0])
-
-
-def cache_slots(cache_BSX):
-    """(positions, segment ids) of a decode cache's slots: slot s holds position s, all in segment 1."""
-    B, S = cache_BSX.shape[:2]
-    return (jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)), jnp.ones((B, S), jnp.int32))

@@ -70,6 +70,19 @@ def cache_bytes_per_token(cfg: ModelConfig, dtype=None, *, mtp: bool = False) ->
     return int(sum(per_layer) * itemsize)
 
 
+def write_rows(cache_BSX, rows_BTX, positions_BT):
+    """Write each row's T new entries at slots positions[b, 0] .. positions[b, 0] + T - 1 (contiguous)."""
+    def one(c, r, start):
+        return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), start, axis=0)
+    return jax.vmap(one)(cache_BSX, rows_BTX, positions_BT[:, 0])
+
+
+def cache_slots(cache_BSX):
+    """(positions, segment ids) of a decode cache's slots: slot s holds position s, all in segment 1."""
+    B, S = cache_BSX.shape[:2]
+    return (jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)), jnp.ones((B, S), jnp.int32))
+
+
 def leaf_axes(x) -> tuple:
     """Logical axis names of one cache leaf: [repeats,] B, S, X."""
     return (LAYERS,) * (x.ndim - 3) + LAYER_AXES
