@@ -1,4 +1,4 @@
-"""Which hub tensors make up each leaf of our variable tree (built from the `hf_layout` table).
+"""Which hub tensors make up each leaf of our variable tree (built from the `hf.layout` table).
 
 A `LeafPlan` is one leaf of ``variables`` (``params`` or ``moe_bias``): its full shape in our layout
 and, per index of the scanned-layer axis (or once for unstacked leaves), the hub tensor it comes from.
@@ -117,7 +117,7 @@ def build_plan(cfg) -> list[LeafPlan]:
     planned = set(singles) | set(stacks)
     missing, extra = sorted(set(model) - planned), sorted(planned - set(model))
     if missing or extra:
-        raise CheckpointError(f"hf_layout does not cover the model: model leaves without a hub tensor "
+        raise CheckpointError(f"hf.layout does not cover the model: model leaves without a hub tensor "
                               f"{['/'.join(m) for m in missing[:5]]}, table entries the model lacks "
                               f"{['/'.join(e) for e in extra[:5]]}")
     plan = [LeafPlan(p[0], p[1:], *model[p][:1], (s,), False, model[p][1]) for p, s in singles.items()]

@@ -1,6 +1,6 @@
 """A random hub-layout checkpoint for any config.json: the converter tests' and benchmark's input.
 
-Writes exactly the tensors (names, shapes) the `hf_layout` table expects, MTP layer included, as
+Writes exactly the tensors (names, shapes) the `hf.layout` table expects, MTP layer included, as
 sharded safetensors with an index; optionally in the block-FP8 layout. Norm weights are drawn around
 1 and other weights around 0 with std 0.02 so that models built from them produce finite logits.
 """

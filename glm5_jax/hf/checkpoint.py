@@ -2,7 +2,7 @@
 
 Reads ``config.json`` and the safetensors (single file or sharded) in the hub layout of
 docs/architecture.md#checkpoint-layout-hf-keys
-through the `hf_layout` table, layer by layer, stacking each scanned segment's layers. Every tensor is
+through the `hf.layout` table, layer by layer, stacking each scanned segment's layers. Every tensor is
 checked against the shapes the model expects; missing or unexpected tensors are errors naming them.
 (The streaming, mesh-sharded, two-way converter is `glm5_jax.convert`.)
 """

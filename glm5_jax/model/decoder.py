@@ -54,7 +54,7 @@ REMAT_POLICIES = {
     "dots_attention_saveable": _cp.save_from_both_policies(
         _cp.dots_with_no_batch_dims_saveable,
         _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES)),
-    # "full" except the selection and the routed experts' gate / up products (moe_experts.EXPERT_SAVED_NAMES,
+    # "full" except the selection and the routed experts' gate / up products (moe.experts.EXPERT_SAVED_NAMES,
     # 2 x [rows, F] fp32 per MoE layer): the backward reruns only the experts' down product, so the routed
     # experts cost 10/3 of a forward instead of 4 (a2a, routing and everything else are still recomputed)
     "experts_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *EXPERT_SAVED_NAMES),

@@ -60,7 +60,7 @@ def from_layout(y_BT, n: int):
 
 
 def gather_sequence(x_local_BT, n: int):
-    """Inside a per-shard body (`kernel_sharding.logical_shard_map`): every shard's rows of ``x``
+    """Inside a per-shard body (`shard_map.logical_shard_map`): every shard's rows of ``x``
     [B, T/n, ...] gathered and put in natural order -> [B, T, ...]. The backward pass returns each
     shard's share of the gradient to it (the all-gather's transpose is a reduce-scatter)."""
     return from_layout(all_gather_logical(x_local_BT, SEQ, axis=1), n)

@@ -69,7 +69,8 @@ def sparse_args(mesh):
 
 
 def sparse_mla_forward(q, kv, idx, valid):
-    return sparse_ops.sparse_mla(q, kv, idx, valid, scale=192**-0.5, v_dim=V, impl="pallas")[:2]
+    attended = sparse_ops.sparse_mla(q, kv, idx, valid, scale=192**-0.5, v_dim=V, impl="pallas")
+    return attended.out, attended.lse
 
 
 def test_sparse_mla_forward_compiles(mesh):
@@ -79,7 +80,9 @@ def test_sparse_mla_forward_compiles(mesh):
 
 def test_sparse_mla_forward_with_kl_target_compiles(mesh):
     def forward_with_target(q, kv, idx, valid):
-        return sparse_ops.sparse_mla(q, kv, idx, valid, scale=192**-0.5, v_dim=V, impl="pallas", with_target=True)
+        attended = sparse_ops.sparse_mla(q, kv, idx, valid, scale=192**-0.5, v_dim=V, impl="pallas",
+                                         with_target=True)
+        return attended.out, attended.lse, attended.target
 
     compile_and_check(mesh, forward_with_target, sparse_args(mesh), (QUERIES, P(), QUERIES, QUERIES),
                       (QUERIES, QUERIES, QUERIES))
