@@ -8,9 +8,8 @@ RAGGED_DOT = "ragged_dot"          # grouped matmul: jax.lax.ragged_dot
 GMM = "gmm"                        # grouped matmul: the megablox Pallas kernel
 GMM_INTERPRET = "gmm_interpret"    # ... in the Pallas interpreter
 AUTO = "auto"                      # grouped matmul: GMM when lowered for TPU, else RAGGED_DOT
-BLOCKED = "blocked"                # routed experts as padded row blocks, written for XLA:CPU (glm5_jax.model.moe.blocked)
+BLOCKED = "blocked"                # routed experts as padded row blocks for XLA:CPU (glm5_jax.model.moe.blocked)
 CPU_TRANSPOSED_GRAD = "cpu_transposed_grad"   # projections' weight gradient from a materialised x^T (XLA:CPU)
 
 PALLAS_IMPLS = (PALLAS, PALLAS_INTERPRET)      # a pallas_call: must run per shard on a multi-device mesh
 GMM_IMPLS = (GMM, GMM_INTERPRET)
-INTERPRETED = (PALLAS_INTERPRET, GMM_INTERPRET)

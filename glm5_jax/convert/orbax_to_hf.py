@@ -50,7 +50,7 @@ def load_model_config(ckpt_dir: str) -> ModelConfig:
 
 
 def export_hf_config(cfg: ModelConfig, source_hf: dict | None, dtype_name: str, fp8: bool) -> dict:
-    """``ModelConfig.to_hf``; a model it cannot express (DeepSeek-V3.2's half-split indexer RoPE) keeps
+    """`config_to_hf`; a model it cannot express (DeepSeek-V3.2's half-split indexer RoPE) keeps
     its source config.json, which must describe the same architecture."""
     try:
         hf = config_to_hf(cfg)

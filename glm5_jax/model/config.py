@@ -62,8 +62,8 @@ class RuntimeConfig:
     # "ragged_dot" (XLA reference), "gmm" / "gmm_interpret" (Pallas TPU kernel / its interpreter), "blocked"
     # (glm5_jax/model/moe/blocked.py, fast on CPU)
     moe_impl: MoeImpl = "auto"
-    # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/model/moe/expert_parallel.py): "none" (GSPMD
-    # decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
+    # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/model/moe/expert_parallel.py):
+    # "none" (GSPMD decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
     moe_ep: MoeEp = "none"
     moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
     remat_policy: RematPolicy = "full"       # glm5_jax/model/decoder.py REMAT_POLICIES
@@ -162,8 +162,8 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: tuple[int, ...] = (154820, 154827, 154829)
     pad_token_id: int | None = 154820
-    # INT4 routed experts (glm5_jax/quant/): "int4_qat" fake-quantises the fp master weights in the forward
-    # (straight-through gradients), "int4" holds packed weights (from glm5_jax.quant.quantize_params) for
+    # INT4 routed experts: "int4_qat" fake-quantises the fp master weights in the forward (straight-through
+    # gradients), "int4" holds packed weights (from glm5_jax.model.moe.int4_weights.quantize_params) for
     # inference; both round with glm5_jax/quant/int4.py, so their forwards are the same numbers
     quant: Quant = "none"
     quant_group_size: int = 32               # input channels per scale

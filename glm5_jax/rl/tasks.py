@@ -1,9 +1,8 @@
 """RL tasks: a prompt source plus a verifier, behind one small interface.
 
 Prompts are pure functions of (seed, generator, sequence number) so a restarted generator neither
-skips nor repeats (docs/training.md#crash-safety-invariants I5); the verifier scores generated token ids directly
-(TITO: no
-text round trip).
+skips nor repeats (docs/training.md#generators-resume-without-gaps-or-repeats); the verifier scores generated
+token ids directly (TITO: no text round trip).
 """
 from __future__ import annotations
 

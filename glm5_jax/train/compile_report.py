@@ -49,7 +49,6 @@ from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.compile")
 
-# (bf16 dense peak FLOP/s, HBM bytes, HBM bytes/s) per chip, keyed by the topology-name prefix
 def chip_spec(topology: str) -> tuple[float, int, float]:
     """(peak bf16 FLOP/s, HBM bytes, HBM bytes/s) of the topology's chip (`glm5_jax.cost.chips`)."""
     chip = chip_of_topology(topology)

@@ -37,7 +37,6 @@ def dequantize(q_KN, scale_gN, group_size: int, dtype=jnp.float32):
     return (q_KN.astype(jnp.float32) * expand_scales(scale_gN, group_size)).astype(dtype)
 
 
-
 def pack_grouped(q_KN, group_size: int):
     """int8 [..., K, N] in [-8, 7] -> int32 [..., K/8, N]; nibble j of packed row c*G + r = row c*8G + j*G + r."""
     check_shape(q_KN.shape, group_size)

@@ -133,3 +133,21 @@ def test_impossible_meshes_are_rejected_before_compiling():
         check_mesh_fits_model({"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}, MODEL, B)
     with pytest.raises(MeshError, match="global batch 8 is not divisible"):
         check_mesh_fits_model({"data": 1, "fsdp": 16, "expert": 1, "tensor": 1}, MODEL.replace(hidden_size=64), B)
+
+
+def test_rules_table_maps_exactly_the_logical_axes_the_model_names():
+    """DEFAULT_RULES has one rule per name in parallel.axes.ALL, and every parameter of the model (MoE, MTP,
+    indexer included) carries only those names: no axis silently falls through to replicated."""
+    import flax.linen as nn
+
+    from glm5_jax.model.param_count import abstract_variables
+    from glm5_jax.parallel import axes
+    from glm5_jax.parallel.mesh import DEFAULT_RULES
+
+    rule_names = [name for name, _ in DEFAULT_RULES]
+    assert sorted(rule_names) == sorted(axes.ALL) and len(set(rule_names)) == len(rule_names)
+    specs = jax.tree.leaves(nn.get_partition_spec(abstract_variables(MODEL)),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    named = {n for spec in specs for n in spec if n is not None}
+    assert named and named <= set(axes.ALL)
+    assert {axes.EXP, axes.MTP_CONCAT, axes.INDEX_HEADS, axes.LAYERS} <= named
