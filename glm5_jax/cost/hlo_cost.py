@@ -37,6 +37,10 @@ DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8
                "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+# the same with its layout: minor-to-major dims, tiles T(..)(..) and memory space S(n)
+_LAID_OUT = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_TILES = re.compile(r"T((?:\([0-9,]+\))+)")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLEES = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -57,6 +61,7 @@ class HloCost:
     comm_seconds: float = 0.0          # every collective's time, summed (needs `timing`)
     exposed_comm_seconds: float = 0.0  # what the overlap rule leaves exposed
     uncounted_custom_calls: list = dataclasses.field(default_factory=list)   # kernels with no known cost
+    roofline_seconds: float = 0.0      # every top-level op at max(its compute, its HBM time) (needs `timing`)
 
     @property
     def total_flops(self) -> float:
@@ -74,6 +79,65 @@ def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def _nbytes(arrays) -> int:
     return sum(DTYPE_BYTES[dt] * math.prod(shape) for dt, shape in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    """One array of an HLO shape with its TPU layout: ``tile`` the first tiling of the minor dims (e.g.
+    (8, 128) for ``T(8,128)(2,1)``; () when untiled), ``subtile`` the second one ((2, 1): pairs of 16-bit
+    rows share 32-bit words), ``memory_space`` the ``S(n)`` annotation (0 = HBM; 1 = VMEM; others are
+    small on-chip memories).
+
+    Two read granularities follow from the layout (https://openxla.org/xla/tiled_layout: a tile is laid
+    out contiguously, rows inside it one after the other, a sub-tile's rows interleaved in one word):
+    ``"tile"`` whole tiles (what a gather or a scatter touches per row, as libtpu's own cost model
+    charges them) and ``"dma"`` whole sub-tile rows x tile columns (what a strided copy of a window, a
+    dynamic-slice or dynamic-update-slice, moves)."""
+    dtype: str
+    shape: tuple
+    tile: tuple = ()
+    subtile: tuple = ()
+    memory_space: int = 0
+
+    @property
+    def in_hbm(self) -> bool:
+        return self.memory_space == 0
+
+    def padded(self, dims=None, granularity: str = "tile") -> int:
+        """Elements of the window `dims` (default: the whole array) rounded up to the granularity on the
+        tiled minor dims."""
+        dims = list(self.shape if dims is None else dims)
+        unit = self.tile
+        if granularity == "dma" and len(self.tile) == 2:
+            unit = (self.subtile[0] if len(self.subtile) == 2 else 1, self.tile[1])
+        for i, t in enumerate(reversed(unit[-len(dims):] if dims else ())):
+            dims[-1 - i] = -(-dims[-1 - i] // t) * t
+        return math.prod(dims)
+
+    def hbm_bytes(self, dims=None, granularity: str = "tile") -> int:
+        """HBM bytes of reading (or writing) the window `dims` once; 0 off HBM."""
+        return DTYPE_BYTES[self.dtype] * self.padded(dims, granularity) if self.in_hbm else 0
+
+
+def laid_out(text: str) -> list[Array]:
+    """The arrays of an HLO shape string, with their layouts."""
+    out = []
+    for dt, dims, layout in _LAID_OUT.findall(text):
+        if dt not in DTYPE_BYTES:
+            continue
+        tiles = _TILES.search(layout or "")
+        groups = [tuple(int(v) for v in g.split(",")) for g in re.findall(r"\(([0-9,]+)\)", tiles.group(1))] \
+            if tiles else []
+        space = _MEMORY_SPACE.search(layout or "")
+        out.append(Array(dt, tuple(int(d) for d in dims.split(",") if d), groups[0] if groups else (),
+                         groups[1] if len(groups) > 1 else (), int(space.group(1)) if space else 0))
+    return out
+
+
+def hbm_bytes(text: str) -> int:
+    """HBM bytes of every array of an HLO shape string, read or written whole (tile-padded; arrays in
+    VMEM or other on-chip memories count 0)."""
+    return sum(a.hbm_bytes() for a in laid_out(text))
 
 
 def _split_instruction(line: str):
@@ -276,16 +340,74 @@ def _params(instrs: dict) -> dict[int, str]:
     return {int(raw.strip()): n for n, (_, op, _, raw, _) in instrs.items() if op == "parameter"}
 
 
+def _ints_attr(attrs: str, key: str) -> list[int]:
+    m = re.search(r"\b" + key + r"=\{([0-9,]*)\}", attrs)
+    return [int(v) for v in m.group(1).split(",") if v] if m else []
+
+
+def _int_attr(attrs: str, key: str, default: int) -> int:
+    m = re.search(r"\b" + key + r"=(\d+)", attrs)
+    return int(m.group(1)) if m else default
+
+
+def _index_count(indices: Array, attrs: str) -> int:
+    """Slices a gather reads (updates a scatter writes): the index array's elements over its index vector."""
+    dim = _int_attr(attrs, "index_vector_dim", len(indices.shape))
+    per_index = indices.shape[dim] if dim < len(indices.shape) else 1
+    return math.prod(indices.shape) // max(per_index, 1)
+
+
+def _first(text: str) -> Array | None:
+    arrays = laid_out(text)
+    return arrays[0] if arrays else None
+
+
+def gather_read_bytes(operand: Array, indices: Array, attrs: str) -> int:
+    """HBM bytes a gather reads from its operand: every slice rounded up to the operand's tiles (a single
+    row of a T(8,128) array reads the 8-row tile it lies in)."""
+    return _index_count(indices, attrs) * operand.hbm_bytes(_ints_attr(attrs, "slice_sizes"))
+
+
+def scatter_window(operand: Array, updates: Array, attrs: str) -> tuple[int, list[int]]:
+    """(updates written, the operand window each one touches) of a scatter."""
+    window_sizes = [updates.shape[d] for d in _ints_attr(attrs, "update_window_dims")]
+    skipped = set(_ints_attr(attrs, "inserted_window_dims")) | set(_ints_attr(attrs, "input_batching_dims"))
+    sizes = iter(window_sizes)
+    window = [1 if d in skipped else next(sizes, 1) for d in range(len(operand.shape))]
+    count = math.prod(updates.shape) // max(math.prod(window_sizes), 1)
+    return count, window
+
+
+def scatter_touched_bytes(operand: Array, updates: Array, attrs: str) -> int:
+    """HBM bytes a scatter reads and writes in its operand (in place): each update's window rounded up to
+    the operand's tiles, read and written back."""
+    count, window = scatter_window(operand, updates, attrs)
+    return 2 * count * operand.hbm_bytes(window)
+
+
+def update_slice_bytes(operand: Array, update: Array) -> int:
+    """HBM bytes a dynamic-update-slice writes into its operand: the update's window at DMA granularity
+    (in place: the rest of the operand is not touched)."""
+    return operand.hbm_bytes(update.shape, "dma")
+
+
 def _slice_users(comps: dict, instrs: dict, name: str, depth: int = 0):
-    """Bytes touched through `name` when every use is a dynamic-slice of it (sum of the slices) or a
-    dynamic-update-slice into it (in place: 0); None when some use reads it whole."""
+    """HBM bytes read through `name` when every use reads a window of it (dynamic-slice, gather: the tiles
+    the windows touch), updates it in place (dynamic-update-slice: counted with the write; scatter: the
+    touched tiles read and written), or passes it on to such uses; None when some use reads it whole."""
     total = 0
     users = [(n, i) for n, i in instrs.items() if name in i[2]]
     if not users or depth > 4:
         return None
+    array = _first(instrs[name][0]) if name in instrs else None
     for uname, (shape, opcode, operands, _, attrs) in users:
-        if opcode == "dynamic-slice" and operands[0] == name:
-            total += _nbytes(_arrays(shape))
+        first = operands[0] == name and array is not None
+        if opcode == "dynamic-slice" and first:
+            total += array.hbm_bytes(_first(shape).shape, "dma")
+        elif opcode == "gather" and first and len(operands) > 1 and operands[1] in instrs:
+            total += gather_read_bytes(array, _first(instrs[operands[1]][0]), attrs)
+        elif opcode == "scatter" and first and len(operands) > 2 and operands[2] in instrs:
+            total += scatter_touched_bytes(array, _first(instrs[operands[2]][0]), attrs)
         elif opcode == "dynamic-update-slice" and operands[0] == name:
             pass
         elif opcode == "bitcast":
@@ -307,28 +429,43 @@ def _slice_users(comps: dict, instrs: dict, name: str, depth: int = 0):
 
 
 def _written_bytes(instrs: dict, name: str, depth: int = 0) -> int:
-    """Bytes a fused computation's value `name` writes: only the update of an in-place dynamic-update-slice."""
+    """HBM bytes a fused computation's value `name` writes: an in-place dynamic-update-slice its update's
+    tiles, an in-place scatter nothing more (its touched tiles count with the operand), else the value."""
     shape, opcode, operands, _, _ = instrs[name]
-    if opcode == "dynamic-update-slice" and len(operands) > 1 and operands[1] in instrs:
-        return _nbytes(_arrays(instrs[operands[1]][0]))
+    if opcode == "dynamic-update-slice" and len(operands) > 1 and operands[1] in instrs and operands[0] in instrs:
+        return update_slice_bytes(_first(instrs[operands[0]][0]), _first(instrs[operands[1]][0]))
+    if opcode == "scatter" and operands and instrs.get(operands[0], ("", ""))[1] == "parameter":
+        return 0
     if opcode in ("tuple", "bitcast") and depth < 4 and all(o in instrs for o in operands):
         return sum(_written_bytes(instrs, o, depth + 1) for o in operands)
-    return _nbytes(_arrays(shape))
+    return hbm_bytes(shape)
 
 
-def _instruction_bytes(comps, shape, opcode, operand_shapes, callees) -> float:
-    """Operand + result bytes of one top-level instruction; slices and in-place updates count what they touch."""
-    full_in = [_nbytes(_arrays(t)) for t in operand_shapes]
-    if opcode == "dynamic-slice":
-        return 2 * _nbytes(_arrays(shape))
-    if opcode == "dynamic-update-slice" and len(full_in) > 1:
-        return 2 * full_in[1]
+def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str = "") -> float:
+    """HBM bytes one top-level instruction reads and writes: operands and result at their tiled sizes,
+    nothing for arrays in VMEM; windows (slices, gathers, scatters, in-place updates) by the tiles they
+    touch; an async copy once (its source and its destination, not the aliased tuple)."""
+    arrays = [_first(t) for t in operand_shapes]
+    if opcode == "dynamic-slice" and arrays and arrays[0] is not None:
+        return arrays[0].hbm_bytes(_first(shape).shape, "dma") + hbm_bytes(shape)
+    if opcode == "dynamic-update-slice" and len(arrays) > 1 and None not in arrays[:2]:
+        return update_slice_bytes(arrays[0], arrays[1]) + arrays[1].hbm_bytes()
+    if opcode == "gather" and len(arrays) > 1 and None not in arrays[:2]:
+        return gather_read_bytes(arrays[0], arrays[1], attrs) + arrays[1].hbm_bytes() + hbm_bytes(shape)
+    if opcode == "scatter" and len(arrays) > 2 and None not in arrays[:3]:
+        return scatter_touched_bytes(arrays[0], arrays[2], attrs) + arrays[1].hbm_bytes() + arrays[2].hbm_bytes()
+    if opcode == "copy-start":
+        destination = laid_out(shape)[:1]
+        return sum(a.hbm_bytes() for a in destination) + sum(hbm_bytes(t) for t in operand_shapes)
+    full_in = [hbm_bytes(t) for t in operand_shapes]
     if opcode != "fusion" or callees.get("calls") not in comps:
-        return _nbytes(_arrays(shape)) + sum(full_in)
+        return hbm_bytes(shape) + sum(full_in)
     instrs = comps[callees["calls"]]
     params = _params(instrs)
-    nbytes = _written_bytes(instrs, list(instrs)[-1]) if instrs else _nbytes(_arrays(shape))
+    nbytes = _written_bytes(instrs, list(instrs)[-1]) if instrs else hbm_bytes(shape)
     for i, full in enumerate(full_in):
+        if full == 0:                   # an operand off HBM (VMEM, SMEM) moves no HBM bytes
+            continue
         touched = _slice_users(comps, instrs, params[i]) if i in params else None
         nbytes += full if touched is None else touched
     return nbytes
@@ -452,13 +589,16 @@ def _reduce_scatter_fusion(instrs: dict) -> bool:
 
 
 def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
-             num_partitions: int | None = None) -> HloCost:
+             num_partitions: int | None = None, loop_trips: bool = True) -> HloCost:
     """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
     instruction under a category from its metadata (instructions without one take their caller's);
     `timing` adds communication seconds with this overlap rule: an asynchronous collective (a start/done
     pair, or one inside the TPU compiler's async collective fusion) hides behind the compute of the
     computation it is issued in (one loop trip, its fusions included) up to that compute's roofline
-    time; a synchronous one is exposed in full."""
+    time; a synchronous one is exposed in full. With `timing`, every top-level instruction also takes
+    its own roofline time, max(its FLOPs / timing.peak_flops, its HBM bytes / timing.hbm_bandwidth)
+    (``roofline_seconds``, and per category under "seconds"). ``loop_trips=False`` counts every loop
+    body once, as XLA's own ``cost_analysis()`` does (to compare the two)."""
     comps, entry = parse_computations(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -484,6 +624,8 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         rs_fusion = fused and _reduce_scatter_fusion(instrs)
         for iname, (shape, opcode, operands, raw, attrs) in instrs.items():
             cat = category_of(attrs, inherited)
+            flops_before = own.total("flops") + own.total("kernel_flops")
+            nbytes = None
             operand_shapes = [instrs[o][0] if o in instrs else "" for o in operands]
             callees = dict(_CALLEES.findall(attrs))
             kernel_bytes = None
@@ -511,7 +653,7 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                         sync_s += seconds
             if not fused and opcode not in _FREE and not opcode.endswith("-done"):
                 nbytes = kernel_bytes if kernel_bytes is not None else \
-                    _instruction_bytes(comps, shape, opcode, operand_shapes, callees)
+                    _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs)
                 own.add(("bytes", cat), nbytes)
             if opcode == "fusion" and "calls" in callees:
                 if not _OP_NAME.search(attrs):          # no metadata: the computation's name may tell
@@ -530,7 +672,7 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
             elif opcode == "while" and "body" in callees:
                 trip = trip_count(comps, name, operands, attrs, callees.get("condition", ""), callees["body"])
                 loops[callees["body"]] = trip
-                children.merge(cost(callees["body"], False, cat), 1 if trip is None else trip)
+                children.merge(cost(callees["body"], False, cat), 1 if trip is None or not loop_trips else trip)
             elif opcode == "conditional":
                 branches = [callees[k] for k in ("true_computation", "false_computation") if k in callees]
                 m = _BRANCHES.search(attrs)
@@ -547,10 +689,12 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                 if sub_mode == "async" and mode == "sync":    # its collectives overlap this computation's compute
                     children.exposed_comm_seconds -= sub.exposed_comm_seconds
                     async_s += sub.comm_seconds
+            if timing is not None and nbytes is not None:
+                op_flops = own.total("flops") + own.total("kernel_flops") - flops_before
+                own.add(("seconds", cat), max(op_flops / timing.peak_flops, nbytes / timing.hbm_bandwidth))
         own.sync_seconds, own.async_seconds = sync_s, async_s
         if timing is not None:
-            compute_s = max((own.total("flops") + own.total("kernel_flops")) / timing.peak_flops,
-                            own.total("bytes") / timing.hbm_bandwidth)
+            compute_s = own.total("seconds")       # this level's ops, each at its own roofline
             own.exposed_comm_seconds = sync_s + max(0.0, async_s - compute_s)
         own.merge(children)
         memo[key] = own
@@ -560,6 +704,7 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
     return HloCost(flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
                    bytes_accessed=tally.total("bytes"), loops=sorted(loops.items(), key=lambda kv: kv[0]),
                    by_category={f: {c: v for (g, c), v in sorted(tally.values.items()) if g == f}
-                                for f in ("flops", "kernel_flops", "bytes")},
+                                for f in ("flops", "kernel_flops", "bytes", "seconds")},
+                   roofline_seconds=tally.total("seconds"),
                    collectives=tally.collectives, comm_seconds=tally.comm_seconds,
                    exposed_comm_seconds=tally.exposed_comm_seconds, uncounted_custom_calls=sorted(set(uncounted)))

@@ -1,20 +1,28 @@
-"""Time of a compiled collective on a TPU v5p slice: a bandwidth-only model of the 3D-torus ICI.
+"""Time of a compiled collective on a TPU slice: a link-load model of the 3D-torus ICI.
 
-Numbers (`glm5_jax.cost.chips`, from the v5p documentation): 1200 GB/s bidirectional inter-chip bandwidth
-per chip over a 3D torus, i.e. 6 links (+-x, +-y, +-z) of 100 GB/s each way; slices of 4x4x4 chips and
-larger are full 3D tori (wraparound links on every dim), smaller ones are not.
+Chip facts (`glm5_jax.cost.chips`): v5p has 1200 GB/s bidirectional ICI per chip over a 3D torus, six
+ports, i.e. 100 GB/s per link in each direction; slices of 4x4x4 chips and larger have wraparound links on
+every dim. Reports use the achievable share of that (``ChipSpec.ici_fraction``) and a fixed latency per
+algorithm step (``ChipSpec.ici_step_latency``), both stated assumptions.
 
-Model, per chip (`CollectiveModel.seconds`):
-* the chips of a group are located by their physical coordinates; a group uses the torus dims along
-  which its members differ, with n_d distinct positions on dim d; a dim runs as a ring (both directions
-  usable, 2 links) when the group covers the whole dim of a wraparound slice, else as a line (1 link's
-  worth: the middle link carries everything);
-* all-gather / reduce-scatter / all-reduce (ring algorithms, all spanned dims at once): bytes moved
-  (glm5_jax.cost.collectives.moved_bytes) / (link bandwidth x links in use);
-* all-to-all / ragged-all-to-all: bytes moved x the mean hop count between group members / (link
-  bandwidth x links in use), i.e. link load assumed balanced;
+Model (`CollectiveModel.seconds`), per chip, all groups of the collective running at once:
+* chips are placed by their physical coordinates; a group spans the torus dims along which its members
+  differ;
+* all-gather / reduce-scatter / all-reduce run as rings, one per spanned dim at once, each dim carrying
+  its share of the bytes (glm5_jax.cost.collectives.moved_bytes). On each dim the members of a group
+  that share their other coordinates form a ring in position order; every ring edge is routed hop by
+  hop along the dim the shorter way round (two rings, in position order and reversed, half the bytes
+  each), and the load of a directed link is the number of edges of ALL groups crossing it. A dim then
+  moves 2 x link bandwidth / (its busiest link's load) bytes per second per chip. So groups whose
+  members are several hops apart, or that share links with neighbouring groups, get a fraction of a
+  link, and a pair of neighbours gets its one link in each direction;
+* all-to-all / ragged-all-to-all: bytes x the mean hop count between members / (link bandwidth x links
+  per chip on the spanned dims): a balanced load over the links (this also covers interleaved groups,
+  whose longer routes share the links evenly);
 * collective-permute: operand bytes x the longest hop distance of its pairs / link bandwidth;
-* no per-hop latency, no contention between collectives that run at the same time, no DCN (one slice).
+* plus the step latency x the algorithm's steps: a ring over n positions per dim takes the sum over
+  dims of (n_d - 1) steps (twice for all-reduce), an all-to-all n - 1, a permute 1;
+* no contention between different collectives that run at the same time, no DCN (one slice).
 """
 from __future__ import annotations
 
@@ -27,34 +35,82 @@ from glm5_jax.cost.collectives import group_size, moved_bytes
 
 V5P_LINK_BYTES_PER_S = CHIPS["v5p"].ici_link_bandwidth    # one direction of one ICI link
 MIN_WRAPAROUND_DIM = CHIPS["v5p"].min_wraparound_dim      # slices of 4x4x4 and larger are full tori
+_RINGS = ("all-gather", "reduce-scatter", "all-reduce")
 
 
 class CollectiveModel:
     """Seconds of one `CollectiveOp` on `devices` (partition id -> device with `.coords`) in a slice of
-    `torus_dims` chips."""
+    `torus_dims` chips: ``link_bandwidth`` bytes/s per link per direction, ``step_latency`` seconds per
+    algorithm step."""
 
-    def __init__(self, device_coords, torus_dims, link_bandwidth: float = V5P_LINK_BYTES_PER_S):
+    def __init__(self, device_coords, torus_dims, link_bandwidth: float = V5P_LINK_BYTES_PER_S,
+                 step_latency: float = 0.0):
         self.coords = np.asarray(device_coords, dtype=np.int64)      # [partitions, 3]
         self.torus_dims = tuple(torus_dims)
         self.wraparound = min(self.torus_dims) >= MIN_WRAPAROUND_DIM
         self.link_bandwidth = link_bandwidth
+        self.step_latency = step_latency
+
+    def _spanned(self, members) -> list[int]:
+        c = self.coords[list(members)]
+        return [d for d in range(len(self.torus_dims)) if len(np.unique(c[:, d])) > 1]
+
+    def _distance(self, a, b, d) -> np.ndarray:
+        delta = np.abs(a - b)
+        return np.minimum(delta, self.torus_dims[d] - delta) if self.wraparound else delta
 
     @functools.lru_cache(maxsize=None)
-    def _geometry(self, members: tuple) -> tuple[int, float, int]:
-        """(links in use per chip, mean hops between distinct members, longest hop) of one group."""
+    def _group_geometry(self, members: tuple) -> tuple[int, float, int, int]:
+        """(links per chip on the spanned dims, mean hops between distinct members, longest hop, ring
+        steps: the sum over spanned dims of positions - 1) of one group."""
         c = self.coords[list(members)]
-        links, dist = 0, np.zeros((len(members), len(members)))
-        for d, size in enumerate(self.torus_dims):
-            positions = np.unique(c[:, d])
-            if len(positions) < 2:
-                continue
-            ring = self.wraparound and len(positions) == size
-            links += 2 if ring else 1
-            delta = np.abs(c[:, None, d] - c[None, :, d])
-            dist += np.minimum(delta, size - delta) if ring else delta
+        links, steps, dist = 0, 0, np.zeros((len(members), len(members)))
+        for d in self._spanned(members):
+            links += 2 if self.wraparound else 1
+            steps += len(np.unique(c[:, d])) - 1
+            dist += self._distance(c[:, None, d], c[None, :, d], d)
         n = len(members)
         mean_hops = dist.sum() / (n * (n - 1)) if n > 1 else 0.0
-        return links, mean_hops, int(dist.max()) if n > 1 else 0
+        return links, mean_hops, int(dist.max()) if n > 1 else 0, steps
+
+    @functools.lru_cache(maxsize=None)
+    def ring_bandwidth(self, groups: tuple) -> float:
+        """Bytes/s of one chip's ring traffic when every group runs its rings at once (module docstring):
+        per spanned dim, two rings (position order and its reverse) carry half the bytes each; every
+        edge takes the shorter way round (a tie: forward for the first ring, backward for the second;
+        no wraparound: the only way), and the dim moves 2 x link bandwidth / (its busiest directed
+        link's edge count)."""
+        members = next(g for g in groups if len(set(g)) > 1)
+        total = 0.0
+        for d in self._spanned(members):
+            size = self.torus_dims[d]
+            load = {}                                   # (line, link position, direction) -> edges crossing
+            for g in groups:
+                c = self.coords[list(g)]
+                others = [k for k in range(c.shape[1]) if k != d]
+                lines = {}
+                for row in c:
+                    lines.setdefault(tuple(row[others]), set()).add(int(row[d]))
+                for line, positions in lines.items():
+                    p = sorted(positions)
+                    if len(p) < 2:
+                        continue
+                    forward = list(zip(p, p[1:] + p[:1]))
+                    for ring, edges in ((+1, forward), (-1, [(b, a) for a, b in forward])):
+                        for a, b in edges:
+                            ahead = (b - a) % size
+                            if not self.wraparound:
+                                step, hops = (1, b - a) if b > a else (-1, a - b)
+                            elif ahead != size - ahead:
+                                step, hops = (1, ahead) if ahead < size - ahead else (-1, size - ahead)
+                            else:
+                                step, hops = ring, ahead
+                            for h in range(hops):
+                                link = (a + h) % size if step > 0 else (a - h - 1) % size
+                                load[(line, link, step)] = load.get((line, link, step), 0) + 1
+            if load:
+                total += 2 * self.link_bandwidth / max(load.values())
+        return total
 
     def seconds(self, op) -> float:
         if not op.groups:
@@ -64,13 +120,15 @@ class CollectiveModel:
         if moved == 0:
             return 0.0
         if op.kind == "collective-permute":
-            hops = max(self._geometry(tuple(sorted(set(p))))[2] for p in op.groups if p[0] != p[1])
-            return moved * hops / self.link_bandwidth
+            hops = max(self._group_geometry(tuple(sorted(set(p))))[2] for p in op.groups if p[0] != p[1])
+            return moved * hops / self.link_bandwidth + self.step_latency
         members = next(g for g in op.groups if len(set(g)) > 1)
-        links, mean_hops, _ = self._geometry(tuple(members))
+        links, mean_hops, _, steps = self._group_geometry(tuple(members))
         if op.kind in ("all-to-all", "ragged-all-to-all"):
-            return moved * mean_hops / (self.link_bandwidth * links)
-        return moved / (self.link_bandwidth * links)
+            return moved * mean_hops / (self.link_bandwidth * links) + (n - 1) * self.step_latency
+        groups = tuple(tuple(g) for g in op.groups if len(set(g)) > 1)
+        latency = steps * self.step_latency * (2 if op.kind == "all-reduce" else 1)
+        return moved / self.ring_bandwidth(groups) + latency
 
 
 def torus_dims(topology: str) -> tuple[int, ...]:

@@ -6,21 +6,24 @@ Trainer's abstract state and an abstract batch and compiled by libtpu. The repor
 implied MFU.
 
 How the costs are obtained (glm5_jax.cost.hlo_cost on the compiled, partitioned HLO: per chip, every loop
-body times its trip count; XLA's own ``cost_analysis()`` visits each loop body once and is kept as
-``compiler_flops`` / ``compiler_bytes_accessed`` for reference only):
+body times its trip count; XLA's own ``cost_analysis()`` visits each loop body once, so it is printed as
+``compiler_flops`` / ``compiler_bytes_accessed`` beside ours counted the same way, ``loop_once``):
 
 * ``flops``: compiler-visible matmuls (dot / convolution / ragged-dot; elementwise work not counted);
   ``kernel_flops``: Mosaic custom calls (Pallas kernels by their declared ``pl.CostEstimate``, the
-  ragged-dot lowering); ``hlo_flops`` their sum; ``bytes_accessed`` HBM bytes per instruction.
+  ragged-dot lowering); ``hlo_flops`` their sum; ``bytes_accessed`` HBM bytes per instruction: arrays at
+  their tiled sizes, nothing for arrays in VMEM, gathers / scatters / slices by the tiles they touch.
 * ``breakdown``: those per category of the step (glm5_jax.cost.categories, from each instruction's
-  op_name metadata) next to the model FLOPs of that category (glm5_jax.cost.flops.train_flops_by_category).
+  op_name metadata) next to the model FLOPs of that category (glm5_jax.cost.flops.train_flops_by_category),
+  with each category's roofline seconds.
 * ``communication``: every collective with its bytes per chip and the mesh axes it spans, turned into
-  seconds by the v5p ICI model of glm5_jax.cost.ici.
-* ``estimated_step_seconds`` = max(hlo_flops / peak, bytes / HBM bandwidth) + the exposed
-  communication: a synchronous collective is exposed in full, an asynchronous one (start/done pair)
-  hides behind the compute of the loop trip it is issued in, up to that compute's roofline time.
-  ``step_seconds_if_all_overlap`` = max(compute, memory, all communication) is the optimistic bound.
-  ``mfu`` = model FLOPs / (chips x peak x estimated_step_seconds); the model FLOPs exclude MTP.
+  seconds by the ICI link-load model of glm5_jax.cost.ici.
+* ``estimated_step_seconds`` = ``roofline_seconds`` (each top-level op at max(its FLOPs / achievable
+  FLOP/s, its HBM bytes / achievable HBM bandwidth), summed; rates from glm5_jax.cost.chips) + the
+  exposed communication: a synchronous collective is exposed in full, an asynchronous one (start/done
+  pair) hides behind the compute of the loop trip it is issued in, up to that compute's roofline time.
+  ``step_seconds_if_all_overlap`` = max(roofline, all communication) is the optimistic bound.
+  ``mfu`` = model FLOPs / (chips x vendor peak x estimated_step_seconds); the model FLOPs exclude MTP.
 * ``optimizer_state``: bytes of optimizer state (and params) per chip from the state's shardings, and
   over which mesh axes they are split (fsdp: ZeRO-style sharding of the AdamW moments).
 
@@ -49,12 +52,6 @@ from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.compile")
 
-def chip_spec(topology: str) -> tuple[float, int, float]:
-    """(peak bf16 FLOP/s, HBM bytes, HBM bytes/s) of the topology's chip (`glm5_jax.cost.chips`)."""
-    chip = chip_of_topology(topology)
-    return chip.peak_flops, chip.hbm_bytes, chip.hbm_bandwidth
-
-
 def topology_devices(topology: str):
     from jax.experimental import topologies
 
@@ -70,7 +67,7 @@ def compile_train_step(exp_cfg, topology: str, hlo_path: str | None = None) -> d
     """Lower + compile one train step of `exp_cfg` on `topology`; returns the report dict. `hlo_path`:
     also write the compiled HLO text there (gzip), to re-read it without compiling again."""
     trainer, mesh, devices = _setup(exp_cfg, topology)
-    peak, hbm, hbm_bandwidth = chip_spec(topology)
+    hbm = chip_of_topology(topology).hbm_bytes
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     batch = abstract_batch(trainer, exp_cfg.data.batch_size, exp_cfg.data.seq_len)
     t0 = time.perf_counter()
@@ -141,10 +138,11 @@ def _setup(exp_cfg, topology: str):
 
 def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) -> dict:
     """The report's keys that come from the compiled HLO (module docstring)."""
-    peak, _, hbm_bandwidth = chip_spec(topology)
+    chip = chip_of_topology(topology)
     devices = list(mesh.devices.flat)
-    timing, comm_model = step_timing(topology, mesh, peak, hbm_bandwidth)
+    timing, comm_model = step_timing(topology, mesh)
     hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=len(devices))
+    once = hlo_cost(hlo_text, num_partitions=len(devices), loop_trips=False)
     n = len(devices)
     tokens = exp_cfg.data.batch_size * exp_cfg.data.seq_len
     sparse = trainer.model_cfg.runtime.attention_mode == "sparse"
@@ -152,9 +150,8 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
     model_flops = tokens * train_flops_per_token(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse,
                                                  params=params)["total"]
     by_cat = train_flops_by_category(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse, params=params)
-    compute_s = max(hlo.total_flops / peak, hlo.bytes_accessed / hbm_bandwidth)
     comm_s = hlo.comm_seconds if comm_model is not None else 0.0
-    step_seconds = compute_s + (hlo.exposed_comm_seconds if comm_model is not None else 0.0)
+    step_seconds = hlo.roofline_seconds + (hlo.exposed_comm_seconds if comm_model is not None else 0.0)
     comm_rows = collective_table(hlo.collectives, comm_model, mesh.axis_names, mesh.devices.shape)
     return {
         "optimizer_state": optimizer_state_bytes(trainer, mesh),
@@ -166,28 +163,38 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
         "flops_source": "hlo_matmuls_and_kernel_cost_estimates_x_loop_trip_counts",
         "hlo_loop_trip_counts": [t for _, t in hlo.loops],
         "uncounted_custom_calls": hlo.uncounted_custom_calls,
+        # ours with every loop body counted once, the way XLA's cost_analysis() counts: the two side by side
+        "loop_once": {"flops": once.total_flops, "bytes_accessed": once.bytes_accessed},
         "breakdown": breakdown(hlo, by_cat, tokens, n),
         "routed_expert_passes": expert_passes(hlo_text, by_cat["routed_experts"] * tokens / n, len(devices)),
         "communication": {
-            "model": "glm5_jax.cost.ici (v5p 3D torus, 100 GB/s per link per direction)" if comm_model else None,
+            "model": (f"glm5_jax.cost.ici ({topology.split(':')[0]} torus, link-load model: "
+                      f"{chip.ici_link_bandwidth / 1e9:.0f} GB/s per link per direction x {chip.ici_fraction} "
+                      f"achievable, {chip.ici_step_latency * 1e6:.1f} us per step)") if comm_model else None,
             "bytes_per_chip": sum(r["bytes_per_chip"] for r in comm_rows),
             "seconds": comm_s,
             "exposed_seconds": hlo.exposed_comm_seconds if comm_model is not None else None,
             "collectives": comm_rows,
         },
-        "compute_seconds": hlo.total_flops / peak,
-        "memory_seconds": hlo.bytes_accessed / hbm_bandwidth,
+        # at the chip's achievable rates (glm5_jax.cost.chips): all FLOPs, all bytes, and each op at its own
+        # roofline, summed
+        "compute_seconds": hlo.total_flops / chip.achievable_flops,
+        "memory_seconds": hlo.bytes_accessed / chip.achievable_hbm_bandwidth,
+        "roofline_seconds": hlo.roofline_seconds,
         "estimated_step_seconds": step_seconds,
         "estimated_step_seconds_source":
-            "max(hlo_flops / peak, bytes_accessed / HBM bandwidth) + exposed communication",
-        "step_seconds_if_all_overlap": max(compute_s, comm_s),
-        "peak_flops_per_device": peak,
-        "hbm_bytes_per_second": hbm_bandwidth,
-        # implied MFU: model FLOPs of one step over (chips x peak x the estimated step time)
+            "sum over ops of max(op FLOPs / achievable FLOP/s, op HBM bytes / achievable HBM bytes/s) "
+            "+ exposed communication",
+        "step_seconds_if_all_overlap": max(hlo.roofline_seconds, comm_s),
+        "peak_flops_per_device": chip.peak_flops,
+        "hbm_bytes_per_second": chip.hbm_bandwidth,
+        "achievable_flops_per_device": chip.achievable_flops,
+        "achievable_hbm_bytes_per_second": chip.achievable_hbm_bandwidth,
+        # implied MFU: model FLOPs of one step over (chips x vendor peak x the estimated step time)
         "model_flops_per_step": model_flops,
         # executed matmul FLOPs (all chips) per model FLOP: remat recompute, MTP, capacity padding
         "flops_per_model_flop": hlo.total_flops * n / model_flops,
-        "mfu": model_flops / (n * peak * step_seconds) if step_seconds > 0 else None,
+        "mfu": model_flops / (n * chip.peak_flops * step_seconds) if step_seconds > 0 else None,
     }
 
 
@@ -206,12 +213,15 @@ def reanalyse(exp_cfg, topology: str, workdir: str) -> dict:
     return report
 
 
-def step_timing(topology: str, mesh, peak: float, hbm_bandwidth: float):
-    """(StepTiming, CollectiveModel or None): the ICI model is v5p's; other chips get no comm time."""
-    if not topology.startswith("v5p:"):
-        return StepTiming(peak, hbm_bandwidth, lambda op: 0.0), None
-    model = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology))
-    return StepTiming(peak, hbm_bandwidth, model.seconds), model
+def step_timing(topology: str, mesh):
+    """(StepTiming at the chip's achievable rates, CollectiveModel or None): chips without ICI link facts
+    (glm5_jax.cost.chips) get no communication time."""
+    chip = chip_of_topology(topology)
+    if chip.ici_link_bandwidth is None:
+        return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, lambda op: 0.0), None
+    model = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology),
+                            link_bandwidth=chip.achievable_link_bandwidth, step_latency=chip.ici_step_latency)
+    return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, model.seconds), model
 
 
 def breakdown(hlo, model_per_token: dict, tokens: int, n: int) -> dict:
@@ -223,7 +233,8 @@ def breakdown(hlo, model_per_token: dict, tokens: int, n: int) -> dict:
         kernel = hlo.by_category["kernel_flops"].get(cat, 0.0)
         model = model_per_token.get(cat, 0.0) * tokens / n
         out[cat] = {"hlo_flops": flops + kernel, "kernel_flops": kernel,
-                    "bytes_accessed": hlo.by_category["bytes"].get(cat, 0.0), "model_flops": model,
+                    "bytes_accessed": hlo.by_category["bytes"].get(cat, 0.0),
+                    "roofline_seconds": hlo.by_category.get("seconds", {}).get(cat, 0.0), "model_flops": model,
                     "hlo_per_model_flop": (flops + kernel) / model if model else None}
     return out
 
@@ -286,16 +297,22 @@ def markdown_tables(report: dict, top_collectives: int = 12) -> str:
     """The breakdown and the dearest collectives of a report as markdown tables."""
     from glm5_jax.cost.categories import CATEGORY_TITLES
 
-    lines = ["| category | HLO FLOPs / chip | of which kernels | model FLOPs / chip | HLO / model | HBM GB / chip |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| category | HLO FLOPs / chip | of which kernels | model FLOPs / chip | HLO / model | HBM GB / chip "
+             "| roofline s |", "|---|---|---|---|---|---|---|"]
     for cat, c in report["breakdown"].items():
         ratio = "-" if c["hlo_per_model_flop"] is None else f"{c['hlo_per_model_flop']:.2f}x"
         lines.append(f"| {CATEGORY_TITLES[cat]} | {c['hlo_flops']:.3g} | {c['kernel_flops']:.3g} | "
-                     f"{c['model_flops']:.3g} | {ratio} | {c['bytes_accessed'] / 1e9:.1f} |")
+                     f"{c['model_flops']:.3g} | {ratio} | {c['bytes_accessed'] / 1e9:.1f} | "
+                     f"{c.get('roofline_seconds', 0.0):.3f} |")
     n = report["num_devices"]
     lines.append(f"| **total** | {report['hlo_flops']:.3g} | {report['kernel_flops']:.3g} | "
                  f"{report['model_flops_per_step'] / n:.3g} (w/o MTP) | {report['flops_per_model_flop']:.2f}x | "
-                 f"{report['bytes_accessed'] / 1e9:.1f} |")
+                 f"{report['bytes_accessed'] / 1e9:.1f} | {report.get('roofline_seconds', 0.0):.3f} |")
+    if "loop_once" in report:
+        once = report["loop_once"]
+        lines += ["", "| every loop body once | HLO FLOPs / chip | HBM GB / chip |", "|---|---|---|",
+                  f"| XLA cost_analysis() | {report['compiler_flops']:.3g} | {report['compiler_bytes_accessed'] / 1e9:.2f} |",
+                  f"| ours (glm5_jax.cost.hlo_cost) | {once['flops']:.3g} | {once['bytes_accessed'] / 1e9:.2f} |"]
     if "routed_expert_passes" in report:
         lines += ["", "| routed experts, pass | HLO FLOPs / chip | model FLOPs / chip | HLO / model |", "|---|---|---|---|"]
         for p, c in report["routed_expert_passes"].items():

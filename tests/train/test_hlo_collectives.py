@@ -55,7 +55,7 @@ def test_ici_times_on_a_torus_and_a_line():
     # all-to-all on the same ring: 3e6 bytes leave each chip, mean hop count (1 + 2 + 1) / 3
     a2a = CollectiveOp("all-to-all", 4 * 10**6, (ring_x,), False, "x")
     assert torus.seconds(a2a) == pytest.approx(3e6 * (4 / 3) / (2 * W))
-    # a 2-chip group inside the 4-ring (no wraparound for it): one link
+    # a pair of neighbours: its two rings' edges take the one link between them, each way: one link
     pair = CollectiveOp("all-reduce", 10**6, ((0, 1),), False, "x")
     assert torus.seconds(pair) == pytest.approx(2 * 0.5e6 / W)
     # x and y at once (16 chips, 2 rings): 15/16 of the result over 4 links
@@ -66,6 +66,20 @@ def test_ici_times_on_a_torus_and_a_line():
     small = CollectiveModel([(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)], (2, 2, 1))
     assert small.seconds(CollectiveOp("all-gather", 2 * 10**6, ((0, 1), (2, 3)), False, "x")) == \
         pytest.approx(1e6 / W)
+    # pairs 4 hops apart on an 8-ring, interleaved ({0,4}, {1,5}, {2,6}, {3,7}): a pair's edges go 4 hops
+    # forward (first ring) and 4 hops backward (second ring), so every directed link carries one edge of
+    # each of the 4 pairs: 1e6 bytes at 2 W / 4
+    ring8 = CollectiveModel([(x, 0, 0) for x in range(8)], (8, 4, 4))
+    spaced = CollectiveOp("all-gather", 2 * 10**6, ((0, 4), (1, 5), (2, 6), (3, 7)), False, "x")
+    assert ring8.seconds(spaced) == pytest.approx(1e6 / (2 * W / 4))
+    # the same chips paired with their neighbours ({0,1}, {2,3}, ...): each pair has its own link
+    near = CollectiveOp("all-gather", 2 * 10**6, ((0, 1), (2, 3), (4, 5), (6, 7)), False, "x")
+    assert ring8.seconds(near) == pytest.approx(1e6 / W)
+    # the step latency: a ring over 4 positions takes 3 steps (6 for an all-reduce)
+    slow = CollectiveModel(_cube(4), (4, 4, 4), step_latency=1e-6)
+    assert slow.seconds(op) == pytest.approx(3e6 / (2 * W) + 3e-6)
+    assert slow.seconds(CollectiveOp("all-reduce", 4 * 10**6, (ring_x,), False, "x")) == \
+        pytest.approx(2 * 3e6 / (2 * W) + 6e-6)
     # a permute to the chip two hops away
     assert torus.seconds(CollectiveOp("collective-permute", 10**6, ((0, 2), (2, 0)), True, "x")) == \
         pytest.approx(2e6 / W)
