@@ -105,3 +105,27 @@ def test_ep_needs_a_mesh():
     x, mask = _inputs()
     with pytest.raises(ValueError, match="needs a mesh in context"):
         MoE(CFG.replace(moe_ep="a2a")).apply(variables, x, mask)
+
+
+def test_expert_weight_gradients_are_reduce_scattered_to_their_fsdp_shards():
+    """The weights enter the expert-parallel shard_map FSDP-sharded and are all-gathered inside, so the
+    backward reduce-scatters each weight gradient (E_local, D / fsdp, F) rather than all-reducing the
+    whole local (E_local, D, F) gradient and slicing it."""
+    import re
+
+    variables = _params()
+    x, mask = _inputs()
+    cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=4.0)
+    mesh = build_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), jax.devices()[:8])
+
+    def loss(params):
+        out, _ = MoE(cfg).apply({**variables, "params": params}, x, mask)
+        return jnp.sum(out)
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+        text = jax.jit(jax.grad(loss)).lower(variables["params"]).compile().as_text()
+    E, D, F = CFG.n_routed_experts // 4, CFG.hidden_size, CFG.moe_intermediate_size
+    scattered = re.findall(r"= f32\[([0-9,]+)\]\S* reduce-scatter\(", text)
+    assert sorted(scattered) == sorted([f"{E},{D // 2},{F}"] * 2 + [f"{E},{F},{D // 2}"])
+    whole = re.findall(r"= f32\[([0-9,]+)\]\S* all-reduce\(", text)
+    assert not {f"{E},{D},{F}", f"{E},{F},{D}"} & set(whole)

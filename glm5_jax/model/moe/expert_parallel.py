@@ -18,7 +18,10 @@ in ``dropped``. Both transports keep exactly the same assignments, so they compu
 
 The grouped matmul is ``ModelConfig.moe_impl``'s (glm5_jax/model/moe/experts.py; "blocked", a whole-batch CPU
 implementation, runs as ragged_dot here). Expert weights enter with their F (``mlp_moe``) dimension still
-sharded; the partial down-projections are summed over that mesh axis, in the compute dtype.
+sharded; the partial down-projections are summed over that mesh axis, in the compute dtype. Their model
+width D (``embed``: FSDP) also enters sharded and is all-gathered inside, so that the backward pass
+reduce-scatters each weight gradient to its FSDP shard (the transpose of that all-gather) instead of
+all-reducing the whole local expert gradient and slicing it afterwards.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.moe.experts import swiglu_rows
-from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE, SEQ
+from glm5_jax.parallel.axes import BATCH, EMBED, EXP, MLP_MOE, SEQ
 from glm5_jax.parallel.shard_map import logical_mesh_axes
 from pallas_kernels.impls import BLOCKED, RAGGED_DOT
 
@@ -193,11 +196,21 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
     tok = P(batch or None, None)
 
+    # the weights' FSDP axes (logical "embed"), gathered inside: their transpose reduce-scatters the grads
+    fsdp = tuple(a for a in logical_mesh_axes(EMBED) if mesh.shape[a] > 1 and a not in (ep, mlp))
+    if fsdp and (w_gate_EDF.shape[1] % math.prod(mesh.shape[a] for a in fsdp)):
+        fsdp = ()
+
+    def gather_width(w, axis):
+        return jax.lax.all_gather(w, fsdp, axis=axis, tiled=True) if fsdp else w
+
     def local(x, idx, wg, wu, wd):
+        wg, wu, wd = gather_width(wg, 1), gather_width(wu, 1), gather_width(wd, 2)
         y, dropped = body(x, idx, wg, wu, wd, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl)
         return y, jax.lax.psum(dropped, batch) if batch else dropped
 
-    w_in, w_out = P(ep, None, mlp), P(ep, mlp, None)
+    width = fsdp or None
+    w_in, w_out = P(ep, width, mlp), P(ep, mlp, width)
     dt = cfg.jnp_dtype            # weights cast before the shard_map: FSDP gathers them in the compute dtype
     return jax.shard_map(local, in_specs=(tok, tok, w_in, w_in, w_out),
                          out_specs=(P(batch or None, None, None), P()), check_vma=False)(
