@@ -446,6 +446,8 @@ def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str
     nothing for arrays in VMEM; windows (slices, gathers, scatters, in-place updates) by the tiles they
     touch; an async copy once (its source and its destination, not the aliased tuple)."""
     arrays = [_first(t) for t in operand_shapes]
+    if opcode == "custom-call" and 'custom_call_target="AllocateBuffer"' in attrs:
+        return 0                        # reserves a buffer (a loop's output stack); moves nothing
     if opcode == "dynamic-slice" and arrays and arrays[0] is not None:
         return arrays[0].hbm_bytes(_first(shape).shape, "dma") + hbm_bytes(shape)
     if opcode == "dynamic-update-slice" and len(arrays) > 1 and None not in arrays[:2]:

@@ -105,8 +105,8 @@ def test_each_op_takes_its_own_roofline():
 
 
 def test_loop_once_counts_match_xla_cost_analysis():
-    """Counting each loop body once, as XLA's cost_analysis() does, the two agree on a scanned program's
-    matmul FLOPs (their HBM bytes differ: see the README's cost-model section)."""
+    """Counting each loop body once, as XLA's cost_analysis() does, the two agree on a scanned program:
+    the matmul FLOPs within 2%, the HBM bytes within 15% (docs/cost_model.md: where they differ)."""
     def loss(ws, x):
         h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
         return h.sum()
@@ -116,4 +116,5 @@ def test_loop_once_counts_match_xla_cost_analysis():
     once = hlo_cost(text, loop_trips=False)
     full = hlo_cost(text)
     assert once.flops == pytest.approx(xla["flops"], rel=0.02)
+    assert once.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.15)
     assert full.flops == pytest.approx(6 * 3 * 2 * 256 * 512 * 512, rel=0.01)   # fwd + 2 grads per layer
