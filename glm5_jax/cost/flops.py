@@ -3,7 +3,8 @@
 Training FLOPs per token = 6 x (matmul parameters one token uses) + 3 x forward attention FLOPs over
 the keys it actually attends (DSA: min(k, visible); dense: all visible keys) + the indexer: its scores
 over every visible key (forward only) and 2 x the forward of the keys its KL loss covers (sparse stage:
-the selected min(k, visible); otherwise every visible key). The
+the selected min(k, visible); otherwise every visible key). Given the stage's ``indexer_loss``, a step
+that runs no KL ("none") counts none, and a dense-stage step without it runs no indexer at all. The
 embedding lookup is not a matmul and is excluded; the LM head is included.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ def mean_visible_keys(seq_len: int, topk: int | None) -> float:
     return sum(keys) / seq_len
 
 
-def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
+def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None,
+                          indexer_loss: str | None = None) -> dict[str, float]:
     counts = count_params(cfg, params)
     matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size   # drop the embedding table
     H, L = cfg.num_attention_heads, cfg.num_hidden_layers
@@ -36,15 +38,17 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None) -
         # keys it is scored against: the selected min(k, visible) in the sparse stage, every visible key
         # in the warm-up (DeepSeek-V3.2 report, section 2.1), backward = 2 x that forward
         per_key = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.layer_indexer_types)
-        scores_fwd = per_key * mean_visible_keys(seq_len, None)
-        kl_fwd = per_key * mean_visible_keys(seq_len, cfg.index_topk if sparse else None)
+        scores_fwd = per_key * mean_visible_keys(seq_len, None) if sparse or indexer_loss != "none" else 0.0
+        kl_fwd = per_key * mean_visible_keys(seq_len, cfg.index_topk if sparse else None) \
+            if indexer_loss != "none" else 0.0
     indexer = scores_fwd + 2.0 * kl_fwd
     return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attention_fwd, "indexer": indexer,
             "indexer_scores": scores_fwd, "indexer_kl": 2.0 * kl_fwd,
             "total": 6.0 * matmul_params + 3.0 * attention_fwd + indexer}
 
 
-def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None) -> dict[str, float]:
+def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None,
+                            indexer_loss: str | None = None) -> dict[str, float]:
     """`train_flops_per_token` split like the compiled step's attribution (glm5_jax.cost.categories):
     6 x the matmul parameters of each part one token uses (routed experts: K of E, plus the router),
     attention core 3 x its forward, the indexer's scores behind the top-k (forward, no gradient) and its
@@ -68,7 +72,7 @@ def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None)
         if len(names) >= 2 and names[-2] == "moe" and names[-1] in ROUTED_EXPERT_LEAVES:
             n *= active
         out[cat] += 6.0 * n
-    per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params)
+    per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params, indexer_loss=indexer_loss)
     L = cfg.num_hidden_layers
     out["attention_core"] = per_token["attention"]
     out["indexer_topk"] = per_token["indexer_scores"]

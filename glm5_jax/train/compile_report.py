@@ -147,9 +147,11 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
     tokens = exp_cfg.data.batch_size * exp_cfg.data.seq_len
     sparse = trainer.model_cfg.runtime.attention_mode == "sparse"
     params = trainer.abstract_state.params
+    indexer_loss = trainer.model_cfg.runtime.indexer_loss     # the stage's: a dense step runs no indexer
     model_flops = tokens * train_flops_per_token(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse,
-                                                 params=params)["total"]
-    by_cat = train_flops_by_category(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse, params=params)
+                                                 params=params, indexer_loss=indexer_loss)["total"]
+    by_cat = train_flops_by_category(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse, params=params,
+                                     indexer_loss=indexer_loss)
     comm_s = hlo.comm_seconds if comm_model is not None else 0.0
     step_seconds = hlo.roofline_seconds + (hlo.exposed_comm_seconds if comm_model is not None else 0.0)
     comm_rows = collective_table(hlo.collectives, comm_model, mesh.axis_names, mesh.devices.shape)

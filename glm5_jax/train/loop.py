@@ -105,7 +105,8 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     peak = measure_matmul_peak()
     flops = train_flops_per_token(trainer.model_cfg, exp_cfg.data.seq_len,
                                   sparse=trainer.model_cfg.runtime.attention_mode == "sparse",
-                                  params=trainer.abstract_state.params)
+                                  params=trainer.abstract_state.params,
+                                  indexer_loss=trainer.model_cfg.runtime.indexer_loss)
     tokens_per_step = exp_cfg.data.batch_size * exp_cfg.data.seq_len
     if is_main:
         log.info("matmul peak %.1f GFLOP/s per device x %d devices; %.3g model FLOPs per token",

@@ -82,3 +82,22 @@ def test_model_flops_by_category_add_up_to_the_step_count():
     # routed: 8 of 8 experts active here, 3 matrices D x F per expert, 2 MoE layers, + the router D x E
     assert by_cat["routed_experts"] == 6 * 2 * (8 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
                                                  + cfg.hidden_size * cfg.n_routed_experts)
+
+
+def test_model_flops_of_each_stage_count_only_the_indexer_work_it_runs():
+    """Per full-indexer layer, H_I x d_I MACs per scored key: the dense stage runs no indexer, the warm-up
+    scores every visible key and back-propagates its KL (3 x), the sparse stage scores every visible key
+    for the top-k (forward) and back-propagates the KL over the selected k (2 x)."""
+    from glm5_jax.cost.flops import mean_visible_keys
+
+    cfg = apply_overrides(load_config_file(os.path.join(ROOT, "configs", "glm5_744b.py")), SMALL).model
+    T = 128
+    per_key = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.layer_indexer_types)
+    every, selected = mean_visible_keys(T, None), mean_visible_keys(T, cfg.index_topk)
+    dense = train_flops_per_token(cfg, T, sparse=False, indexer_loss="none")
+    warmup = train_flops_per_token(cfg, T, sparse=False, indexer_loss="warmup")
+    sparse = train_flops_per_token(cfg, T, sparse=True, indexer_loss="sparse")
+    assert dense["indexer"] == 0 and dense["total"] == dense["matmul"] + dense["attention"]
+    assert warmup["indexer"] == pytest.approx(3 * per_key * every)
+    assert sparse["indexer"] == pytest.approx(per_key * every + 2 * per_key * selected)
+    assert train_flops_by_category(cfg, T, sparse=False, indexer_loss="none")["indexer_kl"] == 0
