@@ -98,6 +98,7 @@ class Array:
     tile: tuple = ()
     subtile: tuple = ()
     memory_space: int = 0
+    minor_to_major: tuple = ()        # the layout's dim order, most minor first (default: row-major)
 
     @property
     def in_hbm(self) -> bool:
@@ -110,8 +111,11 @@ class Array:
         unit = self.tile
         if granularity == "dma" and len(self.tile) == 2:
             unit = (self.subtile[0] if len(self.subtile) == 2 else 1, self.tile[1])
-        for i, t in enumerate(reversed(unit[-len(dims):] if dims else ())):
-            dims[-1 - i] = -(-dims[-1 - i] // t) * t
+        # a tile's last size applies to the most minor dim of the layout, the one before to the next
+        order = list(self.minor_to_major) if len(self.minor_to_major) == len(dims) else \
+            list(range(len(dims)))[::-1]
+        for t, d in zip(reversed(unit), order):
+            dims[d] = -(-dims[d] // t) * t
         return math.prod(dims)
 
     def hbm_bytes(self, dims=None, granularity: str = "tile") -> int:
@@ -129,8 +133,10 @@ def laid_out(text: str) -> list[Array]:
         groups = [tuple(int(v) for v in g.split(",")) for g in re.findall(r"\(([0-9,]+)\)", tiles.group(1))] \
             if tiles else []
         space = _MEMORY_SPACE.search(layout or "")
+        order = re.match(r"\{([0-9,]*)", layout or "")
         out.append(Array(dt, tuple(int(d) for d in dims.split(",") if d), groups[0] if groups else (),
-                         groups[1] if len(groups) > 1 else (), int(space.group(1)) if space else 0))
+                         groups[1] if len(groups) > 1 else (), int(space.group(1)) if space else 0,
+                         tuple(int(d) for d in order.group(1).split(",") if d) if order else ()))
     return out
 
 

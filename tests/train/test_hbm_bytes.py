@@ -34,6 +34,11 @@ def test_layouts_are_read_from_the_hlo():
     (b,) = laid_out("f32[3,100]{1,0:T(8,128)}")
     assert b.hbm_bytes() == F32 * 8 * 128                  # one tile, padded on both dims
     assert b.hbm_bytes((1, 100), "dma") == F32 * 1 * 128    # no sub-tiles: one row of the tile
+    # tiles follow the layout's dim order: here dim 0 is the most minor (padded to 128), dim 1 next (to 8)
+    (c,) = laid_out("f32[3,100]{0,1:T(8,128)}")
+    assert c.minor_to_major == (0, 1) and c.hbm_bytes() == F32 * 128 * 104
+    (d,) = laid_out("f32[2048,32,2]{0,2,1:T(8,128)}")          # 2048 minor, then 2: no padding of 2 to 128
+    assert d.hbm_bytes() == F32 * 2048 * 8 * 32
 
 
 def test_vmem_operands_and_the_async_copy_are_counted_once():
