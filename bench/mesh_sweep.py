@@ -8,6 +8,10 @@ and MFU.
         --out=bench/results/mesh_sweep.json [--jobs=2] [--only=baseline,remat_offload_dots]
 
 --topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096), v5p:4x8x8 256 chips at 512 x 4096.
+--topology=v5p:8x16x16/dense sweeps layouts of the pretraining (dense-attention) stage and its warm-up,
+v5p:4x8x8/dense the same on 256 chips; --topology=v5p:8x16x16/tokens sweeps tokens per chip (1024, 2048,
+4096 sequences of 4K per step, micro-batched where one does not fit) for the dense and the sparse stage
+and plots estimated MFU against tokens per chip (``*_tokens.png``).
 Every point compiles the TPU path (model.attention_impl=pallas). Each point is a separate process (at most
 --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
 model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
@@ -21,6 +25,7 @@ import argparse
 import concurrent.futures
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,6 +56,7 @@ _BF16 = ["model.param_dtype=bfloat16", "train.mu_dtype=bfloat16"]
 _SMALL = ["data.batch_size=256"]
 _BF16_STATE = _SMALL + _BF16
 _BF16_STATE_256 = ["data.batch_size=512"] + _BF16
+_DENSE = ["train.stage=dense"]
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
@@ -79,6 +85,23 @@ SWEEPS = {
         "bf16_fsdp8_ep8_tp2_accum2": _mesh(8, 8, 2) + _BF16_STATE + ["train.grad_accum=2"],
         "bf16_fsdp8_ep8_tp2_accum4_offload": _mesh(8, 8, 2) + _BF16_STATE + [
             "train.grad_accum=4", "model.remat_policy=offload_dots"],
+    },
+    "v5p:8x16x16/dense": {    # the pretraining stage: dense MLA attention (flash kernel), no indexer
+        "dense_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2) + _DENSE,
+        "dense_fsdp64_cp4_ep8": _mesh(64, 8, 1, context=4) + _DENSE,
+        "dense_fsdp128_ep8_tp2": _mesh(128, 8, 2) + _DENSE,
+        "dense_fsdp64_cp2_ep16": _mesh(64, 16, 1, context=2) + _DENSE,
+        "warmup_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2) + ["train.stage=warmup"],
+    },
+    "v5p:4x8x8/dense": {      # 256 chips, 512 x 4096, bf16 weights and first moment
+        "dense_bf16_fsdp32_ep8_accum2": _mesh(32, 8, 1) + _BF16_STATE_256 + ["train.grad_accum=2"] + _DENSE,
+        "dense_bf16_fsdp16_cp2_ep8_accum2": _mesh(16, 8, 1, context=2) + _BF16_STATE_256
+        + ["train.grad_accum=2"] + _DENSE,
+    },
+    "v5p:8x16x16/tokens": {   # tokens per chip: 1024 / 2048 / 4096 sequences of 4096 over 2048 chips
+        **{f"{stage}_b{b}": _mesh(128, 8, 1, context=2) + [f"train.stage={stage}", f"data.batch_size={b}",
+                                                            f"train.grad_accum={b // 1024}"]
+           for stage in ("dense", "sparse") for b in (1024, 2048, 4096)},
     },
     "v5p:4x8x8": {            # 256 chips, 512 x 4096: the smallest pod the sweep on 128 chips leaves
         "bf16_fsdp16_ep8_tp2_accum4": _mesh(16, 8, 2) + _BF16_STATE_256 + ["train.grad_accum=4"],
@@ -204,6 +227,27 @@ def plot(rows: list[dict], path: str, hbm_gb: float = 95.0):
     fig.savefig(path, dpi=110)
 
 
+def plot_tokens(rows: list[dict], path: str, n_chips: int, seq_len: int = 4096):
+    """Estimated MFU against tokens per chip per step, one line per stage (point names STAGE_bBATCH)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for stage in sorted({r["name"].split("_b")[0] for r in rows}):
+        pts = sorted((r["batch_size"] * seq_len / n_chips, r["mfu"]) for r in rows
+                     if r["name"].startswith(stage + "_b") and r.get("mfu") is not None and r.get("fits"))
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=f"{stage} stage")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per chip per step")
+    ax.set_ylabel("estimated MFU")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -218,6 +262,7 @@ def main(argv=None):
                          "sources_sha256) instead of the current ones")
     args = ap.parse_args(argv)
     points = SWEEPS[args.topology]
+    sweep, args.topology = args.topology, args.topology.split("/")[0]
     names = [n for n in args.only.split(",") if n] or list(points)
     unknown = sorted(set(names) - set(points))
     if unknown:
@@ -235,7 +280,8 @@ def main(argv=None):
         futures = {n: pool.submit(compile_point, args.config, args.topology, points[n], workdirs[n], args.timeout,
                                   source_digest(measuring=True)) for n in names}
         rows = [row(n, points[n], futures[n].result()) for n in names]
-    result = {"config": args.config, "topology": args.topology, "sources_sha256": sources, "points": rows}
+    result = {"config": args.config, "topology": args.topology, "sweep": sweep, "sources_sha256": sources,
+              "points": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -244,6 +290,8 @@ def main(argv=None):
     with open(stem + ".md", "w") as f:
         f.write(table)
     plot(rows, stem + ".png")
+    if sweep.endswith("/tokens"):
+        plot_tokens(rows, stem + "_tokens.png", n_chips=math.prod(int(v) for v in args.topology[4:].split("x")))
     print(table)
     return result
 
