@@ -9,7 +9,8 @@
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Errors come back as ``{"error": {"message", "type", "param", "code"}}`` with status 400 for a bad request
-(validation messages name the field), 404/405 for a wrong route, 503 once the engine has failed.
+(validation messages name the field), 404/405 for a wrong route, 503 once the engine has failed, and 401
+without the API key when one is set (`glm5_jax.serve.auth`; /health stays open).
 A client that disconnects cancels its requests, which frees their slots at the next step.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from glm5_jax.serve.auth import require_api_key
 from glm5_jax.serve.engine import Engine, Request, RequestError, Token
 from glm5_jax.serve.metrics import prometheus_text
 from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, TokenRequest
@@ -70,9 +72,11 @@ class _Streams:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_template: ChatTemplate | None = None,
-               on_metrics=None) -> FastAPI:
-    """The FastAPI app. `on_metrics()` may add extra gauges (dict) to /metrics."""
+               on_metrics=None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app. `on_metrics()` may add extra gauges (dict) to /metrics; with `api_key` every
+    endpoint but /health needs ``Authorization: Bearer <api_key>``."""
     app = FastAPI(title="glm5_jax serve")
+    require_api_key(app, api_key)
     template = chat_template or ChatTemplate()
 
     @app.exception_handler(RequestValidationError)
