@@ -28,6 +28,10 @@ flags.DEFINE_string("policy_workdir", None, "Reload from this RL run's policy ve
 flags.DEFINE_integer("prefill_chunk", 4096, "Prompt tokens per prefill call (0 = a whole prompt per call).")
 flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on every endpoint but /health "
                     "(default: the GLM5_API_KEY environment variable; neither: no key).")
+flags.DEFINE_integer("profile_start", 10, "First engine step (admit + decode round) of a profiler trace.")
+flags.DEFINE_integer("profile_steps", 0, "Trace this many engine steps with jax.profiler (0: no trace).")
+flags.DEFINE_string("profile_dir", None, "Where the trace goes (plugins/profile/ under it; TensorBoard's / "
+                    "XProf's --logdir). Default: ./serve_profile.")
 flags.DEFINE_multi_integer("warmup_prompt_len", [1], "Compile the prefill for these prompt lengths before serving.")
 
 
@@ -47,6 +51,7 @@ def main(argv):
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
     from glm5_jax.serve.text import ChatTemplate
+    from glm5_jax.train.profiler import StepProfiler
 
     tokenizer_path = FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -55,7 +60,9 @@ def main(argv):
         cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)
     engine = Engine(cfg, variables, max_batch=FLAGS.max_batch, max_seq_len=FLAGS.max_seq_len,
                     eos_ids=set(cfg.eos_token_id) | {tokenizer.eos_id}, weights_version=step,
-                    prefill_chunk=FLAGS.prefill_chunk)
+                    prefill_chunk=FLAGS.prefill_chunk,
+                    profiler=StepProfiler(FLAGS.profile_dir or "serve_profile", FLAGS.profile_start,
+                                          FLAGS.profile_steps, name="serve_step"))
     engine.warmup(FLAGS.warmup_prompt_len)
     engine.start()
     watcher = None

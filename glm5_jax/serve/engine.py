@@ -42,6 +42,7 @@ from glm5_jax.model.transformer import Transformer
 from glm5_jax.serve import cache_rows
 from glm5_jax.serve.model_step import decode_logits
 from glm5_jax.serve.sampling import sample_rows
+from glm5_jax.train.profiler import StepProfiler
 
 NUM_TOP_LOGPROBS = 20          # alternatives computed per token (OpenAI allows up to 20)
 MIN_PREFILL_BUCKET = 16
@@ -112,7 +113,7 @@ class Engine:
 
     def __init__(self, cfg, variables, *, max_batch: int = 8, max_seq_len: int = 1024, eos_ids=(),
                  cache_dtype=None, weights_version: int = 0, prefill_buckets=None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, profiler: StepProfiler | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         if prefill_chunk < 0:
@@ -135,6 +136,9 @@ class Engine:
         self._thread = None
         self._stop = False
         self.error: BaseException | None = None
+        # traces engine steps (one admit + decode round each, counted from start) when enabled
+        self.profiler = profiler or StepProfiler("", 0, 0)
+        self.steps_run = 0
         self.stats = collections.Counter()        # prompt_tokens, cached_tokens, generated_tokens, requests
         self._recent = collections.deque()        # (time, tokens) of recent steps, for tokens/s
         # prompt chunks are padded to one of these lengths (one compiled prefill each)
@@ -242,11 +246,14 @@ class Engine:
                         for slot in self._slots:
                             if slot.request is None:
                                 slot.tokens = []
-                self._drop_cancelled()
-                self._admit()
-                active = [s for s in self._slots if s.request is not None]
-                if active:
-                    self._decode_step(active)
+                with self.profiler.step(self.steps_run):
+                    self._drop_cancelled()
+                    self._admit()
+                    active = [s for s in self._slots if s.request is not None]
+                    if active:
+                        self._decode_step(active)
+                self.profiler.after_step(self.steps_run, self._cache)
+                self.steps_run += 1
         except BaseException as e:   # fail every request rather than hang its client
             self.error = e
             for slot in self._slots:
@@ -260,6 +267,8 @@ class Engine:
                 if request.on_finish:
                     request.on_finish(request)
             raise
+        finally:
+            self.profiler.stop()
 
     def _drop_cancelled(self):
         for slot in self._slots:

@@ -66,6 +66,10 @@ class TrainConfig:
     # TPU compiler flags by name (glm5_jax/train/tpu_flags.py): "collective_overlap" runs collectives inside
     # the compute around them; "none" keeps libtpu's defaults. Applied by train.py before libtpu starts.
     tpu_flags: str = "collective_overlap"
+    # jax.profiler trace of steps [profile_start, profile_start + profile_steps) (0-based step indices) into
+    # <workdir>/tb/plugins/profile/, for TensorBoard's profile plugin / XProf; profile_steps=0: no trace
+    profile_start: int = 10
+    profile_steps: int = 0
 
     def validate(self):
         if self.stage not in STAGES:
@@ -78,6 +82,9 @@ class TrainConfig:
             raise ValueError(f"train.mu_dtype={self.mu_dtype!r}: must be None, 'float32' or 'bfloat16'")
         if (self.init_keep_optimizer or self.init_keep_step) and not self.init_from:
             raise ValueError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
+        if self.profile_start < 0 or self.profile_steps < 0:
+            raise ValueError(f"train.profile_start={self.profile_start}, train.profile_steps={self.profile_steps}: "
+                             "must be >= 0")
         for f in ("steps", "grad_accum", "log_every", "eval_every", "checkpoint_every", "max_to_keep"):
             if getattr(self, f) < 1:
                 raise ValueError(f"train.{f}={getattr(self, f)}: must be >= 1")

@@ -14,6 +14,7 @@ from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
 from glm5_jax.data import build_data_pipeline
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.train.init_from import initial_state, reuse_tokenizer
+from glm5_jax.train.profiler import StepProfiler
 from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.train")
@@ -113,9 +114,12 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     last = {}
     end = exp_cfg.train.steps if max_steps is None else min(exp_cfg.train.steps, start + max_steps)
     t_last, steps_since = time.perf_counter(), 0
+    profiler = StepProfiler(os.path.join(workdir, "tb"), train.profile_start, train.profile_steps)
     for step in range(start, end):
         batch = trainer.put_batch(next(train_iter))
-        state, metrics = trainer.step(state, batch)
+        with profiler.step(step):
+            state, metrics = trainer.step(state, batch)
+        profiler.after_step(step, metrics)
         steps_since += 1
         done = step + 1
         if done % exp_cfg.train.log_every == 0 or done == end:
@@ -136,6 +140,7 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
             t_last, steps_since = time.perf_counter(), 0
         if done % exp_cfg.train.checkpoint_every == 0 or done == end:
             ckpt.save(done, state, train_iter, {"step": done, "config": config_as_json(exp_cfg)})
+    profiler.stop()
     ckpt.wait()
     ckpt.close()
     writer.close()

@@ -1,4 +1,5 @@
 """train.py end to end: typed --set overrides, and resume after SIGKILL with identical losses."""
+import glob
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from glm5_jax.train.experiment import apply_overrides, load_config_file
+from tests.train.test_profiler import traced_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")
@@ -38,9 +40,9 @@ def test_set_errors_name_the_problem(override, message):
         apply_overrides(load_config_file(CONFIG), [override])
 
 
-def _start(workdir, env):
+def _start(workdir, env, *flags):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--config={CONFIG}",
-                             f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             f"--workdir={workdir}", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -63,9 +65,12 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    proc = _start(reference, env)
+    # the reference run also takes a profiler trace of steps 2 and 3 (it changes no number)
+    proc = _start(reference, env, "--set=train.profile_start=2", "--set=train.profile_steps=2")
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
+    traces = glob.glob(str(reference / "tb" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1 and traced_steps(traces[0]) == [2, 3]
 
     # kill right after the step-4 checkpoint commits ...
     proc = _start(killed, env)
@@ -85,3 +90,4 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     expected = _losses(reference)
     assert sorted(expected) == list(range(1, 9))
     assert _losses(killed) == expected            # bit-identical losses, every step logged exactly once
+    assert not os.path.exists(killed / "tb" / "plugins")      # profiling off: no trace
