@@ -26,6 +26,20 @@ def test_set_overrides_are_typed():
     assert cfg.data.source == ("stdlib", "/tmp/x.jsonl") and cfg.model.indexer_types == ("full", "shared")
 
 
+@pytest.mark.parametrize("order", [0, 1])
+def test_overrides_are_validated_together_in_any_order(order):
+    """The tiny config's 128-wide experts do not pack INT4 with the default group of 32 (8 groups per
+    chunk): quant=int4_qat alone fails, with quant_group_size=16 it holds, whichever comes first."""
+    tiny = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    pair = ["model.quant=int4_qat", "model.quant_group_size=16"]
+    cfg = apply_overrides(tiny, pair if order == 0 else pair[::-1])
+    assert (cfg.model.quant, cfg.model.quant_group_size) == ("int4_qat", 16)
+    cfg.validate()
+    with pytest.raises(ValueError, match="quant_group_size=32 per chunk: must be a multiple of 256"):
+        apply_overrides(tiny, pair[:1])
+    assert apply_overrides(tiny, ["train.steps=3", "train.steps=4"]).train.steps == 4     # the last one wins
+
+
 @pytest.mark.parametrize("override,message", [
     ("train.stpes=5", r"unknown key 'stpes'; valid keys: .*train\.steps"),  # noqa: typo on purpose
     ("nope=1", r"unknown key 'nope'; valid keys: model\.vocab_size"),
