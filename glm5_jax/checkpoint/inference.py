@@ -78,9 +78,9 @@ def load_for_inference(path: str, step: int | None = None, sharding=None):
     wanted = {c: tree[c] for c in COLLECTIONS if c in tree}
     target = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=target), wanted)
-    restored = handler.restore(
-        epath.Path(state_dir), args=ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
-            abstract), partial_restore=True))
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+    restored = handler.restore(epath.Path(state_dir), args=ocp.args.PyTreeRestore(
+        abstract, restore_args=restore_args, partial_restore=True))
     return cfg, {c: restored[c] for c in wanted}, step
 
 

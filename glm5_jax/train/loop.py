@@ -144,4 +144,17 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     ckpt.wait()
     ckpt.close()
     writer.close()
+    if is_main and end == exp_cfg.train.steps:
+        log.info("%s", finished_message(workdir, end))
     return last
+
+
+def finished_message(workdir: str, step: int) -> str:
+    """Where the finished run's checkpoint is and what to run on it next."""
+    return "\n".join([
+        f"done: step {step} is checkpointed in {os.path.join(workdir, 'checkpoints', str(step))}",
+        "next:",
+        f"  python -m glm5_jax.generate --checkpoint={workdir} --prompt='def main(' --max_new_tokens=64",
+        f"  python -m glm5_jax.serve --checkpoint={workdir} --port=8000    # OpenAI-compatible API",
+        f"  tensorboard --logdir={os.path.join(workdir, 'tb')}    # pip install -r requirements-profile.txt",
+    ])

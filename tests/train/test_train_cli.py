@@ -100,6 +100,9 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     assert "resumed from step" in out
+    # the run ends saying where its checkpoint is and what to run next
+    assert f"done: step 8 is checkpointed in {killed / 'checkpoints' / '8'}" in out
+    assert f"python -m glm5_jax.generate --checkpoint={killed}" in out
 
     expected = _losses(reference)
     assert sorted(expected) == list(range(1, 9))
