@@ -57,6 +57,7 @@ def results(served, tmp_path_factory, monkeypatch_module):
     tokenizer().save(str(tokenizer_dir / "tokenizer.json"))    # what lm-eval's HF tokenizer loads
     monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch_module.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets_cache")))
     monkeypatch_module.setenv("OPENAI_API_KEY", KEY)           # local-completions sends it as a bearer token
     server = ThreadedServer(create_app(served[0], tokenizer(), "tiny", api_key=KEY))
     try:
