@@ -16,6 +16,7 @@ from tests.serve.conftest import MAX_SEQ_LEN, SERVE_CFG, greedy_reference, token
 ITEMS = os.path.join(os.path.dirname(__file__), "lm_eval_items.jsonl")
 KEY = "eval-key"
 MAX_GEN = 6
+REFERENCE_LEN = 32
 
 
 def _task(name, kind, **fields):
@@ -45,7 +46,11 @@ def _encode_pair(context, continuation):
 
 def _loglikelihood(context_ids, continuation_ids):
     ids = context_ids + continuation_ids
-    logp = np.asarray(jax.nn.log_softmax(full_logits(SERVE_CFG, variables(), np.asarray([ids]))[0], axis=-1))
+    # padded at the end to one length (one compile): a causal model's logits before the padding do not see it
+    assert len(ids) <= REFERENCE_LEN
+    padded = np.zeros((1, REFERENCE_LEN), np.int32)
+    padded[0, :len(ids)] = ids
+    logp = np.asarray(jax.nn.log_softmax(full_logits(SERVE_CFG, variables(), padded)[0], axis=-1))
     positions = np.arange(len(context_ids) - 1, len(ids) - 1)
     return float(logp[positions, np.asarray(ids)[positions + 1]].sum())
 
