@@ -16,6 +16,7 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.checkpoint.stored_config import config_from_json
@@ -30,8 +31,7 @@ def locate_checkpoint(path: str, step: int | None):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
-    manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
-    steps = manager.all_steps()
+    steps = ocp.path.step.checkpoint_steps(path)        # finalized steps (a read-only manager would warn)
     if not steps:
         raise CheckpointError(f"{path}: holds no committed orbax checkpoint step")
     step = max(steps) if step is None else step
@@ -40,7 +40,9 @@ def locate_checkpoint(path: str, step: int | None):
     step_dir = os.path.join(path, str(step))
     if not os.path.isdir(os.path.join(step_dir, "state")):
         raise CheckpointError(f"{step_dir}: no 'state' item")
-    custom = manager.metadata(step).custom_metadata or {}
+    # the step's own metadata file: manager.metadata(step) would also ask every item for its metadata and
+    # warn that items it has no handler for here ("meta", "data") "could not be restored"
+    custom = ocp.metadata.get_step_metadata(step_dir).custom_metadata or {}
     if "model_config" in custom:                                   # converter output
         return path, step, config_from_json(custom["model_config"], step_dir)
     meta_dir = os.path.join(step_dir, "meta")
@@ -66,16 +68,19 @@ def load_for_inference(path: str, step: int | None = None, sharding=None):
     """(ModelConfig, variables {"params", "moe_bias"}, step) from an orbax checkpoint directory."""
     directory, step, cfg = locate_checkpoint(path, step)
     state_dir = os.path.join(directory, str(step), "state")
-    tree = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
+    # the item's handler, not a Checkpointer: the item directory has no step metadata file of its own
+    # (a Checkpointer looks for one and warns "Metadata file does not exist")
+    handler = ocp.PyTreeCheckpointHandler()
+    tree = handler.metadata(epath.Path(state_dir)).tree
     missing = [c for c in COLLECTIONS if c not in tree and not (c == "moe_bias" and not cfg.n_routed_experts)]
     if missing:
         raise CheckpointError(f"{state_dir}: checkpoint has no {missing} (has {sorted(tree)})")
     wanted = {c: tree[c] for c in COLLECTIONS if c in tree}
     target = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=target), wanted)
-    restored = ocp.PyTreeCheckpointer().restore(
-        state_dir, args=ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
-            abstract), partial_restore=True))
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+    restored = handler.restore(epath.Path(state_dir), args=ocp.args.PyTreeRestore(
+        abstract, restore_args=restore_args, partial_restore=True))
     return cfg, {c: restored[c] for c in wanted}, step
 
 

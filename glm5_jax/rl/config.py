@@ -58,6 +58,10 @@ class RLConfig:
     max_to_keep: int = 0                # orbax versions kept; 0: tau + 3 (docs/training.md#batch-order-and-staleness)
     max_ready: int = 4                  # unconsumed rollout files a generator may have in ready/
     poll_seconds: float = 0.02
+    # jax.profiler trace of updates [profile_start, profile_start + profile_steps) (0-based update indices)
+    # into <workdir>/tb/plugins/profile/ (glm5_jax.train.profiler); profile_steps=0: no trace
+    profile_start: int = 2
+    profile_steps: int = 0
 
     def validate(self):
         def need(ok, field, why):
@@ -76,6 +80,8 @@ class RLConfig:
         need(self.top_k >= 0, "top_k", "must be >= 0")
         need(self.sampler_dtype in ("", *DTYPES), "sampler_dtype", f"must be '' or one of {DTYPES}")
         need(self.eval_every >= 0, "eval_every", "must be >= 0")
+        need(self.profile_start >= 0 and self.profile_steps >= 0, "profile_steps",
+             "profile_start and profile_steps must be >= 0")
         need(self.max_to_keep == 0 or self.max_to_keep >= self.tau + 2, "max_to_keep",
              f"must be 0 (auto) or >= tau + 2 = {self.tau + 2} so a lockstep generator finds its version")
         need(self.learning_rate > 0, "learning_rate", "must be > 0")

@@ -120,13 +120,16 @@ class ServerPolicy:
     ``min_weights_version``: the server answers only with weights at least this new (it holds the
     request until it has loaded them). Connection errors and 5xx answers are retried with the same
     seed until ``retry_s`` has passed, so a killed and restarted server or router costs time, not the
-    episode.
+    episode. ``api_key`` (default: the GLM5_API_KEY environment variable) is sent as a bearer token.
     """
 
     def __init__(self, url: str, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, session_id: str | None = None, timeout_s: float = 600.0,
-                 min_weights_version: int | None = None, retry_s: float = 0.0, client=None):
+                 min_weights_version: int | None = None, retry_s: float = 0.0, client=None,
+                 api_key: str | None = None):
         import httpx2
+
+        from glm5_jax.serve.auth import bearer_headers, resolve_api_key
 
         self._own_client = client is None
         self.http = client or httpx2.Client(base_url=url, timeout=timeout_s)
@@ -135,6 +138,7 @@ class ServerPolicy:
         self.seed, self.session_id = seed, session_id
         self.min_weights_version, self.retry_s = min_weights_version, retry_s
         self.calls = self.retries = 0
+        self.headers = bearer_headers(resolve_api_key(api_key))
 
     def _post(self, body: dict):
         import httpx2
@@ -142,7 +146,7 @@ class ServerPolicy:
         deadline = time.monotonic() + self.retry_s
         while True:
             try:
-                r = self.http.post(self.url + "/v1/tokens", json=body)
+                r = self.http.post(self.url + "/v1/tokens", json=body, headers=self.headers)
                 # 5xx: the router has no live replica (503) or lost one mid-answer (500), or the server
                 # has not loaded min_weights_version yet (503)
                 if r.status_code < 500:

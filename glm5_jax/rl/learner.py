@@ -36,6 +36,7 @@ from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.loss import group_advantages, policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, rl_model_config
 from glm5_jax.rl.tasks import make_task
+from glm5_jax.train.profiler import StepProfiler
 
 log = logging.getLogger("glm5_jax.rl")
 METRICS = "rl_metrics.jsonl"
@@ -142,6 +143,8 @@ class Learner:
         self._train = train_step_fn(self.policy.cfg, self.rl)
         self.abstract_opt_state = self.policy.abstract_opt_state(self.tx)
         self._opt_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_opt_state)
+        self.profiler = StepProfiler(os.path.join(self.workdir, "tb"), self.rl.profile_start, self.rl.profile_steps,
+                                     name="rl_update")
         self._committed_next_ordinal = 0     # next_ordinal of the newest version known to be committed
         self._published_next_ordinal = 0     # ... of the newest version whose save was started
 
@@ -264,7 +267,9 @@ class Learner:
                 meta = self._advance(meta, {**entry, "status": "dropped_stale"}, dropped=1)
                 continue
             t0 = time.perf_counter()
-            variables, opt_state, stats = self.train_on(variables, opt_state, batch)
+            with self.profiler.step(version):
+                variables, opt_state, stats = self.train_on(variables, opt_state, batch)
+            self.profiler.after_step(version, variables)
             train_seconds = time.perf_counter() - t0
             version += 1
             meta = self._advance(meta, {**entry, "status": "used"}, version=version, staleness=staleness)
@@ -277,6 +282,7 @@ class Learner:
             handoff_seconds = time.perf_counter() - t0
             self._collect_garbage()
             self._log_version(variables, meta, {**meta["record"], "handoff_seconds": handoff_seconds})
+        self.profiler.stop()
         self.writer.wait()
         self._committed_next_ordinal = self._published_next_ordinal
         self._collect_garbage()

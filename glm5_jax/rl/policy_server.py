@@ -61,13 +61,15 @@ def main(argv):
     from glm5_jax.rl.config import load_rl_config, resolve_sft
     from glm5_jax.rl.logs import setup_logging
     from glm5_jax.serve.api import create_app
+    from glm5_jax.serve.auth import resolve_api_key
 
     FLAGS = flags.FLAGS
     setup_logging(f"server{FLAGS.server_id}")
     exp = load_rl_config(FLAGS.config, FLAGS.set)
     sft_cfg, _ = resolve_sft(exp, FLAGS.workdir)
     engine, watcher = build_engine(exp, sft_cfg, FLAGS.workdir)
-    api = create_app(engine, tokenizer=None, model_name=f"policy-{exp.rl.task}", on_metrics=watcher.metrics)
+    api = create_app(engine, tokenizer=None, model_name=f"policy-{exp.rl.task}", on_metrics=watcher.metrics,
+                     api_key=resolve_api_key())
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # a restart takes the same port at once
     sock.bind((FLAGS.host, FLAGS.port))

@@ -1,4 +1,5 @@
 """python -m glm5_jax.serve --checkpoint=DIR [--tokenizer=PATH] [--port=8000] [--max_batch=8] [--max_seq_len=2048]
+                         [--api_key=KEY]
 
 Serves an orbax checkpoint (a train.py workdir, its checkpoints/ folder or a converter output) over
 the HTTP API of `glm5_jax.serve.api`, on loopback by default. With --reload_interval_s > 0, newer
@@ -25,6 +26,12 @@ flags.DEFINE_string("model_name", None, "Model id reported by the API (default: 
 flags.DEFINE_float("reload_interval_s", 0.0, "Poll for newer committed steps this often (0: never).")
 flags.DEFINE_string("policy_workdir", None, "Reload from this RL run's policy versions instead of --checkpoint.")
 flags.DEFINE_integer("prefill_chunk", 4096, "Prompt tokens per prefill call (0 = a whole prompt per call).")
+flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on every endpoint but /health "
+                    "(default: the GLM5_API_KEY environment variable; neither: no key).")
+flags.DEFINE_integer("profile_start", 10, "First engine step (admit + decode round) of a profiler trace.")
+flags.DEFINE_integer("profile_steps", 0, "Trace this many engine steps with jax.profiler (0: no trace).")
+flags.DEFINE_string("profile_dir", None, "Where the trace goes (plugins/profile/ under it; TensorBoard's / "
+                    "XProf's --logdir). Default: ./serve_profile.")
 flags.DEFINE_multi_integer("warmup_prompt_len", [1], "Compile the prefill for these prompt lengths before serving.")
 
 
@@ -40,9 +47,11 @@ def main(argv):
     from glm5_jax.checkpoint.inference import cast_variables, checkpoint_tokenizer, load_for_inference
     from glm5_jax.data.tokenizer import load_tokenizer
     from glm5_jax.serve.api import create_app
+    from glm5_jax.serve.auth import resolve_api_key
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
     from glm5_jax.serve.text import ChatTemplate
+    from glm5_jax.train.profiler import StepProfiler
 
     tokenizer_path = FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -51,7 +60,9 @@ def main(argv):
         cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)
     engine = Engine(cfg, variables, max_batch=FLAGS.max_batch, max_seq_len=FLAGS.max_seq_len,
                     eos_ids=set(cfg.eos_token_id) | {tokenizer.eos_id}, weights_version=step,
-                    prefill_chunk=FLAGS.prefill_chunk)
+                    prefill_chunk=FLAGS.prefill_chunk,
+                    profiler=StepProfiler(FLAGS.profile_dir or "serve_profile", FLAGS.profile_start,
+                                          FLAGS.profile_steps, name="serve_step"))
     engine.warmup(FLAGS.warmup_prompt_len)
     engine.start()
     watcher = None
@@ -62,7 +73,7 @@ def main(argv):
                                  FLAGS.reload_interval_s).start()
     name = FLAGS.model_name or os.path.basename(os.path.abspath(FLAGS.checkpoint))
     api = create_app(engine, tokenizer, name, ChatTemplate.for_tokenizer(tokenizer_path),
-                     on_metrics=watcher.metrics if watcher else None)
+                     on_metrics=watcher.metrics if watcher else None, api_key=resolve_api_key(FLAGS.api_key))
     sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((FLAGS.host, FLAGS.port))

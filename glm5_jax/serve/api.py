@@ -1,13 +1,16 @@
 """The HTTP API over an `Engine`: OpenAI-compatible completions and chat completions, token in / token out.
 
-    POST /v1/completions         prompt (text or ids), stream, logprobs, stop, max_tokens, n, seed, ...
+    POST /v1/completions         prompt (text or ids, or a list of either), stream, logprobs, stop, max_tokens,
+                                 n, seed, echo (with logprobs: the prompt tokens' log-probs, as lm-eval's
+                                 loglikelihood requests use with max_tokens=0 or 1), ...
     POST /v1/chat/completions    messages rendered with the tokenizer's chat template
     POST /v1/tokens              prompt_ids -> token ids + per-token logprobs (+ weights version);
                                  min_weights_version holds the request until those weights are served
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Errors come back as ``{"error": {"message", "type", "param", "code"}}`` with status 400 for a bad request
-(validation messages name the field), 404/405 for a wrong route, 503 once the engine has failed.
+(validation messages name the field), 404/405 for a wrong route, 503 once the engine has failed, and 401
+without the API key when one is set (`glm5_jax.serve.auth`; /health stays open).
 A client that disconnects cancels its requests, which frees their slots at the next step.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from glm5_jax.serve.auth import require_api_key
 from glm5_jax.serve.engine import Engine, Request, RequestError, Token
 from glm5_jax.serve.metrics import prometheus_text
 from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, TokenRequest
@@ -68,9 +72,11 @@ class _Streams:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_template: ChatTemplate | None = None,
-               on_metrics=None) -> FastAPI:
-    """The FastAPI app. `on_metrics()` may add extra gauges (dict) to /metrics."""
+               on_metrics=None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app. `on_metrics()` may add extra gauges (dict) to /metrics; with `api_key` every
+    endpoint but /health needs ``Authorization: Bearer <api_key>``."""
     app = FastAPI(title="glm5_jax serve")
+    require_api_key(app, api_key)
     template = chat_template or ChatTemplate()
 
     @app.exception_handler(RequestValidationError)
@@ -117,12 +123,13 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id])
 
-    def build(prompt_ids, body, max_tokens, num_top, stream: TextStream | None, copy: int) -> Request:
+    def build(prompt_ids, body, max_tokens, num_top, stream: TextStream | None, copy: int,
+              prompt_logprobs: bool = False) -> Request:
         seed = None if body.seed is None else body.seed + copy
         return Request(prompt_ids, max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                        seed=seed, num_top=num_top, stop_check=stream.stop_check() if stream else None,
                        stop_ids=frozenset(getattr(body, "stop_token_ids", ())),
-                       ignore_eos=getattr(body, "ignore_eos", False))
+                       ignore_eos=getattr(body, "ignore_eos", False), prompt_logprobs=prompt_logprobs)
 
     async def run_all(http: HttpRequest, streams: _Streams, requests: list[Request]):
         """Submit, then yield (index, Token | None) until every request finished; cancel on disconnect."""
@@ -158,15 +165,22 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
 
     # ---- /v1/completions ----
 
-    def completion_logprobs(tokens: list[Token], offset: int) -> dict:
+    def completion_logprobs(tokens: list[Token], offset: int, echoed: list[int] | None = None,
+                            echoed_scores: list[Token | None] | None = None) -> dict:
+        """OpenAI's legacy logprobs: per token its text, log-prob, top alternatives {text: log-prob} and
+        character offset. With `echoed` (prompt ids) those come first; the first prompt token has no
+        log-prob (null), and a prompt that was not scored has null log-probs throughout."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t in tokens:
-            s = token_text(t.id)
+        entries = [(i, echoed_scores[k] if echoed_scores else None) for k, i in enumerate(echoed or [])]
+        for token_id, t in entries + [(t.id, t) for t in tokens]:
+            s = token_text(token_id)
             out["tokens"].append(s)
-            out["token_logprobs"].append(t.logprob)
-            top = {}
-            for i, lp in t.top:              # ids that decode alike keep the best log-prob
-                top.setdefault(token_text(i), lp)
+            out["token_logprobs"].append(None if t is None else t.logprob)
+            top = None
+            if t is not None:
+                top = {}
+                for i, lp in t.top:              # ids that decode alike keep the best log-prob
+                    top.setdefault(token_text(i), lp)
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(s)
@@ -179,14 +193,20 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
             prompts = body.prompts()
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if body.completion_tokens == 0 and not body.echo:
+            raise RequestError("max_tokens=0 generates nothing: it needs echo=true (the prompt's log-probs)")
+        if body.echo and body.stream:
+            raise RequestError("echo=true is not supported with stream=true")
         prompt_ids = [encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        streams, requests, texts = _Streams(), [], []
-        for ids in prompt_ids:
+        streams, requests, texts, echoes = _Streams(), [], [], []
+        for prompt, ids in zip(prompts, prompt_ids):
             for copy in range(body.n):
                 text = TextStream(tokenizer, body.stop)
-                request = build(ids, body, body.max_tokens or 16, body.logprobs or 0, text, copy)
+                request = build(ids, body, body.completion_tokens, body.logprobs or 0, text, copy,
+                                prompt_logprobs=body.scores_prompt)
                 requests.append(streams.attach(len(requests), request))
                 texts.append(text)
+                echoes.append(prompt if isinstance(prompt, str) else tokenizer.decode(ids))
         for r in requests:
             engine.validate(r)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -217,9 +237,13 @@ def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_templat
         check_alive()
         choices = []
         for i, (r, text) in enumerate(zip(requests, texts)):
-            choices.append({"index": i, "text": text.full_text([t.id for t in r.tokens])[0],
-                            "logprobs": completion_logprobs(r.tokens, 0) if body.logprobs is not None else None,
-                            "finish_reason": r.finish_reason})
+            completion = text.full_text([t.id for t in r.tokens])[0]
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = (completion_logprobs(r.tokens, 0, r.prompt, r.prompt_scores) if body.echo
+                            else completion_logprobs(r.tokens, 0))
+            choices.append({"index": i, "text": echoes[i] + completion if body.echo else completion,
+                            "logprobs": logprobs, "finish_reason": r.finish_reason})
         return {**head, "choices": choices, "usage": usage(requests)}
 
     # ---- /v1/chat/completions ----

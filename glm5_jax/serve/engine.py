@@ -13,6 +13,10 @@ program has a fixed shape. A background thread repeats:
 3. hand each new token to its request, finish requests on a stop id, a stop check, ``max_tokens`` or a
    cancel, and free their slots between steps.
 
+A request with ``prompt_logprobs`` is prefilled by a program that also scores every prompt token (its
+log-probability given the tokens before it, and the top alternatives) from the same forward; it reuses no
+cached prefix, so every position is scored, and with ``max_tokens=0`` it ends after the prefill.
+
 A freed slot keeps its rows and the token ids they hold, so a later request that extends them (the next
 turn of a conversation, or n samples of one prompt) only prefills what is new. Slots are evicted least
 recently used first. New weights (`set_variables`) are swapped in between steps; cached prefixes computed
@@ -38,6 +42,7 @@ from glm5_jax.model.transformer import Transformer
 from glm5_jax.serve import cache_rows
 from glm5_jax.serve.model_step import decode_logits
 from glm5_jax.serve.sampling import sample_rows
+from glm5_jax.train.profiler import StepProfiler
 
 NUM_TOP_LOGPROBS = 20          # alternatives computed per token (OpenAI allows up to 20)
 MIN_PREFILL_BUCKET = 16
@@ -67,10 +72,12 @@ class Request:
     num_top: int = 0
     ignore_eos: bool = False                  # True: only stop_ids end the request, not the model's EOS ids
     stop_check: Callable[[list[int]], bool] | None = None   # True: stop after this token (e.g. a stop string)
+    prompt_logprobs: bool = False             # score the prompt's tokens (then max_tokens may be 0)
     on_token: Callable[[Token], None] | None = None
     on_finish: Callable[["Request"], None] | None = None
     # filled in by the engine
     tokens: list[Token] = dataclasses.field(default_factory=list)
+    prompt_scores: list[Token | None] = dataclasses.field(default_factory=list)  # per prompt token; None first
     finish_reason: str | None = None          # "stop", "length" or "abort"
     cached_tokens: int = 0                    # prompt tokens reused from the prefix cache
     weights_version: int | None = None
@@ -106,7 +113,7 @@ class Engine:
 
     def __init__(self, cfg, variables, *, max_batch: int = 8, max_seq_len: int = 1024, eos_ids=(),
                  cache_dtype=None, weights_version: int = 0, prefill_buckets=None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, profiler: StepProfiler | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         if prefill_chunk < 0:
@@ -129,6 +136,9 @@ class Engine:
         self._thread = None
         self._stop = False
         self.error: BaseException | None = None
+        # traces engine steps (one admit + decode round each, counted from start) when enabled
+        self.profiler = profiler or StepProfiler("", 0, 0)
+        self.steps_run = 0
         self.stats = collections.Counter()        # prompt_tokens, cached_tokens, generated_tokens, requests
         self._recent = collections.deque()        # (time, tokens) of recent steps, for tokens/s
         # prompt chunks are padded to one of these lengths (one compiled prefill each)
@@ -149,8 +159,8 @@ class Engine:
         if n >= self.max_seq_len:
             raise RequestError(f"the prompt has {n} tokens; this server's context is {self.max_seq_len} tokens "
                                f"(prompt + completion), so prompts must be shorter than that")
-        if request.max_tokens < 1:
-            raise RequestError(f"max_tokens={request.max_tokens}: must be >= 1")
+        if request.max_tokens < (0 if request.prompt_logprobs else 1):
+            raise RequestError(f"max_tokens={request.max_tokens}: must be >= 1 (0 only when scoring the prompt)")
         if n + request.max_tokens > self.max_seq_len:
             raise RequestError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
                                f"{self.max_seq_len} tokens")
@@ -236,11 +246,14 @@ class Engine:
                         for slot in self._slots:
                             if slot.request is None:
                                 slot.tokens = []
-                self._drop_cancelled()
-                self._admit()
-                active = [s for s in self._slots if s.request is not None]
-                if active:
-                    self._decode_step(active)
+                with self.profiler.step(self.steps_run):
+                    self._drop_cancelled()
+                    self._admit()
+                    active = [s for s in self._slots if s.request is not None]
+                    if active:
+                        self._decode_step(active)
+                self.profiler.after_step(self.steps_run, self._cache)
+                self.steps_run += 1
         except BaseException as e:   # fail every request rather than hang its client
             self.error = e
             for slot in self._slots:
@@ -254,6 +267,8 @@ class Engine:
                 if request.on_finish:
                     request.on_finish(request)
             raise
+        finally:
+            self.profiler.stop()
 
     def _drop_cancelled(self):
         for slot in self._slots:
@@ -277,7 +292,7 @@ class Engine:
                 if not free or not self._waiting:
                     return
                 request = self._waiting.popleft()
-            slot, reuse = self._choose_slot(request.prompt, free)
+            slot, reuse = self._choose_slot(request.prompt, free, reuse_prefix=not request.prompt_logprobs)
             request.weights_version = self.weights_version
             request.cached_tokens = reuse
             self.stats["requests"] += 1
@@ -287,10 +302,15 @@ class Engine:
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
             slot.key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
             token = self._run_prefill(slot, request.prompt, reuse, request)
-            self._emit(slot, token)
+            if request.max_tokens == 0:          # prompt scoring only
+                self._finish(slot, "length")
+            else:
+                self._emit(slot, token)
 
-    def _choose_slot(self, prompt: list[int], free: list[_Slot]) -> tuple[_Slot, int]:
+    def _choose_slot(self, prompt: list[int], free: list[_Slot], reuse_prefix: bool = True) -> tuple[_Slot, int]:
         """(slot to run in, number of prompt tokens whose rows it already holds)."""
+        if not reuse_prefix:
+            return min(free, key=lambda s: (s.last_used, s.index)), 0
         best, best_len = None, 0
         for slot in self._slots:
             n = _common_prefix(slot.tokens, prompt)
@@ -314,19 +334,35 @@ class Engine:
         """Write prompt[start:]'s rows into the slot, at most ``prefill_chunk`` tokens per call (each call
         padded to a bucket), and sample the first token from the last call's logits."""
         key_data = slot.key_data if slot.key_data is not None else np.zeros(2, np.uint32)
+        n = len(prompt)
+        scores = [None] * n if request.prompt_logprobs else None
         out = None
-        while out is None or start < len(prompt):
-            end = min(start + self.prefill_chunk, len(prompt))
+        while out is None or start < n:
+            end = min(start + self.prefill_chunk, n)
             T = self._bucket(end - start)
             start = min(start, self.max_seq_len + 1 - T)  # the padded chunk must fit in the slot's row
             chunk = np.zeros((1, T), np.int32)
             chunk[0, :end - start] = prompt[start:end]
-            self._cache, out = self._prefill(
-                self.variables, self._cache, np.int32(slot.index), chunk, np.int32(start), np.int32(end - start),
-                np.float32(request.temperature), np.float32(request.top_p), np.int32(request.top_k), key_data,
-                np.int32(0))
+            args = (self.variables, self._cache, np.int32(slot.index), chunk, np.int32(start), np.int32(end - start),
+                    np.float32(request.temperature), np.float32(request.top_p), np.int32(request.top_k), key_data,
+                    np.int32(0))
+            if scores is None:
+                self._cache, out = self._prefill(*args)
+            else:
+                # position p scores prompt[p + 1], the token after it (the last position has none)
+                targets = np.zeros((1, T), np.int32)
+                targets[0, :end - start - 1] = prompt[start + 1:end]
+                if end < n:
+                    targets[0, end - start - 1] = prompt[end]
+                self._cache, (out, scored) = self._prefill(*args, targets)
+                for p, token in enumerate(_tokens_from(*jax.device_get(scored)), start):
+                    if p + 1 < min(end + 1, n):
+                        token.top = token.top[:request.num_top]
+                        scores[p + 1] = token
             start = end
         slot.tokens = list(prompt)
+        if scores is not None:
+            request.prompt_scores = scores
         return _tokens_from(*jax.device_get(out))[0]
 
     def _decode_step(self, active: list[_Slot], dry: bool = False):
@@ -400,18 +436,30 @@ def _tokens_from(token_B, logprob_B, top_ids_BK, top_logp_BK) -> list[Token]:
 
 
 def _prefill(model, num_top, variables, cache, slot, chunk_1T, start, n_real, temperature, top_p, top_k, key_data,
-             index):
-    """Run a slot's prompt chunk at positions start.. and sample from the last real token's logits."""
+             index, targets_1T=None):
+    """Run a slot's prompt chunk at positions start.. and sample from the last real token's logits.
+
+    With ``targets_1T`` (the token after each chunk position) the outputs are (sample, scores): scores are
+    (log-prob of each target [T], top ids [T, num_top], top log-probs [T, num_top]) under the model's
+    untempered distribution at each position.
+    """
     T = chunk_1T.shape[1]
     positions = start + jnp.arange(T, dtype=jnp.int32)[None]
     segments = (jnp.arange(T)[None] < n_real).astype(jnp.int32)
     last_index = jnp.reshape(n_real - 1, (1, 1)).astype(jnp.int32)
+    logits_at = last_index if targets_1T is None else jnp.arange(T, dtype=jnp.int32)[None]
     logits, row = decode_logits(model, variables, chunk_1T, positions, segments, cache_rows.read_row(cache, slot),
-                                logits_at=last_index)
+                                logits_at=logits_at)
     cache = cache_rows.write_row(cache, row, slot)
-    last = logits[0]                                                     # [1, V]: the last real token's
+    last = jnp.take(logits[0], last_index[0], axis=0) if targets_1T is not None else logits[0]  # [1, V]
     out = sample_rows(last, temperature[None], top_p[None], top_k[None], key_data[None], index[None], num_top)
-    return cache, out
+    if targets_1T is None:
+        return cache, out
+    logp_TV = jax.nn.log_softmax(logits[0].astype(jnp.float32))
+    target_logp = jnp.take_along_axis(logp_TV, targets_1T[0][:, None], axis=1)[:, 0]
+    top_logp, top_ids = jax.lax.top_k(logp_TV, num_top)
+    return cache, (out, (targets_1T[0], target_logp, top_ids.astype(jnp.int32), top_logp))
+
 
 
 def _decode(model, num_top, variables, cache, tokens_B, positions_B, temperature_B, top_p_B, top_k_B,

@@ -46,16 +46,18 @@ class TextSampling(Sampling):
 
 class CompletionRequest(TextSampling):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: int | None = Field(16, ge=1)          # null: 16, as OpenAI
+    max_tokens: int | None = Field(16, ge=0)          # null: 16, as OpenAI; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False                                # the prompt comes back before the completion
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo=true is not supported")
-        return v
+    @property
+    def completion_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's tokens are scored: echo with logprobs (or with nothing to generate)."""
+        return self.echo and (self.logprobs is not None or self.completion_tokens == 0)
 
     def prompts(self) -> list:
         """The prompts as a list, each a string or a list of token ids."""

@@ -4,7 +4,9 @@ A data-parallel front for several `glm5_jax.serve` processes: the same HTTP API,
 to one replica chosen by `glm5_jax.serve.routing.RoutingTable` (session / prefix affinity, else the least
 loaded). A replica that refuses connections or fails /health is marked dead and skipped until a health
 check sees it again; a request whose replica fails before answering is retried on another one.
-The replica that served a request is named in the ``x-replica`` response header.
+The replica that served a request is named in the ``x-replica`` response header. With --api_key (or
+GLM5_API_KEY) the router asks clients for the key, and it forwards the client's Authorization header
+to the replicas, which check the same key.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 
 from glm5_jax.serve.api import error_response
+from glm5_jax.serve.auth import require_api_key, resolve_api_key
 from glm5_jax.serve.metrics import prometheus_text
 from glm5_jax.serve.routing import RoutingTable, prompt_items
 
@@ -26,7 +29,7 @@ FORWARDED = ("/v1/completions", "/v1/chat/completions", "/v1/tokens")
 
 
 def create_router(replicas: list[str], health_interval_s: float = 1.0, timeout_s: float = 600.0,
-                  policy: str = "affinity") -> FastAPI:
+                  policy: str = "affinity", api_key: str | None = None) -> FastAPI:
     replicas = [r.rstrip("/") for r in replicas]
     table = RoutingTable(len(replicas), policy=policy)
     state = {}
@@ -54,6 +57,12 @@ def create_router(replicas: list[str], health_interval_s: float = 1.0, timeout_s
         await state["client"].aclose()
 
     api = FastAPI(title="glm5_jax serve router", lifespan=lifespan)
+    require_api_key(api, api_key)
+
+    def auth_header(http: HttpRequest) -> dict:
+        """The client's credentials, passed on to a replica."""
+        value = http.headers.get("authorization")
+        return {"authorization": value} if value else {}
 
     @api.get("/health")
     async def health():
@@ -69,10 +78,10 @@ def create_router(replicas: list[str], health_interval_s: float = 1.0, timeout_s
         return PlainTextResponse(prometheus_text(values))
 
     @api.get("/v1/models")
-    async def models():
+    async def models(http: HttpRequest):
         for i in range(len(replicas)):
             if table.alive[i]:
-                r = await state["client"].get(replicas[i] + "/v1/models")
+                r = await state["client"].get(replicas[i] + "/v1/models", headers=auth_header(http))
                 return Response(r.content, r.status_code, media_type="application/json")
         return error_response(503, "no live replica", kind="server_error")
 
@@ -85,7 +94,7 @@ def create_router(replicas: list[str], health_interval_s: float = 1.0, timeout_s
         body = body if isinstance(body, dict) else {}
         items = prompt_items(path, body)
         session = http.headers.get("x-session-id") or body.get("session_id") or body.get("user")
-        headers = {"content-type": http.headers.get("content-type", "application/json")}
+        headers = {"content-type": http.headers.get("content-type", "application/json"), **auth_header(http)}
         tried = set()
         while True:
             replica = table.choose(items, session, exclude=tried)
@@ -137,6 +146,7 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_float("health_interval_s", 1.0, "Seconds between replica health checks.")
 flags.DEFINE_enum("policy", "affinity", ["affinity", "round_robin"], "Routing policy (see routing.py).")
+flags.DEFINE_string("api_key", None, "Require this key from clients (default: GLM5_API_KEY); it is forwarded.")
 
 
 def main(argv):
@@ -145,7 +155,8 @@ def main(argv):
 
     if not FLAGS.replicas:
         raise app.UsageError("give --replicas=URL,URL,...")
-    router = create_router(FLAGS.replicas, FLAGS.health_interval_s, policy=FLAGS.policy)
+    router = create_router(FLAGS.replicas, FLAGS.health_interval_s, policy=FLAGS.policy,
+                           api_key=resolve_api_key(FLAGS.api_key))
     uvicorn.run(router, host=FLAGS.host, port=FLAGS.port, log_level="warning")
 
 

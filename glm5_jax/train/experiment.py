@@ -66,6 +66,10 @@ class TrainConfig:
     # TPU compiler flags by name (glm5_jax/train/tpu_flags.py): "collective_overlap" runs collectives inside
     # the compute around them; "none" keeps libtpu's defaults. Applied by train.py before libtpu starts.
     tpu_flags: str = "collective_overlap"
+    # jax.profiler trace of steps [profile_start, profile_start + profile_steps) (0-based step indices) into
+    # <workdir>/tb/plugins/profile/, for TensorBoard's profile plugin / XProf; profile_steps=0: no trace
+    profile_start: int = 10
+    profile_steps: int = 0
 
     def validate(self):
         if self.stage not in STAGES:
@@ -78,6 +82,9 @@ class TrainConfig:
             raise ValueError(f"train.mu_dtype={self.mu_dtype!r}: must be None, 'float32' or 'bfloat16'")
         if (self.init_keep_optimizer or self.init_keep_step) and not self.init_from:
             raise ValueError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
+        if self.profile_start < 0 or self.profile_steps < 0:
+            raise ValueError(f"train.profile_start={self.profile_start}, train.profile_steps={self.profile_steps}: "
+                             "must be >= 0")
         for f in ("steps", "grad_accum", "log_every", "eval_every", "checkpoint_every", "max_to_keep"):
             if getattr(self, f) < 1:
                 raise ValueError(f"train.{f}={getattr(self, f)}: must be >= 1")
@@ -168,16 +175,34 @@ def _parse(raw: str, annotation):
 
 
 def apply_overrides(cfg, overrides: list[str]):
-    """Return `cfg` with each ``a.b.c=value`` applied (typed, validated)."""
+    """Return `cfg` with each ``a.b.c=value`` applied (typed). Every override is parsed first and each
+    config object is then rebuilt once with all of its changes, so it is validated once, with every
+    override in place: fields that must agree (model.quant and model.quant_group_size) may be set in any
+    order. A key set twice takes its last value."""
+    changes: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
-        cfg = _replace_path(cfg, key.strip().split("."), raw, key, "")
-    return cfg
+        path, value = _resolve_path(cfg, key.strip().split("."), raw, key, "")
+        node = changes
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = value
+    return _apply_changes(cfg, changes)
 
 
-def _replace_path(obj, path, raw, full_key, prefix):
+def _apply_changes(obj, changes: dict):
+    """`obj` with `changes` ({field: value, or {sub-field: ...} for a nested config}): one replace per object."""
+    if not changes:
+        return obj
+    return dataclasses.replace(obj, **{name: _apply_changes(getattr(obj, name), value) if isinstance(value, dict)
+                                       and dataclasses.is_dataclass(getattr(obj, name)) else value
+                                       for name, value in changes.items()})
+
+
+def _resolve_path(obj, path, raw, full_key, prefix) -> tuple[tuple[str, ...], Any]:
+    """(field names from `obj` down to the field that `path` names, moved fields followed, and its typed value)."""
     fields = {f.name: f for f in dataclasses.fields(obj)}
     name = path[0]
     moved_to = getattr(type(obj), "MOVED_FIELDS", {}).get(name)
@@ -185,7 +210,7 @@ def _replace_path(obj, path, raw, full_key, prefix):
     if removed is not None:
         raise ValueError(f"--set {full_key}: {name!r} was removed: {removed}")
     if name not in fields and moved_to is not None:       # e.g. model.attention_impl -> model.runtime.attention_impl
-        return _replace_path(obj, [moved_to, *path], raw, full_key, prefix)
+        return _resolve_path(obj, [moved_to, *path], raw, full_key, prefix)
     if name not in fields:
         valid = ", ".join(prefix + n for n in _field_names(obj))
         raise ValueError(f"--set {full_key}: unknown key {name!r}; valid keys: {valid}")
@@ -193,8 +218,8 @@ def _replace_path(obj, path, raw, full_key, prefix):
     if len(path) > 1:
         if not dataclasses.is_dataclass(current):
             raise ValueError(f"--set {full_key}: {name!r} has no sub-keys")
-        return dataclasses.replace(obj, **{name: _replace_path(current, path[1:], raw, full_key,
-                                                               f"{prefix}{name}.")})
+        sub_path, value = _resolve_path(current, path[1:], raw, full_key, f"{prefix}{name}.")
+        return (name, *sub_path), value
     if dataclasses.is_dataclass(current):
         valid = ", ".join(f"{prefix}{name}.{n}" for n in _field_names(current))
         raise ValueError(f"--set {full_key}: {name!r} is a group; set one of its keys: {valid}")
@@ -203,4 +228,4 @@ def _replace_path(obj, path, raw, full_key, prefix):
         value = _parse(raw, hints[name])
     except ValueError as e:
         raise ValueError(f"--set {full_key}={raw}: {e}") from None
-    return dataclasses.replace(obj, **{name: value})
+    return (name,), value

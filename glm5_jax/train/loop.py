@@ -14,6 +14,7 @@ from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
 from glm5_jax.data import build_data_pipeline
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.train.init_from import initial_state, reuse_tokenizer
+from glm5_jax.train.profiler import StepProfiler
 from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.train")
@@ -114,9 +115,12 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     last = {}
     end = exp_cfg.train.steps if max_steps is None else min(exp_cfg.train.steps, start + max_steps)
     t_last, steps_since = time.perf_counter(), 0
+    profiler = StepProfiler(os.path.join(workdir, "tb"), train.profile_start, train.profile_steps)
     for step in range(start, end):
         batch = trainer.put_batch(next(train_iter))
-        state, metrics = trainer.step(state, batch)
+        with profiler.step(step):
+            state, metrics = trainer.step(state, batch)
+        profiler.after_step(step, metrics)
         steps_since += 1
         done = step + 1
         if done % exp_cfg.train.log_every == 0 or done == end:
@@ -137,7 +141,21 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
             t_last, steps_since = time.perf_counter(), 0
         if done % exp_cfg.train.checkpoint_every == 0 or done == end:
             ckpt.save(done, state, train_iter, {"step": done, "config": config_as_json(exp_cfg)})
+    profiler.stop()
     ckpt.wait()
     ckpt.close()
     writer.close()
+    if is_main and end == exp_cfg.train.steps:
+        log.info("%s", finished_message(workdir, end))
     return last
+
+
+def finished_message(workdir: str, step: int) -> str:
+    """Where the finished run's checkpoint is and what to run on it next."""
+    return "\n".join([
+        f"done: step {step} is checkpointed in {os.path.join(workdir, 'checkpoints', str(step))}",
+        "next:",
+        f"  python -m glm5_jax.generate --checkpoint={workdir} --prompt='def main(' --max_new_tokens=64",
+        f"  python -m glm5_jax.serve --checkpoint={workdir} --port=8000    # OpenAI-compatible API",
+        f"  tensorboard --logdir={os.path.join(workdir, 'tb')}    # pip install -r requirements-profile.txt",
+    ])

@@ -151,3 +151,17 @@ def test_optimizer_reset_on_publish(setup, tmp_path):
     assert int(adam.count) == 0 and meta["version"] == 2
     assert all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves(adam.mu))
     assert _sha(restored) != _sha(variables)
+
+
+def test_profile_option_traces_the_chosen_update(setup, tmp_path):
+    """rl.profile_start=1, rl.profile_steps=1: only the second update is traced, into <workdir>/tb."""
+    import glob
+
+    from tests.train.test_profiler import traced_steps
+
+    exp, variables, batches = setup
+    learner = _start_run(tmp_path, exp, variables, {o: batches[o] for o in (0, 1)}, num_versions=2,
+                         profile_start=1, profile_steps=1)
+    learner.run()
+    traces = glob.glob(str(tmp_path / "tb" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1 and traced_steps(traces[0], "rl_update") == [1]

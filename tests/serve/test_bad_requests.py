@@ -25,7 +25,7 @@ CASES = [
     ("POST", C, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("POST", C, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ("POST", C, {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("POST", C, {"prompt": "a", "echo": True}, 400, "echo"),
+    ("POST", C, {"prompt": "a", "echo": True, "stream": True}, 400, "echo"),
     ("POST", C, {"prompt": "", "max_tokens": 2}, 400, "empty"),
     ("POST", C, {"prompt": [3, 99999]}, 400, "token ids"),
     ("POST", C, {"prompt": [3] * MAX_SEQ_LEN}, 400, "context"),

@@ -134,3 +134,28 @@ def test_reload_follows_an_rl_runs_policy_versions(engine, tmp_path):
     (want, _), = greedy_reference([prompt], 6, new)
     assert _ids(engine.generate(Request(prompt, 6, temperature=0.0), timeout=60)) == want
     engine.set_variables(init_variables(SERVE_CFG), 0)
+
+
+def test_a_profiled_engine_traces_the_chosen_steps(tmp_path):
+    """--profile_start=1 --profile_steps=2: engine steps 1 and 2 (admit + decode rounds) are traced,
+    and their ops are the serving programs' (prefill, decode) with the model's attention scopes."""
+    import glob
+
+    from glm5_jax.cost.trace_categories import hlo_op_names, op_events
+    from glm5_jax.train.profiler import StepProfiler
+    from tests.train.test_profiler import traced_steps
+
+    engine = Engine(SERVE_CFG, variables(), max_batch=2, max_seq_len=MAX_SEQ_LEN, eos_ids=eos_ids(),
+                    prefill_buckets=(32,), profiler=StepProfiler(str(tmp_path), 1, 2, name="serve_step")).start()
+    try:
+        got = engine.generate(Request([5, 6, 7, 8], 5, temperature=0.0, ignore_eos=True), timeout=120)
+    finally:
+        engine.stop()
+    assert len(got.tokens) == 5
+    traces = glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1 and traced_steps(traces[0], "serve_step") == [1, 2]
+    with open(traces[0], "rb") as f:
+        names = hlo_op_names(f.read())
+    modules = {m for m, _, _ in op_events(traces[0])}
+    assert any("_decode" in m for m in modules)
+    assert any("attention_core" in n for m in modules for n in names.get(m, {}).values())

@@ -155,3 +155,16 @@ def test_rl_policy_starts_from_the_sft_run_through_the_same_reader(dense_run):
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
     with pytest.raises(FileNotFoundError, match="no finished SFT checkpoint \\(step 5\\)"):
         load_sft_variables(small("train.steps=5"), dense_run, policy)
+
+
+def test_generate_on_a_train_workdir_logs_no_orbax_warnings(dense_run, caplog, capsys):
+    """Reading a train.py workdir (state + meta + data items) for inference asks orbax only for the
+    params: no "Item 'state' ... could not be restored" or "Metadata file does not exist" warnings."""
+    from glm5_jax.generate import __main__ as generate_cli
+
+    caplog.set_level(logging.INFO)
+    generate_cli.FLAGS(["generate", f"--checkpoint={dense_run}", "--prompt=The", "--max_new_tokens=3"])
+    generate_cli.main([])
+    assert "checkpoint step 2: " in capsys.readouterr().out
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == []

@@ -1,4 +1,5 @@
 """train.py end to end: typed --set overrides, and resume after SIGKILL with identical losses."""
+import glob
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from glm5_jax.train.experiment import apply_overrides, load_config_file
+from tests.train.test_profiler import traced_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")
@@ -22,6 +24,20 @@ def test_set_overrides_are_typed():
     assert cfg.train.steps == 5 and cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.stage == "warmup" and cfg.mesh.fsdp == -1
     assert cfg.data.source == ("stdlib", "/tmp/x.jsonl") and cfg.model.indexer_types == ("full", "shared")
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_overrides_are_validated_together_in_any_order(order):
+    """The tiny config's 128-wide experts do not pack INT4 with the default group of 32 (8 groups per
+    chunk): quant=int4_qat alone fails, with quant_group_size=16 it holds, whichever comes first."""
+    tiny = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    pair = ["model.quant=int4_qat", "model.quant_group_size=16"]
+    cfg = apply_overrides(tiny, pair if order == 0 else pair[::-1])
+    assert (cfg.model.quant, cfg.model.quant_group_size) == ("int4_qat", 16)
+    cfg.validate()
+    with pytest.raises(ValueError, match="quant_group_size=32 per chunk: must be a multiple of 256"):
+        apply_overrides(tiny, pair[:1])
+    assert apply_overrides(tiny, ["train.steps=3", "train.steps=4"]).train.steps == 4     # the last one wins
 
 
 @pytest.mark.parametrize("override,message", [
@@ -38,9 +54,9 @@ def test_set_errors_name_the_problem(override, message):
         apply_overrides(load_config_file(CONFIG), [override])
 
 
-def _start(workdir, env):
+def _start(workdir, env, *flags):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--config={CONFIG}",
-                             f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             f"--workdir={workdir}", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -63,9 +79,12 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    proc = _start(reference, env)
+    # the reference run also takes a profiler trace of steps 2 and 3 (it changes no number)
+    proc = _start(reference, env, "--set=train.profile_start=2", "--set=train.profile_steps=2")
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
+    traces = glob.glob(str(reference / "tb" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1 and traced_steps(traces[0]) == [2, 3]
 
     # kill right after the step-4 checkpoint commits ...
     proc = _start(killed, env)
@@ -81,7 +100,11 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     assert "resumed from step" in out
+    # the run ends saying where its checkpoint is and what to run next
+    assert f"done: step 8 is checkpointed in {killed / 'checkpoints' / '8'}" in out
+    assert f"python -m glm5_jax.generate --checkpoint={killed}" in out
 
     expected = _losses(reference)
     assert sorted(expected) == list(range(1, 9))
     assert _losses(killed) == expected            # bit-identical losses, every step logged exactly once
+    assert not os.path.exists(killed / "tb" / "plugins")      # profiling off: no trace
