@@ -31,6 +31,7 @@ from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
 from glm5_jax.hf.config import config_from_hf, config_to_hf
+from glm5_jax.hf.layout import DEEPSEEK_MODEL_TYPES, empty_shared_experts, mtp_copies
 from glm5_jax.hf.safetensors_io import DTYPES
 from glm5_jax.model.config import ModelConfig
 
@@ -171,9 +172,18 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
     if extra:
         raise CheckpointError(f"{found.item_dir}: unexpected leaves {['/'.join(e) for e in extra[:5]]}")
 
-    tensors, out_dtypes = [], {}
+    out_dtypes = {leaf.name: _out_dtype(leaf, stored[(leaf.collection,) + leaf.path][1], hf_dtypes, dtype)
+                  for leaf in plan}
+    head_dtype = out_dtypes["params/lm_head"]
+    hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name, fp8)
+    if int4:
+        hf["quantization_config"] = int4_layout.quantization_config(group)
+    # main key -> the MTP layer's copy, which DeepSeek-V3.x checkpoints carry (written right after the main one)
+    copies = {main: copy for copy, main in mtp_copies(cfg)} if hf["model_type"] in DEEPSEEK_MODEL_TYPES else {}
+    empty = empty_shared_experts(cfg)          # as transformers saves n_shared_experts=0 (written last)
+
+    tensors = []
     for leaf in plan:
-        out_dtypes[leaf.name] = _out_dtype(leaf, stored[(leaf.collection,) + leaf.path][1], hf_dtypes, dtype)
         for key in leaf.hub_keys():
             if int4 and int4_layout.is_packed(key):
                 tensors += int4_layout.tensor_specs(key, leaf.hub_shape, group, cfg.quant_scale_dtype)
@@ -182,11 +192,10 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
                 tensors.append((scale_key(key), np.dtype(np.float32), fp8_layout.scale_shape(leaf.hub_shape)))
             else:
                 tensors.append((key, out_dtypes[leaf.name], leaf.hub_shape))
+                if key in copies:
+                    tensors.append((copies[key], out_dtypes[leaf.name], leaf.hub_shape))
+    tensors += [(key, head_dtype, shape) for key, shape in empty]
     layout = ShardLayout(tensors, max_shard)
-    head_dtype = out_dtypes["params/lm_head"]
-    hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name, fp8)
-    if int4:
-        hf["quantization_config"] = int4_layout.quantization_config(group)
 
     progress = Progress("orbax-to-hf", layout.total_size, stream)
     with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
@@ -210,8 +219,11 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
                         progress.advance(w8.nbytes + scale.nbytes)
                     else:
                         w = np.asarray(w, out_dtypes[leaf.name])
-                        writer.write(key, w)
-                        progress.advance(w.nbytes)
+                        for name in (key, copies[key]) if key in copies else (key,):
+                            writer.write(name, w)
+                            progress.advance(w.nbytes)
                 del array
+        for key, shape in empty:
+            writer.write(key, np.zeros(shape, head_dtype))
         writer.close()
     return progress.summary()

@@ -1,0 +1,102 @@
+"""config.json keys read as each transformers class reads them, and tensors transformers writes that carry
+no parameter of ours: tiny models saved by transformers (every weight random, norms and routing bias
+perturbed), loaded and compared with the reference's logits."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+from glm5_jax import Transformer, load_hf
+from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.hf.config import config_from_hf, config_to_hf
+from tests.model.hf_fixtures import BASE, assert_no_boundary_ties, build_hf_model, hf_logits
+
+SMALL = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+             topk_group=1)
+
+
+def _edit_config(hf_dir, **changes):
+    path = hf_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _our_logits(cfg, variables, ids):
+    return np.asarray(jax.jit(lambda v, t: Transformer(cfg).apply(v, t).logits)(variables, jnp.asarray(ids)))
+
+
+def _assert_matches_reference(model, hf_dir, ids):
+    cfg, variables = load_hf(str(hf_dir))
+    assert_no_boundary_ties(model, ids)
+    np.testing.assert_allclose(_our_logits(cfg, variables, ids), hf_logits(model, ids), atol=1e-4, rtol=0)
+    return cfg
+
+
+def test_glm_rope_interleave_keys_are_ignored_like_the_reference(tmp_path):
+    """GlmMoeDsaAttention and its indexer always apply interleaved RoPE; `false` in config.json changes nothing."""
+    model = build_hf_model("shared_index", **SMALL, index_topk_freq=2)
+    model.save_pretrained(tmp_path)
+    _edit_config(tmp_path, rope_interleave=False, indexer_rope_interleave=False)
+    ids = np.random.default_rng(0).integers(0, 300, (2, 24))
+    cfg = _assert_matches_reference(model, tmp_path, ids)
+    assert cfg.rope_interleave and cfg.indexer_rope_interleave
+    hf = config_to_hf(cfg)          # to_hf writes no key the reference ignores
+    assert "rope_interleave" not in hf and "indexer_rope_interleave" not in hf
+    assert config_from_hf(hf) == cfg.replace(bos_token_id=hf["bos_token_id"])
+    with pytest.raises(ValueError, match="attention RoPE is interleaved"):
+        config_to_hf(cfg.replace(rope_interleave=False))
+
+
+def test_deepseek_v32_ignores_index_sharing_keys_like_the_reference(tmp_path):
+    """DeepseekV32Config has no cross-layer index sharing: index_topk_freq in its config.json changes nothing."""
+    torch.manual_seed(0)
+    kwargs = {k: v for k, v in BASE.items()}
+    model = DeepseekV32ForCausalLM(DeepseekV32Config(**kwargs, **SMALL, index_topk=8)).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    _edit_config(tmp_path, index_topk_freq=2, index_skip_topk_offset=1, rope_interleave=False,
+                 indexer_rope_interleave=True)
+    ids = np.random.default_rng(1).integers(0, 300, (2, 24))
+    cfg = _assert_matches_reference(model, tmp_path, ids)
+    assert cfg.indexer_types is None and cfg.rope_interleave and not cfg.indexer_rope_interleave
+
+
+def test_zero_shared_experts_load_and_round_trip(tmp_path):
+    """n_shared_experts=0: transformers saves 0-size shared_experts tensors; they load (and add nothing), and
+    hf-to-orbax -> orbax-to-hf writes them back."""
+    from tests.convert.convert_helpers import assert_same_tensors
+
+    from glm5_jax.convert import hf_to_orbax, orbax_to_hf
+    from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
+
+    model = build_hf_model("shared_index", **SMALL, n_shared_experts=0)
+    src = tmp_path / "hf"
+    model.save_pretrained(src)
+    empty = [k for k in SafetensorsCheckpoint(str(src)).keys() if "shared_experts" in k]
+    assert len(empty) == 3 * 2 and all(0 in SafetensorsCheckpoint(str(src)).shape(k) for k in empty)
+    ids = np.random.default_rng(2).integers(0, 300, (2, 24))
+    cfg = _assert_matches_reference(model, src, ids)
+    assert cfg.n_shared_experts == 0
+    hf_to_orbax(str(src), str(tmp_path / "orbax"), dtype="float32")
+    orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "back"))
+    assert assert_same_tensors(str(src), str(tmp_path / "back")) == len(SafetensorsCheckpoint(str(src)).keys())
+    with pytest.raises(CheckpointError, match=r"shared_experts.*n_shared_experts=0 implies \[(0, 64|64, 0)\]"):
+        _resave(src, tmp_path / "bad", {empty[0]: torch.zeros(0, 32) if "down" not in empty[0] else torch.zeros(32, 0)})
+        load_hf(str(tmp_path / "bad"))
+
+
+def _resave(src, dst, changes):
+    """A copy of the checkpoint at `src` with some tensors replaced or added (one safetensors file)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = {**load_file(str(dst / "model.safetensors")), **changes}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
