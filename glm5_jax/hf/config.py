@@ -75,7 +75,8 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("config.json attention_bias=true is not supported (GLM-5 has no attention biases)")
     if hf.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"config.json moe_layer_freq={hf['moe_layer_freq']} is not supported (only 1)")
-    mlp_types = hf.get("mlp_layer_types")
+    # DeepseekV3Config has no mlp_layer_types (DeepseekV3DecoderLayer reads first_k_dense_replace)
+    mlp_types = hf.get("mlp_layer_types") if model_type != "deepseek_v3" else None
     if mlp_types is not None:
         n_dense = sum(t == "dense" for t in mlp_types)
         if list(mlp_types) != ["dense"] * n_dense + ["sparse"] * (len(mlp_types) - n_dense):
