@@ -27,7 +27,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def logits_of(cfg, variables, ids):
     from glm5_jax import Transformer
-    return np.asarray(jax.jit(lambda v, t: Transformer(cfg).apply(v, t).logits)(variables, jnp.asarray(ids)), np.float32)
+    logits = jax.jit(lambda v, t: Transformer(cfg).apply(v, t).logits)(variables, jnp.asarray(ids))
+    return np.asarray(logits, np.float32)
 
 
 def main():

@@ -175,7 +175,8 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
     out_dtypes = {leaf.name: _out_dtype(leaf, stored[(leaf.collection,) + leaf.path][1], hf_dtypes, dtype)
                   for leaf in plan}
     head_dtype = out_dtypes["params/lm_head"]
-    hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name, fp8)
+    hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name,
+                          fp8)
     if int4:
         hf["quantization_config"] = int4_layout.quantization_config(group)
     # main key -> the MTP layer's copy, which DeepSeek-V3.x checkpoints carry (written right after the main one)

@@ -100,5 +100,5 @@ def test_leaf_writer_batches_and_metadata(tmp_path):
     assert read_custom_metadata(str(tmp_path))["model_config"] == {"x": 1}
     meta = leaf_metadata(state_dir(str(tmp_path)))
     assert sorted(meta) == [("params", "block", f"w{i}") for i in range(3)]
-    np.testing.assert_array_equal(restore_leaf(state_dir(str(tmp_path)), "params", ("block", "w2"), *meta[("params", "block", "w2")]),
-                                  np.full((4, 2), 2, np.float32))
+    w2 = restore_leaf(state_dir(str(tmp_path)), "params", ("block", "w2"), *meta[("params", "block", "w2")])
+    np.testing.assert_array_equal(w2, np.full((4, 2), 2, np.float32))

@@ -24,7 +24,8 @@ CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")
 GROUP = 8            # INT4 packs 8 groups per chunk: 8 x 8 divides the expert input widths (64)
 # tests/train/small_run_config.py with expert input widths INT4 can pack, and 16 indexer heads (with 2, a key
 # whose heads are all ReLU-zero scores exactly 0 and torch / XLA break such top-k ties differently)
-RUN = ["train.async_checkpointing=False", "data.batch_size=8", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=4",
+RUN = ["train.async_checkpointing=False", "data.batch_size=8", "train.steps=4", "train.checkpoint_every=2",
+       "train.eval_every=4",
        "model.hidden_size=64", "model.moe_intermediate_size=64", "model.index_n_heads=16"]
 # the scales in fp32: compressed-tensors dequantises in the scale dtype, and q * scale is exact in fp32; the
 # dense DSA stage (no indexer KL) compiles faster, and the export does not depend on the stage

@@ -27,7 +27,8 @@ def _perturbed(model):
                 p.add_(0.1 * torch.randn_like(p))
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn_like(layer.mlp.gate.e_score_correction_bias))
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias.copy_(0.05 * torch.randn_like(bias))
     return model.eval()
 
 
@@ -132,7 +133,8 @@ def test_deepseek_mtp_embedding_and_head_copies(tmp_path, family):
     g = torch.Generator().manual_seed(1)
     for key, value in list(tensors.items()):     # the MTP block: the last (MoE) layer's tensors, perturbed
         if key.startswith(f"model.layers.{L - 1}."):
-            tensors[key.replace(f"layers.{L - 1}.", f"layers.{L}.")] = value + 0.02 * torch.randn(value.shape, generator=g)
+            noise = 0.02 * torch.randn(value.shape, generator=g)
+            tensors[key.replace(f"layers.{L - 1}.", f"layers.{L}.")] = value + noise
     mtp = f"model.layers.{L}."
     for name in ("enorm", "hnorm", "shared_head.norm"):
         tensors[f"{mtp}{name}.weight"] = 1 + 0.1 * torch.randn(d, generator=g)
