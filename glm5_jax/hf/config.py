@@ -135,6 +135,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "head_dim": cfg.qk_rope_head_dim, "hidden_act": "silu", "scoring_func": "sigmoid",
         "topk_method": "noaux_tc", "attention_bias": False, "attention_dropout": 0.0, "moe_layer_freq": 1,
         "rope_parameters": rope,
+        # transformers' GlmMoeDsa ignores both keys (always interleaved), but serving engines read them:
+        # vLLM's and SGLang's DeepSeek-V3.2 indexer take `indexer_rope_interleave` (default: half-split), as in
+        # zai-org/GLM-5's config.json. Only `true` can be written: a half-split config is refused above.
+        "rope_interleave": True, "indexer_rope_interleave": True,
         "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
         "eos_token_id": eos[0] if len(eos) == 1 else eos,
         "mlp_layer_types": ["dense"] * cfg.first_k_dense_replace + ["sparse"] * cfg.num_moe_layers,

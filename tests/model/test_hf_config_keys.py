@@ -56,8 +56,8 @@ def test_glm_rope_interleave_keys_are_ignored_like_the_reference(tmp_path):
     ids = np.random.default_rng(0).integers(0, 300, (2, 24))
     cfg = _assert_matches_reference(model, tmp_path, ids)
     assert cfg.rope_interleave and cfg.indexer_rope_interleave
-    hf = config_to_hf(cfg)          # to_hf writes no key the reference ignores
-    assert "rope_interleave" not in hf and "indexer_rope_interleave" not in hf
+    hf = config_to_hf(cfg)          # only `true`, what the reference runs (serving engines read the keys)
+    assert hf["rope_interleave"] is True and hf["indexer_rope_interleave"] is True
     assert config_from_hf(hf) == cfg.replace(bos_token_id=hf["bos_token_id"])
     with pytest.raises(ValueError, match="attention RoPE is interleaved"):
         config_to_hf(cfg.replace(rope_interleave=False))
