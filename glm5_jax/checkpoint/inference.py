@@ -1,15 +1,19 @@
-"""Load a model for inference from either kind of orbax checkpoint this project writes.
+"""Load a model for inference from any orbax checkpoint this project writes.
 
 * a `train.py` run: ``<workdir>`` or ``<workdir>/checkpoints`` (latest step, or ``step=``), whose ``meta``
   item holds the experiment config and whose ``state`` item holds a TrainState;
 * a converter output (``python -m glm5_jax.convert hf-to-orbax``): step 0 with a ``state`` item and the
-  ModelConfig in the checkpoint's custom metadata.
+  ModelConfig in the checkpoint's custom metadata;
+* an RL learner's policy: ``<rl workdir>`` or ``<rl workdir>/policy`` (latest committed version, or
+  ``step=``), whose ``params`` item holds the variables and whose ``meta`` item the ModelConfig.
 
-Only ``params`` and ``moe_bias`` are read (orbax partial restore: the optimizer state stays on disk),
-placed on ``sharding`` when given, otherwise on the default device.
+`find_checkpoint` is the one place that tells them apart. Only ``params`` and ``moe_bias`` are read
+(orbax partial restore: the optimizer state stays on disk), placed on ``sharding`` when given,
+otherwise on the default device.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -19,69 +23,124 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from glm5_jax.checkpoint.errors import CheckpointError
+from glm5_jax.checkpoint.handoff import COMMIT_MARKER
 from glm5_jax.checkpoint.stored_config import config_from_json
+from glm5_jax.model.config import ModelConfig
 
 COLLECTIONS = ("params", "moe_bias")
 
 
-def locate_checkpoint(path: str, step: int | None):
-    """(manager directory, step, ModelConfig) for a train workdir, its checkpoints/ or a converter dir."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        path = os.path.join(path, "checkpoints")
-    steps = ocp.path.step.checkpoint_steps(path)        # finalized steps (a read-only manager would warn)
-    if not steps:
-        raise CheckpointError(f"{path}: holds no committed orbax checkpoint step")
-    step = max(steps) if step is None else step
-    if step not in steps:
-        raise CheckpointError(f"{path}: no step {step}; committed steps are {sorted(steps)}")
-    step_dir = os.path.join(path, str(step))
-    if not os.path.isdir(os.path.join(step_dir, "state")):
-        raise CheckpointError(f"{step_dir}: no 'state' item")
-    # the step's own metadata file: manager.metadata(step) would also ask every item for its metadata and
-    # warn that items it has no handler for here ("meta", "data") "could not be restored"
-    custom = ocp.metadata.get_step_metadata(step_dir).custom_metadata or {}
-    if "model_config" in custom:                                   # converter output
-        return path, step, config_from_json(custom["model_config"], step_dir)
+@dataclasses.dataclass(frozen=True)
+class StoredCheckpoint:
+    """One step of an orbax checkpoint directory and where its model variables are."""
+    kind: str                 # "train" (a train.py run), "converted" (hf-to-orbax output) or "policy" (RL)
+    directory: str            # the CheckpointManager directory (absolute)
+    step: int
+    item: str                 # the item whose top level holds {"params", "moe_bias"}: "state" or "params"
+    cfg: ModelConfig
+    custom_metadata: dict     # the step's orbax custom metadata (a converter's hf_config and hf_dtypes)
+
+    @property
+    def step_dir(self) -> str:
+        return os.path.join(self.directory, str(self.step))
+
+    @property
+    def item_dir(self) -> str:
+        return os.path.join(self.step_dir, self.item)
+
+
+def _json_meta(step_dir: str, key: str) -> dict | None:
+    """The JSON object holding `key` in a step's ``meta`` item, None when there is none."""
     meta_dir = os.path.join(step_dir, "meta")
-    meta_files = [f for f in os.listdir(meta_dir)] if os.path.isdir(meta_dir) else []
-    for name in meta_files:
+    for name in sorted(os.listdir(meta_dir)) if os.path.isdir(meta_dir) else ():
         try:
             with open(os.path.join(meta_dir, name)) as f:
                 meta = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(meta, dict) and "model" in meta.get("config", {}):
-            return path, step, config_from_json(meta["config"]["model"], step_dir)
-    raise CheckpointError(f"{step_dir}: found no model config (neither converter metadata nor a train.py "
-                          f"'meta' item)")
+        if isinstance(meta, dict) and key in meta:
+            return meta
+    return None
+
+
+def _manager_dir(path: str) -> str:
+    """A train.py workdir -> its checkpoints/, an RL workdir -> its policy/; else the path itself."""
+    for sub in ("checkpoints", "policy"):
+        if os.path.isdir(os.path.join(path, sub)):
+            return os.path.join(path, sub)
+    return path
+
+
+def find_checkpoint(path: str, step: int | None = None) -> StoredCheckpoint:
+    """The step (newest committed one unless given) of a train workdir, its checkpoints/, a converter
+    output, an RL workdir or its policy/, with its model config; CheckpointError naming what is missing."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    path = _manager_dir(path)
+    steps = ocp.path.step.checkpoint_steps(path)        # finalized steps (a read-only manager would warn)
+    if not steps:
+        raise CheckpointError(f"{path}: holds no committed orbax checkpoint step (expected a train.py workdir or "
+                              f"its checkpoints/, an hf-to-orbax output, or an RL workdir or its policy/)")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"{path}: no step {step}; committed steps are {sorted(steps)}")
+    step_dir = os.path.join(path, str(step))
+    if os.path.isdir(os.path.join(step_dir, "state")):
+        config = (_json_meta(step_dir, "config") or {}).get("config")
+        if isinstance(config, dict) and "model" in config:            # train.py run
+            return StoredCheckpoint("train", path, step, "state", config_from_json(config["model"], step_dir), {})
+        # the step's own metadata file: manager.metadata(step) would also ask every item for its metadata and
+        # warn that items it has no handler for here ("meta", "data") "could not be restored"
+        custom = ocp.metadata.get_step_metadata(step_dir).custom_metadata or {}
+        if "model_config" in custom:                                   # converter output
+            return StoredCheckpoint("converted", path, step, "state",
+                                    config_from_json(custom["model_config"], step_dir), custom)
+        raise CheckpointError(f"{step_dir}: found no model config (neither converter metadata nor a train.py "
+                              f"'meta' item)")
+    if os.path.isdir(os.path.join(step_dir, "params")):                # RL policy version
+        if not os.path.isfile(os.path.join(step_dir, COMMIT_MARKER)):
+            raise CheckpointError(f"{step_dir}: policy version is not committed (no {COMMIT_MARKER})")
+        meta = _json_meta(step_dir, "model_config") or {}
+        if "model_config" not in meta:
+            raise CheckpointError(f"{step_dir}: the policy's 'meta' item has no model_config (written by a "
+                                  f"learner that did not store it)")
+        return StoredCheckpoint("policy", path, step, "params", config_from_json(meta["model_config"], step_dir), {})
+    raise CheckpointError(f"{step_dir}: neither a 'state' item (train.py run, converter output) nor a 'params' "
+                          f"item (RL policy)")
+
+
+def locate_checkpoint(path: str, step: int | None):
+    """(manager directory, step, ModelConfig); see `find_checkpoint`."""
+    found = find_checkpoint(path, step)
+    return found.directory, found.step, found.cfg
 
 
 def latest_step(path: str) -> int:
     """The newest committed step of a checkpoint directory (as `load_for_inference` finds it)."""
-    return locate_checkpoint(path, None)[1]
+    return find_checkpoint(path, None).step
+
+
+def stored_leaves(item_dir: str) -> dict:
+    """The metadata tree of an orbax PyTree item (through the item's handler, not a Checkpointer: the item
+    directory has no step metadata file of its own, and a Checkpointer warns "Metadata file does not exist")."""
+    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir)).tree
 
 
 def load_for_inference(path: str, step: int | None = None, sharding=None):
     """(ModelConfig, variables {"params", "moe_bias"}, step) from an orbax checkpoint directory."""
-    directory, step, cfg = locate_checkpoint(path, step)
-    state_dir = os.path.join(directory, str(step), "state")
-    # the item's handler, not a Checkpointer: the item directory has no step metadata file of its own
-    # (a Checkpointer looks for one and warns "Metadata file does not exist")
-    handler = ocp.PyTreeCheckpointHandler()
-    tree = handler.metadata(epath.Path(state_dir)).tree
+    found = find_checkpoint(path, step)
+    cfg, state_dir = found.cfg, found.item_dir
+    tree = stored_leaves(state_dir)
     missing = [c for c in COLLECTIONS if c not in tree and not (c == "moe_bias" and not cfg.n_routed_experts)]
     if missing:
         raise CheckpointError(f"{state_dir}: checkpoint has no {missing} (has {sorted(tree)})")
     wanted = {c: tree[c] for c in COLLECTIONS if c in tree}
     target = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=target), wanted)
-    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-    restored = handler.restore(epath.Path(state_dir), args=ocp.args.PyTreeRestore(
-        abstract, restore_args=restore_args, partial_restore=True))
-    return cfg, {c: restored[c] for c in wanted}, step
+    restored = ocp.PyTreeCheckpointHandler().restore(epath.Path(state_dir), args=ocp.args.PyTreeRestore(
+        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
+    return cfg, {c: restored[c] for c in wanted}, found.step
 
 
 def checkpoint_tokenizer(checkpoint: str) -> str:

@@ -10,7 +10,9 @@ from glm5_jax.model.config import ConfigError
 
 COMMANDS = ("hf-to-orbax", "orbax-to-hf")
 flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors)")
-flags.DEFINE_string("ckpt_dir", None, "orbax-to-hf: orbax checkpoint written by hf-to-orbax or training")
+flags.DEFINE_string("ckpt_dir", None, "orbax-to-hf: any orbax checkpoint this project writes: an hf-to-orbax "
+                                     "output, a train.py workdir or its checkpoints/, an RL workdir or its policy/")
+flags.DEFINE_integer("step", None, "orbax-to-hf: training step / policy version to export (default: the newest)")
 flags.DEFINE_string("out_dir", None, "output directory (written atomically)")
 flags.DEFINE_string("dtype", None, "hf-to-orbax: parameter dtype (default bfloat16); "
                                    "orbax-to-hf: force this dtype (default: the source checkpoint's dtypes)")
@@ -43,7 +45,7 @@ def main(argv):
         else:
             convert.orbax_to_hf(need("ckpt_dir"), need("out_dir"), shard_size=FLAGS.shard_size, fp8=FLAGS.fp8,
                                 dtype=FLAGS.dtype, overwrite=FLAGS.overwrite, int4=FLAGS.int4,
-                                int4_group_size=FLAGS.int4_group_size)
+                                int4_group_size=FLAGS.int4_group_size, step=FLAGS.step)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ from glm5_jax.convert.orbax_io import LeafWriter
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.hf.config import config_from_hf, read_config_json
+from glm5_jax.hf.layout import empty_shared_experts, mtp_copies
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
 from glm5_jax.model.config import ConfigError, ModelConfig
 
@@ -81,7 +82,7 @@ def open_hub(hf_dir: str, dtype: str):
     if cfg.num_nextn_predict_layers and not any(k.startswith(mtp_prefix) for k in ckpt.keys()):
         cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)
     block = tuple((hf.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
-    return hf, cfg, HubReader(ckpt, block), build_plan(cfg)
+    return hf, cfg, HubReader(ckpt, block, empty_shared_experts(cfg), mtp_copies(cfg)), build_plan(cfg)
 
 
 def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | None = None,

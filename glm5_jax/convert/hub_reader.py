@@ -17,6 +17,7 @@ import numpy as np
 
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.convert.plan import HubSource, LeafPlan
+from glm5_jax.hf.checkpoint import check_mtp_copy
 from glm5_jax.hf.layout import layout_perm, split_dims
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
 
@@ -30,9 +31,14 @@ def scale_key(weight_key: str) -> str:
 
 
 class HubReader:
-    def __init__(self, ckpt: SafetensorsCheckpoint, block_size=(128, 128)):
+    """``empty``: (key, shape) of 0-size tensors that may be present and carry no parameter
+    (`hf.layout.empty_shared_experts`); ``copies``: (copy, main) tensors that may be present and must
+    equal the main one (`hf.layout.mtp_copies`)."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, block_size=(128, 128), empty=(), copies=()):
         self.ckpt = ckpt
         self.block_size = tuple(block_size)
+        self.empty, self.copies = dict(empty), dict(copies)
         self._scratch = threading.local()      # per-thread hub-order buffer, reused from leaf to leaf
 
     def scratch(self, shape, dtype) -> np.ndarray:
@@ -63,8 +69,8 @@ class HubReader:
         if missing:
             raise CheckpointError(f"{self.ckpt.dir}: {len(missing)} tensors that config.json implies are missing, "
                                   f"e.g. {missing[:5]}")
-        scales = {scale_key(k) for k in expected if k.endswith(".weight")}
-        unexpected = sorted(present - set(expected) - scales)
+        scales = {scale_key(k) for k in list(expected) + list(self.copies) if k.endswith(".weight")}
+        unexpected = sorted(present - set(expected) - scales - set(self.empty) - set(self.copies))
         if unexpected:
             raise CheckpointError(f"{self.ckpt.dir}: {len(unexpected)} unexpected tensors (not in the model that "
                                   f"config.json describes), e.g. {unexpected[:5]}")
@@ -88,6 +94,14 @@ class HubReader:
             elif dtype not in FLOAT_DTYPES:
                 raise CheckpointError(f"{key}: dtype {dtype.name} is not a float dtype the model can load"
                                       + (" (FP8 weight without weight_scale_inv)" if dtype == FP8_DTYPE else ""))
+        for key, shape in self.empty.items():
+            if key in present and tuple(self.ckpt.shape(key)) != shape:
+                raise CheckpointError(f"{key}: shape {list(self.ckpt.shape(key))}, but n_shared_experts=0 "
+                                      f"implies {list(shape)}")
+        for copy, main in self.copies.items():
+            if copy in present:
+                check_mtp_copy(copy, main, self.ckpt.shape,
+                               lambda key, rows: self.block(key, rows, slice(0, self.ckpt.shape(key)[1])))
 
     def block(self, key: str, rows: slice, cols: slice | None) -> np.ndarray:
         """Hub tensor `key` restricted to a row range (and column range for 2-D tensors); FP8 dequantised."""

@@ -95,7 +95,8 @@ class LeafWriter:
             ocp_partial.finalize(self.path)
 
 
-def _state_dir(ckpt_dir: str) -> str:
+def state_dir(ckpt_dir: str) -> str:
+    """The ``state`` item of a converter output (step 0)."""
     path = os.path.join(step_dir(ckpt_dir), STATE_ITEM)
     if not os.path.isdir(path):
         raise CheckpointError(f"{ckpt_dir}: not a converted orbax checkpoint (no step {STEP} with item "
@@ -104,7 +105,7 @@ def _state_dir(ckpt_dir: str) -> str:
 
 
 def read_custom_metadata(ckpt_dir: str) -> dict:
-    _state_dir(ckpt_dir)
+    state_dir(ckpt_dir)
     manager = ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True))
     metadata = manager.metadata(STEP).custom_metadata or {}
     if "model_config" not in metadata:
@@ -113,19 +114,23 @@ def read_custom_metadata(ckpt_dir: str) -> dict:
     return metadata
 
 
-def leaf_metadata(ckpt_dir: str) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
-    """(collection, *path) -> (shape, dtype) of every stored leaf."""
-    tree = ocp.PyTreeCheckpointer().metadata(_state_dir(ckpt_dir)).item_metadata.tree
+def leaf_metadata(item_dir: str, collections=None) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+    """(collection, *path) -> (shape, dtype) of every leaf stored in an orbax PyTree item directory
+    (`state_dir` of a converter output; `glm5_jax.checkpoint.inference.find_checkpoint` finds it for
+    every kind of checkpoint), only under the top-level `collections` when given."""
+    tree = ocp.PyTreeCheckpointer().metadata(item_dir).item_metadata.tree
+    if collections is not None:
+        tree = {c: tree[c] for c in collections if c in tree}
     return {tuple(k.key for k in path): (tuple(m.shape), np.dtype(m.dtype))
             for path, m in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def restore_leaf(ckpt_dir: str, collection: str, path: tuple[str, ...], shape, dtype) -> np.ndarray:
+def restore_leaf(item_dir: str, collection: str, path: tuple[str, ...], shape, dtype) -> np.ndarray:
     """One stored leaf as a host numpy array (orbax reads only that leaf)."""
-    return restore_leaves(ckpt_dir, [((collection,) + tuple(path), shape, dtype)])[0]
+    return restore_leaves(item_dir, [((collection,) + tuple(path), shape, dtype)])[0]
 
 
-def restore_leaves(ckpt_dir: str, leaves) -> list[np.ndarray]:
+def restore_leaves(item_dir: str, leaves) -> list[np.ndarray]:
     """Several stored leaves, ``[((collection, *path), shape, dtype), ...]``, as host numpy arrays in
     that order, with one partial restore (orbax reads only those leaves). Each restore call costs
     ~20 ms of metadata and handler setup, so restoring small leaves together is several times faster."""
@@ -134,7 +139,7 @@ def restore_leaves(ckpt_dir: str, leaves) -> list[np.ndarray]:
         _merge(abstract, _nest(key[0], key[1:], jax.ShapeDtypeStruct(shape, dtype)))
         _merge(restore_args, _nest(key[0], key[1:], ocp.RestoreArgs(restore_type=np.ndarray)))
     tree = ocp.PyTreeCheckpointer().restore(
-        _state_dir(ckpt_dir), args=ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=True))
+        item_dir, args=ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=True))
     out = []
     for key, _, _ in leaves:
         node = tree

@@ -1,5 +1,9 @@
 """Our orbax checkpoint -> HF hub directory (config.json, sharded safetensors, index json), streamed.
 
+Reads every checkpoint this project writes (`glm5_jax.checkpoint.inference.find_checkpoint`): a converter
+output, a train.py workdir or its checkpoints/ (latest step or ``step``), an RL workdir or its policy/.
+Only the ``params`` and ``moe_bias`` leaves are read; a training run's optimizer state stays on disk.
+
 Leaves are restored in batches of about 64 MiB (a larger leaf alone), the next batch in a background
 thread while the current one is written; each layer / expert slice is turned back into a hub
 ``[out, in]`` tensor, cast (or block-quantised to FP8 with ``--fp8``) and written straight into its
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 
@@ -17,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from glm5_jax.checkpoint.errors import CheckpointError
-from glm5_jax.checkpoint.stored_config import config_from_json
+from glm5_jax.checkpoint.inference import COLLECTIONS, find_checkpoint
 from glm5_jax.convert import fp8 as fp8_layout, int4_layout, orbax_io
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
 from glm5_jax.convert.hf_to_orbax import prefetched
@@ -26,6 +31,7 @@ from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
 from glm5_jax.hf.config import config_from_hf, config_to_hf
+from glm5_jax.hf.layout import DEEPSEEK_MODEL_TYPES, empty_shared_experts, mtp_copies
 from glm5_jax.hf.safetensors_io import DTYPES
 from glm5_jax.model.config import ModelConfig
 
@@ -45,8 +51,12 @@ def parse_size(text: str) -> int:
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def load_model_config(ckpt_dir: str) -> ModelConfig:
-    return config_from_json(orbax_io.read_custom_metadata(ckpt_dir)["model_config"])
+log = logging.getLogger("glm5_jax.convert")
+
+
+def load_model_config(ckpt_dir: str, step: int | None = None) -> ModelConfig:
+    """The ModelConfig of any checkpoint `orbax_to_hf` reads."""
+    return find_checkpoint(ckpt_dir, step).cfg
 
 
 def export_hf_config(cfg: ModelConfig, source_hf: dict | None, dtype_name: str, fp8: bool) -> dict:
@@ -99,7 +109,7 @@ def _hub_tensors(leaf: LeafPlan, array: np.ndarray):
 RESTORE_BATCH_BYTES = 64 * 2**20
 
 
-def _restored_leaves(ckpt_dir: str, plan: list[LeafPlan], stored: dict):
+def _restored_leaves(item_dir: str, plan: list[LeafPlan], stored: dict):
     """(leaf, host array) in plan order. Leaves are restored in batches of about `RESTORE_BATCH_BYTES`
     (a larger leaf alone); batch i+1 is read by a background thread while the caller writes batch i,
     so at most two batches (plus the caller's copies) are alive. Errors surface in plan order."""
@@ -116,7 +126,7 @@ def _restored_leaves(ckpt_dir: str, plan: list[LeafPlan], stored: dict):
         batches.append(batch)
 
     def restore(batch):
-        return orbax_io.restore_leaves(ckpt_dir, [((leaf.collection,) + leaf.path, leaf.shape,
+        return orbax_io.restore_leaves(item_dir, [((leaf.collection,) + leaf.path, leaf.shape,
                                                    stored[(leaf.collection,) + leaf.path][1]) for leaf in batch])
 
     with contextlib.closing(prefetched(batches, restore, "orbax-to-hf-restore")) as restored:
@@ -127,36 +137,54 @@ def _restored_leaves(ckpt_dir: str, plan: list[LeafPlan], stored: dict):
 
 def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8: bool = False,
                 dtype: str | None = None, overwrite: bool = False, stream=None, int4: bool = False,
-                int4_group_size: int | None = None) -> dict:
+                int4_group_size: int | None = None, step: int | None = None) -> dict:
     """Export; returns the summary (tensors, bytes written, seconds, bytes/s, peak RSS).
 
+    ``step``: the training step / policy version to export (default: the newest committed one).
     ``int4``: routed experts in the compressed-tensors pack-quantized INT4 layout (glm5_jax/convert/
     int4_layout.py), quantised with the checkpoint's ``quant_scale_dtype`` and ``quant_group_size`` (or
-    ``int4_group_size``)."""
+    ``int4_group_size``); a run trained with ``quant="int4_qat"`` is exported with the rounding it trained
+    against."""
     if fp8 and int4:
         raise CheckpointError("--fp8 and --int4 write different quantization_configs; choose one")
     check_output_dir(out_dir, overwrite)
     max_shard = parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size)
-    metadata = orbax_io.read_custom_metadata(ckpt_dir)
-    cfg = config_from_json(metadata["model_config"])
+    found = find_checkpoint(ckpt_dir, step)
+    cfg, metadata = found.cfg, found.custom_metadata
     group = int4_group_size or cfg.quant_group_size
+    if cfg.quant == "int4_qat" and group != cfg.quant_group_size:
+        raise CheckpointError(f"{ckpt_dir}: trained with INT4 QAT at quant_group_size={cfg.quant_group_size}; "
+                              f"--int4_group_size={group} would serve other weights than it trained against")
+    if cfg.quant == "int4_qat" and not int4:
+        log.warning("%s was trained with INT4 QAT; this export holds its full-precision master weights "
+                    "(--int4 writes the INT4 weights it trained against)", ckpt_dir)
     hf_dtypes = metadata.get("hf_dtypes") or {}
-    stored = orbax_io.leaf_metadata(ckpt_dir)
+    stored = orbax_io.leaf_metadata(found.item_dir, COLLECTIONS)
     plan = build_plan(cfg)
     for leaf in plan:
         key = (leaf.collection,) + leaf.path
         if key not in stored:
-            raise CheckpointError(f"{ckpt_dir}: leaf {leaf.name} of the model is missing from the checkpoint")
+            raise CheckpointError(f"{found.item_dir}: leaf {leaf.name} of the model is missing from the checkpoint")
         if stored[key][0] != leaf.shape:
-            raise CheckpointError(f"{ckpt_dir}: leaf {leaf.name} has shape {list(stored[key][0])}, "
+            raise CheckpointError(f"{found.item_dir}: leaf {leaf.name} has shape {list(stored[key][0])}, "
                                   f"model_config implies {list(leaf.shape)}")
     extra = sorted(set(stored) - {(lp.collection,) + lp.path for lp in plan})
     if extra:
-        raise CheckpointError(f"{ckpt_dir}: unexpected leaves {['/'.join(e) for e in extra[:5]]}")
+        raise CheckpointError(f"{found.item_dir}: unexpected leaves {['/'.join(e) for e in extra[:5]]}")
 
-    tensors, out_dtypes = [], {}
+    out_dtypes = {leaf.name: _out_dtype(leaf, stored[(leaf.collection,) + leaf.path][1], hf_dtypes, dtype)
+                  for leaf in plan}
+    head_dtype = out_dtypes["params/lm_head"]
+    hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name,
+                          fp8)
+    if int4:
+        hf["quantization_config"] = int4_layout.quantization_config(group)
+    # main key -> the MTP layer's copy, which DeepSeek-V3.x checkpoints carry (written right after the main one)
+    copies = {main: copy for copy, main in mtp_copies(cfg)} if hf["model_type"] in DEEPSEEK_MODEL_TYPES else {}
+    empty = empty_shared_experts(cfg)          # as transformers saves n_shared_experts=0 (written last)
+
+    tensors = []
     for leaf in plan:
-        out_dtypes[leaf.name] = _out_dtype(leaf, stored[(leaf.collection,) + leaf.path][1], hf_dtypes, dtype)
         for key in leaf.hub_keys():
             if int4 and int4_layout.is_packed(key):
                 tensors += int4_layout.tensor_specs(key, leaf.hub_shape, group, cfg.quant_scale_dtype)
@@ -165,11 +193,10 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
                 tensors.append((scale_key(key), np.dtype(np.float32), fp8_layout.scale_shape(leaf.hub_shape)))
             else:
                 tensors.append((key, out_dtypes[leaf.name], leaf.hub_shape))
+                if key in copies:
+                    tensors.append((copies[key], out_dtypes[leaf.name], leaf.hub_shape))
+    tensors += [(key, head_dtype, shape) for key, shape in empty]
     layout = ShardLayout(tensors, max_shard)
-    head_dtype = out_dtypes["params/lm_head"]
-    hf = export_hf_config(cfg, metadata.get("hf_config"), "float32" if head_dtype == np.float32 else head_dtype.name, fp8)
-    if int4:
-        hf["quantization_config"] = int4_layout.quantization_config(group)
 
     progress = Progress("orbax-to-hf", layout.total_size, stream)
     with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
@@ -178,7 +205,7 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
             f.flush()
             os.fsync(f.fileno())
         writer = ShardedSafetensorsWriter(tmp, layout)
-        with contextlib.closing(_restored_leaves(ckpt_dir, plan, stored)) as leaves:
+        with contextlib.closing(_restored_leaves(found.item_dir, plan, stored)) as leaves:
             for leaf, array in leaves:
                 for key, w in _hub_tensors(leaf, array):
                     if int4 and int4_layout.is_packed(key):
@@ -193,8 +220,11 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
                         progress.advance(w8.nbytes + scale.nbytes)
                     else:
                         w = np.asarray(w, out_dtypes[leaf.name])
-                        writer.write(key, w)
-                        progress.advance(w.nbytes)
+                        for name in (key, copies[key]) if key in copies else (key,):
+                            writer.write(name, w)
+                            progress.advance(w.nbytes)
                 del array
+        for key, shape in empty:
+            writer.write(key, np.zeros(shape, head_dtype))
         writer.close()
     return progress.summary()

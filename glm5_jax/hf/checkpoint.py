@@ -15,8 +15,8 @@ from flax.core import meta
 
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.config import config_from_hf, read_config_json
-from glm5_jax.hf.layout import (GLOBAL_TENSORS, heads_for, layer_slots, layer_tensor_maps, mtp_extra_tensors, to_hf,
-                                to_ours)
+from glm5_jax.hf.layout import (GLOBAL_TENSORS, empty_shared_experts, heads_for, layer_slots, layer_tensor_maps,
+                                mtp_copies, mtp_extra_tensors, to_hf, to_ours)
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
 from glm5_jax.model.param_count import abstract_variables
@@ -94,6 +94,43 @@ def read_variables(ckpt, cfg, block_size=(128, 128)) -> tuple[dict, set]:
     return variables, consumed
 
 
+COPY_CHUNK_ROWS = 4096
+
+
+def check_mtp_copy(copy: str, main: str, shape_of, read_rows) -> None:
+    """A DeepSeek-V3.x MTP layer's own embedding / head must equal the main one, which our MTP shares
+    (DeepSeek-V3 report §2.2); compared in row chunks (``read_rows(key, slice)`` gives float rows)."""
+    if tuple(shape_of(copy)) != tuple(shape_of(main)):
+        raise CheckpointError(f"{copy}: shape {list(shape_of(copy))}, but {main} (which the MTP layer shares) "
+                              f"has {list(shape_of(main))}")
+    n = shape_of(main)[0]
+    for start in range(0, n, COPY_CHUNK_ROWS):
+        rows = slice(start, min(n, start + COPY_CHUNK_ROWS))
+        a, b = np.asarray(read_rows(copy, rows), np.float32), np.asarray(read_rows(main, rows), np.float32)
+        if not np.array_equal(a, b):
+            raise CheckpointError(
+                f"{copy} differs from {main} (max |difference| {float(np.max(np.abs(a - b))):.3g} in rows "
+                f"{rows.start}..{rows.stop - 1}): this model's MTP layer shares the main embedding and output "
+                f"head (DeepSeek-V3 report §2.2), so a checkpoint whose MTP copy differs cannot be loaded")
+
+
+def check_side_tensors(ckpt, cfg, block_size) -> set:
+    """Hub tensors that carry no parameter of ours, checked, as a set of keys: the 0-size shared-expert
+    tensors of ``n_shared_experts=0`` and a DeepSeek-V3.x MTP layer's copies of the embedding and head."""
+    seen = set()
+    for key, shape in empty_shared_experts(cfg):
+        if key in ckpt:
+            if tuple(ckpt.shape(key)) != shape:
+                raise CheckpointError(f"{key}: shape {list(ckpt.shape(key))}, but n_shared_experts=0 implies "
+                                      f"{list(shape)}")
+            seen.add(key)
+    for copy, main in mtp_copies(cfg):
+        if copy in ckpt:
+            check_mtp_copy(copy, main, ckpt.shape, lambda key, rows: ckpt.get(key, block_size)[rows])
+            seen.add(copy)
+    return seen
+
+
 def check_against_model(variables, cfg):
     """Every leaf present with the shape `Transformer(cfg)` expects, and nothing extra."""
     expected = meta.unbox(abstract_variables(cfg))
@@ -128,6 +165,7 @@ def load_hf(hf_dir: str, dtype: str = "float32", **config_overrides):
         cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)
     block_size = _block_size(hf_dir)
     variables, consumed = read_variables(ckpt, cfg, block_size)
+    consumed |= check_side_tensors(ckpt, cfg, block_size)
     consumed |= {k[: -len("weight")] + "weight_scale_inv" for k in consumed if k.endswith(".weight")}
     unexpected = sorted(set(ckpt.keys()) - consumed)
     if unexpected:

@@ -75,14 +75,19 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("config.json attention_bias=true is not supported (GLM-5 has no attention biases)")
     if hf.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"config.json moe_layer_freq={hf['moe_layer_freq']} is not supported (only 1)")
-    mlp_types = hf.get("mlp_layer_types")
+    # DeepseekV3Config has no mlp_layer_types (DeepseekV3DecoderLayer reads first_k_dense_replace)
+    mlp_types = hf.get("mlp_layer_types") if model_type != "deepseek_v3" else None
     if mlp_types is not None:
         n_dense = sum(t == "dense" for t in mlp_types)
         if list(mlp_types) != ["dense"] * n_dense + ["sparse"] * (len(mlp_types) - n_dense):
             raise ValueError("config.json mlp_layer_types must be dense layers followed by sparse ones")
         kwargs["first_k_dense_replace"] = n_dense
     kwargs.update(_rope_fields(hf))
-    kwargs["rope_interleave"] = bool(hf.get("rope_interleave", True))
+    # RoPE layout as each transformers class runs it: DeepseekV3Attention honours `rope_interleave` (default
+    # true); GlmMoeDsaAttention and DeepseekV32Attention always interleave and ignore the key, and their
+    # indexers ignore `indexer_rope_interleave` (GLM: interleaved, DeepSeek-V3.2: half-split;
+    # docs/architecture.md#rope, docs/architecture.md#indexer-rope-interleaved-not-half-split).
+    kwargs["rope_interleave"] = bool(hf.get("rope_interleave", True)) if model_type == "deepseek_v3" else True
     if "eos_token_id" in hf:
         kwargs["eos_token_id"] = hf["eos_token_id"]
     kwargs["num_nextn_predict_layers"] = int(hf.get("num_nextn_predict_layers", 0) or 0)
@@ -91,10 +96,11 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         kwargs["use_indexer"] = False
     else:
         kwargs.update({k: hf[k] for k in _INDEXER_KEYS if k in hf})
-        kwargs["indexer_types"] = _derive_indexer_types(hf, hf["num_hidden_layers"])
-        # GLM indexer RoPE is pair-interleaved; DeepSeek-V3.2's is half-split (docs/architecture.md#rope,
-        # docs/architecture.md#indexer-rope-interleaved-not-half-split).
-        kwargs["indexer_rope_interleave"] = bool(hf.get("indexer_rope_interleave", model_type == "glm_moe_dsa"))
+        # Cross-layer index sharing is GlmMoeDsaConfig's; DeepseekV32Config has no such field and runs the
+        # indexer in every layer, whatever indexer_types / index_topk_* keys the file holds.
+        glm = model_type == "glm_moe_dsa"
+        kwargs["indexer_types"] = _derive_indexer_types(hf, hf["num_hidden_layers"]) if glm else None
+        kwargs["indexer_rope_interleave"] = glm
     if model_type != "glm_moe_dsa":
         kwargs.setdefault("rms_norm_eps", 1e-6)
     return kwargs
@@ -115,6 +121,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if not cfg.indexer_rope_interleave:
         raise ValueError("to_hf writes glm_moe_dsa configs, whose indexer RoPE is interleaved; "
                          "this config uses half-split (DeepSeek-V3.2)")
+    if not cfg.rope_interleave:
+        raise ValueError("to_hf writes glm_moe_dsa configs, whose attention RoPE is interleaved (transformers "
+                         "ignores rope_interleave there); this config uses half-split")
     hf: dict[str, Any] = {k: getattr(cfg, k) for k in _SAME_NAME + _INDEXER_KEYS}
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling is not None:
@@ -125,7 +134,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": cfg.num_attention_heads, "qk_head_dim": cfg.qk_head_dim,
         "head_dim": cfg.qk_rope_head_dim, "hidden_act": "silu", "scoring_func": "sigmoid",
         "topk_method": "noaux_tc", "attention_bias": False, "attention_dropout": 0.0, "moe_layer_freq": 1,
-        "rope_parameters": rope, "rope_interleave": cfg.rope_interleave, "indexer_rope_interleave": True,
+        "rope_parameters": rope,
+        # transformers' GlmMoeDsa ignores both keys (always interleaved), but serving engines read them:
+        # vLLM's and SGLang's DeepSeek-V3.2 indexer take `indexer_rope_interleave` (default: half-split), as in
+        # zai-org/GLM-5's config.json. Only `true` can be written: a half-split config is refused above.
+        "rope_interleave": True, "indexer_rope_interleave": True,
         "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
         "eos_token_id": eos[0] if len(eos) == 1 else eos,
         "mlp_layer_types": ["dense"] * cfg.first_k_dense_replace + ["sparse"] * cfg.num_moe_layers,

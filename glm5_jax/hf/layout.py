@@ -161,3 +161,32 @@ def mtp_extra_tensors(cfg):
         (("mtp", "eh_proj"), prefix + "eh_proj.weight", "linear"),
         (("mtp", "shared_head_norm", "scale"), prefix + "shared_head.norm.weight", "vector"),
     )
+
+
+# DeepSeek-V3.x hub checkpoints give the MTP layer its own copies of the embedding and the output head
+# (the DeepSeek-V3 report §2.2 shares both with the main model; vLLM's DeepSeek MTP reads the copies).
+DEEPSEEK_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
+
+
+def mtp_copies(cfg) -> tuple[tuple[str, str], ...]:
+    """(MTP copy key, main key) of the tensors a DeepSeek-V3.x MTP layer repeats; our MTP shares the main ones."""
+    if not cfg.num_nextn_predict_layers:
+        return ()
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    return ((prefix + "embed_tokens.weight", "model.embed_tokens.weight"),
+            (prefix + "shared_head.head.weight", "lm_head.weight"))
+
+
+def empty_shared_experts(cfg) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """(key, shape) of the 0-size tensors transformers saves for ``n_shared_experts=0``: its MoE layers build
+    ``shared_experts`` with intermediate size ``moe_intermediate_size * n_shared_experts`` (GlmMoeDsaMoE,
+    DeepseekV3MoE), which then add exactly 0. They carry no parameter of ours."""
+    if cfg.n_shared_experts or not cfg.n_routed_experts:
+        return ()
+    d, out = cfg.hidden_size, []
+    for slot in layer_slots(cfg):
+        if slot.kind.mlp == "moe":
+            prefix = f"model.layers.{slot.hf_layer}.mlp.shared_experts."
+            out += [(prefix + "gate_proj.weight", (0, d)), (prefix + "up_proj.weight", (0, d)),
+                    (prefix + "down_proj.weight", (d, 0))]
+    return tuple(out)

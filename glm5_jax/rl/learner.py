@@ -9,8 +9,8 @@ in increasing o. For each batch:
 * a batch sampled with a version older than current − tau is dropped and counted (`dropped_stale`,
   the GLM-5 report);
 * otherwise one update with the configured loss; version v+1 is published as one orbax step holding
-  params, optimizer state and meta {watermark, ledger of every consumed ordinal, counters, RNG}
-  (docs/training.md#params-optimiser-and-meta-commit-together).
+  params, optimizer state and meta {watermark, ledger of every consumed ordinal, counters, RNG, the
+  model config} (docs/training.md#params-optimiser-and-meta-commit-together).
 Rollout files are deleted only once a *committed* version's watermark covers them
 (docs/training.md#files-are-deleted-only-behind-a-committed-watermark), so a learner
 killed at any moment resumes from its latest committed version and re-reads what it needs.
@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from glm5_jax.checkpoint.handoff import PolicyWriter
+from glm5_jax.checkpoint.stored_config import config_to_json
 from glm5_jax.generate.decoding import Sampler, generate
 from glm5_jax.parallel.mesh import build_mesh
 from glm5_jax.rl import rollouts as ro
@@ -303,7 +304,8 @@ class Learner:
 
     # ------------------------------------------------------------------ files
     def _publish(self, version, variables, opt_state, meta):
-        self.writer.publish(version, variables, opt_state, meta)
+        # the model config travels with every version, so the policy alone can be served or exported
+        self.writer.publish(version, variables, opt_state, {**meta, "model_config": config_to_json(self.policy.cfg)})
         # publish() returns once the previous save has committed (orbax finishes it first)
         self._committed_next_ordinal = self._published_next_ordinal
         self._published_next_ordinal = meta["next_ordinal"]

@@ -4,6 +4,7 @@ Three kinds of source, told apart by what the directory holds:
 
 * a ``train.py`` workdir (or its ``checkpoints/``), of any DSA stage: its latest step's ``state`` item;
 * a converter output (``python -m glm5_jax.convert hf-to-orbax``): step 0 with ``{params, moe_bias}``;
+* an RL run (or its ``policy/``): its latest committed policy version;
 * a Hugging Face checkpoint directory (``config.json`` + safetensors): read leaf by leaf with the
   converter's slice reader, each device reading only its shard.
 
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from glm5_jax.checkpoint.inference import locate_checkpoint
+from glm5_jax.checkpoint.inference import find_checkpoint
 
 log = logging.getLogger("glm5_jax.train")
 WEIGHTS = ("params", "moe_bias")
@@ -37,14 +38,17 @@ class ArchitectureMismatch(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    kind: str                    # "train" | "converted" | "hf"
+    kind: str                    # "train" | "converted" | "policy" | "hf"
     path: str                    # the directory orbax reads (or the HF directory)
     step: int | None = None      # the orbax step read
     stage: str | None = None     # a train.py source's DSA stage
+    item: str = "state"          # the orbax item holding {params, moe_bias}
 
     def describe(self) -> str:
         if self.kind == "train":
             return f"train.py run {self.path} (stage {self.stage}, step {self.step})"
+        if self.kind == "policy":
+            return f"RL policy {self.path} (version {self.step})"
         return {"converted": "converted checkpoint", "hf": "Hugging Face checkpoint"}[self.kind] + f" {self.path}"
 
 
@@ -58,11 +62,11 @@ def find_source(path: str) -> Source:
         raise FileNotFoundError(f"train.init_from={path}: no such directory")
     if _is_hf_dir(path):
         return Source("hf", path)
-    directory, step, _ = locate_checkpoint(path, None)
-    meta = _train_meta(directory, step)
-    if meta is None:
-        return Source("converted", directory, step)
-    return Source("train", directory, step, meta["config"].get("train", {}).get("stage"))
+    found = find_checkpoint(path, None)
+    if found.kind != "train":
+        return Source(found.kind, found.directory, found.step, item=found.item)
+    meta = _train_meta(found.directory, found.step)
+    return Source("train", found.directory, found.step, meta["config"].get("train", {}).get("stage"))
 
 
 def _train_meta(directory: str, step: int) -> dict | None:
@@ -103,14 +107,14 @@ def check_same_architecture(stored: dict[str, tuple], wanted: dict[str, tuple], 
 
 # ---------------------------------------------------------------------------------------- readers
 def _stored_tree(source: Source):
-    state_dir = os.path.join(source.path, str(source.step), "state")
+    state_dir = os.path.join(source.path, str(source.step), source.item)
     return ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
 
 
 def _restore_orbax(source: Source, abstract: dict) -> dict:
     """The items of `abstract` (ShapeDtypeStructs with target shardings) from the source's state; orbax
     casts each leaf to the target dtype."""
-    state_dir = os.path.join(source.path, str(source.step), "state")
+    state_dir = os.path.join(source.path, str(source.step), source.item)
     return ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
         abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
 

@@ -92,13 +92,13 @@ def test_deepseek_v32_checkpoint(tmp_path):
 
 def test_leaf_writer_batches_and_metadata(tmp_path):
     """Every add flushing (the last one included) still commits all leaves and the metadata once."""
-    from glm5_jax.convert.orbax_io import LeafWriter, leaf_metadata, read_custom_metadata, restore_leaf
+    from glm5_jax.convert.orbax_io import LeafWriter, leaf_metadata, read_custom_metadata, restore_leaf, state_dir
     writer = LeafWriter(str(tmp_path), {"model_config": {"x": 1}}, flush_bytes=1)
     for i in range(3):
         writer.add("params", ("block", f"w{i}"), jax.numpy.full((4, 2), i, jax.numpy.bfloat16))
     writer.finalize()
     assert read_custom_metadata(str(tmp_path))["model_config"] == {"x": 1}
-    meta = leaf_metadata(str(tmp_path))
+    meta = leaf_metadata(state_dir(str(tmp_path)))
     assert sorted(meta) == [("params", "block", f"w{i}") for i in range(3)]
-    np.testing.assert_array_equal(restore_leaf(str(tmp_path), "params", ("block", "w2"), *meta[("params", "block", "w2")]),
-                                  np.full((4, 2), 2, np.float32))
+    w2 = restore_leaf(state_dir(str(tmp_path)), "params", ("block", "w2"), *meta[("params", "block", "w2")])
+    np.testing.assert_array_equal(w2, np.full((4, 2), 2, np.float32))
