@@ -10,13 +10,12 @@ placed on ``sharding`` when given, otherwise on the default device.
 """
 from __future__ import annotations
 
-import glob
 import json
-import os
 
 import jax
 import orbax.checkpoint as ocp
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.checkpoint.stored_config import config_from_json
 
@@ -25,11 +24,11 @@ COLLECTIONS = ("params", "moe_bias")
 
 def locate_checkpoint(path: str, step: int | None):
     """(manager directory, step, ModelConfig) for a train workdir, its checkpoints/ or a converter dir."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
+    path = storage.absolute(path)
+    if not storage.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        path = os.path.join(path, "checkpoints")
+    if storage.isdir(storage.join(path, "checkpoints")):
+        path = storage.join(path, "checkpoints")
     manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
     steps = manager.all_steps()
     if not steps:
@@ -37,18 +36,17 @@ def locate_checkpoint(path: str, step: int | None):
     step = max(steps) if step is None else step
     if step not in steps:
         raise CheckpointError(f"{path}: no step {step}; committed steps are {sorted(steps)}")
-    step_dir = os.path.join(path, str(step))
-    if not os.path.isdir(os.path.join(step_dir, "state")):
+    step_dir = storage.join(path, str(step))
+    if not storage.isdir(storage.join(step_dir, "state")):
         raise CheckpointError(f"{step_dir}: no 'state' item")
     custom = manager.metadata(step).custom_metadata or {}
     if "model_config" in custom:                                   # converter output
         return path, step, config_from_json(custom["model_config"], step_dir)
-    meta_dir = os.path.join(step_dir, "meta")
-    meta_files = [f for f in os.listdir(meta_dir)] if os.path.isdir(meta_dir) else []
+    meta_dir = storage.join(step_dir, "meta")
+    meta_files = [f for f in storage.listdir(meta_dir)] if storage.isdir(meta_dir) else []
     for name in meta_files:
         try:
-            with open(os.path.join(meta_dir, name)) as f:
-                meta = json.load(f)
+            meta = json.loads(storage.read_text(storage.join(meta_dir, name)))
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict) and "model" in meta.get("config", {}):
@@ -65,7 +63,7 @@ def latest_step(path: str) -> int:
 def load_for_inference(path: str, step: int | None = None, sharding=None):
     """(ModelConfig, variables {"params", "moe_bias"}, step) from an orbax checkpoint directory."""
     directory, step, cfg = locate_checkpoint(path, step)
-    state_dir = os.path.join(directory, str(step), "state")
+    state_dir = storage.join(directory, str(step), "state")
     tree = ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
     missing = [c for c in COLLECTIONS if c not in tree and not (c == "moe_bias" and not cfg.n_routed_experts)]
     if missing:
@@ -81,9 +79,10 @@ def load_for_inference(path: str, step: int | None = None, sharding=None):
 
 def checkpoint_tokenizer(checkpoint: str) -> str:
     """The tokenizer.json of a checkpoint: the BPE a train.py workdir cached, or one beside a converter output."""
-    found = sorted(glob.glob(os.path.join(checkpoint, "tokenizer", "*", "tokenizer.json")))
-    if os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
-        found.append(os.path.join(checkpoint, "tokenizer.json"))
+    found = sorted(f for d in storage.glob(storage.join(checkpoint, "tokenizer"), "*")
+                   for f in storage.glob(d, "tokenizer.json"))
+    if storage.isfile(storage.join(checkpoint, "tokenizer.json")):
+        found.append(storage.join(checkpoint, "tokenizer.json"))
     if len(found) != 1:
         raise CheckpointError(f"--tokenizer is required: found {len(found)} tokenizer.json under {checkpoint}")
     return found[0]

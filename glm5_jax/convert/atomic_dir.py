@@ -17,15 +17,19 @@ def check_output_dir(out_dir: str, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out_dir: str, overwrite: bool, commit_file: str = "config.json"):
+def atomic_output_dir(out_dir: str, overwrite: bool, commit_file: str = "config.json",
+                      stage_locally: bool = False, extra_commit_files: tuple[str, ...] = ()):
     """Yields a fresh temporary directory next to `out_dir`; on a clean exit it replaces `out_dir`,
     on any exception it is deleted and `out_dir` is left as it was. `commit_file` (relative to the
     output) is what readers require before taking the output as complete; on object storage it is
-    published last."""
+    published last. `stage_locally`: for a remote `out_dir`, the temporary directory is a local one
+    (for writers that cannot write to object storage); `extra_commit_files`: see storage.publish_dir."""
     check_output_dir(out_dir, overwrite)
     out_dir = storage.absolute(out_dir)
     parent = storage.dirname(out_dir)
-    if storage.is_remote(out_dir):
+    if storage.is_remote(out_dir) and stage_locally:
+        tmp = tempfile.mkdtemp(prefix=f".{storage.basename(out_dir)}.tmp-")
+    elif storage.is_remote(out_dir):
         tmp = storage.join(parent, f".{storage.basename(out_dir)}.tmp-{uuid.uuid4().hex[:12]}")
     else:
         os.makedirs(parent, exist_ok=True)
@@ -35,4 +39,4 @@ def atomic_output_dir(out_dir: str, overwrite: bool, commit_file: str = "config.
     except BaseException:
         storage.rmtree(tmp)
         raise
-    storage.publish_dir(tmp, out_dir, commit_file)
+    storage.publish_dir(tmp, out_dir, commit_file, extra_commit_files)

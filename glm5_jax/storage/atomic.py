@@ -57,14 +57,17 @@ def open_for_write(target, tmp_dir=None, mode: str = "wb"):
         os.close(dir_fd)
 
 
-def publish_dir(tmp, out_dir, commit_file: str) -> None:
+def publish_dir(tmp, out_dir, commit_file: str, extra_commit_files: tuple[str, ...] = ()) -> None:
     """Makes the finished directory `tmp` the directory `out_dir`, replacing any old one.
 
     Local: two renames (old aside, new into place), as atomic as a directory swap gets.
     Object storage (either side remote): no rename, so the old `out_dir` is deleted *commit file first*
     (it stops counting as complete before anything else goes), then every object of `tmp` is copied with
     `commit_file` last, then `tmp` is deleted. A reader that requires `commit_file` (for an HF checkpoint:
-    config.json, which every loader reads first) never takes a half-copied directory for a whole one."""
+    config.json, which every loader reads first) never takes a half-copied directory for a whole one.
+    `extra_commit_files` are written (empty, if `tmp` lacks them) just before `commit_file`: markers that
+    readers on object storage require but a local writer does not make (orbax's per-item
+    commit_success.txt)."""
     tmp, out_dir = absolute(tmp), absolute(out_dir)
     if not is_remote(tmp) and not is_remote(out_dir):
         parent = os.path.dirname(out_dir)
@@ -84,6 +87,10 @@ def publish_dir(tmp, out_dir, commit_file: str) -> None:
     if commit_file not in rel.values():
         raise FileNotFoundError(f"{tmp} has no {commit_file}; refusing to publish it as {out_dir}")
     for f in sorted(files, key=lambda f: rel[f] == commit_file):        # the commit file last
+        if rel[f] == commit_file:
+            for extra in extra_commit_files:
+                if extra not in rel.values():
+                    write_atomically(join(out_dir, extra), b"")
         copy(f, join(out_dir, rel[f]))
     rmtree(tmp)
 

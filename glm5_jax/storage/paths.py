@@ -44,7 +44,7 @@ def dirname(p) -> str:
 
 
 def exists(p) -> bool:
-    return path(p).exists() if is_remote(p) else os.path.lexists(p)
+    return path(p).exists() if is_remote(p) else os.path.exists(p)
 
 
 def isdir(p) -> bool:
