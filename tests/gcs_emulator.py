@@ -6,7 +6,6 @@ storage) by TENSORSTORE_GCS_HTTP_URL, gcsfs (etils.epath's gs:// backend) and go
 google-auth and TensorStore make pointed at a closed local port, so nothing leaves loopback.
 """
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +13,32 @@ import sys
 import time
 
 BUCKET = "glm5-test"
+
+# The emulator's media download omits the x-goog-generation header that GCS sends and TensorStore's
+# OCDBT driver (orbax's array format) reads; this launcher adds it before starting the emulator.
+LAUNCHER = """
+import sys
+from gcp_storage_emulator.handlers import objects
+
+_download = objects.download
+
+
+def download(request, response, storage, *args, **kwargs):
+    _download(request, response, storage, *args, **kwargs)
+    try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        response["x-goog-generation"] = str(obj["generation"])
+        response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
+    except Exception:
+        pass
+
+
+objects.download = download
+from gcp_storage_emulator.__main__ import main
+
+sys.argv = ["gcp-storage-emulator"] + sys.argv[1:]
+sys.exit(main())
+"""
 
 
 def _free_port() -> int:
@@ -32,10 +57,9 @@ def client_env(url: str) -> dict:
 
 class Emulator:
     def __init__(self):
-        exe = shutil.which("gcp-storage-emulator", path=os.path.dirname(sys.executable)) or "gcp-storage-emulator"
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([exe, "start", "--host", "127.0.0.1", f"--port={self.port}", "--in-memory",
+        self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, "start", "--host", "127.0.0.1", f"--port={self.port}", "--in-memory",
                                       f"--default-bucket={BUCKET}", "--quiet"], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.time() + 30

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from glm5_jax import storage
 from glm5_jax.train.experiment import apply_overrides, load_config_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,8 +46,8 @@ def _start(workdir, env):
 
 
 def _losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return {r["step"]: (r["loss"], r["lm_loss"], r.get("eval_loss")) for r in map(json.loads, f)}
+    return {r["step"]: (r["loss"], r["lm_loss"], r.get("eval_loss"))
+            for r in storage.read_jsonl(storage.join(workdir, "metrics.jsonl"))}
 
 
 def _wait_for(predicate, proc, timeout=90):
@@ -59,22 +60,38 @@ def _wait_for(predicate, proc, timeout=90):
     raise TimeoutError
 
 
-def test_resume_after_sigkill_gives_identical_losses(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    proc = _start(reference, env)
+@pytest.fixture(scope="module")
+def run_env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_COMPILATION_CACHE_DIR=str(cache),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, run_env):
+    """The losses of one uninterrupted local run."""
+    reference = tmp_path_factory.mktemp("reference")
+    proc = _start(reference, run_env)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
+    return _losses(reference)
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_resume_after_sigkill_gives_identical_losses(tmp_path, request, where, run_env, reference_losses):
+    """Killed twice and resumed; with the workdir on gs:// (checkpoints, metrics, tokenizer, TensorBoard
+    events all in the bucket) as on a local disk."""
+    killed = str(tmp_path / "killed") if where == "local" else request.getfixturevalue("gcs_dir")
+    env = dict(run_env, **{k: os.environ[k] for k in os.environ if k not in run_env})   # the emulator's settings
 
     # kill right after the step-4 checkpoint commits ...
     proc = _start(killed, env)
-    _wait_for(lambda: os.path.isdir(killed / "checkpoints" / "4"), proc)
+    _wait_for(lambda: storage.isfile(storage.join(killed, "checkpoints", "4", "commit_success.txt")), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     # ... and again in the middle of training, after step 6 was logged
     proc = _start(killed, env)
-    _wait_for(lambda: os.path.exists(killed / "metrics.jsonl") and 6 in _losses(killed), proc)
+    _wait_for(lambda: 6 in _losses(killed), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc = _start(killed, env)
@@ -82,6 +99,8 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     assert proc.returncode == 0, out
     assert "resumed from step" in out
 
-    expected = _losses(reference)
+    expected = reference_losses
     assert sorted(expected) == list(range(1, 9))
     assert _losses(killed) == expected            # bit-identical losses, every step logged exactly once
+    assert storage.isfile(storage.join(killed, "config.json"))
+    assert storage.glob(storage.join(killed, "tb"), "events.out.tfevents.*")
