@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import time
 
 import jax

@@ -1,5 +1,4 @@
 """train.py end to end: typed --set overrides, and resume after SIGKILL with identical losses."""
-import json
 import os
 import signal
 import subprocess
