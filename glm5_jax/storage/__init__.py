@@ -10,10 +10,10 @@ the path type orbax and grain use. Each helper takes a ``str`` or path and keeps
 Listings are never cached: several processes poll the same prefixes (fsspec's GCS listing cache would
 hide objects another process wrote).
 """
-from glm5_jax.storage.paths import (absolute, basename, copy_file, dirname, exists, getsize, glob, is_remote,
-                                    isdir, isfile, join, listdir, makedirs, move, path, read_bytes, read_text,
+from glm5_jax.storage.paths import (absolute, basename, dirname, exists, getsize, glob, is_remote,
+                                    isdir, isfile, join, listdir, makedirs, path, read_bytes, read_text,
                                     remove, rmtree, walk)
-from glm5_jax.storage.atomic import open_for_write, publish_dir, write_atomically
+from glm5_jax.storage.atomic import copy_file, move, open_for_write, publish_dir, write_atomically
 from glm5_jax.storage.jsonl_log import JsonlLog, read_jsonl
 
 __all__ = ["absolute", "basename", "copy_file", "dirname", "exists", "getsize", "glob", "is_remote", "isdir",

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 
-from glm5_jax.storage.paths import absolute, exists, is_remote, join, path, rmtree, walk
+from glm5_jax.storage.paths import absolute, exists, is_remote, join, path, remove, rmtree, walk
 
 
 def write_atomically(target, data: bytes, tmp_dir=None) -> None:
@@ -102,3 +102,18 @@ def copy(src, dst) -> None:
         return
     with path(src).open("rb") as fin, open_for_write(dst) as fout:
         shutil.copyfileobj(fin, fout, 16 * 2**20)
+
+
+def copy_file(src, dst) -> None:
+    """Copies one file between any two locations; the destination appears whole."""
+    copy(os.fspath(src), os.fspath(dst))
+
+
+def move(src, dst) -> None:
+    """Local: os.replace (atomic). Object storage has no rename: copy, then delete the source, so at every
+    moment at least one of the two is whole (a reader or a retry must accept finding both)."""
+    if not is_remote(src) and not is_remote(dst):
+        os.replace(src, dst)
+        return
+    copy_file(src, dst)
+    remove(src)

@@ -122,20 +122,3 @@ def rmtree(p) -> None:
             path(p).rmtree()
     else:
         shutil.rmtree(p, ignore_errors=True)
-
-
-def copy_file(src, dst) -> None:
-    """Copies one file between any two locations; the destination appears whole (see write_atomically)."""
-    from glm5_jax.storage.atomic import copy
-
-    copy(os.fspath(src), os.fspath(dst))
-
-
-def move(src, dst) -> None:
-    """Local: os.replace (atomic). Object storage has no rename: copy, then delete the source, so at every
-    moment at least one of the two is whole (a reader or a retry must accept finding both)."""
-    if not is_remote(src) and not is_remote(dst):
-        os.replace(src, dst)
-        return
-    copy_file(src, dst)
-    remove(src)
