@@ -8,6 +8,8 @@ import time
 import pytest
 
 from glm5_jax import storage
+from glm5_jax.checkpoint.inference import checkpoint_tokenizer, latest_step
+from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.train.experiment import apply_overrides, load_config_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,3 +105,6 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path, request, where, r
     assert _losses(killed) == expected            # bit-identical losses, every step logged exactly once
     assert storage.isfile(storage.join(killed, "config.json"))
     assert storage.glob(storage.join(killed, "tb"), "events.out.tfevents.*")
+    # what generate/serve --checkpoint read: the newest committed step and the run's cached tokenizer
+    assert latest_step(killed) == 8
+    assert load_tokenizer(checkpoint_tokenizer(killed)).vocab_size > 0
