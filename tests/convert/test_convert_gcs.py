@@ -4,9 +4,11 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from convert_helpers import assert_same_tensors, save_hf_model
 
 from glm5_jax import storage
+from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.checkpoint.inference import load_for_inference
 from glm5_jax.convert import hf_to_orbax, orbax_to_hf
 from glm5_jax.hf.checkpoint import load_hf
@@ -38,3 +40,5 @@ def test_local_to_gcs_and_back_is_bit_identical(tmp_path, gcs_dir):
     hf_files = _files(storage.join(gcs_dir, "hf"))
     index = json.loads(storage.read_text(storage.join(gcs_dir, "hf", "model.safetensors.index.json")))
     assert "config.json" in hf_files and set(index["weight_map"].values()) <= set(hf_files)
+    with pytest.raises(CheckpointError, match="already exists"):
+        orbax_to_hf(storage.join(gcs_dir, "orbax"), storage.join(gcs_dir, "hf"))

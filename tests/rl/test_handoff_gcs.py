@@ -35,3 +35,13 @@ def test_handoff_on_gcs_consumes_every_batch_once(gcs_dir, tmp_path):
     dirs = ro.RolloutDirs(gcs_dir)
     assert [dirs.seqs_of(g) for g in range(N_GEN)] == [[]] * N_GEN      # consumed files deleted
     assert storage.glob(dirs.tmp, "*") == []
+
+
+def test_rejected_rollout_moves_on_gcs(gcs_dir):
+    """No rename on object storage: reject copies to rejected/ then deletes from ready/."""
+    dirs = ro.RolloutDirs(gcs_dir)
+    path = ro.write_batch(dirs, 1, 4, batch(1, 4))
+    assert dirs.seqs_of(1) == [4]
+    dirs.reject(path)
+    assert dirs.seqs_of(1) == [] and not storage.exists(path)
+    assert ro.read_batch(storage.join(dirs.rejected, "g001_s0000004.rollout"))[1] == ro.content_sha256(batch(1, 4))

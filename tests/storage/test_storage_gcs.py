@@ -78,3 +78,32 @@ def test_killed_writer_leaves_no_object(gcs_dir):
     time.sleep(0.2)
     assert not storage.exists(target)
     assert json.loads(json.dumps(storage.listdir(gcs_dir) if storage.isdir(gcs_dir) else [])) == []
+
+
+def test_publish_killed_half_way_leaves_no_complete_output(gcs_dir, tmp_path, monkeypatch):
+    """A publisher that dies after some objects were copied leaves an output without its commit file,
+    which the HF config reader refuses; the old output's commit file went first."""
+    from glm5_jax.hf.config import read_config_json
+    from glm5_jax.model.config import ConfigError
+    from glm5_jax.storage import atomic
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.safetensors", "b.safetensors", "config.json"):
+        (src / name).write_bytes(b"{}")
+    out = storage.join(gcs_dir, "out")
+    storage.write_atomically(storage.join(out, "config.json"), b"{}")      # a complete old output
+    copied, real_copy = [], atomic.copy
+
+    def dying_copy(a, b):
+        if len(copied) == 1:
+            raise KeyboardInterrupt("killed")
+        copied.append(b)
+        real_copy(a, b)
+
+    monkeypatch.setattr(atomic, "copy", dying_copy)
+    with pytest.raises(KeyboardInterrupt):
+        storage.publish_dir(str(src), out, "config.json")
+    assert storage.listdir(out) == ["a.safetensors"]
+    with pytest.raises(ConfigError, match="missing config.json"):
+        read_config_json(out)
