@@ -21,10 +21,11 @@ Guards, each a pitfall measured in docs/training.md#policy-handoff-through-orbax
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import orbax.checkpoint as ocp
+
+from glm5_jax import storage
 
 ITEMS = ("params", "opt_state", "meta")
 COMMIT_MARKER = "commit_success.txt"
@@ -36,17 +37,17 @@ class HandoffError(RuntimeError):
 
 
 def policy_dir(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), "policy")
+    return storage.join(storage.absolute(workdir), "policy")
 
 
 def is_committed(directory: str, version: int) -> bool:
-    return os.path.isfile(os.path.join(directory, str(version), COMMIT_MARKER))
+    return storage.isfile(storage.join(directory, str(version), COMMIT_MARKER))
 
 
 def committed_versions(directory: str) -> list[int]:
     """Versions whose step directory is final (plain integer name) and carries the commit marker."""
     try:
-        names = os.listdir(directory)
+        names = storage.listdir(directory)
     except FileNotFoundError:
         return []
     return sorted(int(n) for n in names if n.isdigit() and is_committed(directory, int(n)))
@@ -116,7 +117,7 @@ class PolicyReader:
 
     def _open(self):
         if self._manager is None:
-            if not os.path.isdir(self.directory):
+            if not storage.isdir(self.directory):
                 raise FileNotFoundError(self.directory)
             self._manager = ocp.CheckpointManager(
                 self.directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True))

@@ -14,14 +14,12 @@ otherwise on the default device.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
-import os
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.checkpoint.handoff import COMMIT_MARKER
 from glm5_jax.checkpoint.stored_config import config_from_json
@@ -42,20 +40,19 @@ class StoredCheckpoint:
 
     @property
     def step_dir(self) -> str:
-        return os.path.join(self.directory, str(self.step))
+        return storage.join(self.directory, str(self.step))
 
     @property
     def item_dir(self) -> str:
-        return os.path.join(self.step_dir, self.item)
+        return storage.join(self.step_dir, self.item)
 
 
 def _json_meta(step_dir: str, key: str) -> dict | None:
     """The JSON object holding `key` in a step's ``meta`` item, None when there is none."""
-    meta_dir = os.path.join(step_dir, "meta")
-    for name in sorted(os.listdir(meta_dir)) if os.path.isdir(meta_dir) else ():
+    meta_dir = storage.join(step_dir, "meta")
+    for name in sorted(storage.listdir(meta_dir)) if storage.isdir(meta_dir) else ():
         try:
-            with open(os.path.join(meta_dir, name)) as f:
-                meta = json.load(f)
+            meta = json.loads(storage.read_text(storage.join(meta_dir, name)))
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict) and key in meta:
@@ -66,40 +63,40 @@ def _json_meta(step_dir: str, key: str) -> dict | None:
 def _manager_dir(path: str) -> str:
     """A train.py workdir -> its checkpoints/, an RL workdir -> its policy/; else the path itself."""
     for sub in ("checkpoints", "policy"):
-        if os.path.isdir(os.path.join(path, sub)):
-            return os.path.join(path, sub)
+        if storage.isdir(storage.join(path, sub)):
+            return storage.join(path, sub)
     return path
 
 
 def find_checkpoint(path: str, step: int | None = None) -> StoredCheckpoint:
     """The step (newest committed one unless given) of a train workdir, its checkpoints/, a converter
     output, an RL workdir or its policy/, with its model config; CheckpointError naming what is missing."""
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
+    path = storage.absolute(path)
+    if not storage.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     path = _manager_dir(path)
-    steps = ocp.path.step.checkpoint_steps(path)        # finalized steps (a read-only manager would warn)
+    steps = ocp.path.step.checkpoint_steps(storage.path(path))        # finalized steps (a read-only manager would warn)
     if not steps:
         raise CheckpointError(f"{path}: holds no committed orbax checkpoint step (expected a train.py workdir or "
                               f"its checkpoints/, an hf-to-orbax output, or an RL workdir or its policy/)")
     step = max(steps) if step is None else step
     if step not in steps:
         raise CheckpointError(f"{path}: no step {step}; committed steps are {sorted(steps)}")
-    step_dir = os.path.join(path, str(step))
-    if os.path.isdir(os.path.join(step_dir, "state")):
+    step_dir = storage.join(path, str(step))
+    if storage.isdir(storage.join(step_dir, "state")):
         config = (_json_meta(step_dir, "config") or {}).get("config")
         if isinstance(config, dict) and "model" in config:            # train.py run
             return StoredCheckpoint("train", path, step, "state", config_from_json(config["model"], step_dir), {})
         # the step's own metadata file: manager.metadata(step) would also ask every item for its metadata and
         # warn that items it has no handler for here ("meta", "data") "could not be restored"
-        custom = ocp.metadata.get_step_metadata(step_dir).custom_metadata or {}
+        custom = ocp.metadata.get_step_metadata(storage.path(step_dir)).custom_metadata or {}
         if "model_config" in custom:                                   # converter output
             return StoredCheckpoint("converted", path, step, "state",
                                     config_from_json(custom["model_config"], step_dir), custom)
         raise CheckpointError(f"{step_dir}: found no model config (neither converter metadata nor a train.py "
                               f"'meta' item)")
-    if os.path.isdir(os.path.join(step_dir, "params")):                # RL policy version
-        if not os.path.isfile(os.path.join(step_dir, COMMIT_MARKER)):
+    if storage.isdir(storage.join(step_dir, "params")):                # RL policy version
+        if not storage.isfile(storage.join(step_dir, COMMIT_MARKER)):
             raise CheckpointError(f"{step_dir}: policy version is not committed (no {COMMIT_MARKER})")
         meta = _json_meta(step_dir, "model_config") or {}
         if "model_config" not in meta:
@@ -124,7 +121,7 @@ def latest_step(path: str) -> int:
 def stored_leaves(item_dir: str) -> dict:
     """The metadata tree of an orbax PyTree item (through the item's handler, not a Checkpointer: the item
     directory has no step metadata file of its own, and a Checkpointer warns "Metadata file does not exist")."""
-    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir)).tree
+    return ocp.PyTreeCheckpointHandler().metadata(storage.path(item_dir)).tree
 
 
 def load_for_inference(path: str, step: int | None = None, sharding=None):
@@ -138,16 +135,17 @@ def load_for_inference(path: str, step: int | None = None, sharding=None):
     wanted = {c: tree[c] for c in COLLECTIONS if c in tree}
     target = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=target), wanted)
-    restored = ocp.PyTreeCheckpointHandler().restore(epath.Path(state_dir), args=ocp.args.PyTreeRestore(
+    restored = ocp.PyTreeCheckpointHandler().restore(storage.path(state_dir), args=ocp.args.PyTreeRestore(
         abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
     return cfg, {c: restored[c] for c in wanted}, found.step
 
 
 def checkpoint_tokenizer(checkpoint: str) -> str:
     """The tokenizer.json of a checkpoint: the BPE a train.py workdir cached, or one beside a converter output."""
-    found = sorted(glob.glob(os.path.join(checkpoint, "tokenizer", "*", "tokenizer.json")))
-    if os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
-        found.append(os.path.join(checkpoint, "tokenizer.json"))
+    found = sorted(f for d in storage.glob(storage.join(checkpoint, "tokenizer"), "*")
+                   for f in storage.glob(d, "tokenizer.json"))
+    if storage.isfile(storage.join(checkpoint, "tokenizer.json")):
+        found.append(storage.join(checkpoint, "tokenizer.json"))
     if len(found) != 1:
         raise CheckpointError(f"--tokenizer is required: found {len(found)} tokenizer.json under {checkpoint}")
     return found[0]

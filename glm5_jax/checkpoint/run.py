@@ -1,23 +1,25 @@
 """Orbax checkpoints of a training run: state, data-iterator position and config, saved together.
 
 Layout: ``<workdir>/checkpoints/<step>/{state, data, meta}``; orbax writes each step to a temporary
-directory and commits it atomically, so a kill at any moment leaves only whole steps. Restoring takes
+directory and commits it atomically (on object storage: writes the step in place and its commit_success.txt
+last, and readers take only committed steps), so a kill at any moment leaves only whole steps. Restoring takes
 an abstract state whose leaves carry the *target* shardings, so a run resumes onto any mesh.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import grain
 import orbax.checkpoint as ocp
+
+from glm5_jax import storage
 
 ITEMS = ("state", "data", "meta")
 
 
 class RunCheckpoints:
     def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))   # orbax needs absolute paths
+        self.directory = storage.absolute(storage.join(workdir, "checkpoints"))   # orbax needs absolute paths
         self.manager = ocp.CheckpointManager(
             self.directory, item_names=ITEMS,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,

@@ -21,7 +21,7 @@ from glm5_jax.convert import int4_layout
 from glm5_jax.convert.atomic_dir import atomic_output_dir, check_output_dir
 from glm5_jax.convert.hub_reader import FP8_DTYPE, HubReader, read_leaf_slice, scale_key
 from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
-from glm5_jax.convert.orbax_io import LeafWriter
+from glm5_jax.convert.orbax_io import STEP, LeafWriter
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.hf.config import config_from_hf, read_config_json
@@ -109,7 +109,10 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
     def leaf_dtype(leaf):
         return np.dtype(np.float32) if leaf.keep_fp32 else np.dtype(cfg.jnp_param_dtype)
 
-    with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
+    # orbax's partial save (LeafWriter) cannot finalise on object storage: a gs:// output is staged locally,
+    # then published with the commit markers orbax requires there (step and item), step marker last
+    with atomic_output_dir(out_dir, overwrite, commit_file=f"{STEP}/commit_success.txt", stage_locally=True,
+                           extra_commit_files=(f"{STEP}/state/commit_success.txt",)) as tmp, frozen_gc():
         writer = LeafWriter(tmp, {"hf_config": hf, "model_config": config_to_json(cfg), "hf_dtypes": hf_dtypes})
         with contextlib.closing(prefetched(plan, lambda leaf: build_leaf(reader, leaf, leaf_dtype(leaf),
                                                                          device_mesh))) as leaves:

@@ -13,7 +13,6 @@ where ``abstract = {"params": ..., "moe_bias": ...}`` of ShapeDtypeStructs with 
 """
 from __future__ import annotations
 
-import os
 
 import jax
 import numpy as np
@@ -21,6 +20,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.errors import CheckpointError
 
 STEP = 0
@@ -29,7 +29,7 @@ FLUSH_BYTES = 64 * 2**20
 
 
 def step_dir(ckpt_dir: str) -> str:
-    return os.path.join(ckpt_dir, str(STEP))
+    return storage.join(ckpt_dir, str(STEP))
 
 
 def _nest(collection: str, path: tuple[str, ...], value) -> dict:
@@ -97,8 +97,8 @@ class LeafWriter:
 
 def state_dir(ckpt_dir: str) -> str:
     """The ``state`` item of a converter output (step 0)."""
-    path = os.path.join(step_dir(ckpt_dir), STATE_ITEM)
-    if not os.path.isdir(path):
+    path = storage.join(step_dir(ckpt_dir), STATE_ITEM)
+    if not storage.isdir(path):
         raise CheckpointError(f"{ckpt_dir}: not a converted orbax checkpoint (no step {STEP} with item "
                               f"{STATE_ITEM!r} at {path})")
     return path
@@ -106,7 +106,7 @@ def state_dir(ckpt_dir: str) -> str:
 
 def read_custom_metadata(ckpt_dir: str) -> dict:
     state_dir(ckpt_dir)
-    manager = ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True))
+    manager = ocp.CheckpointManager(storage.absolute(ckpt_dir), options=ocp.CheckpointManagerOptions(read_only=True))
     metadata = manager.metadata(STEP).custom_metadata or {}
     if "model_config" not in metadata:
         raise CheckpointError(f"{ckpt_dir}: checkpoint metadata lacks 'model_config'; was it written by "

@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 
 import ml_dtypes
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.checkpoint.inference import COLLECTIONS, find_checkpoint
 from glm5_jax.convert import fp8 as fp8_layout, int4_layout, orbax_io
@@ -200,10 +200,7 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
 
     progress = Progress("orbax-to-hf", layout.total_size, stream)
     with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        storage.write_atomically(storage.join(tmp, "config.json"), json.dumps(hf, indent=2).encode())
         writer = ShardedSafetensorsWriter(tmp, layout)
         with contextlib.closing(_restored_leaves(found.item_dir, plan, stored)) as leaves:
             for leaf, array in leaves:

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.hf.safetensors_io import DTYPES, INDEX_FILE
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -80,7 +81,8 @@ class ShardedSafetensorsWriter:
         renamed into place on success holds data that is on disk."""
         if self._file:
             self._file.flush()
-            os.fsync(self._file.fileno())
+            if not storage.is_remote(self.out_dir):      # an object is durable once its upload is finalised
+                os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
 
@@ -88,7 +90,7 @@ class ShardedSafetensorsWriter:
         self._close_shard()
         self._shard = shard
         header = _header(self.layout.shards[shard])
-        self._file = open(os.path.join(self.out_dir, self.layout.file_name(shard)), "wb")
+        self._file = storage.path(storage.join(self.out_dir, self.layout.file_name(shard))).open("wb")
         self._file.write(len(header).to_bytes(8, "little"))
         self._file.write(header)
 
@@ -98,7 +100,5 @@ class ShardedSafetensorsWriter:
         self._close_shard()
         weight_map = {name: self.layout.file_name(i) for i, shard in enumerate(self.layout.shards)
                       for name, _, _ in shard}
-        with open(os.path.join(self.out_dir, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": self.layout.total_size}, "weight_map": weight_map}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        storage.write_atomically(storage.join(self.out_dir, INDEX_FILE), json.dumps(
+            {"metadata": {"total_size": self.layout.total_size}, "weight_map": weight_map}, indent=2).encode())

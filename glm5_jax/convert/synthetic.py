@@ -7,10 +7,10 @@ sharded safetensors with an index; optionally in the block-FP8 layout. Norm weig
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.convert import fp8 as fp8_layout
 from glm5_jax.convert.hub_reader import scale_key
 from glm5_jax.convert.plan import build_plan
@@ -31,12 +31,11 @@ def write_random_hub_checkpoint(out_dir: str, hf_config: dict, dtype=np.float32,
             else:
                 dt = np.float32 if leaf.keep_fp32 else dtype
                 tensors.append((key, np.dtype(dt), leaf.hub_shape))
-    os.makedirs(out_dir, exist_ok=True)
+    storage.makedirs(out_dir)
     config = dict(hf_config)
     if fp8:
         config["quantization_config"] = fp8_layout.quantization_config(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    storage.write_atomically(storage.join(out_dir, "config.json"), json.dumps(config, indent=2).encode())
     writer = ShardedSafetensorsWriter(out_dir, ShardLayout(tensors, max_shard_bytes))
     rng = np.random.default_rng(seed)
     for leaf in plan:

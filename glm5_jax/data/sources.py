@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.data.config import STDLIB, DataError
 from glm5_jax.data.corpus import Document, stdlib_documents
 
@@ -22,13 +23,13 @@ TOKEN_DTYPE = np.dtype("<i4")  # pre-tokenized records: little-endian int32 toke
 
 
 def _index_text_file(path: str, key: str) -> list[Document]:
-    size = os.path.getsize(path)
+    size = storage.getsize(path)
     return [Document(key=key, path=path, kind="text", size=size)] if size else []
 
 
 def _index_jsonl(path: str, key: str, text_field: str) -> list[Document]:
     docs, offset = [], 0
-    with open(path, "rb") as f:
+    with storage.path(path).open("rb") as f:
         for lineno, line in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             if line.strip():
@@ -51,8 +52,16 @@ def _index_jsonl(path: str, key: str, text_field: str) -> list[Document]:
 def _index_token_records(path: str, key: str) -> list[Document]:
     import grain  # deferred: grain pulls in a lot
 
+    _check_local_records(path)
     count = len(grain.sources.ArrayRecordDataSource([path]))
     return [Document(key=f"{key}#{i}", path=path, kind="tokens", offset=i) for i in range(count)]
+
+
+def _check_local_records(path: str) -> None:
+    if storage.is_remote(path):
+        raise DataError(f"ArrayRecord source {path}: array_record reads local files only (its reader opens "
+                        f"paths with the C++ file API, which has no gs:// support); copy the records to a "
+                        f"local disk, or use jsonl/text sources, which may be on gs://")
 
 
 def _index_file(path: str, key: str, text_field: str) -> list[Document]:
@@ -65,13 +74,14 @@ def _index_file(path: str, key: str, text_field: str) -> list[Document]:
 
 def _index_directory(root: str, text_field: str) -> list[Document]:
     docs = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in storage.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            path = storage.join(dirpath, name)
+            rel = path[len(root.rstrip("/")) + 1:] if storage.is_remote(root) else \
+                os.path.relpath(path, root).replace(os.sep, "/")
             docs.extend(_index_file(path, f"{root}/{rel}", text_field))
     return docs
 
@@ -83,10 +93,10 @@ def index_sources(sources: Sequence[str], text_field: str) -> list[Document]:
         if source == STDLIB:
             found = stdlib_documents()
         else:
-            path = os.path.normpath(source)
-            if not os.path.exists(path):
+            path = source.rstrip("/") if storage.is_remote(source) else os.path.normpath(source)
+            if not storage.exists(path):
                 raise DataError(f"data source path does not exist: {source}")
-            if os.path.isdir(path):
+            if storage.isdir(path):
                 found = _index_directory(path, text_field)
             else:
                 found = _index_file(path, path, text_field)
@@ -122,7 +132,7 @@ class DocumentReader:
     def read(self, doc: Document) -> str | np.ndarray:
         if doc.kind == "tokens":
             return self._token_record(doc)
-        with open(doc.path, "rb") as f:
+        with storage.path(doc.path).open("rb") as f:
             if doc.kind == "text":
                 # Invalid UTF-8 (a few stdlib test files are latin-1 on purpose) becomes U+FFFD.
                 return f.read().decode("utf-8", errors="replace")
@@ -140,6 +150,7 @@ def write_token_records(path: str, documents: Sequence[Sequence[int]]) -> None:
     """Writes pre-tokenized documents as an ArrayRecord file that `index_sources` reads (one record each)."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
+    _check_local_records(path)
     tmp = path + ".tmp"
     writer = ArrayRecordWriter(tmp, "group_size:1")
     try:

@@ -4,14 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import tokenizers
 
+from glm5_jax import storage
 from glm5_jax.data.config import DataError
 
 PAD_TOKEN = "<|pad|>"
@@ -50,12 +49,12 @@ class Tokenizer:
 
 def load_tokenizer(path: str, eos_token: str = EOS_TOKEN) -> Tokenizer:
     """A user tokenizer: a HF `tokenizer.json` file, or a directory holding one."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
+    if storage.isdir(path):
+        path = storage.join(path, "tokenizer.json")
+    if not storage.isfile(path):
         raise DataError(f"tokenizer file does not exist: {path}")
     try:
-        hf = tokenizers.Tokenizer.from_file(path)
+        hf = tokenizers.Tokenizer.from_str(storage.read_text(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise DataError(f"cannot load tokenizer {path}: {e}") from None
     return Tokenizer(hf, eos_token)
@@ -75,18 +74,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, num_texts: int | None = Non
 
 
 def _write_atomically(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    storage.write_atomically(path, text.encode())
 
 
 def bpe_settings(vocab_size: int, corpus_fingerprint: str) -> dict:
@@ -104,14 +92,13 @@ def cached_bpe(cache_root: str, settings: dict, texts: Callable[[], Iterable[str
     written last, so its presence (with equal content) marks a complete cache entry.
     """
     blob = json.dumps(settings, sort_keys=True)
-    folder = os.path.join(cache_root, "bpe-" + hashlib.sha256(blob.encode()).hexdigest()[:16])
-    tokenizer_file = os.path.join(folder, "tokenizer.json")
-    settings_file = os.path.join(folder, "settings.json")
-    if os.path.isfile(settings_file) and os.path.isfile(tokenizer_file):
-        with open(settings_file) as f:
-            if json.load(f) == settings:
-                logging.info("data: reusing cached tokenizer %s", tokenizer_file)
-                return load_tokenizer(tokenizer_file, EOS_TOKEN)
+    folder = storage.join(cache_root, "bpe-" + hashlib.sha256(blob.encode()).hexdigest()[:16])
+    tokenizer_file = storage.join(folder, "tokenizer.json")
+    settings_file = storage.join(folder, "settings.json")
+    if storage.isfile(settings_file) and storage.isfile(tokenizer_file):
+        if json.loads(storage.read_text(settings_file)) == settings:
+            logging.info("data: reusing cached tokenizer %s", tokenizer_file)
+            return load_tokenizer(tokenizer_file, EOS_TOKEN)
     logging.info("data: training byte-level BPE (vocab %d) on %s documents -> %s",
                  settings["vocab_size"], num_texts if num_texts is not None else "?", tokenizer_file)
     start = time.perf_counter()

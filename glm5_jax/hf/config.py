@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any
 
+from glm5_jax import storage
 from glm5_jax.model.config import ConfigError, ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
@@ -153,13 +154,12 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     """The dict in an HF ``config.json`` (``path`` is the file or its directory); the one reader that
     config_from_hf, load_hf and the converter share. ConfigError names the problem and the path."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
+    if storage.isdir(path):
+        path = storage.join(path, "config.json")
+    if not storage.isfile(path):
         raise ConfigError(f"no HF config at {path} (missing config.json)")
     try:
-        with open(path) as f:
-            hf = json.load(f)
+        hf = json.loads(storage.read_text(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON (invalid JSON: {e})") from None
     if not isinstance(hf, dict):

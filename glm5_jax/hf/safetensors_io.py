@@ -12,11 +12,13 @@ import json
 import math
 import os
 import struct
+import threading
 import weakref
 
 import ml_dtypes
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.errors import CheckpointError
 
 DTYPES = {
@@ -35,8 +37,8 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
+            size = storage.getsize(path)
+            with storage.path(path).open("rb") as f:
                 prefix = f.read(8)
                 if len(prefix) < 8:
                     raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
@@ -71,14 +73,17 @@ class SafetensorsFile:
             self.entries[name] = (dtype, shape, begin)
         self._mmap = None
         self._fd = None
+        self._remote_lock = threading.Lock()
 
     def tensor(self, name: str) -> np.ndarray:
         """A read-only view of one tensor (memory-mapped; copy it to keep it)."""
         dtype, shape, begin = self.entries[name]
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         count = math.prod(shape)
         start = self._data_start + begin
+        if storage.is_remote(self.path):           # object storage: a ranged read of the tensor's bytes
+            return self._read_remote(start, np.empty(count * dtype.itemsize, np.uint8), name).view(dtype).reshape(shape)
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         return self._mmap[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
@@ -93,6 +98,9 @@ class SafetensorsFile:
             out = np.empty((n_rows,) + tuple(shape[1:]), dtype)
         elif out.dtype != dtype or out.nbytes != n_rows * row_bytes or not out.flags.c_contiguous:
             raise ValueError(f"read_rows({name!r}): out {out.dtype}{list(out.shape)} does not fit {n_rows} rows")
+        if storage.is_remote(self.path):
+            self._read_remote(self._data_start + begin + rows.start * row_bytes, out.reshape(-1).view(np.uint8), name)
+            return out
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
             weakref.finalize(self, os.close, self._fd)
@@ -105,29 +113,40 @@ class SafetensorsFile:
             done += n
         return out
 
+    def _read_remote(self, offset: int, out_u8: np.ndarray, name: str) -> np.ndarray:
+        with self._remote_lock:          # one object handle, shared by reader threads
+            if self._fd is None:
+                self._fd = storage.path(self.path).open("rb")
+                weakref.finalize(self, self._fd.close)
+            self._fd.seek(offset)
+            data = self._fd.read(out_u8.nbytes)
+        if len(data) != out_u8.nbytes:
+            raise CheckpointError(f"{self.path}: truncated while reading tensor {name!r}")
+        out_u8[:] = np.frombuffer(data, np.uint8)
+        return out_u8
+
 
 class SafetensorsCheckpoint:
     """All tensors of an HF checkpoint directory by name, across shards."""
 
     def __init__(self, hf_dir: str):
         self.dir = hf_dir
-        index_path = os.path.join(hf_dir, INDEX_FILE)
-        if os.path.exists(index_path):
+        index_path = storage.join(hf_dir, INDEX_FILE)
+        if storage.exists(index_path):
             try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
+                weight_map = json.loads(storage.read_text(index_path))["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
             shards = sorted(set(weight_map.values()))
             for shard in shards:
-                if not os.path.isfile(os.path.join(hf_dir, shard)):
+                if not storage.isfile(storage.join(hf_dir, shard)):
                     raise CheckpointError(f"{index_path} names shard {shard!r}, which does not exist in {hf_dir}")
         else:
-            shards = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")) if os.path.isdir(hf_dir) else []
+            shards = sorted(f for f in storage.listdir(hf_dir) if f.endswith(".safetensors")) if storage.isdir(hf_dir) else []
             if not shards:
                 raise CheckpointError(f"{hf_dir}: no *.safetensors files and no {INDEX_FILE}")
             weight_map = None
-        self.files = {s: SafetensorsFile(os.path.join(hf_dir, s)) for s in shards}
+        self.files = {s: SafetensorsFile(storage.join(hf_dir, s)) for s in shards}
         self.location = {}
         for shard, f in self.files.items():
             for name in f.entries:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from glm5_jax import storage
 from glm5_jax.model.config import DTYPES
 from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.train.experiment import apply_overrides, load_config_file
@@ -18,7 +19,7 @@ LOSSES = ("dis", "icepop", "ppo_clip")
 
 def sft_checkpoint_dir(sft_workdir: str) -> str:
     """Where the SFT run that starts an RL run keeps its orbax checkpoints."""
-    return os.path.join(os.path.abspath(sft_workdir), "checkpoints")
+    return storage.join(storage.absolute(sft_workdir), "checkpoints")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,5 +163,5 @@ def resolve_sft(exp: RLExperiment, workdir: str, config_dir: str | None = None):
     if not os.path.isabs(path) and not os.path.isfile(path):
         root = config_dir or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.path.join(root, path)
-    sft_workdir = os.path.abspath(exp.sft_workdir or os.path.join(workdir, "sft"))
+    sft_workdir = storage.absolute(exp.sft_workdir or storage.join(workdir, "sft"))
     return load_config_file(path), sft_workdir

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import time
 
 import jax
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.checkpoint.stored_config import config_to_json
 from glm5_jax.generate.decoding import Sampler, generate
@@ -130,7 +130,7 @@ def _train_step_fn(model_cfg, rl):
 class Learner:
     def __init__(self, exp, workdir: str, sft_cfg, sft_workdir: str):
         self.exp, self.rl = exp, exp.rl
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = storage.absolute(workdir)
         self.sft_cfg, self.sft_workdir = sft_cfg, sft_workdir
         # a multi-turn environment has no held-out prompts to evaluate (its configs set eval_every=0)
         self.task = None if exp.is_agentic else make_task(self.rl.task)
@@ -140,11 +140,11 @@ class Learner:
         rollout_sampler(self.rl).validate(self.policy.cfg.vocab_size)
         self.tx = make_optimizer(self.rl)
         self.writer = PolicyWriter(self.workdir, self.rl.keep_versions)
-        self.metrics_path = os.path.join(self.workdir, METRICS)
+        self.metrics_path = storage.join(self.workdir, METRICS)
         self._train = train_step_fn(self.policy.cfg, self.rl)
         self.abstract_opt_state = self.policy.abstract_opt_state(self.tx)
         self._opt_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_opt_state)
-        self.profiler = StepProfiler(os.path.join(self.workdir, "tb"), self.rl.profile_start, self.rl.profile_steps,
+        self.profiler = StepProfiler(storage.join(self.workdir, "tb"), self.rl.profile_start, self.rl.profile_steps,
                                      name="rl_update")
         self._committed_next_ordinal = 0     # next_ordinal of the newest version known to be committed
         self._published_next_ordinal = 0     # ... of the newest version whose save was started
@@ -216,8 +216,8 @@ class Learner:
         """Seconds spent waiting until `path` exists in ready/ or was already moved to rejected/ (by this
         learner before a crash: it is rejected again, deterministically)."""
         start = time.perf_counter()
-        rejected = os.path.join(self.dirs.rejected, os.path.basename(path))
-        while not os.path.exists(path) and not os.path.exists(rejected):
+        rejected = storage.join(self.dirs.rejected, storage.basename(path))
+        while not storage.exists(path) and not storage.exists(rejected):
             time.sleep(self.rl.poll_seconds)
         return time.perf_counter() - start
 
@@ -244,7 +244,7 @@ class Learner:
             wait_seconds = self.wait_for(path)
             entry = {"ordinal": ordinal, "generator": generator, "seq": seq}
             try:
-                if not os.path.exists(path):
+                if not storage.exists(path):
                     raise ro.CorruptRollout(f"{path} was rejected before")
                 batch, sha = ro.read_batch(path)
                 if (batch.meta.get("generator"), batch.meta.get("seq")) != (generator, seq):
@@ -253,7 +253,7 @@ class Learner:
                 check_sampled_like(batch.meta, rl)
             except ro.CorruptRollout as e:
                 log.warning("rejecting %s: %s", path, e)
-                if os.path.exists(path):
+                if storage.exists(path):
                     self.dirs.reject(path)
                 meta = self._advance(meta, {**entry, "status": "rejected_corrupt"}, rejected=1)
                 continue
@@ -320,19 +320,16 @@ class Learner:
             for seq in self.dirs.seqs_of(g):
                 if seq < limit[str(g)]:
                     try:
-                        os.unlink(self.dirs.path(g, seq))
+                        storage.remove(self.dirs.path(g, seq))
                     except FileNotFoundError:
                         pass
 
     def _truncate_metrics(self, version: int) -> int:
         """Drops metrics lines past `version` (logged by a learner killed before that version committed);
         returns the last version still logged (-1: none)."""
-        if not os.path.exists(self.metrics_path):
-            return -1
-        with open(self.metrics_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["version"] <= version]
-        ro.write_atomically(self.metrics_path, "".join(kept).encode(), self.workdir)
-        return json.loads(kept[-1])["version"] if kept else -1
+        self.metrics_log = storage.JsonlLog(self.metrics_path, keep=lambda record: record["version"] <= version)
+        kept = storage.read_jsonl(self.metrics_path)
+        return kept[-1]["version"] if kept else -1
 
     def _log_version(self, variables, meta, record):
         version = meta["version"]
@@ -344,8 +341,7 @@ class Learner:
             t0 = time.perf_counter()
             record["eval_exact_match"] = self.eval_exact_match(variables)
             record["eval_seconds"] = time.perf_counter() - t0
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.metrics_log.append(record)
         log.info("version %d  reward %s  eval %s  staleness %s  keep %s", version,
                  _fmt(record.get("mean_reward")), _fmt(record.get("eval_exact_match")), record.get("staleness"),
                  _fmt(record.get("keep_fraction")))
@@ -355,7 +351,7 @@ class Learner:
                    "batches_consumed": meta["next_ordinal"], "dropped_stale": meta["dropped_stale"],
                    "rejected_corrupt": meta["rejected_corrupt"], "staleness_max": meta["staleness_max"],
                    "consumed": meta["ledger"]}
-        ro.write_atomically(os.path.join(self.workdir, SUMMARY), json.dumps(summary, indent=1).encode(),
+        ro.write_atomically(storage.join(self.workdir, SUMMARY), json.dumps(summary, indent=1).encode(),
                             self.workdir)
         log.info("final version %d, params sha256 %s", meta["version"], summary["params_sha256"])
 

@@ -19,12 +19,12 @@ For a multi-turn environment (rl.task in glm5_jax.rl.tasks.ENVIRONMENTS) the sam
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import jax
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.handoff import PolicyReader
 from glm5_jax.generate.decoding import generate
 from glm5_jax.parallel.mesh import build_mesh
@@ -58,7 +58,7 @@ class Generator:
             raise ValueError(f"--generator_id={generator_id} is outside [0, rl.num_generators="
                              f"{self.rl.num_generators})")
         self.gen = generator_id
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = storage.absolute(workdir)
         self.dirs = ro.RolloutDirs(self.workdir)
         self.reader = PolicyReader(self.workdir)
         self._meta_cache: dict[int, dict] = {}

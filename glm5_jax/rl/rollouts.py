@@ -22,6 +22,8 @@ import struct
 
 import numpy as np
 
+from glm5_jax import storage
+
 MAGIC = b"GLM5RL01"
 _TRAILER = struct.Struct("<32sQ8s")
 _NAME = re.compile(r"^g(\d{3})_s(\d{7})\.rollout$")
@@ -84,28 +86,27 @@ def parse_name(name: str) -> tuple[int, int] | None:
 
 class RolloutDirs:
     def __init__(self, workdir: str):
-        root = os.path.join(os.path.abspath(workdir), "rollouts")
-        self.tmp, self.ready, self.rejected = (os.path.join(root, d) for d in ("tmp", "ready", "rejected"))
+        root = storage.join(storage.absolute(workdir), "rollouts")
+        self.tmp, self.ready, self.rejected = (storage.join(root, d) for d in ("tmp", "ready", "rejected"))
         for d in (self.tmp, self.ready, self.rejected):
-            os.makedirs(d, exist_ok=True)
+            storage.makedirs(d)
 
     def path(self, generator: int, seq: int) -> str:
-        return os.path.join(self.ready, rollout_name(generator, seq))
+        return storage.join(self.ready, rollout_name(generator, seq))
 
     def seqs_of(self, generator: int) -> list[int]:
         """Sequence numbers of this generator's files in ready/, sorted."""
-        found = (parse_name(n) for n in os.listdir(self.ready))
+        found = (parse_name(storage.basename(p)) for p in storage.glob(self.ready, "*.rollout"))
         return sorted(s for g_s in found if g_s and g_s[0] == generator for s in [g_s[1]])
 
     def clear_tmp(self, generator: int) -> None:
         """Removes this generator's partial writes (from a previous life of it)."""
         prefix = f"g{generator:03d}_"
-        for name in os.listdir(self.tmp):
-            if name.startswith(prefix):
-                os.unlink(os.path.join(self.tmp, name))
+        for path in storage.glob(self.tmp, prefix + "*"):
+            storage.remove(path)
 
     def reject(self, path: str) -> None:
-        os.replace(path, os.path.join(self.rejected, os.path.basename(path)))
+        storage.move(path, storage.join(self.rejected, storage.basename(path)))
 
 
 def encode(batch: RolloutBatch) -> bytes:
@@ -141,16 +142,21 @@ def decode(blob: bytes, where: str = "rollout") -> RolloutBatch:
 
 def write_atomically(path: str, data: bytes, tmp_dir: str) -> None:
     """tmp file -> fsync -> rename -> fsync(dir): `path` either does not exist or is complete.
+    On object storage one upload straight to `path` gives the same (an object appears whole, a killed
+    upload leaves none), so `tmp_dir` is not used there.
 
     Background: docs/training.md#rollout-files-are-whole.
     """
-    tmp = os.path.join(tmp_dir, f"{os.path.basename(path)}.{os.getpid()}.tmp")
+    if storage.is_remote(path):
+        storage.write_atomically(path, data)
+        return
+    tmp = storage.join(tmp_dir, f"{storage.basename(path)}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    fd = os.open(storage.dirname(path), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -175,7 +181,5 @@ def content_sha256(batch: RolloutBatch) -> str:
 
 def read_batch(path: str) -> tuple[RolloutBatch, str]:
     """(batch, content_sha256 of it); raises CorruptRollout for anything but a whole valid file."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    batch = decode(blob, path)
+    batch = decode(storage.read_bytes(path), path)
     return batch, content_sha256(batch)

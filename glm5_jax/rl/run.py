@@ -22,7 +22,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+
+from glm5_jax import storage
 
 log = logging.getLogger("glm5_jax.rl")
 
@@ -51,13 +54,15 @@ class Supervisor:
                  max_restarts: int = 100, log_dir: str | None = None):
         from glm5_jax.rl.config import load_rl_config
 
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = storage.absolute(workdir)
         self.common = [f"--config={os.path.abspath(config)}", f"--workdir={self.workdir}"] + \
                       [f"--set={o}" for o in overrides] + [f"--set=rl.num_generators={num_generators}"]
         self.num_generators = num_generators
         self.max_restarts = max_restarts
-        self.log_dir = log_dir or os.path.join(self.workdir, "logs")
-        self.compile_cache = os.path.join(self.workdir, "jax_cache")   # JAX_COMPILATION_CACHE_DIR overrides
+        # the children's stdout goes to local files: on a gs:// workdir, under the local temp directory
+        self.log_dir = log_dir or (os.path.join(tempfile.gettempdir(), "glm5_rl_logs", storage.basename(self.workdir))
+                                   if storage.is_remote(self.workdir) else os.path.join(self.workdir, "logs"))
+        self.compile_cache = storage.join(self.workdir, "jax_cache")   # JAX_COMPILATION_CACHE_DIR overrides
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = {"learner": 0, **{f"gen{g}": 0 for g in range(num_generators)}}
         exp = load_rl_config(config, overrides)
@@ -155,8 +160,7 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     proc.kill()
         report = {"seconds": time.time() - start, "restarts": self.restarts, "kills": self.kills}
-        with open(os.path.join(self.workdir, "supervisor.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        storage.write_atomically(storage.join(self.workdir, "supervisor.json"), json.dumps(report, indent=1).encode())
         return report
 
 

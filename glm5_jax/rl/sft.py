@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import logging
-import os
 
+from glm5_jax import storage
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
 from glm5_jax.rl.config import sft_checkpoint_dir
 
@@ -16,7 +16,7 @@ log = logging.getLogger("glm5_jax.rl")
 def final_sft_step(sft_cfg, sft_workdir: str) -> int | None:
     """The SFT run's last step if its checkpoint is committed, else None."""
     step = sft_cfg.train.steps
-    return step if os.path.isfile(os.path.join(sft_checkpoint_dir(sft_workdir), str(step), "commit_success.txt")) \
+    return step if storage.isfile(storage.join(sft_checkpoint_dir(sft_workdir), str(step), "commit_success.txt")) \
         else None
 
 

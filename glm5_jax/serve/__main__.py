@@ -8,9 +8,9 @@ while serving.
 """
 from __future__ import annotations
 
-import os
-
 from absl import app, flags
+
+from glm5_jax import storage
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "train.py workdir, its checkpoints/ dir, or a converter output dir.",
@@ -71,7 +71,7 @@ def main(argv):
                   else CheckpointSource(FLAGS.checkpoint))
         watcher = WeightsWatcher(engine, source, cfg, -1 if FLAGS.policy_workdir else step,
                                  FLAGS.reload_interval_s).start()
-    name = FLAGS.model_name or os.path.basename(os.path.abspath(FLAGS.checkpoint))
+    name = FLAGS.model_name or storage.basename(storage.absolute(FLAGS.checkpoint))
     api = create_app(engine, tokenizer, name, ChatTemplate.for_tokenizer(tokenizer_path),
                      on_metrics=watcher.metrics if watcher else None, api_key=resolve_api_key(FLAGS.api_key))
     sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
+
+from glm5_jax import storage
 
 # GLM's chat format (the chat_template of the GLM-4 / GLM-5 hub tokenizers, without tools):
 # "[gMASK]<sop>" then "<|role|>\n" + content per message, then "<|assistant|>\n" to open the reply.
@@ -23,11 +24,10 @@ class ChatTemplate:
     def for_tokenizer(cls, tokenizer_path: str | None) -> "ChatTemplate":
         """The template in tokenizer_config.json beside the tokenizer, else GLM's format."""
         if tokenizer_path:
-            folder = tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(tokenizer_path)
-            config = os.path.join(folder, "tokenizer_config.json")
-            if os.path.isfile(config):
-                with open(config) as f:
-                    source = json.load(f).get("chat_template")
+            folder = tokenizer_path if storage.isdir(tokenizer_path) else storage.dirname(tokenizer_path)
+            config = storage.join(folder, "tokenizer_config.json")
+            if storage.isfile(config):
+                source = json.loads(storage.read_text(config)).get("chat_template")
                 if isinstance(source, str):
                     return cls(source)
         return cls()

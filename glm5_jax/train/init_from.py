@@ -16,16 +16,14 @@ source run's optimizer state / step where its trees match this run's.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import logging
-import os
-import shutil
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.inference import find_checkpoint
 
 log = logging.getLogger("glm5_jax.train")
@@ -53,12 +51,12 @@ class Source:
 
 
 def _is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and bool(glob.glob(os.path.join(path, "*.safetensors")))
+    return storage.isfile(storage.join(path, "config.json")) and bool(storage.glob(path, "*.safetensors"))
 
 
 def find_source(path: str) -> Source:
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
+    path = storage.absolute(path)
+    if not storage.isdir(path):
         raise FileNotFoundError(f"train.init_from={path}: no such directory")
     if _is_hf_dir(path):
         return Source("hf", path)
@@ -70,11 +68,10 @@ def find_source(path: str) -> Source:
 
 
 def _train_meta(directory: str, step: int) -> dict | None:
-    meta_dir = os.path.join(directory, str(step), "meta")
-    for name in sorted(os.listdir(meta_dir)) if os.path.isdir(meta_dir) else ():
+    meta_dir = storage.join(directory, str(step), "meta")
+    for name in sorted(storage.listdir(meta_dir)) if storage.isdir(meta_dir) else ():
         try:
-            with open(os.path.join(meta_dir, name)) as f:
-                meta = json.load(f)
+            meta = json.loads(storage.read_text(storage.join(meta_dir, name)))
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict) and "config" in meta:
@@ -107,14 +104,14 @@ def check_same_architecture(stored: dict[str, tuple], wanted: dict[str, tuple], 
 
 # ---------------------------------------------------------------------------------------- readers
 def _stored_tree(source: Source):
-    state_dir = os.path.join(source.path, str(source.step), source.item)
+    state_dir = storage.join(source.path, str(source.step), source.item)
     return ocp.PyTreeCheckpointer().metadata(state_dir).item_metadata.tree
 
 
 def _restore_orbax(source: Source, abstract: dict) -> dict:
     """The items of `abstract` (ShapeDtypeStructs with target shardings) from the source's state; orbax
     casts each leaf to the target dtype."""
-    state_dir = os.path.join(source.path, str(source.step), source.item)
+    state_dir = storage.join(source.path, str(source.step), source.item)
     return ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
         abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
 
@@ -194,10 +191,13 @@ def _keep_from_train_run(trainer, source: Source, state, keep_optimizer: bool, k
 
 def reuse_tokenizer(init_from: str, workdir: str) -> None:
     """Copy a train.py source run's trained BPE into a new workdir, so the run reads the same token ids."""
-    src_root = os.path.abspath(init_from)
-    if os.path.basename(src_root) == "checkpoints":
-        src_root = os.path.dirname(src_root)
-    src, dst = os.path.join(src_root, "tokenizer"), os.path.join(workdir, "tokenizer")
-    if os.path.isdir(src) and not os.path.exists(dst):
-        shutil.copytree(src, dst)
+    src_root = storage.absolute(init_from)
+    if storage.basename(src_root) == "checkpoints":
+        src_root = storage.dirname(src_root)
+    src, dst = storage.join(src_root, "tokenizer"), storage.join(workdir, "tokenizer")
+    if storage.isdir(src) and not storage.exists(dst):
+        for folder, _, names in storage.walk(src):
+            for name in names:
+                file = storage.join(folder, name)
+                storage.copy_file(file, storage.join(dst, file[len(src) + 1:]))
         log.info("reusing the tokenizer of %s", src_root)

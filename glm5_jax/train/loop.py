@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 
 import jax
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.checkpoint.run import RunCheckpoints, config_as_json
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
 from glm5_jax.data import build_data_pipeline
@@ -21,28 +21,23 @@ log = logging.getLogger("glm5_jax.train")
 
 
 class MetricsWriter:
-    """metrics.jsonl (one object per logged step; resumed runs drop entries past the restored step) and
-    TensorBoard event files under <workdir>/tb."""
+    """metrics.jsonl (one object per logged step; resumed runs drop entries past the restored step; on
+    object storage kept as parts, see storage.JsonlLog) and TensorBoard event files under <workdir>/tb."""
 
     def __init__(self, workdir: str, resume_step: int, enabled: bool):
         self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = storage.join(workdir, "metrics.jsonl")
         if not enabled:
             return
-        if os.path.exists(self.path):           # a killed run may have logged steps past its last checkpoint
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(self.path + ".tmp", self.path)
+        # a killed run may have logged steps past its last checkpoint
+        self.log = storage.JsonlLog(self.path, keep=lambda record: record.get("step", 0) <= resume_step)
         from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self.tb = SummaryWriter(storage.join(workdir, "tb"))
 
     def write(self, record: dict):
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.log.append(record)
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, record["step"])
@@ -73,7 +68,7 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
 
     `max_steps` stops early (after that many steps of this invocation) — used by tests."""
     exp_cfg.validate()
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     is_main = jax.process_index() == 0
     mesh = build_mesh(exp_cfg.mesh)
     check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size,
@@ -100,8 +95,8 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
         log.info("resumed from step %d%s", start, f" (train.init_from={train.init_from} is not used: {workdir} "
                  f"already holds this run's checkpoints)" if train.init_from else "")
     if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config_as_json(exp_cfg), f, indent=1)
+        storage.write_atomically(storage.join(workdir, "config.json"),
+                                 json.dumps(config_as_json(exp_cfg), indent=1).encode())
     writer = MetricsWriter(workdir, start, is_main)
     peak = measure_matmul_peak()
     flops = train_flops_per_token(trainer.model_cfg, exp_cfg.data.seq_len,
@@ -115,7 +110,7 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     last = {}
     end = exp_cfg.train.steps if max_steps is None else min(exp_cfg.train.steps, start + max_steps)
     t_last, steps_since = time.perf_counter(), 0
-    profiler = StepProfiler(os.path.join(workdir, "tb"), train.profile_start, train.profile_steps)
+    profiler = StepProfiler(storage.join(workdir, "tb"), train.profile_start, train.profile_steps)
     for step in range(start, end):
         batch = trainer.put_batch(next(train_iter))
         with profiler.step(step):
@@ -153,9 +148,10 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
 def finished_message(workdir: str, step: int) -> str:
     """Where the finished run's checkpoint is and what to run on it next."""
     return "\n".join([
-        f"done: step {step} is checkpointed in {os.path.join(workdir, 'checkpoints', str(step))}",
+        f"done: step {step} is checkpointed in {storage.join(workdir, 'checkpoints', str(step))}",
         "next:",
         f"  python -m glm5_jax.generate --checkpoint={workdir} --prompt='def main(' --max_new_tokens=64",
         f"  python -m glm5_jax.serve --checkpoint={workdir} --port=8000    # OpenAI-compatible API",
-        f"  tensorboard --logdir={os.path.join(workdir, 'tb')}    # pip install -r requirements-profile.txt",
+        f"  python -m glm5_jax.convert orbax-to-hf --ckpt_dir={workdir} --out_dir=HF_DIR    # Hugging Face export",
+        f"  tensorboard --logdir={storage.join(workdir, 'tb')}    # pip install -r requirements-profile.txt",
     ])

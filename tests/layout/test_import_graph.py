@@ -9,6 +9,7 @@ PACKAGES = ("glm5_jax", "pallas_kernels")
 
 # Lowest first: a module may import its own package and the packages listed before it, never one after it.
 LAYERS = (
+    "glm5_jax.storage",     # paths: local or object storage (gs://)
     "pallas_kernels",
     "glm5_jax.quant",
     "glm5_jax.data",

@@ -1,6 +1,5 @@
 """train.py end to end: typed --set overrides, and resume after SIGKILL with identical losses."""
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -9,6 +8,9 @@ import time
 
 import pytest
 
+from glm5_jax import storage
+from glm5_jax.checkpoint.inference import checkpoint_tokenizer, latest_step
+from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.train.experiment import apply_overrides, load_config_file
 from tests.train.test_profiler import traced_steps
 
@@ -61,8 +63,8 @@ def _start(workdir, env, *flags):
 
 
 def _losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return {r["step"]: (r["loss"], r["lm_loss"], r.get("eval_loss")) for r in map(json.loads, f)}
+    return {r["step"]: (r["loss"], r["lm_loss"], r.get("eval_loss"))
+            for r in storage.read_jsonl(storage.join(workdir, "metrics.jsonl"))}
 
 
 def _wait_for(predicate, proc, timeout=90):
@@ -75,25 +77,41 @@ def _wait_for(predicate, proc, timeout=90):
     raise TimeoutError
 
 
-def test_resume_after_sigkill_gives_identical_losses(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    # the reference run also takes a profiler trace of steps 2 and 3 (it changes no number)
-    proc = _start(reference, env, "--set=train.profile_start=2", "--set=train.profile_steps=2")
+@pytest.fixture(scope="module")
+def run_env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_COMPILATION_CACHE_DIR=str(cache),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, run_env):
+    """The losses of one uninterrupted local run, which also takes a profiler trace of steps 2 and 3 (it
+    changes no number)."""
+    reference = tmp_path_factory.mktemp("reference")
+    proc = _start(reference, run_env, "--set=train.profile_start=2", "--set=train.profile_steps=2")
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     traces = glob.glob(str(reference / "tb" / "plugins" / "profile" / "*" / "*.xplane.pb"))
     assert len(traces) == 1 and traced_steps(traces[0]) == [2, 3]
+    return _losses(reference)
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_resume_after_sigkill_gives_identical_losses(tmp_path, request, where, run_env, reference_losses):
+    """Killed twice and resumed; with the workdir on gs:// (checkpoints, metrics, tokenizer, TensorBoard
+    events all in the bucket) as on a local disk."""
+    killed = str(tmp_path / "killed") if where == "local" else request.getfixturevalue("gcs_dir")
+    env = dict(run_env, **{k: os.environ[k] for k in os.environ if k not in run_env})   # the emulator's settings
 
     # kill right after the step-4 checkpoint commits ...
     proc = _start(killed, env)
-    _wait_for(lambda: os.path.isdir(killed / "checkpoints" / "4"), proc)
+    _wait_for(lambda: storage.isfile(storage.join(killed, "checkpoints", "4", "commit_success.txt")), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     # ... and again in the middle of training, after step 6 was logged
     proc = _start(killed, env)
-    _wait_for(lambda: os.path.exists(killed / "metrics.jsonl") and 6 in _losses(killed), proc)
+    _wait_for(lambda: 6 in _losses(killed), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc = _start(killed, env)
@@ -101,10 +119,15 @@ def test_resume_after_sigkill_gives_identical_losses(tmp_path):
     assert proc.returncode == 0, out
     assert "resumed from step" in out
     # the run ends saying where its checkpoint is and what to run next
-    assert f"done: step 8 is checkpointed in {killed / 'checkpoints' / '8'}" in out
+    assert f"done: step 8 is checkpointed in {storage.join(killed, 'checkpoints', '8')}" in out
     assert f"python -m glm5_jax.generate --checkpoint={killed}" in out
 
-    expected = _losses(reference)
+    expected = reference_losses
     assert sorted(expected) == list(range(1, 9))
     assert _losses(killed) == expected            # bit-identical losses, every step logged exactly once
-    assert not os.path.exists(killed / "tb" / "plugins")      # profiling off: no trace
+    assert not storage.exists(storage.join(killed, "tb", "plugins"))      # profiling off: no trace
+    assert storage.isfile(storage.join(killed, "config.json"))
+    assert storage.glob(storage.join(killed, "tb"), "events.out.tfevents.*")
+    # what generate/serve --checkpoint read: the newest committed step and the run's cached tokenizer
+    assert latest_step(killed) == 8
+    assert load_tokenizer(checkpoint_tokenizer(killed)).vocab_size > 0
