@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax import storage
 from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
 from glm5_jax.cost.chips import chip_of_topology
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
@@ -105,8 +106,7 @@ def compile_train_step(exp_cfg, topology: str, hlo_path: str | None = None) -> d
                            + per_device["temp"] + per_device["generated_code"])
     hlo_text = compiled.as_text()
     if hlo_path:
-        with gzip.open(hlo_path, "wt") as f:
-            f.write(hlo_text)
+        storage.write_atomically(hlo_path, gzip.compress(hlo_text.encode()))
     report = {
         **header,
         "device_kind": getattr(devices[0], "device_kind", ""),
@@ -203,15 +203,14 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
 def reanalyse(exp_cfg, topology: str, workdir: str) -> dict:
     """Recompute the HLO-derived keys of DIR/compile_report.json from DIR/compiled_step.hlo.gz (no
     compile: for a change of the measuring modules) and rewrite the report."""
-    path = os.path.join(workdir, "compile_report.json")
-    report = json.load(open(path))
+    path = storage.join(workdir, "compile_report.json")
+    report = json.loads(storage.read_text(path))
     if report.get("topology") != topology:
         raise ValueError(f"{path} is for {report.get('topology')}, not {topology}")
     trainer, mesh, _ = _setup(exp_cfg, topology)
-    with gzip.open(os.path.join(workdir, "compiled_step.hlo.gz"), "rt") as f:
-        report.update(analyse_step(exp_cfg, topology, trainer, mesh, f.read()))
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    hlo_text = gzip.decompress(storage.read_bytes(storage.join(workdir, "compiled_step.hlo.gz"))).decode()
+    report.update(analyse_step(exp_cfg, topology, trainer, mesh, hlo_text))
+    storage.write_atomically(path, json.dumps(report, indent=1).encode())
     return report
 
 
@@ -280,11 +279,10 @@ def optimizer_state_bytes(trainer: Trainer, mesh) -> dict:
 
 
 def write_compile_report(exp_cfg, topology: str, workdir: str) -> dict:
-    os.makedirs(workdir, exist_ok=True)
-    report = compile_train_step(exp_cfg, topology, hlo_path=os.path.join(workdir, "compiled_step.hlo.gz"))
-    path = os.path.join(workdir, "compile_report.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    storage.makedirs(workdir)
+    report = compile_train_step(exp_cfg, topology, hlo_path=storage.join(workdir, "compiled_step.hlo.gz"))
+    path = storage.join(workdir, "compile_report.json")
+    storage.write_atomically(path, json.dumps(report, indent=1).encode())
     if "compile_error" in report:
         log.info("%s: does not fit -> %s: %s", topology, path, report["compile_error"])
         return report
