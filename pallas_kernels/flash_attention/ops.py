@@ -6,7 +6,8 @@
   on CPU). JAX cannot differentiate ``pallas_call``: the forward runs on detached inputs, its results are
   named (``SAVED_NAMES``, so a remat policy keeping them never reruns it) and `_with_grads`, an identity
   with a custom VJP, attaches the backward kernels. T and S are padded to the blocks with segment 0 (seen
-  by nobody, seeing nothing) and the padding is cut off.
+  by nobody, seeing nothing), head dims to multiples of 128 with zeros (logits unchanged; GLM-5's 256 need
+  none), and the padding is cut off.
 
 Shapes: q [B,T,H,D], k [B,S,H,D], v [B,S,H,Dv], positions / segment ids [B,T] and [B,S]
 -> out [B,T,H,Dv] in q's dtype, lse [B,T,H] fp32 (-inf for a query that sees no key).
@@ -58,12 +59,17 @@ def _blocks(T, S, block):
 
 
 def _pad(args, bq, bk):
-    """Operands padded along T to bq and along S to bk; padded rows get segment 0."""
+    """Operands padded along T to bq and along S to bk (padded rows get segment 0), head dims to 128."""
     q, k, v, q_pos, kv_pos, q_seg, kv_seg = args
     T, S = q.shape[1], k.shape[1]
     Tp, Sp = round_up(T, bq), round_up(S, bk)
-    return (pad_axis(q, 1, Tp), pad_axis(k, 1, Sp), pad_axis(v, 1, Sp), pad_axis(q_pos, 1, Tp),
-            pad_axis(kv_pos, 1, Sp), pad_axis(q_seg, 1, Tp), pad_axis(kv_seg, 1, Sp))
+    D, Dv = (round_up(x.shape[3], kernel.LANES) for x in (q, v))
+    return (_pad_head(pad_axis(q, 1, Tp), D), _pad_head(pad_axis(k, 1, Sp), D), _pad_head(pad_axis(v, 1, Sp), Dv),
+            pad_axis(q_pos, 1, Tp), pad_axis(kv_pos, 1, Sp), pad_axis(q_seg, 1, Tp), pad_axis(kv_seg, 1, Sp))
+
+
+def _pad_head(x, size):
+    return pad_axis(x, 3, size)
 
 
 def _pallas(*args, scale, block, interpret):
@@ -72,7 +78,7 @@ def _pallas(*args, scale, block, interpret):
     sg = jax.lax.stop_gradient
     out, lse_BHT = kernel.flash_fwd(*_pad(tuple(sg(x) for x in args), bq, bk), scale=scale, block_q=bq,
                                     block_k=bk, interpret=interpret)
-    out = checkpoint_name(out[:, :T], SAVED_NAMES[0])
+    out = checkpoint_name(out[:, :T, :, :args[2].shape[3]], SAVED_NAMES[0])
     lse = checkpoint_name(jnp.swapaxes(lse_BHT, 1, 2)[:, :T], SAVED_NAMES[1])
     return _with_grads(*args, out, lse, (scale, bq, bk, interpret))
 
@@ -96,12 +102,13 @@ def _with_grads_bwd(static, residuals, cotangents):
     dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
     Tp = round_up(T, bq)
-    dout_p = pad_axis(dout, 1, Tp)
+    dout_p = _pad_head(pad_axis(dout, 1, Tp), round_up(v.shape[3], kernel.LANES))
     lse_p, delta_p = (jnp.swapaxes(pad_axis(x.astype(jnp.float32), 1, Tp), 1, 2) for x in (lse, delta))
     dq, dk, dv = kernel.flash_bwd(*_pad((q, k, v, q_pos, kv_pos, q_seg, kv_seg), bq, bk), dout_p, lse_p, delta_p,
                                   scale=scale, block_q=bq, block_k=bk, interpret=interpret)
     S = k.shape[1]
-    return (dq[:, :T].astype(q.dtype), dk[:, :S].astype(k.dtype), dv[:, :S].astype(v.dtype),
+    D, Dv = q.shape[3], v.shape[3]
+    return (dq[:, :T, :, :D].astype(q.dtype), dk[:, :S, :, :D].astype(k.dtype), dv[:, :S, :, :Dv].astype(v.dtype),
             None, None, None, None, None, None)
 
 
