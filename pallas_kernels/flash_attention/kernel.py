@@ -15,9 +15,9 @@ block (bq, D) of head h is column block h: every block obeys the (8, 128) tiling
 anything in HBM. D and Dv must be multiples of 128 (GLM-5: D = 192 nope + 64 rope = 256, Dv = 256).
 
 Block skipping. Causal attention over packed documents leaves most (query block, key block) pairs without
-a visible pair. `block_tables` (XLA, O(B * T/bq * S/bk)) marks a pair *needed* unless its blocks' summary
-statistics prove nothing is visible (no live segment on a side, disjoint segment-id ranges, or every key
-position later than every query position) -- a conservative test that depends on no layout. Tables are
+a visible pair. `needed_blocks` (XLA, O(B * T/bq * S/bk)) marks a pair *needed* unless per-block summaries
+(positions per segment-id part) prove nothing is visible -- a test that depends on no layout, exact while
+a block spans at most two documents. Tables are
 scalar-prefetched into SMEM: a step whose pair is not needed does no compute, and its operand block index
 repeats the last needed one, so the pipeline issues no DMA for it either.
 
@@ -84,22 +84,33 @@ class BlockTables(NamedTuple):
     fetch: jax.Array    # the inner block index to load at that step (repeats the last needed one)
 
 
-def _block_stats(pos_BT, seg_BT, block, pos_reduce, pos_fill):
+def _block_parts(pos_BT, seg_BT, block, pos_reduce, pos_fill):
+    """Each block's live tokens in three parts -- its lowest segment id, its highest, and every segment
+    strictly between -- as (first segment, last segment, position bound, live) [B, n_blocks, 3]; the bound
+    is ``pos_reduce`` (max for queries, min for keys) of the part's positions."""
     B, T = pos_BT.shape
     pos, seg = pos_BT.reshape(B, T // block, block), seg_BT.reshape(B, T // block, block)
     live = seg != 0
-    return (jnp.any(live, -1), pos_reduce(jnp.where(live, pos, pos_fill), axis=-1),
-            jnp.min(jnp.where(live, seg, _INT_MAX), axis=-1), jnp.max(jnp.where(live, seg, _INT_MIN), axis=-1))
+    lo = jnp.min(jnp.where(live, seg, _INT_MAX), axis=-1, keepdims=True)
+    hi = jnp.max(jnp.where(live, seg, _INT_MIN), axis=-1, keepdims=True)
+    members = (live & (seg == lo), live & (seg == hi), live & (seg > lo) & (seg < hi))
+    first = jnp.concatenate([lo, hi, lo + 1], axis=-1)
+    last = jnp.concatenate([lo, hi, hi - 1], axis=-1)
+    bound = jnp.stack([pos_reduce(jnp.where(m, pos, pos_fill), axis=-1) for m in members], axis=-1)
+    has = jnp.stack([jnp.any(m, axis=-1) for m in members], axis=-1)
+    return first, last, bound, has
 
 
 def needed_blocks(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, block_q, block_k):
     """Bool [B, T/bq, S/bk]: False only where no key of the key block can be visible from any query of the
-    query block (a conservative test from per-block minima and maxima)."""
-    q_live, q_max_pos, q_min_seg, q_max_seg = _block_stats(q_pos_BT, q_seg_BT, block_q, jnp.max, _INT_MIN)
-    k_live, k_min_pos, k_min_seg, k_max_seg = _block_stats(kv_pos_BS, kv_seg_BS, block_k, jnp.min, _INT_MAX)
-    q, k = (lambda x: x[:, :, None]), (lambda x: x[:, None, :])
-    return (q(q_live) & k(k_live) & (k(k_min_pos) <= q(q_max_pos))
-            & (k(k_min_seg) <= q(q_max_seg)) & (q(q_min_seg) <= k(k_max_seg)))
+    query block. Each block is split into parts by segment id (`_block_parts`); a query part and a key part
+    may hold a visible pair only if their segment ranges meet and the key part's smallest position is at
+    most the query part's largest. Exact while a block spans at most two documents; conservative (never
+    skips a visible pair) with more."""
+    qf, ql, qb, qh = (x[:, :, None, :, None] for x in _block_parts(q_pos_BT, q_seg_BT, block_q, jnp.max, _INT_MIN))
+    kf, kl, kb, kh = (x[:, None, :, None, :] for x in _block_parts(kv_pos_BS, kv_seg_BS, block_k, jnp.min, _INT_MAX))
+    pairs = qh & kh & (kf <= ql) & (qf <= kl) & (kb <= qb)
+    return jnp.any(pairs, axis=(3, 4))
 
 
 def block_tables(needed_BOI) -> BlockTables:
