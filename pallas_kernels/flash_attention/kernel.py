@@ -1,8 +1,9 @@
 """Pallas TPU flash attention for training, in the MHA form: forward and backward kernels.
 
-Why our own kernel and not JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention): splash
-decides causality from *array indices* through a static mask object built on the host (``CausalMask`` with
-a fixed offset). Our model decides visibility from *positions* and segment ids (pallas_kernels/masking.py):
+Why our own kernel and not JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention, which
+does offer segment ids, a causal mask, the log-sum-exp as a residual, any head dim that is a multiple of 128
+and interpret mode): splash decides causality from *array indices* through a static mask object built on
+the host (``CausalMask`` with a fixed offset). Our model decides visibility from *positions* and segment ids (pallas_kernels/masking.py):
 under context parallelism a shard's queries are two non-adjacent chunks of the sequence (the zig-zag
 layout of glm5_jax/parallel/context.py) attending to the gathered keys of the whole sequence, and which
 chunks a shard holds is only known inside ``shard_map`` (a traced ``axis_index``), so no static mask
@@ -10,29 +11,28 @@ serves every shard. This kernel takes positions and segment ids as arrays and ma
 rule: key s is visible from query t iff seg[s] == seg[t] != 0 and pos[s] <= pos[t]. It also returns the
 fp32 log-sum-exp (the warm-up stage's indexer KL target is computed from it) and takes its cotangent.
 
-Operands: q [B, T, H, D], k [B, S, H, D], v [B, S, H, Dv] are viewed as [B, T, H*D] (a free reshape), so a
-block (bq, D) of head h is column block h: every block obeys the (8, 128) tiling rule without transposing
-anything in HBM. D and Dv must be multiples of 128 (GLM-5: D = 192 nope + 64 rope = 256, Dv = 256).
+Operands: q [B, T, H, D], k [B, S, H, D], v [B, S, H, Dv] are reshaped to [B, T, H*D], so a block (bq, D)
+of head h is column block h and every block obeys the (8, 128) tiling rule. (In HBM's tiled layout that
+reshape is a copy unless XLA has the producer -- the projection and concatenation that build q, k, v --
+write [B, T, H*D] directly; a compile of the kernels alone on parameters pays it.) D and Dv must be multiples of 128 (GLM-5: D = 192 nope + 64 rope = 256, Dv = 256).
 
 Block skipping. Causal attention over packed documents leaves most (query block, key block) pairs without
 a visible pair. `needed_blocks` (XLA, O(B * T/bq * S/bk)) marks a pair *needed* unless per-block summaries
 (positions per segment-id part) prove nothing is visible -- a test that depends on no layout, exact while
-a block spans at most two documents. Tables are
-scalar-prefetched into SMEM: a step whose pair is not needed does no compute, and its operand block index
+a block spans at most two documents. Tables are scalar-prefetched into SMEM: a step whose pair is not needed does no compute, and its operand block index
 repeats the last needed one, so the pipeline issues no DMA for it either.
 
 Forward (grid B, H, T/bq, S/bk; key blocks innermost): online softmax with fp32 m, l, acc in VMEM;
 out = acc / l, lse = m + log l (a query that sees no key: out 0, lse -inf).
-Backward, with delta = rowsum(dO * O) - dlse (an lse cotangent enters like -delta since d lse / d s = p):
-  dK/dV kernel (grid B, H, S/bk, T/bq; query blocks innermost), in key-major form so lse and delta are
-  rows [1, bq]:  s^T = k q^T,  p^T = exp(s^T - lse),  dV += p^T dO,  dp^T = v dO^T,
-                 ds^T = p^T (dp^T - delta),  dK += ds^T q * scale
-  dQ kernel (grid B, H, T/bq, S/bk):  p = exp(q k^T * scale - lse),  dp = dO v^T,
-                 dQ += p (dp - delta) k * scale
-Per visible-block (query, key, head) pair: forward 2D + 2Dv FLOPs, backward 8D + 6Dv (dK/dV 4D + 4Dv, dQ
-4D + 2Dv: the logits and dp are recomputed in both backward kernels; a fused dQ would need a cross-block
-reduction of dQ in HBM). For D = Dv = 256 the backward does 14 x 256 where the five necessary products need
-10 x 256.
+Backward, with delta = rowsum(dO * O) - dlse (an lse cotangent enters like -delta since d lse / d s = p),
+in key-major form (grid B, H, S/bk, T/bq; query blocks innermost) so lse and delta are rows [1, bq]:
+    s^T = k q^T,  p^T = exp(s^T - lse),  dV += p^T dO,  dp^T = v dO^T,  ds^T = p^T (dp^T - delta),
+    dK += ds^T q * scale,  dQ[query block] += (ds^T)^T k * scale
+dQ accumulates in VMEM over the whole sweep of a head (one fp32 [T, D] block, resident while the key and
+query blocks run, so both those grid axes are sequential) while it fits `FUSED_DQ_BYTES`; longer query
+sets get dQ from a separate kernel (grid B, H, T/bq, S/bk) that recomputes p and dp query-major.
+Per (query, key, head) pair of a needed block: forward 2D + 2Dv FLOPs, fused backward 6D + 4Dv (the five
+products; for D = Dv = 256 that is 10 x 256), split backward 8D + 6Dv.
 """
 import functools
 from typing import NamedTuple
@@ -45,6 +45,10 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.tpu_utils import mxu_precision
 
 LANES = 128
+# The backward computes dQ inside the dK/dV kernel while one head's fp32 dQ [T, D] fits this many bytes of
+# VMEM (T = 8192 at D = 256; double-buffered by the pipeline), else in a separate dQ kernel.
+FUSED_DQ_BYTES = 8 << 20
+FUSED_DQ_VMEM_LIMIT = 48 << 20
 _INT_MIN, _INT_MAX = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
 
 
@@ -164,15 +168,25 @@ def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref
 
 # ----------------------------------------------------------------------------------------------- backward
 def _dkv_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, q_pos_ref, q_seg_ref,
-                kv_pos_ref, kv_seg_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, scale, n_q, n_k):
+                kv_pos_ref, kv_seg_ref, *refs, scale, n_q, n_k, fused_dq):
     # key-major: k_ref [bk, D], v_ref [bk, Dv], kv_pos/kv_seg [bk, 1]; q_ref [bq, D], dout_ref [bq, Dv],
-    # lse/delta [1, bq] fp32, q_pos/q_seg [1, bq]; dk/dv [bk, D/Dv] (fp32 accumulators in scratch).
+    # lse/delta [1, bq] fp32, q_pos/q_seg [1, bq]; dk/dv [bk, D/Dv] (fp32 accumulators in scratch);
+    # with ``fused_dq`` also dq_ref [T, D] fp32, this head's whole dQ, resident in VMEM over the grid steps.
+    if fused_dq:
+        dk_ref, dv_ref, dq_ref, dk_scr, dv_scr = refs
+    else:
+        (dk_ref, dv_ref, dk_scr, dv_scr), dq_ref = refs, None
     b, kb, qb = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(qb == 0)
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    if fused_dq:
+        @pl.when((kb == 0) & (qb == 0))
+        def _init_dq():
+            dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
     @pl.when(needed_ref[_table_index(b, kb, qb, n_k, n_q)] != 0)
     def _accumulate():
@@ -185,6 +199,9 @@ def _dkv_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, d
         dp_t = _mm_nt(v_ref[...], dout)
         ds_t = jnp.where(visible, p_t * (dp_t - delta_ref[...]), 0.0)
         dk_scr[...] += _mm(ds_t.astype(q.dtype), q) * scale
+        if fused_dq:   # a needed step loads its own query block qb
+            rows = pl.ds(pl.multiple_of(qb * q.shape[0], q.shape[0]), q.shape[0])
+            dq_ref[rows, :] += _mm(ds_t.T.astype(k_ref.dtype), k_ref[...]) * scale
 
     @pl.when(qb == n_q - 1)
     def _finalize():
@@ -255,8 +272,9 @@ def _cost(d: _Shapes, itemsize, flops_per_pair, passes):
     return pl.CostEstimate(flops=pairs * flops_per_pair, transcendentals=pairs, bytes_accessed=passes * operands)
 
 
-def _params(innermost="arbitrary"):
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", innermost))
+def _params(innermost="arbitrary", outer="parallel", vmem_limit_bytes=None):
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", outer, innermost),
+                                vmem_limit_bytes=vmem_limit_bytes)
 
 
 def _columns(x_BT):
@@ -334,8 +352,14 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
 
     own_kv = lambda b, h, kb, qb, *_: (b, kb, h)  # noqa: E731
     own_kv_meta = lambda b, h, kb, qb, *_: (b, kb, 0)  # noqa: E731
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, n_q=n_q, n_k=n_k),
+    fused_dq = T * D * 4 <= FUSED_DQ_BYTES
+    out_specs = [pl.BlockSpec((None, bk, D), own_kv), pl.BlockSpec((None, bk, Dv), own_kv)]
+    out_shape = [jax.ShapeDtypeStruct((B, S, H * D), k.dtype), jax.ShapeDtypeStruct((B, S, H * Dv), v.dtype)]
+    if fused_dq:   # one head's dQ accumulates in VMEM over all its (key block, query block) steps
+        out_specs.append(pl.BlockSpec((None, T, D), lambda b, h, kb, qb, *_: (b, 0, h)))
+        out_shape.append(jax.ShapeDtypeStruct((B, T, H * D), jnp.float32))
+    grads = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=scale, n_q=n_q, n_k=n_k, fused_dq=fused_dq),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, H, n_k, n_q),
             in_specs=[pl.BlockSpec((None, bq, D), q_block),
@@ -348,15 +372,20 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
                       pl.BlockSpec((None, 1, bq), q_meta),
                       pl.BlockSpec((None, bk, 1), own_kv_meta),
                       pl.BlockSpec((None, bk, 1), own_kv_meta)],
-            out_specs=[pl.BlockSpec((None, bk, D), own_kv), pl.BlockSpec((None, bk, Dv), own_kv)],
+            out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct((B, S, H * D), k.dtype), jax.ShapeDtypeStruct((B, S, H * Dv), v.dtype)],
-        compiler_params=_params(),
+        out_shape=out_shape,
+        compiler_params=(_params("arbitrary", outer="arbitrary", vmem_limit_bytes=FUSED_DQ_VMEM_LIMIT) if fused_dq
+                         else _params()),
         interpret=interpret,
-        name="flash_attention_bwd_dkv",
-        cost_estimate=_cost(d, itemsize, 4 * D + 4 * Dv, passes=2),
+        name="flash_attention_bwd_fused" if fused_dq else "flash_attention_bwd_dkv",
+        cost_estimate=_cost(d, itemsize, 6 * D + 4 * Dv if fused_dq else 4 * D + 4 * Dv, passes=2),
     )(*t_tables, q, k, v, dout, lse, delta, _rows(q_pos_BT), _rows(q_seg_BT), _columns(kv_pos_BS),
       _columns(kv_seg_BS))
+    if fused_dq:
+        dk, dv, dq = grads
+        return (dq.astype(q.dtype).reshape(B, T, H, D), dk.reshape(B, S, H, D), dv.reshape(B, S, H, Dv))
+    dk, dv = grads
 
     # ---- dQ: query blocks outer, key blocks inner (like the forward)
     tables = block_tables(needed)
