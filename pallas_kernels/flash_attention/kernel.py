@@ -46,9 +46,11 @@ from pallas_kernels.tpu_utils import mxu_precision
 
 LANES = 128
 # The backward computes dQ inside the dK/dV kernel while one head's fp32 dQ [T, D] fits this many bytes of
-# VMEM (T = 8192 at D = 256; double-buffered by the pipeline), else in a separate dQ kernel.
+# VMEM (T = 8192 at D = 256), else in a separate dQ kernel. The pipeline double-buffers the dQ block, so the
+# fused kernel needs ~2 x 8 MiB + ~11 MiB of 512-blocks and temporaries: its scoped VMEM limit leaves room
+# under the 64 MiB per TensorCore of v5p and v7 (jax._src.pallas.mosaic.tpu_info; v6e has 128 MiB).
 FUSED_DQ_BYTES = 8 << 20
-FUSED_DQ_VMEM_LIMIT = 48 << 20
+FUSED_DQ_VMEM_LIMIT = 40 << 20
 _INT_MIN, _INT_MAX = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
 
 
