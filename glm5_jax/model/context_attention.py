@@ -91,7 +91,8 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
         if mha is not None:
             k_m, v_m = mha_form.mha_keys_values(cfg, kv[..., :R], kv[..., R:], a["w_kvb"])
             with jax.named_scope("attention_core"):
-                o, lse = mha_form.flash_core(cfg, a["q_mha"], k_m, v_m, a["pos"], kv_pos, a["seg"], kv_seg)
+                o, lse = mha_form.flash_core(cfg, a["q_mha"], k_m, v_m, a["pos"], kv_pos, a["seg"], kv_seg,
+                                             block=mha_form.chunk_block(a["pos"].shape[1] // 2))
             target, kl_q, kl_kv, kl_lse = None, a["q_mha"], k_m, lse   # the warm-up target from the lse
         else:
             with jax.named_scope("attention_core"):

@@ -29,9 +29,20 @@ def mha_keys_values(cfg: ModelConfig, c_BSR, k_rot_BSr, w_kvb_RHK):
     return jnp.concatenate([k_nope, k_rot], axis=-1), v
 
 
-def flash_core(cfg: ModelConfig, q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):
+def flash_core(cfg: ModelConfig, q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
+               block=flash_ops.BLOCK):
     """(out [B, T, H, d_v], lse [B, T, H] fp32): causal attention over the visible keys by
     ``cfg.attention_impl`` (called per shard by the caller when the impl is a Pallas kernel)."""
     r = flash_ops.flash_attention(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
-                                  scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl)
+                                  scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl, block=block)
     return r.out, r.lse
+
+
+def chunk_block(chunk):
+    """The kernel block for a context shard whose queries are two zig-zag chunks of ``chunk`` tokens: the
+    largest power-of-two block (128 to flash_ops.BLOCK) dividing the chunk, so no query block mixes the two
+    chunks' positions (which would make it need the key blocks of both)."""
+    block = flash_ops.BLOCK
+    while block > 128 and chunk % block:
+        block //= 2
+    return block
