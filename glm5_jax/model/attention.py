@@ -200,8 +200,8 @@ class MLAttention(nn.Module):
             return mha_form.flash_core(cfg, q, k, v, pos, pos, seg, seg)
 
         heads, bt = (BATCH, None, ACT_HEADS, None), (BATCH, None)
-        return logical_shard_map(core, in_axes=(heads, heads, heads, bt, bt), out_axes=(heads, (BATCH, None, ACT_HEADS)))(
-            q, k, v, positions_BT, segment_ids_BT)
+        return logical_shard_map(core, in_axes=(heads, heads, heads, bt, bt),
+                                 out_axes=(heads, (BATCH, None, ACT_HEADS)))(q, k, v, positions_BT, segment_ids_BT)
 
     def _context_parallel(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC,
                           n_shards, mha=None):

@@ -2,25 +2,28 @@
 
 Why our own kernel and not JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention, which
 does offer segment ids, a causal mask, the log-sum-exp as a residual, any head dim that is a multiple of 128
-and interpret mode): splash decides causality from *array indices* through a static mask object built on
-the host (``CausalMask`` with a fixed offset). Our model decides visibility from *positions* and segment ids (pallas_kernels/masking.py):
-under context parallelism a shard's queries are two non-adjacent chunks of the sequence (the zig-zag
-layout of glm5_jax/parallel/context.py) attending to the gathered keys of the whole sequence, and which
-chunks a shard holds is only known inside ``shard_map`` (a traced ``axis_index``), so no static mask
-serves every shard. This kernel takes positions and segment ids as arrays and masks with the project's one
-rule: key s is visible from query t iff seg[s] == seg[t] != 0 and pos[s] <= pos[t]. It also returns the
-fp32 log-sum-exp (the warm-up stage's indexer KL target is computed from it) and takes its cotangent.
+and interpret mode): splash decides causality from *array indices* through a static mask object built on the
+host (``CausalMask`` with a fixed offset). Our model decides visibility from *positions* and segment ids
+(pallas_kernels/masking.py): under context parallelism a shard's queries are two non-adjacent chunks of the
+sequence (the zig-zag layout of glm5_jax/parallel/context.py) attending to the gathered keys of the whole
+sequence, and which chunks a shard holds is only known inside ``shard_map`` (a traced ``axis_index``), so no
+static mask serves every shard. This kernel takes positions and segment ids as arrays and masks with the
+project's one rule: key s is visible from query t iff seg[s] == seg[t] != 0 and pos[s] <= pos[t]. It also
+returns the fp32 log-sum-exp (the warm-up stage's indexer KL target is computed from it) and takes its
+cotangent.
 
-Operands: q [B, T, H, D], k [B, S, H, D], v [B, S, H, Dv] are reshaped to [B, T, H*D], so a block (bq, D)
-of head h is column block h and every block obeys the (8, 128) tiling rule. (In HBM's tiled layout that
-reshape is a copy unless XLA has the producer -- the projection and concatenation that build q, k, v --
-write [B, T, H*D] directly; a compile of the kernels alone on parameters pays it.) D and Dv must be multiples of 128 (GLM-5: D = 192 nope + 64 rope = 256, Dv = 256).
+Operands: q [B, T, H, D], k [B, S, H, D], v [B, S, H, Dv] are reshaped to [B, T, H*D], so a block (bq, D) of
+head h is column block h and every block obeys the (8, 128) tiling rule. (In HBM's tiled layout that reshape
+is a copy unless XLA has the producer -- the projection and concatenation that build q, k, v -- write [B, T,
+H*D] directly; a compile of the kernels alone on parameters pays it.) D and Dv must be multiples of 128
+(GLM-5: D = 192 nope + 64 rope = 256, Dv = 256).
 
-Block skipping. Causal attention over packed documents leaves most (query block, key block) pairs without
-a visible pair. `needed_blocks` (XLA, O(B * T/bq * S/bk)) marks a pair *needed* unless per-block summaries
-(positions per segment-id part) prove nothing is visible -- a test that depends on no layout, exact while
-a block spans at most two documents. Tables are scalar-prefetched into SMEM: a step whose pair is not needed does no compute, and its operand block index
-repeats the last needed one, so the pipeline issues no DMA for it either.
+Block skipping. Causal attention over packed documents leaves most (query block, key block) pairs without a
+visible pair. `needed_blocks` (XLA, O(B * T/bq * S/bk)) marks a pair *needed* unless per-block summaries
+(positions per segment-id part) prove nothing is visible -- a test that depends on no layout, exact while a
+block spans at most two documents. Tables are scalar-prefetched into SMEM: a step whose pair is not needed
+does no compute, and its operand block index repeats the last needed one, so the pipeline issues no DMA for
+it either.
 
 Forward (grid B, H, T/bq, S/bk; key blocks innermost): online softmax with fp32 m, l, acc in VMEM;
 out = acc / l, lse = m + log l (a query that sees no key: out 0, lse -inf).
