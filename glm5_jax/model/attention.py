@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.model import context_attention
+from glm5_jax.model import context_attention, mha_form
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
@@ -33,6 +33,7 @@ from glm5_jax.model.rope import apply_rope, rope_cos_sin
 from glm5_jax.parallel import context as context_parallel
 from glm5_jax.parallel.axes import ACT_HEADS, BATCH, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA, Q_LORA, SEQ
 from glm5_jax.parallel.shard_map import logical_pmean, logical_shard_map
+from pallas_kernels.flash_attention import ops as flash_ops
 from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
@@ -43,7 +44,8 @@ from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 SELECTION_NAME = "dsa_selection"
 # the attention core's output and indexer KL target, and the residuals its impls name: a remat policy
 # keeping these never reruns the attention core in the backward pass
-ATTENTION_SAVED_NAMES = ("attention_core_out", "indexer_kl_target") + sparse_mla_ops.SAVED_NAMES
+ATTENTION_SAVED_NAMES = (("attention_core_out", "indexer_kl_target") + sparse_mla_ops.SAVED_NAMES
+                         + flash_ops.SAVED_NAMES)
 
 
 def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
@@ -136,26 +138,39 @@ class MLAttention(nn.Module):
             latent_BSC = cache["latent"]
             kv_positions_BS, kv_segments_BS = cache_slots(latent_BSC)
         latent_BSC = latent_BSC.astype(dt)
-        q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
+        sparse = cfg.runtime.attention_mode == "sparse" and self.indexer_kind != "none"
+        # dense attention on TPU: the flash kernel in the MHA form (glm5_jax/model/mha_form.py)
+        flash = (cfg.runtime.attention_impl in PALLAS_IMPLS and cfg.runtime.mla_form == "absorbed"
+                 and cache is None and not sparse)
+        q_abs = None if flash else jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)],
+                                                   axis=-1)
 
         n_shards = context_parallel.layout_shards(a_BTD.shape[1]) if cfg.runtime.mla_form == "absorbed" else 1
         if cache is None and n_shards > 1:     # the sequence is split over shards (context parallelism)
-            o_lat, selection, indexer_kl = self._context_parallel(a_BTD, qr, positions_BT, segment_ids_BT,
-                                                                  prev_selection, q_abs, latent_BSC, n_shards)
-            o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
+            mha = (mha_form.mha_query(q_nope, q_rot, dt), w_kvb) if flash else None
+            o, selection, indexer_kl = self._context_parallel(a_BTD, qr, positions_BT, segment_ids_BT,
+                                                              prev_selection, q_abs, latent_BSC, n_shards, mha)
+            o = checkpoint_name(o, ATTENTION_SAVED_NAMES[0])
+            if not flash:
+                o = einsum("bthr,rhv->bthv", o, w_uv, dt)
             o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
             return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
 
         # ---- select
         selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
                                                        q_abs, latent_BSC, cache)
-        visible = visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
-        sparse = cfg.runtime.attention_mode == "sparse" and self.indexer_kind != "none"
+        visible = None if flash else visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
 
         # ---- attend (named scopes: the compile report files the HLO by them)
-        target = None
+        target, kl_args = None, {}
+        if flash:
+            q_m = mha_form.mha_query(q_nope, q_rot, dt)
+            k_m, v_m = mha_form.mha_keys_values(cfg, latent_BSC[..., :R], latent_BSC[..., R:], w_kvb)
         with jax.named_scope("attention_core"):
-            if cfg.runtime.mla_form == "mha" and cache is None:
+            if flash:
+                o, lse = self._flash_core(q_m, k_m, v_m, positions_BT, segment_ids_BT)
+                kl_args = dict(mha=(q_m, k_m, lse))
+            elif cfg.runtime.mla_form == "mha" and cache is None:
                 allowed = visible & selection_mask(*selection, visible.shape[-1]) if sparse else visible
                 o = naive_attention(cfg, q_nope, q_rot, c, k_rot, w_kvb, allowed)
             else:
@@ -166,21 +181,33 @@ class MLAttention(nn.Module):
                 else:
                     o_lat, _ = sparse_mla_ops.dense_mla(q_abs, latent_BSC, visible, scale=cfg.softmax_scale,
                                                         v_dim=R, q_chunk=cfg.runtime.attention_q_chunk)
-        if cfg.runtime.mla_form != "mha" or cache is not None:
+        if not flash and (cfg.runtime.mla_form != "mha" or cache is not None):
             o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
         if target is not None:
             target = checkpoint_name(target, ATTENTION_SAVED_NAMES[1])
         with jax.named_scope("indexer_kl"):
-            indexer_kl = indexer_kl_fn(target) if indexer_kl_fn is not None else None
+            indexer_kl = indexer_kl_fn(target, **kl_args) if indexer_kl_fn is not None else None
 
         # ---- project out
         o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
 
+    def _flash_core(self, q, k, v, positions_BT, segment_ids_BT):
+        """Dense causal attention in the MHA form -> (o [B,T,H,d_v], lse [B,T,H]); per (batch, head) shard."""
+        cfg = self.cfg
+
+        def core(q, k, v, pos, seg):
+            return mha_form.flash_core(cfg, q, k, v, pos, pos, seg, seg)
+
+        heads, bt = (BATCH, None, ACT_HEADS, None), (BATCH, None)
+        return logical_shard_map(core, in_axes=(heads, heads, heads, bt, bt),
+                                 out_axes=(heads, (BATCH, None, ACT_HEADS)))(q, k, v, positions_BT, segment_ids_BT)
+
     def _context_parallel(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC,
-                          n_shards):
+                          n_shards, mha=None):
         """Select + attend + indexer KL with the sequence split over ``n_shards`` (glm5_jax/model/context_attention.py)
-        -> (o_lat, selection, indexer KL or None)."""
+        -> (o_lat, selection, indexer KL or None); with ``mha`` = (MHA query, kv_b_proj) the dense core runs the
+        flash kernel and o is the per-head output [B,T,H,d_v] instead of o_lat."""
         cfg = self.cfg
         full = self.indexer_kind == "full"
         indexer_qkw = None
@@ -194,7 +221,7 @@ class MLAttention(nn.Module):
                 cfg, n_shards, q_abs, latent_BSC, positions_BT, segment_ids_BT, prev_selection, indexer_qkw,
                 select=full and cfg.runtime.attention_mode == "sparse",
                 sparse=cfg.runtime.attention_mode == "sparse" and self.indexer_kind != "none",
-                kl_stage=cfg.runtime.indexer_loss if indexer_qkw is not None else "none")
+                kl_stage=cfg.runtime.indexer_loss if indexer_qkw is not None else "none", mha=mha)
         if full and cfg.runtime.attention_mode == "sparse":
             selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
         with jax.named_scope("indexer_kl"):
@@ -227,11 +254,13 @@ class MLAttention(nn.Module):
             return selection, None, cache
         idx, valid = selection if cfg.runtime.indexer_loss == "sparse" else (None, None)
 
-        def kl(target_BTK=None):
+        def kl(target_BTK=None, mha=None):
+            # mha: (MHA query, per-head keys, lse) of the flash core: the warm-up target from its lse
+            q_att, kv_att, lse = (q_abs, latent_BSC, None) if mha is None else mha
             return indexer_kl_ops.indexer_kl_loss(
-                jax.lax.stop_gradient(q_abs), jax.lax.stop_gradient(latent_BSC), q_i, k_i, w_i,
+                jax.lax.stop_gradient(q_att), jax.lax.stop_gradient(kv_att), q_i, k_i, w_i,
                 positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
-                stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK)
+                stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK, lse_BTH=lse)
         return selection, kl, cache
 
     def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):

@@ -11,6 +11,12 @@
               every visible key), locally
     KL        the indexer KL of the local queries, per token
 
+Dense core on TPU (``mha``: the flash kernel in the MHA form, glm5_jax/model/mha_form.py): each shard
+up-projects the gathered latent rows of every key to per-head keys and values itself (the latent row is
+576 values per token against 64 x 512 per-head values: gathering latent rows moves 57x fewer bytes, for
+kv_b_proj FLOPs repeated on every shard of the sequence) and runs the kernel over them with its own queries,
+causal by positions; the warm-up KL target comes from the kernel's lse.
+
 The backward pass returns each key's gradient to the shard that owns it (the all-gather's transpose
 is a reduce-scatter). The sparse core runs with ``training_rows=False``: a local query's keys are not
 its own rows, so the XLA impl takes its general form (selection mask while the keys number at most
@@ -21,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.model import mha_form
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel.axes import BATCH, SEQ
 from glm5_jax.parallel.context import gather_sequence
@@ -33,22 +40,29 @@ from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 _BT = (BATCH, SEQ)
 _AXES = {  # logical axes of each per-token operand: split over batch and sequence, whole otherwise
     "q": _BT + (None, None), "kv": _BT + (None,), "pos": _BT, "seg": _BT, "idx": _BT + (None,),
-    "valid": _BT + (None,), "iq": _BT + (None, None), "ik": _BT + (None,), "iw": _BT + (None,)}
+    "valid": _BT + (None,), "iq": _BT + (None, None), "ik": _BT + (None,), "iw": _BT + (None,),
+    "q_mha": _BT + (None, None), "w_kvb": (None, None, None)}
 
 
 def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
-                               selection, indexer_qkw=None, *, select, sparse, kl_stage):
+                               selection, indexer_qkw=None, *, select, sparse, kl_stage, mha=None):
     """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k], (kl [B,T], has_set [B,T]) or None).
 
     All [B, T, ...] operands and results are in the sequence layout over ``n_shards``; a selected index
     is a natural token index. ``indexer_qkw``: the indexer's (q, k, w) on full layers; ``select``: run the
     top-k (else ``selection`` is used); ``sparse``: top-k attention (else every visible key);
-    ``kl_stage``: "none", "warmup" or "sparse".
+    ``kl_stage``: "none", "warmup" or "sparse"; ``mha``: (MHA query [B,T,H,D], kv_b_proj [R,H,d_nope+d_v])
+    for the dense core on the flash kernel, which then returns the per-head output [B,T,H,d_v] as o.
     """
     args = {"q": q_abs_BTHC, "kv": latent_BTC, "pos": positions_BT, "seg": segment_ids_BT,
             "idx": selection[0], "valid": selection[1]}
     if indexer_qkw is not None:
         args.update(zip(("iq", "ik", "iw"), indexer_qkw))
+    if mha is not None:
+        if sparse:
+            raise ValueError("context_parallel_attention: the MHA flash core serves dense attention only")
+        del args["q"]                                        # the absorbed query is not computed
+        args.update(q_mha=mha[0], w_kvb=mha[1])
     names = sorted(args)
     R = cfg.kv_lora_rank
 
@@ -74,8 +88,16 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
             with jax.named_scope("lightning_indexer"):      # scope names: glm5_jax.cost.categories
                 idx, valid = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                                                       topk=cfg.index_topk, impl=cfg.runtime.attention_impl)
-        with jax.named_scope("attention_core"):
-            o, target = _core(a["q"], kv, idx, valid, a["pos"], kv_pos, a["seg"], kv_seg)
+        if mha is not None:
+            k_m, v_m = mha_form.mha_keys_values(cfg, kv[..., :R], kv[..., R:], a["w_kvb"])
+            with jax.named_scope("attention_core"):
+                o, lse = mha_form.flash_core(cfg, a["q_mha"], k_m, v_m, a["pos"], kv_pos, a["seg"], kv_seg,
+                                             block=mha_form.chunk_block(a["pos"].shape[1] // 2))
+            target, kl_q, kl_kv, kl_lse = None, a["q_mha"], k_m, lse   # the warm-up target from the lse
+        else:
+            with jax.named_scope("attention_core"):
+                o, target = _core(a["q"], kv, idx, valid, a["pos"], kv_pos, a["seg"], kv_seg)
+            kl_q, kl_kv, kl_lse = a["q"], kv, None
         if kl_stage == "none":
             kl, has_set = jnp.zeros(a["pos"].shape, jnp.float32), jnp.zeros(a["pos"].shape, bool)
         else:
@@ -83,8 +105,8 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
             picked = dict(idx_BTK=idx, valid_BTK=valid, target_BTK=target) if kl_stage == "sparse" else {}
             with jax.named_scope("indexer_kl"):
                 kl, has_set = indexer_kl_ops.indexer_kl_per_token(
-                    sg(a["q"]), sg(kv), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
-                    scale=cfg.softmax_scale, stage=kl_stage, **picked)
+                    sg(kl_q), sg(kl_kv), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                    scale=cfg.softmax_scale, stage=kl_stage, lse_BTH=kl_lse, **picked)
         return o, idx, valid, kl, has_set
 
     out_axes = (_AXES["q"], _AXES["idx"], _AXES["valid"], _BT, _BT)

@@ -12,6 +12,11 @@ Loss = mean over query tokens that have a non-empty set. KL is sum_s p log p - p
 an exact log-softmax (Megatron adds 1e-10 inside both logs; the difference is O(1e-10)). Then
 d loss / d I[t, s] = (softmax(I_t) - p_t)[s] / n_tokens on the set and 0 elsewhere.
 
+Warm-up target from the attention's own log-sum-exp (``lse_BTH``, the flash kernel's fp32 lse in the MHA
+form): each head's probabilities are exp(s - lse) directly, p = sum_h exp(s_h - lse_h) / H, so a chunk
+recomputes its logits from the MHA query and per-head keys (2 x 256 FLOPs per pair and head for GLM-5
+against 2 x 576 in the absorbed form) and needs no max or sum pass over the keys.
+
 Memory: queries are processed in chunks, so forward and backward hold at most [B, T_chunk, H, S]
 attention logits (warm-up, whose chunks are rematerialised under ``jax.checkpoint``) and never
 [B, T, S, H]. In the sparse stage each chunk keeps O(B * T_chunk * k) values for the backward pass: the
@@ -40,6 +45,15 @@ def head_summed_target(logits_BTHN, allowed_BTN):
     return summed / jnp.maximum(jnp.sum(summed, axis=-1, keepdims=True), 1e-30)
 
 
+def head_summed_target_from_lse(logits_BTHN, lse_BTH, allowed_BTN):
+    """The same target from each head's known log-sum-exp: exp(s - lse) over the allowed set, summed over
+    heads, L1-normalised (the normalisation only absorbs rounding: every head's row already sums to 1)."""
+    lse = jnp.where(jnp.isfinite(lse_BTH), lse_BTH, 0.0)[..., None]
+    probs = jnp.where(allowed_BTN[:, :, None, :], jnp.exp(logits_BTHN - lse), 0.0)
+    summed = jnp.sum(probs, axis=2)
+    return summed / jnp.maximum(jnp.sum(summed, axis=-1, keepdims=True), 1e-30)
+
+
 def kl_per_token(p_BTN, scores_BTN, allowed_BTN):
     """KL(p || softmax(scores)) over the allowed set -> (kl [B, T], has_set [B, T] bool)."""
     has_set = jnp.any(allowed_BTN, axis=-1)
@@ -55,10 +69,14 @@ def kl_per_token(p_BTN, scores_BTN, allowed_BTN):
     return jnp.where(has_set, kl, 0.0), has_set
 
 
-def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, *, scale):
+def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, lse=None, *, scale):
     visible = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
-    logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale
-    p = head_summed_target(logits, visible)
+    if lse is None:   # absorbed: q [B, t, H, C] on the latent rows kv [B, S, C]
+        logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale
+        p = head_summed_target(logits, visible)
+    else:             # MHA: q [B, t, H, D] on per-head keys kv [B, S, H, D], with the attention's lse
+        logits = jnp.einsum("bthd,bshd->bths", q, kv, preferred_element_type=jnp.float32) * scale
+        p = head_summed_target_from_lse(logits, lse, visible)
     return kl_per_token(p, index_scores(iq, ik, iw, visible), visible)
 
 
@@ -77,8 +95,12 @@ def _sparse_chunk_kl(p, iq, ik, iw, idx, valid):
 
 def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
                     q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, stage,
-                    idx_BTK=None, valid_BTK=None, target_BTK=None, q_chunk=128):
+                    idx_BTK=None, valid_BTK=None, target_BTK=None, lse_BTH=None, q_chunk=128):
     """Scalar indexer loss; gradients reach only index_q / index_k / index_w (q and kv are detached).
+
+    Warm-up stage: with ``lse_BTH`` (the attention's fp32 log-sum-exp [B, T, H]) q is the MHA query
+    [B, T, H, D] and kv the per-head keys [B, S, H, D] the attention used; without it, the absorbed q
+    [B, T, H, C] and latent rows kv [B, S, C].
 
     Sparse stage: ``target_BTK`` may carry the head-averaged attention probabilities over the selected
     slots when the caller already has them (the XLA sparse attention computes them from the same
@@ -86,7 +108,8 @@ def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
     """
     kl_BT, has_set_BT = indexer_kl_per_token(
         q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
-        scale=scale, stage=stage, idx_BTK=idx_BTK, valid_BTK=valid_BTK, target_BTK=target_BTK, q_chunk=q_chunk)
+        scale=scale, stage=stage, idx_BTK=idx_BTK, valid_BTK=valid_BTK, target_BTK=target_BTK, lse_BTH=lse_BTH,
+        q_chunk=q_chunk)
     return mean_over_tokens(kl_BT, has_set_BT)
 
 
@@ -97,13 +120,15 @@ def mean_over_tokens(kl_BT, has_set_BT):
 
 def indexer_kl_per_token(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
                          q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, stage,
-                         idx_BTK=None, valid_BTK=None, target_BTK=None, q_chunk=128):
+                         idx_BTK=None, valid_BTK=None, target_BTK=None, lse_BTH=None, q_chunk=128):
     """(kl [B, T] fp32, has_set [B, T] bool) per query token (arguments as `indexer_kl_loss`): callers
     that hold a share of the queries (a context-parallel shard) sum them across shards themselves."""
     if stage not in STAGES:
         raise ValueError(f"indexer_kl_loss: stage must be one of {STAGES}, got {stage!r}")
     if stage == "sparse" and (idx_BTK is None or valid_BTK is None):
         raise ValueError("indexer_kl_loss: the sparse stage needs idx_BTK and valid_BTK")
+    if lse_BTH is not None and (stage != "warmup" or kv_BSC.ndim != 4):
+        raise ValueError("indexer_kl_loss: lse_BTH serves the warm-up stage with per-head keys kv [B, S, H, D]")
     q_BTHC, kv_BSC = jax.lax.stop_gradient(q_BTHC), jax.lax.stop_gradient(kv_BSC)
     B, T = index_q_BTHD.shape[:2]
     n_chunks = -(-T // q_chunk)
@@ -115,10 +140,12 @@ def indexer_kl_per_token(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
 
     if stage == "warmup":
         per_query = (q_BTHC, index_q_BTHD, index_w_BTH, q_pos_BT, q_seg_BT)
+        if lse_BTH is not None:
+            per_query += (jax.lax.stop_gradient(lse_BTH),)
 
         def chunk_kl(xs, ik):
-            q, iq, iw, q_pos, q_seg = xs
-            return _warmup_chunk(q, kv_BSC, iq, ik, iw, q_pos, kv_pos_BS, q_seg, kv_seg_BS, scale=scale)
+            return _warmup_chunk(xs[0], kv_BSC, xs[1], ik, xs[2], xs[3], kv_pos_BS, xs[4], kv_seg_BS, *xs[5:],
+                                 scale=scale)
     else:
         given = target_BTK is not None
         per_query = (jax.lax.stop_gradient(target_BTK) if given else q_BTHC, index_q_BTHD, index_w_BTH, idx_BTK,

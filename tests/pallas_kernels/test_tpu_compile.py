@@ -5,7 +5,8 @@ Background: docs/training.md#compiling-for-tpu-from-a-cpu-host.
 Needs libtpu (requirements-tpu.txt); skipped without it. Shapes are GLM-5 production sizes: H = 64 query
 heads on the absorbed latent C = 576 (value 512), k = 2048, indexer H_I = 32 x d_I = 128, T = S = 8192,
 bf16, batch 1, on a v5p:2x2x1 slice (4 chips) with queries sharded over the chips inside shard_map.
-Each compile must succeed and fit one v5p chip's HBM.
+Each compile must succeed and fit one v5p chip's HBM. The dense stage's flash attention (MHA form) compiles
+at its own per-chip shapes (below).
 """
 import os
 
@@ -19,6 +20,7 @@ pytest.importorskip("libtpu", reason="libtpu not installed (pip install -r requi
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from pallas_kernels.flash_attention import kernel as flash_kernel, ops as flash_ops  # noqa: E402
 from pallas_kernels.lightning_indexer import ops as indexer_ops  # noqa: E402
 from pallas_kernels.sparse_mla import ops as sparse_ops  # noqa: E402
 
@@ -47,7 +49,7 @@ def compile_and_check(mesh, fn, args, in_specs, out_specs):
           f"{mem.output_size_in_bytes / 2**20:.1f} MiB, temp {mem.temp_size_in_bytes / 2**20:.1f} MiB per chip")
     assert "tpu_custom_call" in compiled.as_text()  # the Mosaic kernel is really in the program
     assert 0 < total < V5P_HBM_BYTES
-    return mem
+    return compiled
 
 
 def test_lightning_indexer_compiles(mesh):
@@ -96,3 +98,43 @@ def test_sparse_mla_backward_compiles(mesh):
 
     compile_and_check(mesh, sparse_mla_backward, sparse_args(mesh), (QUERIES, P(), QUERIES, QUERIES),
                       (QUERIES, P()))
+
+
+# ---- dense-stage flash attention, MHA form: GLM-5's 64 heads of q/k 192 + 64 = 256 and v 256, one 4K
+# sequence per chip (batch split over the 4 chips); a context-parallel shard of a 4K sequence over 2 chips
+# (2 x 1024 queries over its 4096 gathered keys) and of a 32K one (16K queries: dQ too large for VMEM, so
+# the backward takes the separate dQ kernel)
+FLASH_H, FLASH_D = 64, 256
+BATCH = P("q")
+
+
+def flash_fwd_bwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    def attend(q, k, v):
+        return tuple(flash_ops.flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, scale=192**-0.5,
+                                               impl="pallas"))
+
+    (out, lse), vjp = jax.vjp(attend, q, k, v)
+    return (out, lse, *vjp((out, lse)))
+
+
+@pytest.mark.parametrize("T, S", [(4096, 4096), (2048, 4096), (16384, 32768)])
+def test_flash_attention_forward_and_backward_compile(mesh, T, S):
+    n = len(mesh.devices)
+    args = (abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
+            abstract(mesh, (n, S, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
+            abstract(mesh, (n, S, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
+            abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH),
+            abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH))
+    compiled = compile_and_check(mesh, flash_fwd_bwd, args, (BATCH,) * 7, (BATCH,) * 5)
+    fused = T * FLASH_D * 4 <= flash_kernel.FUSED_DQ_BYTES
+    backward = ("flash_attention_bwd_fused",) if fused else ("flash_attention_bwd_dkv", "flash_attention_bwd_dq")
+    text = compiled.as_text()
+    assert all(name in text for name in ("flash_attention_fwd",) + backward)
+    # XLA's cost analysis counts the kernels' declared FLOPs: the causal blocks' pairs x heads, forward
+    # 2(D + Dv) and backward 6D + 4Dv fused, 8D + 6Dv split, per pair (D = Dv: 14 D or 18 D)
+    n_k = S // flash_ops.BLOCK
+    declared = FLASH_H * T * S * (n_k + 1) // (2 * n_k) * (14 if fused else 18) * FLASH_D
+    cost = compiled.cost_analysis()
+    print(f"flops per chip {cost['flops']:.4g} (kernels declare {declared:.4g}), bytes accessed "
+          f"{cost['bytes accessed']:.4g}")
+    assert declared <= cost["flops"] < 1.01 * declared

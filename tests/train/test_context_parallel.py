@@ -105,6 +105,14 @@ def test_context_parallel_pallas_kernels_equal_one_device():
     assert_same_training(train("sparse", "context2", impl="pallas_interpret", steps=2, rows=2), want)
 
 
+def test_flash_attention_over_context_trains_like_xla_on_one_device():
+    """Dense stage with the flash kernel in the MHA form (interpreted) per sequence shard over the gathered
+    latent rows, context=2 (kv_b_proj's gradient summed over the shards), trains like the XLA absorbed form
+    on one device."""
+    want = train("dense", "context1", impl="xla", steps=2, rows=2)
+    assert_same_training(train("dense", "context2", impl="pallas_interpret", steps=2, rows=2), want)
+
+
 def test_zigzag_layout():
     x = np.arange(2 * 16).reshape(2, 16)
     laid = np.asarray(to_layout(x, 4))
