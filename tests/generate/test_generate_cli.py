@@ -15,9 +15,13 @@ def test_cli_prints_the_greedy_continuation(tmp_path, capsys):
     tokenizer = train_bpe(["def add(x, y):\n    return x + y\n"] * 20, vocab_size=280, show_progress=False)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     prompt = "def add(x"
-    generate_cli.FLAGS(["generate", f"--checkpoint={tmp_path / 'ckpt'}", f"--tokenizer={tmp_path / 'tokenizer.json'}",
-                        f"--prompt={prompt}", "--max_new_tokens=12"])
-    generate_cli.main([])
+    generate_cli.FLAGS.unparse_flags()       # absl's flags are process-global: no other test's --prompt
+    try:
+        generate_cli.FLAGS(["generate", f"--checkpoint={tmp_path / 'ckpt'}",
+                            f"--tokenizer={tmp_path / 'tokenizer.json'}", f"--prompt={prompt}", "--max_new_tokens=12"])
+        generate_cli.main([])
+    finally:
+        generate_cli.FLAGS.unparse_flags()
     out = capsys.readouterr().out
 
     cfg, variables = load_hf(str(tmp_path / "hf"))

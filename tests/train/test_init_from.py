@@ -163,8 +163,12 @@ def test_generate_on_a_train_workdir_logs_no_orbax_warnings(dense_run, caplog, c
     from glm5_jax.generate import __main__ as generate_cli
 
     caplog.set_level(logging.INFO)
-    generate_cli.FLAGS(["generate", f"--checkpoint={dense_run}", "--prompt=The", "--max_new_tokens=3"])
-    generate_cli.main([])
+    generate_cli.FLAGS.unparse_flags()       # absl's flags are process-global: no other test's --prompt
+    try:
+        generate_cli.FLAGS(["generate", f"--checkpoint={dense_run}", "--prompt=The", "--max_new_tokens=3"])
+        generate_cli.main([])
+    finally:
+        generate_cli.FLAGS.unparse_flags()
     assert "checkpoint step 2: " in capsys.readouterr().out
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == []
