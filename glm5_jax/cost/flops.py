@@ -4,7 +4,8 @@ Training FLOPs per token = 6 x (matmul parameters one token uses) + 3 x forward 
 the keys it actually attends (DSA: min(k, visible); dense: all visible keys) + the indexer: its scores
 over every visible key (forward only) and 2 x the forward of the keys its KL loss covers (sparse stage:
 the selected min(k, visible); otherwise every visible key). Given the stage's ``indexer_loss``, a step
-that runs no KL ("none") counts none, and a dense-stage step without it runs no indexer at all. The
+that runs no KL ("none") counts none, and a dense-stage step without it runs no indexer at all; the warm-up
+trains only the indexer, so the frozen model counts its forward alone (2 x parameters, 1 x attention). The
 embedding lookup is not a matmul and is excluded; the LM head is included.
 """
 from __future__ import annotations
@@ -42,9 +43,10 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None,
         kl_fwd = per_key * mean_visible_keys(seq_len, cfg.index_topk if sparse else None) \
             if indexer_loss != "none" else 0.0
     indexer = scores_fwd + 2.0 * kl_fwd
-    return {"matmul": 6.0 * matmul_params, "attention": 3.0 * attention_fwd, "indexer": indexer,
+    passes = 1.0 if indexer_loss == "warmup" else 3.0      # the warm-up's frozen model: forward only
+    return {"matmul": 2 * passes * matmul_params, "attention": passes * attention_fwd, "indexer": indexer,
             "indexer_scores": scores_fwd, "indexer_kl": 2.0 * kl_fwd,
-            "total": 6.0 * matmul_params + 3.0 * attention_fwd + indexer}
+            "total": 2 * passes * matmul_params + passes * attention_fwd + indexer}
 
 
 def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None,
@@ -71,7 +73,7 @@ def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None,
         n = math.prod(leaf.shape)
         if len(names) >= 2 and names[-2] == "moe" and names[-1] in ROUTED_EXPERT_LEAVES:
             n *= active
-        out[cat] += 6.0 * n
+        out[cat] += (2.0 if indexer_loss == "warmup" else 6.0) * n
     per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params, indexer_loss=indexer_loss)
     L = cfg.num_hidden_layers
     out["attention_core"] = per_token["attention"]

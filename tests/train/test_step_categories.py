@@ -99,5 +99,7 @@ def test_model_flops_of_each_stage_count_only_the_indexer_work_it_runs():
     sparse = train_flops_per_token(cfg, T, sparse=True, indexer_loss="sparse")
     assert dense["indexer"] == 0 and dense["total"] == dense["matmul"] + dense["attention"]
     assert warmup["indexer"] == pytest.approx(3 * per_key * every)
+    # the warm-up trains only the indexer: the rest of the model runs forward only
+    assert warmup["matmul"] == dense["matmul"] / 3 and warmup["attention"] == dense["attention"] / 3
     assert sparse["indexer"] == pytest.approx(per_key * every + 2 * per_key * selected)
     assert train_flops_by_category(cfg, T, sparse=False, indexer_loss="none")["indexer_kl"] == 0
