@@ -221,7 +221,8 @@ def _matmul_flops(shape: str, opcode: str, operand_shapes: list[str], attrs: str
             or len(m.group(3)) != len(out[0][1]):
         return 0.0
     lhs_labels, rhs_labels, out_labels = m.group(1), m.group(2), m.group(3)
-    spatial = [c for c in rhs_labels if c.isdigit()]
+    # the window lists the spatial dims by number (0, 1, ...), whatever order the labels name them in
+    spatial = sorted(c for c in rhs_labels if c.isdigit())
     sizes = _window(attrs, "size", len(spatial), 1)
     if "size=" not in attrs:
         sizes = [rhs[rhs_labels.index(c)] for c in spatial]

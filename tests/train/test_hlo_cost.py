@@ -115,6 +115,19 @@ def test_batched_matmul_written_as_padded_convolution():
     assert hlo_cost(text).flops == 64 * 2 * 128 * 6144 * 256 + 5 * 2 * M * D * D
 
 
+def test_padded_convolution_with_spatial_dims_named_out_of_order():
+    """Two spatial dims whose labels come in the order 1, 0 (from a v5p compile of 'btd,dhk->bthk' at batch
+    2 x 2048): the window lists dims by number (size=1x64: dim 0 has a window of 1, dim 1 the 64 heads),
+    not in label order; one real tap per output position either way."""
+    text = HAND_WRITTEN.replace(
+        "%dot.0 = f32[64,128]{1,0} dot(%x, %w.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "%a = bf16[2,2048,6144,1]{2,1,3,0} parameter(2)\n  %b = bf16[64,256,6144,1]{1,2,0,3} parameter(3)\n"
+        "  %conv = f32[2,2048,64,256]{1,3,2,0} convolution(%a, %b), window={size=1x64 pad=0_0x63_63 "
+        "rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f\n  %dot.0 = f32[64,128]{1,0} parameter(4)")
+    # 2 x 2048 tokens x 64 heads x [6144] . [6144, 256]
+    assert hlo_cost(text).flops == 2 * (2 * 2048 * 64 * 256) * 6144 + 5 * 2 * M * D * D
+
+
 def test_fallback_trip_count_reads_the_counter_step():
     """`i = 2; while i < 30: i += 3` runs for i = 2, 5, ..., 29: 10 trips (not 28)."""
     text = HAND_WRITTEN.replace("%one = s32[] constant(1)", "%one = s32[] constant(3)").replace(
