@@ -11,7 +11,7 @@ and MFU.
 --topology=v5p:8x16x16/dense sweeps layouts of the pretraining (dense-attention) stage and its warm-up,
 v5p:4x8x8/dense the same on 256 chips; --topology=v5p:8x16x16/tokens sweeps tokens per chip (1024, 2048,
 4096 sequences of 4K per step, micro-batched where one does not fit) for the dense and the sparse stage
-and plots estimated MFU against tokens per chip (``*_tokens.png``).
+and plots estimated MFU against tokens per chip (``OUT_mfu.png``).
 Every point compiles the TPU path (model.attention_impl=pallas). Each point is a separate process (at most
 --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
 model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
@@ -99,9 +99,15 @@ SWEEPS = {
         + ["train.grad_accum=2"] + _DENSE,
     },
     "v5p:8x16x16/tokens": {   # tokens per chip: 1024 / 2048 / 4096 sequences of 4096 over 2048 chips
+        # micro-batches of 1024 sequences: the same per-chip work per micro-batch, the weights gathered
+        # once per micro-batch
         **{f"{stage}_b{b}": _mesh(128, 8, 1, context=2) + [f"train.stage={stage}", f"data.batch_size={b}",
                                                             f"train.grad_accum={b // 1024}"]
            for stage in ("dense", "sparse") for b in (1024, 2048, 4096)},
+        # one micro-batch of 2048 sequences: twice the tokens per chip per weight gather
+        **{f"{stage}_b2048_accum1": _mesh(128, 8, 1, context=2) + [f"train.stage={stage}", "data.batch_size=2048",
+                                                                    "train.grad_accum=1"]
+           for stage in ("dense", "sparse")},
     },
     "v5p:4x8x8": {            # 256 chips, 512 x 4096: the smallest pod the sweep on 128 chips leaves
         "bf16_fsdp16_ep8_tp2_accum4": _mesh(16, 8, 2) + _BF16_STATE_256 + ["train.grad_accum=4"],
@@ -235,10 +241,13 @@ def plot_tokens(rows: list[dict], path: str, n_chips: int, seq_len: int = 4096):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for stage in sorted({r["name"].split("_b")[0] for r in rows}):
-        pts = sorted((r["batch_size"] * seq_len / n_chips, r["mfu"]) for r in rows
-                     if r["name"].startswith(stage + "_b") and r.get("mfu") is not None and r.get("fits"))
-        if pts:
-            ax.plot(*zip(*pts), "o-", label=f"{stage} stage")
+        for label, keep in (("micro-batches of 1024 sequences", lambda r: not r["name"].endswith("_accum1")),
+                            ("one batch", lambda r: r["name"].endswith("_accum1") or r["grad_accum"] == 1)):
+            pts = sorted((r["batch_size"] * seq_len / n_chips, r["mfu"]) for r in rows
+                         if r["name"].startswith(stage + "_b") and keep(r) and r.get("mfu") is not None
+                         and r.get("fits"))
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), "o-" if "micro" in label else "s--", label=f"{stage} stage, {label}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per chip per step")
     ax.set_ylabel("estimated MFU")
@@ -291,7 +300,7 @@ def main(argv=None):
         f.write(table)
     plot(rows, stem + ".png")
     if sweep.endswith("/tokens"):
-        plot_tokens(rows, stem + "_tokens.png", n_chips=math.prod(int(v) for v in args.topology[4:].split("x")))
+        plot_tokens(rows, stem + "_mfu.png", n_chips=math.prod(int(v) for v in args.topology[4:].split("x")))
     print(table)
     return result
 
