@@ -104,10 +104,12 @@ SWEEPS = {
         **{f"{stage}_b{b}": _mesh(128, 8, 1, context=2) + [f"train.stage={stage}", f"data.batch_size={b}",
                                                             f"train.grad_accum={b // 1024}"]
            for stage in ("dense", "sparse") for b in (1024, 2048, 4096)},
-        # one micro-batch of 2048 sequences: twice the tokens per chip per weight gather
+        # one batch of 2048 (4096) sequences: twice (four times) the tokens per chip per weight gather
         **{f"{stage}_b2048_accum1": _mesh(128, 8, 1, context=2) + [f"train.stage={stage}", "data.batch_size=2048",
                                                                     "train.grad_accum=1"]
            for stage in ("dense", "sparse")},
+        "dense_b4096_accum1": _mesh(128, 8, 1, context=2) + ["train.stage=dense", "data.batch_size=4096",
+                                                              "train.grad_accum=1"],
     },
     "v5p:4x8x8": {            # 256 chips, 512 x 4096: the smallest pod the sweep on 128 chips leaves
         "bf16_fsdp16_ep8_tp2_accum4": _mesh(16, 8, 2) + _BF16_STATE_256 + ["train.grad_accum=4"],
