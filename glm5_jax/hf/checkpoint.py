@@ -99,7 +99,8 @@ COPY_CHUNK_ROWS = 4096
 
 def check_mtp_copy(copy: str, main: str, shape_of, read_rows) -> None:
     """A DeepSeek-V3.x MTP layer's own embedding / head must equal the main one, which our MTP shares
-    (DeepSeek-V3 report §2.2); compared in row chunks (``read_rows(key, slice)`` gives float rows)."""
+    (DeepSeek-V3 technical report, arXiv:2412.19437, section 2.2); compared in row chunks
+    (``read_rows(key, slice)`` gives float rows)."""
     if tuple(shape_of(copy)) != tuple(shape_of(main)):
         raise CheckpointError(f"{copy}: shape {list(shape_of(copy))}, but {main} (which the MTP layer shares) "
                               f"has {list(shape_of(main))}")
@@ -111,7 +112,8 @@ def check_mtp_copy(copy: str, main: str, shape_of, read_rows) -> None:
             raise CheckpointError(
                 f"{copy} differs from {main} (max |difference| {float(np.max(np.abs(a - b))):.3g} in rows "
                 f"{rows.start}..{rows.stop - 1}): this model's MTP layer shares the main embedding and output "
-                f"head (DeepSeek-V3 report §2.2), so a checkpoint whose MTP copy differs cannot be loaded")
+                f"head (DeepSeek-V3 technical report, arXiv:2412.19437, section 2.2), so a checkpoint whose MTP "
+                f"copy differs cannot be loaded")
 
 
 def check_side_tensors(ckpt, cfg, block_size) -> set:

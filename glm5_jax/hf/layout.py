@@ -164,7 +164,8 @@ def mtp_extra_tensors(cfg):
 
 
 # DeepSeek-V3.x hub checkpoints give the MTP layer its own copies of the embedding and the output head
-# (the DeepSeek-V3 report §2.2 shares both with the main model; vLLM's DeepSeek MTP reads the copies).
+# (the DeepSeek-V3 technical report, arXiv:2412.19437, section 2.2, shares both with the main model; vLLM's
+# DeepSeek MTP reads the copies).
 DEEPSEEK_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 
 
