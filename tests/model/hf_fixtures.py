@@ -26,15 +26,21 @@ CONFIGS = {
 def build_hf_model(name: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     cfg = GlmMoeDsaConfig(**{**BASE, **CONFIGS[name], **overrides})
-    model = GlmMoeDsaForCausalLM(cfg).eval()
-    with torch.no_grad():   # non-trivial norms, biases and routing bias
+    return perturbed(GlmMoeDsaForCausalLM(cfg))
+
+
+def perturbed(model):
+    """`model` in eval mode with its norms, biases and routing bias moved off their initial values (the
+    matrices are random already)."""
+    with torch.no_grad():
         for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(cfg.n_routed_experts))
-    return model
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias.copy_(0.05 * torch.randn_like(bias))
+    return model.eval()
 
 
 def hf_logits(model, ids, attention_mask=None):

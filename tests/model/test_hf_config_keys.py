@@ -13,23 +13,10 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 from glm5_jax import Transformer, load_hf
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.config import config_from_hf, config_to_hf
-from tests.model.hf_fixtures import BASE, assert_no_boundary_ties, build_hf_model, hf_logits
+from tests.model.hf_fixtures import BASE, assert_no_boundary_ties, build_hf_model, hf_logits, perturbed
 
 SMALL = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
              topk_group=1)
-
-
-def _perturbed(model):
-    """Norms and routing bias moved off their initial values (the matrices are random already)."""
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                bias = layer.mlp.gate.e_score_correction_bias
-                bias.copy_(0.05 * torch.randn_like(bias))
-    return model.eval()
 
 
 def _edit_config(hf_dir, **changes):
@@ -66,7 +53,7 @@ def test_glm_rope_interleave_keys_are_ignored_like_the_reference(tmp_path):
 def test_deepseek_v32_ignores_index_sharing_keys_like_the_reference(tmp_path):
     """DeepseekV32Config has no cross-layer index sharing: index_topk_freq in its config.json changes nothing."""
     torch.manual_seed(0)
-    model = _perturbed(DeepseekV32ForCausalLM(DeepseekV32Config(**BASE, **SMALL, index_topk=8)))
+    model = perturbed(DeepseekV32ForCausalLM(DeepseekV32Config(**BASE, **SMALL, index_topk=8)))
     model.save_pretrained(tmp_path)
     _edit_config(tmp_path, index_topk_freq=2, index_skip_topk_offset=1, rope_interleave=False,
                  indexer_rope_interleave=True)
@@ -124,9 +111,9 @@ def test_deepseek_mtp_embedding_and_head_copies(tmp_path, family):
     torch.manual_seed(0)
     if family == "deepseek_v3":
         kwargs = {k: v for k, v in BASE.items() if not k.startswith("index_")}
-        model = _perturbed(DeepseekV3ForCausalLM(DeepseekV3Config(**kwargs, **SMALL)))
+        model = perturbed(DeepseekV3ForCausalLM(DeepseekV3Config(**kwargs, **SMALL)))
     else:
-        model = _perturbed(DeepseekV32ForCausalLM(DeepseekV32Config(**BASE, **SMALL, index_topk=8)))
+        model = perturbed(DeepseekV32ForCausalLM(DeepseekV32Config(**BASE, **SMALL, index_topk=8)))
     model.save_pretrained(tmp_path / "no_mtp")
     L, d = SMALL["num_hidden_layers"], BASE["hidden_size"]
     tensors = load_file(str(tmp_path / "no_mtp" / "model.safetensors"))
