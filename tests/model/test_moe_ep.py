@@ -7,7 +7,7 @@ import pytest
 from flax.core import meta
 
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
-from glm5_jax.model.moe.expert_parallel import capacity
+from glm5_jax.model.moe.expert_parallel import capacity, tile_rows
 from glm5_jax.model.moe.layer import MoE, grouped_swiglu, route
 from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 
@@ -19,15 +19,15 @@ CFG = ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, first_k_de
 B, T = 8, 16
 
 
-def _inputs():
-    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, CFG.hidden_size), jnp.float32)
+def _inputs(cfg=CFG):
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, cfg.hidden_size), jnp.float32)
     mask = jnp.ones((B, T), bool).at[3, 10:].set(False)
     return x, mask
 
 
-def _params():
-    x, mask = _inputs()
-    variables = meta.unbox(MoE(CFG).init(jax.random.PRNGKey(0), x, mask))
+def _params(cfg=CFG):
+    x, mask = _inputs(cfg)
+    variables = meta.unbox(MoE(cfg).init(jax.random.PRNGKey(0), x, mask))
     # a non-zero routing bias so selection and gates differ, as in training
     bias = jax.random.normal(jax.random.PRNGKey(2), (CFG.n_routed_experts,)) * 0.1
     variables["moe_bias"]["e_score_correction_bias"] = bias
@@ -35,7 +35,7 @@ def _params():
 
 
 def _loss_and_grads(cfg, variables, mesh=None, tensor_rules=DEFAULT_RULES):
-    x, mask = _inputs()
+    x, mask = _inputs(cfg)
 
     def loss(params, x):
         out, aux = MoE(cfg).apply({**variables, "params": params}, x, mask)
@@ -48,14 +48,19 @@ def _loss_and_grads(cfg, variables, mesh=None, tensor_rules=DEFAULT_RULES):
         return fn(variables["params"], x)
 
 
-@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=1, fsdp=2, expert=4, tensor=1),
-                                      MeshConfig(data=1, fsdp=1, expert=4, tensor=2)],
-                         ids=["fsdp2_expert4", "expert4_tensor2"])
-def test_all_to_all_ep_equals_single_device(mesh_cfg):
-    variables = _params()
-    (ref_loss, (ref_out, ref_aux)), ref_grads = _loss_and_grads(CFG, variables)
+@pytest.mark.parametrize("mesh_cfg,hidden", [(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16),
+                                             (MeshConfig(data=1, fsdp=1, expert=4, tensor=2), 16),
+                                             (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 256)],
+                         ids=["fsdp2_expert4", "expert4_tensor2", "fsdp2_expert4_tile_rows"])
+def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden):
+    # hidden 256: the transport moves rows in the [rows, D / 128, 128] view (expert_parallel.tile_rows)
+    # (init scaled with the width, so that outputs keep the magnitude the tolerances were set for)
+    cfg = CFG.replace(hidden_size=hidden, initializer_range=CFG.initializer_range * (16 / hidden) ** 0.5)
+    assert (tile_rows(jnp.zeros((4, hidden))).ndim == 3) == (hidden % 128 == 0)
+    variables = _params(cfg)
+    (ref_loss, (ref_out, ref_aux)), ref_grads = _loss_and_grads(cfg, variables)
     # capacity factor E / K: every (shard, expert) pair can hold all of a shard's tokens -> nothing dropped
-    ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=CFG.n_routed_experts / CFG.num_experts_per_tok)
+    ep_cfg = cfg.replace(moe_ep="a2a", moe_capacity_factor=CFG.n_routed_experts / CFG.num_experts_per_tok)
     mesh = build_mesh(mesh_cfg, jax.devices()[:8])
     (loss, (out, aux)), grads = _loss_and_grads(ep_cfg, variables, mesh)
     assert float(aux["dropped"]) == 0.0

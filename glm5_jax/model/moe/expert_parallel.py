@@ -59,6 +59,20 @@ def _rank_within_expert(flat_e, n_experts):
     return order, rank, counts
 
 
+LANES = 128   # the minor tile dim of the TPU's tiled HBM layout
+
+
+def tile_rows(x_RD):
+    """[R, D] -> [R, D / 128, 128] when D is a multiple of 128, else unchanged. A TPU array lives in HBM as
+    tiles of (8, 128) 32-bit words ((16, 128) bf16 values) over its two minor dims, so a row of [R, D]
+    shares its tiles with the 7-15 rows beside it and a gather or scatter of single rows moves whole
+    tiles, 8-16x the rows' bytes; in the [R, D / 128, 128] view each row is tiles of its own and a row
+    gather moves only its bytes (the reshape back to [R, D] for a matmul is one relayout copy). On CPU
+    both are the same row-major bytes."""
+    R, D = x_RD.shape
+    return x_RD.reshape(R, D // LANES, LANES) if D % LANES == 0 else x_RD
+
+
 def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     """Capacity-padded all_to_all transport. Shapes are per shard."""
     n, K = idx.shape
@@ -73,7 +87,7 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     # copy of the tokens and no zero-filled buffer scattered into (whose bytes a scatter reads and writes)
     token_of_slot = jnp.full((E * cap,), n, jnp.int32).at[slot].set(
         jnp.arange(n * K, dtype=jnp.int32) // K, mode="drop")
-    send = x.astype(dtype).at[token_of_slot].get(mode="fill", fill_value=0)      # [dest, El, C] rows
+    send = tile_rows(x.astype(dtype)).at[token_of_slot].get(mode="fill", fill_value=0)   # [dest, El, C] rows
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
     recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
@@ -83,10 +97,10 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     # the received row each packed row takes (R: a padding row), then a gather, as for `send`
     recv_row_of_packed = jnp.full((R,), R, jnp.int32).at[packed_slot.reshape(-1)].set(
         jnp.arange(R, dtype=jnp.int32), mode="drop")
-    packed = recv.reshape(R, D).at[recv_row_of_packed].get(mode="fill", fill_value=0)
-    y = _reduce_partial_widths(swiglu_rows(packed, recv_counts.sum(0), w_gate, w_up, w_down, dtype, impl),
-                               mlp, dtype)
-    back = y.at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
+    packed = recv.at[recv_row_of_packed].get(mode="fill", fill_value=0)
+    y = _reduce_partial_widths(swiglu_rows(packed.reshape(R, D), recv_counts.sum(0), w_gate, w_up, w_down, dtype,
+                                           impl), mlp, dtype)
+    back = tile_rows(y).at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
     returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
     y_assign = returned.at[slot].get(mode="fill", fill_value=0)
     return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
