@@ -24,7 +24,7 @@ ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
 RematPolicy = Literal["none", "full", "selection_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                      "dots_attention_saveable", "experts_saveable", "offload_dots"]
+                      "dots_attention_saveable", "experts_saveable", "moe_saveable", "offload_dots"]
 
 DTYPES = typing.get_args(Dtype)
 ATTENTION_IMPLS = typing.get_args(AttentionImpl)

@@ -18,7 +18,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
-from glm5_jax.model.moe.experts import EXPERT_SAVED_NAMES
+from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, EXPERT_ROWS_NAME, EXPERT_SAVED_NAMES
 from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 from glm5_jax.parallel.axes import EMBED, LAYERS
 
@@ -58,6 +58,12 @@ REMAT_POLICIES = {
     # 2 x [rows, F] fp32 per MoE layer): the backward reruns only the experts' down product, so the routed
     # experts cost 10/3 of a forward instead of 4 (a2a, routing and everything else are still recomputed)
     "experts_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *EXPERT_SAVED_NAMES),
+    # "experts_saveable" + the rows the experts multiply and their outputs per (token, choice)
+    # (moe.experts.EXPERT_ROWS_NAME, EXPERT_OUT_NAME; [rows, D] and [N, K, D] in the compute dtype per MoE layer):
+    # the backward reruns no expert product and no transport (gathers, all-to-alls, the expert weights'
+    # all-gather for the forward), only the routing; attention and the rest are recomputed
+    "moe_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *EXPERT_SAVED_NAMES,
+                                              EXPERT_ROWS_NAME, EXPERT_OUT_NAME),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _offload_dots_keeping_selection,
 }

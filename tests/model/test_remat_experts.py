@@ -1,5 +1,6 @@
 """The "experts_saveable" remat policy keeps the routed experts' gate and up products, so the backward pass
-reruns only their down product; "full" reruns all three. Counted on the differentiated program's grouped
+reruns only their down product; "full" reruns all three; "moe_saveable" also keeps the experts' input rows
+and reruns none of them, nor the transport. Counted on the differentiated program's grouped
 matmuls (`ragged_dot_general`: the CPU lowering of every expert product and of both its gradients)."""
 import collections
 
@@ -27,6 +28,19 @@ def _primitive_counts(jaxpr, counts):
                 if hasattr(inner, "eqns"):
                     _primitive_counts(inner, counts)
     return counts
+
+
+def _row_all_to_alls(jaxpr):
+    """Number of `all_to_all` equations moving floating-point rows (not the per-expert integer counts)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "all_to_all" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _row_all_to_alls(inner)
+    return n
 
 
 def _grouped_matmuls_in_grad(policy, variables, ids):
@@ -69,12 +83,18 @@ def test_experts_saveable_reaches_into_the_expert_parallel_shard_map():
         rematted = loss if policy is None else jax.checkpoint(loss, policy=REMAT_POLICIES[policy])
         with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
             jaxpr = jax.make_jaxpr(jax.grad(rematted))(variables["params"]).jaxpr
-        return _primitive_counts(jaxpr, collections.Counter())["ragged_dot_general"]
+        return (_primitive_counts(jaxpr, collections.Counter())["ragged_dot_general"],
+                _row_all_to_alls(jaxpr))
 
-    none, full, saveable = count(None), count("full"), count("experts_saveable")
+    (none, none_a2a), (full, full_a2a), (saveable, _) = count(None), count("full"), count("experts_saveable")
     # the policy-free count holds the forward's three products and the backward's gradient products; a
     # rematerialised product adds one more
     assert full == none + 3 and saveable == none + 1
+    # "moe_saveable" also keeps the experts' input rows and outputs: the backward reruns no product and moves
+    # no rows (the rematerialised forward under "full" sends rows out and results back again)
+    moe, moe_a2a = count("moe_saveable")
+    assert full_a2a > none_a2a > 0
+    assert moe == none and moe_a2a == none_a2a
 
 
 

@@ -20,6 +20,12 @@ KERNEL_IMPLS = GMM_IMPLS   # Pallas calls: must run per shard on a multi-device 
 # the gate and up products of `swiglu_rows` ([M, F] fp32 each), named for remat policies: a policy that keeps
 # them (decoder.REMAT_POLICIES "experts_saveable") reruns only the down product of the experts' forward
 EXPERT_SAVED_NAMES = ("moe_gate_out", "moe_up_out")
+# the rows the experts multiply ([M, D], sorted by expert): a policy that keeps them and the gate / up products
+# and the experts' outputs (decoder.REMAT_POLICIES "moe_saveable") reruns neither the transport (gathers,
+# all-to-all) nor any expert product
+EXPERT_ROWS_NAME = "moe_expert_rows"
+# the experts' outputs per (token, choice) before the gate-weighted sum ([N, K, D]; the router's gradient needs them)
+EXPERT_OUT_NAME = "moe_expert_out"
 
 
 def sort_by_expert(expert_idx_NK, n_experts):
@@ -32,6 +38,8 @@ def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, im
     """SwiGLU of rows sorted by expert -> [M, D] fp32; rows past sum(group_sizes) come out zero."""
     def gmm(lhs, rhs):
         return grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes_E, impl=impl)
+
+    x_MD = checkpoint_name(x_MD.astype(dtype), EXPERT_ROWS_NAME)
 
     gate, up = (checkpoint_name(gmm(x_MD, w), name) for w, name in zip((w_gate_EDF, w_up_EDF), EXPERT_SAVED_NAMES))
     h = (jax.nn.silu(gate) * up).astype(dtype)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import SwiGLU, constrain, logical_param, normal_init
 from glm5_jax.model.moe import int4_swiglu, int4_weights
 from glm5_jax.model.moe.blocked import BLOCKED_MOE_NAMES, blocked_swiglu
 from glm5_jax.model.moe.expert_parallel import expert_parallel_swiglu
-from glm5_jax.model.moe.experts import KERNEL_IMPLS, sorted_swiglu
+from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, KERNEL_IMPLS, sorted_swiglu
 from glm5_jax.parallel.axes import ACT_EMBED, BATCH, EMBED, EXP, MLP_MOE, SEQ
 from glm5_jax.parallel.shard_map import logical_shard_map, multi_device_mesh_in_context
 from pallas_kernels.impls import AUTO, BLOCKED, RAGGED_DOT
@@ -107,6 +108,7 @@ class MoE(nn.Module):
             y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.runtime.moe_impl)
         else:   # expert parallel over the mesh in context (glm5_jax/model/moe/expert_parallel.py)
             y_NKD, dropped = expert_parallel_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, cfg)
+        y_NKD = checkpoint_name(y_NKD, EXPERT_OUT_NAME)
         routed = jnp.einsum("nk,nkd->nd", gates, y_NKD)                                 # fp32 accumulation
         out = routed.reshape(B, T, D)
         if cfg.n_shared_experts:
