@@ -62,6 +62,27 @@ def test_gmm_interpret_equals_ragged_dot(case, dtype):
     assert np.all(np.asarray(y[past:]) == 0) and np.all(np.asarray(d_lhs[past:]) == 0)
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "gmm_interpret"])
+def test_transposed_rhs_equals_the_product_with_the_swapped_weights(impl):
+    """rhs stored [E, N, K] with transpose_rhs: the product and d lhs equal the [E, K, N] call's, and d rhs is
+    the [E, K, N] call's gradient transposed (the kernel computes it as dy^T lhs per group)."""
+    sizes, M = CASES["empty_experts_and_rows_past_the_groups"]
+    lhs, rhs, gs, dy = _operands(sizes, 24, 20, jnp.float32, M)
+    y_ref, d_lhs_ref, d_rhs_ref = _value_and_grads("ragged_dot", lhs, rhs, gs, dy)
+    rhs_t = jnp.swapaxes(rhs, 1, 2)
+
+    def loss(a, b):
+        return jnp.sum(ops.grouped_matmul(a, b, gs, impl=impl, transpose_rhs=True) * dy)
+
+    y = ops.grouped_matmul(lhs, rhs_t, gs, impl=impl, transpose_rhs=True)
+    d_lhs, d_rhs_t = jax.grad(loss, (0, 1))(lhs, rhs_t)
+    assert d_rhs_t.shape == rhs_t.shape
+    for a, b in ((y, y_ref), (d_lhs, d_lhs_ref), (d_rhs_t, jnp.swapaxes(d_rhs_ref, 1, 2))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"rhs \[E, N, K\] expected"):
+        ops.grouped_matmul(lhs, rhs, gs, impl=impl, transpose_rhs=True)
+
+
 def test_auto_on_cpu_is_ragged_dot():
     sizes, M = CASES["empty_experts_and_rows_past_the_groups"]
     lhs, rhs, gs, dy = _operands(sizes, 24, 20, jnp.float32, M)
@@ -113,9 +134,10 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not importable (pip install -r requirements-tpu.txt)")
 
 
-def _compiled_swiglu_gradients(impl) -> str:
+def _compiled_swiglu_gradients(impl, gate_up_transposed=False) -> str:
     """Optimized HLO of the routed experts' SwiGLU gradients (x and the three weights) at GLM-5 per-chip
-    shapes, compiled for v5p:2x2x1 with one shard of rows and experts per chip."""
+    shapes, compiled for v5p:2x2x1 with one shard of rows and experts per chip; gate / up weights [E, D, F],
+    or [E, F, D] with ``gate_up_transposed`` (the expert-parallel layout)."""
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -127,14 +149,16 @@ def _compiled_swiglu_gradients(impl) -> str:
 
     def local(x, group_sizes, wg, wu, wd, dy):
         def loss(x, wg, wu, wd):
-            return jnp.sum(swiglu_rows(x, group_sizes[0], wg, wu, wd, jnp.bfloat16, impl) * dy)
+            return jnp.sum(swiglu_rows(x, group_sizes[0], wg, wu, wd, jnp.bfloat16, impl,
+                                       gate_up_transposed=gate_up_transposed) * dy)
 
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
 
     spec = P("expert")
     shaped = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    gate_up = (n * E_LOCAL, F, D) if gate_up_transposed else (n * E_LOCAL, D, F)
     args = (shaped((n * ROWS, D), jnp.bfloat16), shaped((n, E_LOCAL), jnp.int32),
-            shaped((n * E_LOCAL, D, F), jnp.bfloat16), shaped((n * E_LOCAL, D, F), jnp.bfloat16),
+            shaped(gate_up, jnp.bfloat16), shaped(gate_up, jnp.bfloat16),
             shaped((n * E_LOCAL, F, D), jnp.bfloat16), shaped((n * ROWS, D), jnp.float32))
     step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec,) * 4, check_vma=False))
     # tests/conftest.py asks for "highest" matmul precision (CPU numerics); Mosaic rejects an fp32-precision
@@ -144,14 +168,16 @@ def _compiled_swiglu_gradients(impl) -> str:
 
 
 @needs_libtpu
-@pytest.mark.parametrize("impl", ["gmm", "auto"])     # "auto" lowered for TPU is the kernel, no conditional
-def test_gmm_swiglu_forward_and_backward_compile_for_v5p(impl):
-    hlo = _compiled_swiglu_gradients(impl)
+# "auto" lowered for TPU is the kernel, no conditional; the expert-parallel layout (gate / up as [E, F, D])
+@pytest.mark.parametrize("impl,gate_up_transposed", [("gmm", False), ("auto", True)], ids=["gmm", "auto_EFD"])
+def test_gmm_swiglu_forward_and_backward_compile_for_v5p(impl, gate_up_transposed):
+    hlo = _compiled_swiglu_gradients(impl, gate_up_transposed)
     # forward gmm for gate and up (the down projection's output is not needed for these gradients),
-    # 3 gmm for the input gradients, 3 tgmm for the weight gradients
+    # 3 gmm for the input gradients, 3 tgmm for the weight gradients (each in its weight's layout)
     assert hlo.count('custom_call_target="tpu_custom_call"') == 8
+    gate_up = f"bf16[{E_LOCAL},{F},{D}]" if gate_up_transposed else f"bf16[{E_LOCAL},{D},{F}]"
     assert sorted(_kernel_result_shapes(hlo)) == sorted(
-        [f"bf16[{E_LOCAL},{D},{F}]"] * 2 + [f"bf16[{E_LOCAL},{F},{D}]"] + [f"f32[{ROWS},{F}]"] * 2
+        [gate_up] * 2 + [f"bf16[{E_LOCAL},{F},{D}]"] + [f"f32[{ROWS},{F}]"] * 2
         + [f"bf16[{ROWS},{D}]"] * 2 + [f"bf16[{ROWS},{F}]"])
     assert _weight_grad_products(hlo) == []
     assert " ragged-dot(" not in hlo and " conditional(" not in hlo

@@ -99,7 +99,7 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
         jnp.arange(R, dtype=jnp.int32), mode="drop")
     packed = recv.at[recv_row_of_packed].get(mode="fill", fill_value=0)
     y = _reduce_partial_widths(swiglu_rows(packed.reshape(R, D), recv_counts.sum(0), w_gate, w_up, w_down, dtype,
-                                           impl), mlp, dtype)
+                                           impl, gate_up_transposed=True), mlp, dtype)
     back = tile_rows(y).at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
     returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
     y_assign = returned.at[slot].get(mode="fill", fill_value=0)
@@ -159,8 +159,8 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
     local_e = jnp.where(piece < n_ep * El, piece % El, El)
     by_expert_order = jnp.argsort(local_e, stable=True)
     y = _reduce_partial_widths(
-        swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl),
-        mlp, dtype)
+        swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl,
+                    gate_up_transposed=True), mlp, dtype)
     y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y)
     recv_offsets = _exclusive_cumsum(recv_sizes)
     back_offsets = _exclusive_cumsum(sent, axis=1)[:, me]                 # my rows' offsets in each source
@@ -218,14 +218,18 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     def gather_width(w, axis):
         return jax.lax.all_gather(w, fsdp, axis=axis, tiled=True) if fsdp else w
 
-    def local(x, idx, wg, wu, wd):
-        wg, wu, wd = gather_width(wg, 1), gather_width(wu, 1), gather_width(wd, 2)
-        y, dropped = body(x, idx, wg, wu, wd, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl)
+    def local(x, idx, wg_EFD, wu_EFD, wd_EFD):
+        wg_EFD, wu_EFD, wd_EFD = (gather_width(w, 2) for w in (wg_EFD, wu_EFD, wd_EFD))
+        y, dropped = body(x, idx, wg_EFD, wu_EFD, wd_EFD, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl)
         return y, jax.lax.psum(dropped, batch) if batch else dropped
 
-    width = fsdp or None
-    w_in, w_out = P(ep, width, mlp), P(ep, mlp, width)
+    # All three weights enter as [E, F, D], the gate and up ones transposed on each shard (no communication):
+    # the FSDP dim is then the minor one of each, and the TPU compiler turns each gradient's transpose of the
+    # gather into a reduce-scatter; the gate / up gradients, scattered on the middle dim of [E, D, F], it
+    # compiled as an all-reduce of the whole local gradient and a slice.
+    w_spec = P(ep, mlp, fsdp or None)
     dt = cfg.jnp_dtype            # weights cast before the shard_map: FSDP gathers them in the compute dtype
-    return jax.shard_map(local, in_specs=(tok, tok, w_in, w_in, w_out),
+    return jax.shard_map(local, in_specs=(tok, tok, w_spec, w_spec, w_spec),
                          out_specs=(P(batch or None, None, None), P()), check_vma=False)(
-        x_ND, expert_idx_NK, w_gate_EDF.astype(dt), w_up_EDF.astype(dt), w_down_EFD.astype(dt))
+        x_ND, expert_idx_NK, jnp.swapaxes(w_gate_EDF, 1, 2).astype(dt), jnp.swapaxes(w_up_EDF, 1, 2).astype(dt),
+        w_down_EFD.astype(dt))

@@ -34,14 +34,17 @@ def sort_by_expert(expert_idx_NK, n_experts):
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=n_experts).astype(jnp.int32)
 
 
-def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl):
-    """SwiGLU of rows sorted by expert -> [M, D] fp32; rows past sum(group_sizes) come out zero."""
-    def gmm(lhs, rhs):
-        return grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes_E, impl=impl)
+def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl, gate_up_transposed=False):
+    """SwiGLU of rows sorted by expert -> [M, D] fp32; rows past sum(group_sizes) come out zero. With
+    ``gate_up_transposed`` the gate and up weights come as [E, F, D] (their gradients too)."""
+    def gmm(lhs, rhs, transpose_rhs=False):
+        return grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes_E, impl=impl,
+                              transpose_rhs=transpose_rhs)
 
     x_MD = checkpoint_name(x_MD.astype(dtype), EXPERT_ROWS_NAME)
 
-    gate, up = (checkpoint_name(gmm(x_MD, w), name) for w, name in zip((w_gate_EDF, w_up_EDF), EXPERT_SAVED_NAMES))
+    gate, up = (checkpoint_name(gmm(x_MD, w, gate_up_transposed), name)
+                for w, name in zip((w_gate_EDF, w_up_EDF), EXPERT_SAVED_NAMES))
     h = (jax.nn.silu(gate) * up).astype(dtype)
     return gmm(h, w_down_EFD)
 
