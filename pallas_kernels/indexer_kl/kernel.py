@@ -1,0 +1,294 @@
+"""Pallas TPU kernels for the warm-up stage's indexer KL, loss and gradients in one forward.
+
+Per query token t over its visible keys s (same non-zero segment, key position <= query position):
+
+    p[t, s] = (1/H) sum_h exp(scale * q_h[t] . k_h[s] - lse_h[t])     (the attention's head-mean target)
+    I[t, s] = sum_{h<HI} w[t, h] ReLU(iq_h[t] . ik[s])                (the indexer's scores)
+    KL_t    = sum_s p log p - sum_s p I + lseI_t,   lseI_t = log sum_s exp I[t, s]
+
+(sum_s p = 1: lse is the attention's log-sum-exp of the same logits, so the target needs no normalisation
+pass). The gradient with respect to the scores is dKL_t / dI[t, s] = exp(I - lseI) - p, and through
+the ReLU (dI / d(iq_h . ik) = w_h [iq_h . ik > 0]):
+
+    g_h[t, s] = dI[t, s] w[t, h] [iq_h[t] . ik[s] > 0]
+    d iq_h[t] = sum_s g_h[t, s] ik[s],   d ik[s] = sum_{t, h} g_h[t, s] iq_h[t],
+    d w[t, h] = sum_s dI[t, s] ReLU(iq_h[t] . ik[s])
+
+Two kernels, both with grid (B, T/bq, S/bk), key blocks innermost, and every block computed key-major
+([bk, bq], so per-query quantities are lane rows [1, bq] like the flash kernel's lse):
+  1. `_lse_kernel`: online log-sum-exp of I over the visible keys -> lseI [B, T] (only the indexer's
+     HI x DI product per pair).
+  2. `_kl_kernel`: recomputes all H heads' logits of the pair of blocks in VMEM (the H x D product), the
+     target p, I (its per-head dots kept in a VMEM scratch for the gradient), the per-token KL and, with
+     ``with_grads``, d iq [bq, HI*DI] and d w [HI, bq] accumulated over the key blocks and d ik [S, DI]
+     resident in VMEM for the batch row (accumulated over every query block, written once). Nothing of
+     size [T, S] or [T, H, S] ever reaches HBM.
+The query block of q and iq stays in VMEM while the key blocks stream (its index does not change along
+the innermost axis); key blocks are re-read once per query block. Block skipping is the flash kernel's:
+`needed_blocks` / `block_tables` scalar-prefetched, a step whose pair holds no visible pair neither
+computes nor fetches (its key block index repeats the last needed one).
+
+Per (query, key) pair of a needed block: 2 H D FLOPs for the logits, 2 HI DI for I in each kernel, and
+with gradients 4 HI DI more (d iq, d ik; the dots are not recomputed); H + 1 exponentials.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.flash_attention.kernel import (LANES, _columns, _mm, _mm_nt, _rows, _table_index, _visible,
+                                                   block_tables, needed_blocks)
+
+# d ik of one batch row stays resident in VMEM (fp32 [S, DI], double-buffered by the pipeline) while the
+# query blocks run: S = 32K at DI = 128
+RESIDENT_DK_BYTES = 16 << 20
+VMEM_LIMIT = 56 << 20   # under the 64 MiB per TensorCore of v5p / v7 (v6e: 128 MiB)
+
+
+class Shapes(NamedTuple):
+    B: int
+    T: int
+    S: int
+    H: int
+    D: int
+    HI: int
+    DI: int
+    bq: int
+    bk: int
+
+
+def check_shapes(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, block_q, block_k) -> Shapes:
+    B, T, H, D = q_BTHD.shape
+    S = k_BSHD.shape[1]
+    HI, DI = iq_BTHD.shape[2:]
+    expected = {"k": (k_BSHD.shape, (B, S, H, D)), "lse": (lse_BHT.shape, (B, H, T)),
+                "iq": (iq_BTHD.shape, (B, T, HI, DI)), "ik": (ik_BSD.shape, (B, S, DI)),
+                "iw": (iw_BHT.shape, (B, HI, T))}
+    for name, (got, want) in expected.items():
+        if got != want:
+            raise ValueError(f"warmup_indexer_kl: {name} has shape {got}, expected {want}")
+    if D % LANES or DI % LANES:
+        raise ValueError(f"warmup_indexer_kl: head dims D={D}, DI={DI} must be multiples of {LANES}")
+    for name, n, blk in (("T", T, block_q), ("S", S, block_k)):
+        if blk % LANES or n % blk:
+            raise ValueError(f"warmup_indexer_kl: {name}={n} is not a multiple of its block {blk} "
+                             f"(a multiple of {LANES}); ops.py pads to it")
+    if S * DI * 4 > RESIDENT_DK_BYTES:
+        raise ValueError(f"warmup_indexer_kl: the resident fp32 d ik [S={S}, DI={DI}] exceeds "
+                         f"{RESIDENT_DK_BYTES >> 20} MiB of VMEM")
+    return Shapes(B, T, S, H, D, HI, DI, block_q, block_k)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+def _index_dots_t(ik, iq_ref, n_heads, dim):
+    """Per indexer head h: ik iq_h^T [bk, bq] fp32."""
+    return [_mm_nt(ik, iq_ref[:, h * dim:(h + 1) * dim]) for h in range(n_heads)]
+
+
+def _scores_t(dots, iw_ref):
+    """I^T [bk, bq] = sum_h w_h ReLU(dots_h)."""
+    scores = jnp.zeros(dots[0].shape, jnp.float32)
+    for h, d in enumerate(dots):
+        scores = scores + iw_ref[h:h + 1, :] * jnp.maximum(d, 0.0)
+    return scores
+
+
+def _lse_kernel(needed_ref, fetch_ref, iq_ref, ik_ref, iw_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref,
+                lse_ref, m_scr, l_scr, *, n_q, n_k, index_heads, index_dim):
+    # iq_ref [bq, HI*DI]; ik_ref [bk, DI]; iw_ref [HI, bq] fp32; q_pos/q_seg [1, bq]; kv_pos/kv_seg [bk, 1];
+    # lse_ref [1, bq] fp32 (-inf for a query that sees no key); m/l [1, bq] fp32 scratch
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+
+    @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
+    def _accumulate():
+        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...])   # [bk, bq]
+        scores = jnp.where(visible, _scores_t(_index_dots_t(ik_ref[...], iq_ref, index_heads, index_dim), iw_ref),
+                           -jnp.inf)
+        m_prev = m_scr[...]
+        m_new = jnp.maximum(m_prev, jnp.max(scores, axis=0, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # nothing visible yet: keep exp() finite
+        l_scr[...] = jnp.exp(m_prev - m_safe) * l_scr[...] + jnp.sum(jnp.exp(scores - m_safe), axis=0,
+                                                                      keepdims=True)
+        m_scr[...] = m_new
+
+    @pl.when(j == n_k - 1)
+    def _finalize():
+        l = l_scr[...]
+        lse_ref[...] = jnp.where(l > 0.0, m_scr[...] + jnp.log(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)
+
+
+def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_ref, lse_i_ref, q_pos_ref,
+               q_seg_ref, kv_pos_ref, kv_seg_ref, *refs, scale, n_q, n_k, heads, head_dim, index_heads, index_dim,
+               with_grads):
+    # q_ref [bq, H*D]; k_ref [bk, H*D]; lse_ref [H, bq] fp32 (0 where -inf); iq_ref [bq, HI*DI];
+    # ik_ref [bk, DI]; iw_ref [HI, bq] fp32; lse_i_ref [1, bq] fp32 (0 where -inf); q_pos/q_seg [1, bq];
+    # kv_pos/kv_seg [bk, 1]. Outputs: kl_ref [1, bq]; with grads also diq_ref [bq, HI*DI], diw_ref [HI, bq]
+    # (accumulated over the key blocks) and dik_ref [S, DI] (resident, accumulated over the whole batch row),
+    # all fp32. Scratch: kl_scr [1, bq], dots_scr [HI, bk, bq] fp32.
+    if with_grads:
+        kl_ref, diq_ref, diw_ref, dik_ref, kl_scr, dots_scr = refs
+    else:
+        kl_ref, kl_scr, dots_scr = refs
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _init():
+        kl_scr[...] = jnp.zeros(kl_scr.shape, jnp.float32)
+        if with_grads:
+            diq_ref[...] = jnp.zeros(diq_ref.shape, jnp.float32)
+            diw_ref[...] = jnp.zeros(diw_ref.shape, jnp.float32)
+
+    if with_grads:
+        @pl.when((i == 0) & (j == 0))
+        def _init_dk():
+            dik_ref[...] = jnp.zeros(dik_ref.shape, jnp.float32)
+
+    @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
+    def _accumulate():
+        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...])   # [bk, bq]
+        # the target: every head's probabilities from its logits and lse, averaged over the heads
+        probs = jnp.zeros(visible.shape, jnp.float32)
+        for h in range(heads):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            logits = _mm_nt(k_ref[:, cols], q_ref[:, cols]) * scale
+            probs = probs + jnp.exp(logits - lse_ref[h:h + 1, :])
+        p = jnp.where(visible, probs * (1.0 / heads), 0.0)
+        ik = ik_ref[...]
+        dots = _index_dots_t(ik, iq_ref, index_heads, index_dim)
+        scores = _scores_t(dots, iw_ref)
+        p_log_p = jnp.where(p > 0.0, p * jnp.log(jnp.where(p > 0.0, p, 1.0)), 0.0)
+        kl_scr[...] += jnp.sum(jnp.where(visible, p_log_p - p * scores, 0.0), axis=0, keepdims=True)
+        if with_grads:
+            d_scores = jnp.where(visible, jnp.exp(scores - lse_i_ref[...]) - p, 0.0)
+            for h, d in enumerate(dots):
+                dots_scr[h] = d
+            dk = jnp.zeros((ik.shape[0], index_dim), jnp.float32)
+            for h in range(index_heads):
+                cols = slice(h * index_dim, (h + 1) * index_dim)
+                d = dots_scr[h]
+                diw_ref[h:h + 1, :] += jnp.sum(d_scores * jnp.maximum(d, 0.0), axis=0, keepdims=True)
+                g = jnp.where(d > 0.0, d_scores * iw_ref[h:h + 1, :], 0.0).astype(ik.dtype)   # [bk, bq]
+                iq_h = iq_ref[:, cols]
+                diq_ref[:, cols] += _mm(g.T, ik)
+                dk = dk + _mm(g, iq_h)
+            rows = pl.ds(pl.multiple_of(j * ik.shape[0], ik.shape[0]), ik.shape[0])   # a needed step's own block
+            dik_ref[rows, :] += dk
+
+    @pl.when(j == n_k - 1)
+    def _finalize():   # a query without visible keys has lseI (handed as 0) and the sums 0; the wrapper masks it
+        kl_ref[...] = kl_scr[...] + lse_i_ref[...]
+
+
+# ------------------------------------------------------------------------------------------------ wrapper
+class WarmupKL(NamedTuple):
+    kl_BT: jax.Array          # per-token KL, 0 for a query without visible keys
+    has_set_BT: jax.Array     # bool: the query sees at least one key
+    d_iq: jax.Array | None    # [B, T, HI, DI] fp32 gradient of sum_t KL_t (with_grads)
+    d_ik: jax.Array | None    # [B, S, DI] fp32
+    d_iw: jax.Array | None    # [B, T, HI] fp32
+
+
+def cost(d: Shapes, q_itemsize, index_itemsize, *, with_grads) -> tuple[pl.CostEstimate, pl.CostEstimate]:
+    """Declared costs of the two kernels (the compiled program's FLOP/byte accounting reads them). Pairs:
+    those of the blocks a causal sequence needs, n(n+1)/2 of n^2 with n key blocks (the tables decide at
+    run time). Bytes: the query-side blocks once, every needed key block once per query block that needs
+    it, the outputs once (d ik once per batch row)."""
+    n_k = d.S // d.bk
+    n_q = d.T // d.bq
+    needed_frac_num, needed_frac_den = n_k + 1, 2 * n_k
+    pairs = d.B * d.T * d.S * needed_frac_num // needed_frac_den
+    key_block_reads = d.B * n_q * n_k * needed_frac_num // needed_frac_den   # needed (q block, k block) steps
+    meta = 8    # int32 position and segment id per token
+    index_q = d.B * d.T * (d.HI * d.DI * index_itemsize + d.HI * 4 + meta)
+    index_k = key_block_reads * d.bk * (d.DI * index_itemsize + meta)
+    lse_flops = pairs * 2 * d.HI * d.DI
+    lse_cost = pl.CostEstimate(flops=lse_flops, transcendentals=pairs,
+                               bytes_accessed=index_q + index_k + d.B * d.T * 4)
+    kl_flops = pairs * (2 * d.H * d.D + 2 * d.HI * d.DI + (4 * d.HI * d.DI if with_grads else 0))
+    att_q = d.B * d.T * d.H * (d.D * q_itemsize + 4)                  # q and its fp32 lse
+    att_k = key_block_reads * d.bk * d.H * d.D * q_itemsize
+    outputs = d.B * d.T * 4 + (d.B * (d.T * d.HI * (d.DI + 1) + d.S * d.DI) * 4 if with_grads else 0)
+    kl_cost = pl.CostEstimate(flops=kl_flops, transcendentals=pairs * (d.H + 2),
+                              bytes_accessed=att_q + att_k + index_q + index_k + d.B * d.T * 4 + outputs)
+    return lse_cost, kl_cost
+
+
+def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
+                      *, scale, block_q=128, block_k=128, with_grads=True, interpret=False) -> WarmupKL:
+    """Per-token warm-up KL and (``with_grads``) the gradients of sum_t KL_t. q [B, T, H, D], k [B, S, H, D]
+    (the attention's MHA query and per-head keys), lse [B, H, T] fp32 (the attention's log-sum-exp of the
+    scaled logits), iq [B, T, HI, DI], ik [B, S, DI], iw [B, HI, T]. T, S multiples of the blocks; D, DI
+    multiples of 128."""
+    d = check_shapes(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, block_q, block_k)
+    B, T, S, H, D, HI, DI, bq, bk = d
+    n_q, n_k = T // bq, S // bk
+    tables = block_tables(needed_blocks(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, bq, bk))
+    iq = iq_BTHD.reshape(B, T, HI * DI)
+    iw = iw_BHT.astype(jnp.float32)
+    q_pos, q_seg, kv_pos, kv_seg = _rows(q_pos_BT), _rows(q_seg_BT), _columns(kv_pos_BS), _columns(kv_seg_BS)
+    lse_cost, kl_cost = cost(d, q_BTHD.dtype.itemsize, iq.dtype.itemsize, with_grads=with_grads)
+
+    def kv_block(b, i, j, needed, fetch):
+        return b, fetch[_table_index(b, i, j, n_q, n_k)], 0
+
+    own_q = lambda b, i, j, *_: (b, i, 0)     # noqa: E731   [B, T, ...] blocks of this query block
+    own_row = lambda b, i, j, *_: (b, 0, i)   # noqa: E731   [B, n, T] rows of this query block
+    index_specs = [pl.BlockSpec((None, bq, HI * DI), own_q), pl.BlockSpec((None, bk, DI), kv_block),
+                   pl.BlockSpec((None, HI, bq), own_row)]
+    meta_specs = [pl.BlockSpec((None, 1, bq), own_row), pl.BlockSpec((None, 1, bq), own_row),
+                  pl.BlockSpec((None, bk, 1), kv_block), pl.BlockSpec((None, bk, 1), kv_block)]
+    row_out = pl.BlockSpec((None, 1, bq), own_row)
+
+    # ---- pass 1: lseI
+    lse_i = pl.pallas_call(
+        functools.partial(_lse_kernel, n_q=n_q, n_k=n_k, index_heads=HI, index_dim=DI),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, n_q, n_k), in_specs=index_specs + meta_specs, out_specs=row_out,
+            scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32), pltpu.VMEM((1, bq), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct((B, 1, T), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=VMEM_LIMIT),
+        interpret=interpret, name="indexer_kl_warmup_lse", cost_estimate=lse_cost,
+    )(*tables, iq, ik_BSD, iw, q_pos, q_seg, kv_pos, kv_seg)
+    has_set = jnp.isfinite(lse_i[:, 0, :])
+
+    # ---- pass 2: target, KL and gradients
+    finite = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)   # noqa: E731  (queries without keys are masked)
+    out_specs = [row_out]
+    out_shape = [jax.ShapeDtypeStruct((B, 1, T), jnp.float32)]
+    if with_grads:
+        out_specs += [pl.BlockSpec((None, bq, HI * DI), own_q), pl.BlockSpec((None, HI, bq), own_row),
+                      pl.BlockSpec((None, S, DI), lambda b, i, j, *_: (b, 0, 0))]
+        out_shape += [jax.ShapeDtypeStruct((B, T, HI * DI), jnp.float32), jax.ShapeDtypeStruct((B, HI, T), jnp.float32),
+                      jax.ShapeDtypeStruct((B, S, DI), jnp.float32)]
+    outs = pl.pallas_call(
+        functools.partial(_kl_kernel, scale=scale, n_q=n_q, n_k=n_k, heads=H, head_dim=D, index_heads=HI,
+                          index_dim=DI, with_grads=with_grads),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, n_q, n_k),
+            in_specs=[pl.BlockSpec((None, bq, H * D), own_q), pl.BlockSpec((None, bk, H * D), kv_block),
+                      pl.BlockSpec((None, H, bq), own_row)] + index_specs
+                     + [pl.BlockSpec((None, 1, bq), own_row)] + meta_specs,
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32), pltpu.VMEM((HI, bk, bq), jnp.float32)]),
+        out_shape=out_shape,
+        # d ik accumulates over the query blocks too: both grid axes after the batch run in order
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary" if with_grads else "parallel", "arbitrary"),
+            vmem_limit_bytes=VMEM_LIMIT),
+        interpret=interpret, name="indexer_kl_warmup" + ("_grads" if with_grads else ""), cost_estimate=kl_cost,
+    )(*tables, q_BTHD.reshape(B, T, H * D), k_BSHD.reshape(B, S, H * D), finite(lse_BHT.astype(jnp.float32)),
+      iq, ik_BSD, iw, finite(lse_i), q_pos, q_seg, kv_pos, kv_seg)
+    kl = jnp.where(has_set, outs[0][:, 0, :], 0.0)
+    if not with_grads:
+        return WarmupKL(kl, has_set, None, None, None)
+    _, d_iq, d_iw, d_ik = outs
+    return WarmupKL(kl, has_set, d_iq.reshape(B, T, HI, DI), d_ik, jnp.swapaxes(d_iw, 1, 2))

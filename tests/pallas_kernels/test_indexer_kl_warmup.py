@@ -1,0 +1,119 @@
+"""Warm-up indexer KL kernel (Pallas interpreter on CPU) against the XLA reference: the loss sums and the
+gradients of index q, k, w on packed documents with uneven boundaries, padding, and blocks that are
+partial, invisible (skipped by the tables) or hold a query without keys.
+
+Background: docs/architecture.md#dsa-training-stages-and-the-indexer-kl.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.indexer_kl import kernel, ops, reference
+
+SCALE = 0.25
+B, H, D, HI, DI = 2, 2, 64, 3, 32      # D and DI are padded to 128 by ops.py
+
+
+def packed(T, boundaries, pad_from):
+    """(positions, segment ids) [B, T]: documents starting at ``boundaries`` (row b shifted by 29 b),
+    positions restarting per document, segment 0 from ``pad_from`` in the last row."""
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        starts = sorted({0, *((x + 29 * b) % T for x in boundaries)})
+        for n, (s, e) in enumerate(zip(starts, starts[1:] + [T])):
+            seg[b, s:e], pos[b, s:e] = n + 1, np.arange(e - s)
+    seg[-1, pad_from:] = 0
+    return jnp.asarray(pos), jnp.asarray(seg)
+
+
+def inputs(T, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    pos, seg = packed(T, boundaries=(45, 170, 171, 300), pad_from=T - 70)
+    q = jax.random.normal(ks[0], (B, T, H, D))
+    k = jax.random.normal(ks[1], (B, T, H, D))
+    # the attention's own lse of the scaled logits over the visible keys (-inf for a query without keys)
+    visible = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0) & (pos[:, None, :] <= pos[:, :, None])
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") * SCALE
+    lse = jnp.swapaxes(jax.nn.logsumexp(jnp.where(visible[:, None], logits, -jnp.inf), axis=-1), 1, 2)
+    iq = jax.random.normal(ks[2], (B, T, HI, DI))
+    ik = jax.random.normal(ks[3], (B, T, DI))
+    iw = jax.random.normal(ks[4], (B, T, HI)) * 0.3
+    return (q, k, lse, iq, ik, iw, pos, pos, seg, seg)
+
+
+def loss_and_grads(args, impl, weights):
+    """sum_b weights[b] * sum_t KL_t (an uneven cotangent per row) + the count, and d/d(iq, ik, iw)."""
+    def objective(iq, ik, iw):
+        kl_B, count_B = ops.warmup_kl_sums(*args[:3], iq, ik, iw, *args[6:], scale=SCALE, impl=impl)
+        return jnp.sum(kl_B * weights), (kl_B, count_B)
+
+    return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(*args[3:6])
+
+
+@pytest.mark.parametrize("T", [384, 200])   # 3 x 3 blocks of 128; one padded block of 256
+def test_kernel_matches_reference_loss_and_grads(T):
+    args = inputs(T)
+    weights = jnp.asarray([1.0, -0.5])
+    (_, (kl, count)), grads = loss_and_grads(args, "pallas_interpret", weights)
+    (_, (want_kl, want_count)), want_grads = loss_and_grads(args, "xla", weights)
+    np.testing.assert_array_equal(count, want_count)
+    assert float(count[1]) == T - 70                                     # padding has no key set
+    np.testing.assert_allclose(kl, want_kl, rtol=2e-5)
+    assert np.all(np.asarray(want_kl) > 1.0)                             # a real KL to match
+    for got, want in zip(grads, want_grads):
+        scale = float(jnp.max(jnp.abs(want)))
+        assert scale > 0
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
+
+
+def test_loss_only_kernel_without_differentiation():
+    args = inputs(200)
+    got = jax.jit(lambda *a: ops.warmup_kl_sums(*a, scale=SCALE, impl="pallas_interpret"))(*args)
+    want = ops.warmup_kl_sums(*args, scale=SCALE, impl="reference")
+    program = str(jax.make_jaxpr(lambda *a: ops.warmup_kl_sums(*a, scale=SCALE, impl="pallas_interpret"))(*args))
+    assert "indexer_kl_warmup_lse" in program and "_grads" not in program
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_gradient_formula_through_the_relu():
+    """The kernel's d iq / d w for one query against autodiff of the scores' definition with the target
+    held fixed: dKL/dI = softmax(I) - p, then dI/d(iq_h . ik) = w_h [iq_h . ik > 0]."""
+    args = inputs(200, seed=1)
+    q, k, lse, iq, ik, iw, pos, _, seg, _ = args
+    r = ops._run(args, (SCALE, 128, 128, True), with_grads=True)[1]
+    b, t = 0, 150
+    visible = (seg[b] == seg[b, t]) & (pos[b] <= pos[b, t])
+    logits = jnp.einsum("hd,shd->hs", q[b, t], k[b], precision="highest") * SCALE
+    p = jnp.where(visible, jnp.exp(logits - lse[b, t][:, None]), 0.0).mean(0)
+
+    def kl_t(iq_t, iw_t):
+        scores = jnp.einsum("h,hs->s", iw_t, jax.nn.relu(jnp.einsum("hd,sd->hs", iq_t, ik[b], precision="highest")))
+        log_q = jax.nn.log_softmax(jnp.where(visible, scores, -jnp.inf))
+        return jnp.sum(jnp.where(visible, -p * log_q, 0.0))
+
+    d_iq, d_iw = jax.grad(kl_t, argnums=(0, 1))(iq[b, t], iw[b, t])
+    np.testing.assert_allclose(r[0][b, t], d_iq, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(d_iq))))
+    np.testing.assert_allclose(r[2][b, t], d_iw, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(d_iw))))
+
+
+def test_declared_cost_counts_key_block_rereads():
+    d = kernel.Shapes(B=1, T=4096, S=4096, H=64, D=256, HI=32, DI=128, bq=128, bk=128)
+    lse_cost, kl_cost = kernel.cost(d, 2, 4, with_grads=True)
+    steps = 32 * 33 // 2                       # needed (query block, key block) pairs of a causal sequence
+    pairs = steps * 128 * 128
+    assert kl_cost.flops == pairs * (2 * 64 * 256 + 6 * 32 * 128)
+    assert lse_cost.flops == pairs * 2 * 32 * 128
+    key_bytes = steps * 128 * (64 * 256 * 2 + 128 * 4 + 8)     # a key block per needed step: k, ik, meta
+    query_bytes = 4096 * (64 * (256 * 2 + 4) + 32 * (128 * 4 + 4) + 8)
+    outputs = 4096 * 4 * 2 + (4096 * 32 * 129 + 4096 * 128) * 4   # kl, lseI in; d iq, d w, d ik
+    assert kl_cost.bytes_accessed == key_bytes + query_bytes + outputs
+
+
+def test_rejects_mismatched_shapes():
+    x = jnp.zeros((1, 128, 1, 128))
+    with pytest.raises(ValueError, match="iq has shape"):
+        kernel.check_shapes(x, x, jnp.zeros((1, 1, 128)), jnp.zeros((1, 64, 1, 128)), jnp.zeros((1, 128, 128)),
+                            jnp.zeros((1, 1, 128)), 128, 128)
