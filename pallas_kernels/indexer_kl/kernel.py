@@ -197,24 +197,24 @@ class WarmupKL(NamedTuple):
 
 
 def cost(d: Shapes, q_itemsize, index_itemsize, *, with_grads) -> tuple[pl.CostEstimate, pl.CostEstimate]:
-    """Declared costs of the two kernels (the compiled program's FLOP/byte accounting reads them). Pairs:
-    those of the blocks a causal sequence needs, n(n+1)/2 of n^2 with n key blocks (the tables decide at
-    run time). Bytes: the query-side blocks once, every needed key block once per query block that needs
-    it, the outputs once (d ik once per batch row)."""
-    n_k = d.S // d.bk
-    n_q = d.T // d.bq
-    needed_frac_num, needed_frac_den = n_k + 1, 2 * n_k
-    pairs = d.B * d.T * d.S * needed_frac_num // needed_frac_den
-    key_block_reads = d.B * n_q * n_k * needed_frac_num // needed_frac_den   # needed (q block, k block) steps
+    """Declared costs of the two kernels (the compiled program's FLOP/byte accounting reads them). Steps:
+    the (query block, key block) pairs a causal sequence needs, (n + 1) / 2n of them with n blocks along
+    the coarser axis (the tables decide at run time); pairs: their (query, key) pairs. Bytes: the query-side
+    blocks once, a key block per needed step (re-read by every query block that needs it), the outputs once
+    (d ik once per batch row)."""
+    n_q, n_k = d.T // d.bq, d.S // d.bk
+    n = min(n_q, n_k)
+    steps = d.B * n_q * n_k * (n + 1) // (2 * n)
+    pairs = steps * d.bq * d.bk
     meta = 8    # int32 position and segment id per token
     index_q = d.B * d.T * (d.HI * d.DI * index_itemsize + d.HI * 4 + meta)
-    index_k = key_block_reads * d.bk * (d.DI * index_itemsize + meta)
+    index_k = steps * d.bk * (d.DI * index_itemsize + meta)
     lse_flops = pairs * 2 * d.HI * d.DI
     lse_cost = pl.CostEstimate(flops=lse_flops, transcendentals=pairs,
                                bytes_accessed=index_q + index_k + d.B * d.T * 4)
     kl_flops = pairs * (2 * d.H * d.D + 2 * d.HI * d.DI + (4 * d.HI * d.DI if with_grads else 0))
     att_q = d.B * d.T * d.H * (d.D * q_itemsize + 4)                  # q and its fp32 lse
-    att_k = key_block_reads * d.bk * d.H * d.D * q_itemsize
+    att_k = steps * d.bk * d.H * d.D * q_itemsize
     outputs = d.B * d.T * 4 + (d.B * (d.T * d.HI * (d.DI + 1) + d.S * d.DI) * 4 if with_grads else 0)
     kl_cost = pl.CostEstimate(flops=kl_flops, transcendentals=pairs * (d.H + 2),
                               bytes_accessed=att_q + att_k + index_q + index_k + d.B * d.T * 4 + outputs)

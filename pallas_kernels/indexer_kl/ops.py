@@ -23,8 +23,10 @@ from pallas_kernels.indexer_kl import kernel
 from pallas_kernels.indexer_kl.reference import indexer_kl_loss, indexer_kl_per_token, mean_over_tokens  # noqa: F401
 from pallas_kernels.tpu_utils import pad_axis, round_up
 
-BLOCK = 128   # queries / keys per kernel block: a [bq, H*D] and a [bk, H*D] block (4 MiB each at GLM-5's
-              # 64 x 256 in bf16), double-buffered, plus the fp32 gradient blocks fit the scoped VMEM
+# queries / keys per kernel block: a [bq, H*D] and a [bk, H*D] block of 8 and 4 MiB at GLM-5's 64 x 256
+# in bf16, double-buffered, with the fp32 gradient blocks and the dots scratch fit the scoped VMEM (a Mosaic
+# compile at 256 x 256 runs out of v5p's 64 MiB). The larger query block halves the key blocks' re-reads.
+BLOCK_Q, BLOCK_K = 256, 128
 
 
 def mean_of_sums(kl_sum, count):
@@ -33,10 +35,13 @@ def mean_of_sums(kl_sum, count):
 
 
 def warmup_kl_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
-                   q_seg_BT, kv_seg_BS, *, scale, impl, block=BLOCK, q_chunk=128):
+                   q_seg_BT, kv_seg_BS, *, scale, impl, block_q=BLOCK_Q, block_k=BLOCK_K,
+                   q_chunk=128):
     """Warm-up indexer KL from the MHA attention (q [B,T,H,D], per-head keys k [B,S,H,D], fp32 lse [B,T,H])
     -> (sum over each batch row's tokens of KL_t [B], count of tokens with a non-empty set [B]), fp32.
-    Gradients reach only index_q / index_k / index_w."""
+    Gradients reach only index_q / index_k / index_w. ``block_q`` / ``block_k``: the kernels' blocks (a
+    sequence shorter than a block uses one block of its length rounded up to 128); ``q_chunk``: the XLA
+    impls' query chunk."""
     sg = jax.lax.stop_gradient
     q_BTHD, k_BSHD, lse_BTH = sg(q_BTHD), sg(k_BSHD), sg(lse_BTH)
     if impl not in PALLAS_IMPLS:
@@ -45,7 +50,7 @@ def warmup_kl_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_B
                                            lse_BTH=lse_BTH, q_chunk=q_chunk)
         return jnp.sum(kl, axis=1), jnp.sum(has_set.astype(jnp.float32), axis=1)
     T, S = q_BTHD.shape[1], k_BSHD.shape[1]
-    static = (float(scale), min(block, round_up(T, kernel.LANES)), min(block, round_up(S, kernel.LANES)),
+    static = (float(scale), min(block_q, round_up(T, kernel.LANES)), min(block_k, round_up(S, kernel.LANES)),
               impl == PALLAS_INTERPRET)
     return _kernel_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
                         q_seg_BT, kv_seg_BS, static)

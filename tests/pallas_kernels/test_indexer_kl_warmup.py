@@ -52,7 +52,7 @@ def loss_and_grads(args, impl, weights):
     return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(*args[3:6])
 
 
-@pytest.mark.parametrize("T", [384, 200])   # 3 x 3 blocks of 128; one padded block of 256
+@pytest.mark.parametrize("T", [384, 200])   # query blocks of 256 (the last one padded), key blocks of 128
 def test_kernel_matches_reference_loss_and_grads(T):
     args = inputs(T)
     weights = jnp.asarray([1.0, -0.5])
@@ -100,10 +100,10 @@ def test_gradient_formula_through_the_relu():
 
 
 def test_declared_cost_counts_key_block_rereads():
-    d = kernel.Shapes(B=1, T=4096, S=4096, H=64, D=256, HI=32, DI=128, bq=128, bk=128)
+    d = kernel.Shapes(B=1, T=4096, S=4096, H=64, D=256, HI=32, DI=128, bq=256, bk=128)
     lse_cost, kl_cost = kernel.cost(d, 2, 4, with_grads=True)
-    steps = 32 * 33 // 2                       # needed (query block, key block) pairs of a causal sequence
-    pairs = steps * 128 * 128
+    steps = sum(2 * (i + 1) for i in range(16))   # causal: query block i of 256 needs key blocks 0 .. 2i+1
+    pairs = steps * 256 * 128
     assert kl_cost.flops == pairs * (2 * 64 * 256 + 6 * 32 * 128)
     assert lse_cost.flops == pairs * 2 * 32 * 128
     key_bytes = steps * 128 * (64 * 256 * 2 + 128 * 4 + 8)     # a key block per needed step: k, ik, meta
