@@ -14,22 +14,25 @@ the ReLU (dI / d(iq_h . ik) = w_h [iq_h . ik > 0]):
     d iq_h[t] = sum_s g_h[t, s] ik[s],   d ik[s] = sum_{t, h} g_h[t, s] iq_h[t],
     d w[t, h] = sum_s dI[t, s] ReLU(iq_h[t] . ik[s])
 
-Two kernels, both with grid (B, T/bq, S/bk), key blocks innermost, and every block computed key-major
-([bk, bq], so per-query quantities are lane rows [1, bq] like the flash kernel's lse):
+Two kernels, both with grid (B, groups, T/bq/groups, S/bk) -- query block i * groups + g, key blocks
+innermost -- and every block computed key-major ([bk, bq], so per-query quantities are lane rows [1, bq]
+like the flash kernel's lse):
   1. `_lse_kernel`: online log-sum-exp of I over the visible keys -> lseI [B, T] (only the indexer's
      HI x DI product per pair).
   2. `_kl_kernel`: recomputes all H heads' logits of the pair of blocks in VMEM (the H x D product), the
      target p, I (its per-head dots kept in a VMEM scratch for the gradient), the per-token KL and, with
      ``with_grads``, d iq [bq, HI*DI] and d w [HI, bq] accumulated over the key blocks and d ik [S, DI]
-     resident in VMEM for the batch row (accumulated over every query block, written once). Nothing of
-     size [T, S] or [T, H, S] ever reaches HBM.
+     resident in VMEM (accumulated over the query blocks of a group, written once; two groups of
+     interleaved query blocks, summed afterwards, leave a parallel grid axis for a chip's two
+     TensorCores at batch 1). Nothing of size [T, S] or [T, H, S] ever reaches HBM.
 The query block of q and iq stays in VMEM while the key blocks stream (its index does not change along
 the innermost axis); key blocks are re-read once per query block. Block skipping is the flash kernel's:
 `needed_blocks` / `block_tables` scalar-prefetched, a step whose pair holds no visible pair neither
 computes nor fetches (its key block index repeats the last needed one).
 
 Per (query, key) pair of a needed block: 2 H D FLOPs for the logits, 2 HI DI for I in each kernel, and
-with gradients 4 HI DI more (d iq, d ik; the dots are not recomputed); H + 1 exponentials.
+with gradients 4 HI DI more (d iq, d ik; the dots are not recomputed); H + 2 transcendentals (the heads'
+exponentials, log p, exp(I - lseI)).
 """
 import functools
 from typing import NamedTuple
@@ -46,6 +49,12 @@ from pallas_kernels.flash_attention.kernel import (LANES, _columns, _mm, _mm_nt,
 # query blocks run: S = 32K at DI = 128
 RESIDENT_DK_BYTES = 16 << 20
 VMEM_LIMIT = 56 << 20   # under the 64 MiB per TensorCore of v5p / v7 (v6e: 128 MiB)
+
+
+def query_groups(n_q, with_grads):
+    """Groups of interleaved query blocks of the KL kernel: 2 with gradients (each group accumulates its
+    own d ik in order, the groups run in parallel), else 1 (every query block is independent)."""
+    return 2 if with_grads and n_q % 2 == 0 else 1
 
 
 class Shapes(NamedTuple):
@@ -97,10 +106,10 @@ def _scores_t(dots, iw_ref):
 
 
 def _lse_kernel(needed_ref, fetch_ref, iq_ref, ik_ref, iw_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref,
-                lse_ref, m_scr, l_scr, *, n_q, n_k, index_heads, index_dim):
+                lse_ref, m_scr, l_scr, *, n_q, n_k, groups, index_heads, index_dim):
     # iq_ref [bq, HI*DI]; ik_ref [bk, DI]; iw_ref [HI, bq] fp32; q_pos/q_seg [1, bq]; kv_pos/kv_seg [bk, 1];
     # lse_ref [1, bq] fp32 (-inf for a query that sees no key); m/l [1, bq] fp32 scratch
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, i, j = pl.program_id(0), pl.program_id(2) * groups + pl.program_id(1), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
@@ -126,18 +135,18 @@ def _lse_kernel(needed_ref, fetch_ref, iq_ref, ik_ref, iw_ref, q_pos_ref, q_seg_
 
 
 def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_ref, lse_i_ref, q_pos_ref,
-               q_seg_ref, kv_pos_ref, kv_seg_ref, *refs, scale, n_q, n_k, heads, head_dim, index_heads, index_dim,
-               with_grads):
+               q_seg_ref, kv_pos_ref, kv_seg_ref, *refs, scale, n_q, n_k, groups, heads, head_dim, index_heads,
+               index_dim, with_grads):
     # q_ref [bq, H*D]; k_ref [bk, H*D]; lse_ref [H, bq] fp32 (0 where -inf); iq_ref [bq, HI*DI];
     # ik_ref [bk, DI]; iw_ref [HI, bq] fp32; lse_i_ref [1, bq] fp32 (0 where -inf); q_pos/q_seg [1, bq];
     # kv_pos/kv_seg [bk, 1]. Outputs: kl_ref [1, bq]; with grads also diq_ref [bq, HI*DI], diw_ref [HI, bq]
-    # (accumulated over the key blocks) and dik_ref [S, DI] (resident, accumulated over the whole batch row),
-    # all fp32. Scratch: kl_scr [1, bq], dots_scr [HI, bk, bq] fp32.
+    # (accumulated over the key blocks) and dik_ref [S, DI] (resident, accumulated over the group's query
+    # blocks), all fp32. Scratch: kl_scr [1, bq], dots_scr [HI, bk, bq] fp32.
     if with_grads:
         kl_ref, diq_ref, diw_ref, dik_ref, kl_scr, dots_scr = refs
     else:
         kl_ref, kl_scr, dots_scr = refs
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, i, j = pl.program_id(0), pl.program_id(2) * groups + pl.program_id(1), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
@@ -147,7 +156,7 @@ def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
             diw_ref[...] = jnp.zeros(diw_ref.shape, jnp.float32)
 
     if with_grads:
-        @pl.when((i == 0) & (j == 0))
+        @pl.when((pl.program_id(2) == 0) & (j == 0))   # the group's first query block
         def _init_dk():
             dik_ref[...] = jnp.zeros(dik_ref.shape, jnp.float32)
 
@@ -188,6 +197,31 @@ def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
 
 
 # ------------------------------------------------------------------------------------------------ wrapper
+class _IndexMaps(NamedTuple):
+    """Block index maps of a grid (B, groups, n_q / groups, n_k): step (g, i) runs query block i * groups + g
+    (interleaved, so the groups share the causal work evenly)."""
+    groups: int
+    n_q: int
+    n_k: int
+
+    def kv_block(self, b, g, i, j, needed, fetch):
+        return b, fetch[_table_index(b, i * self.groups + g, j, self.n_q, self.n_k)], 0
+
+    def own_q(self, b, g, i, j, *_):      # [B, T, ...] blocks of the query block
+        return b, i * self.groups + g, 0
+
+    def own_row(self, b, g, i, j, *_):    # [B, n, T] rows of the query block
+        return b, 0, i * self.groups + g
+
+    def index_specs(self, bq, bk, HI, DI):
+        return [pl.BlockSpec((None, bq, HI * DI), self.own_q), pl.BlockSpec((None, bk, DI), self.kv_block),
+                pl.BlockSpec((None, HI, bq), self.own_row)]
+
+    def meta_specs(self, bq, bk):
+        return [pl.BlockSpec((None, 1, bq), self.own_row), pl.BlockSpec((None, 1, bq), self.own_row),
+                pl.BlockSpec((None, bk, 1), self.kv_block), pl.BlockSpec((None, bk, 1), self.kv_block)]
+
+
 class WarmupKL(NamedTuple):
     kl_BT: jax.Array          # per-token KL, 0 for a query without visible keys
     has_set_BT: jax.Array     # bool: the query sees at least one key
@@ -201,7 +235,7 @@ def cost(d: Shapes, q_itemsize, index_itemsize, *, with_grads) -> tuple[pl.CostE
     the (query block, key block) pairs a causal sequence needs, (n + 1) / 2n of them with n blocks along
     the coarser axis (the tables decide at run time); pairs: their (query, key) pairs. Bytes: the query-side
     blocks once, a key block per needed step (re-read by every query block that needs it), the outputs once
-    (d ik once per batch row)."""
+    (d ik once per query group)."""
     n_q, n_k = d.T // d.bq, d.S // d.bk
     n = min(n_q, n_k)
     steps = d.B * n_q * n_k * (n + 1) // (2 * n)
@@ -215,7 +249,8 @@ def cost(d: Shapes, q_itemsize, index_itemsize, *, with_grads) -> tuple[pl.CostE
     kl_flops = pairs * (2 * d.H * d.D + 2 * d.HI * d.DI + (4 * d.HI * d.DI if with_grads else 0))
     att_q = d.B * d.T * d.H * (d.D * q_itemsize + 4)                  # q and its fp32 lse
     att_k = steps * d.bk * d.H * d.D * q_itemsize
-    outputs = d.B * d.T * 4 + (d.B * (d.T * d.HI * (d.DI + 1) + d.S * d.DI) * 4 if with_grads else 0)
+    d_ik = query_groups(n_q, with_grads) * d.S * d.DI    # one fp32 d ik per query group
+    outputs = d.B * d.T * 4 + (d.B * (d.T * d.HI * (d.DI + 1) + d_ik) * 4 if with_grads else 0)
     kl_cost = pl.CostEstimate(flops=kl_flops, transcendentals=pairs * (d.H + 2),
                               bytes_accessed=att_q + att_k + index_q + index_k + d.B * d.T * 4 + outputs)
     return lse_cost, kl_cost
@@ -236,53 +271,49 @@ def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT
     q_pos, q_seg, kv_pos, kv_seg = _rows(q_pos_BT), _rows(q_seg_BT), _columns(kv_pos_BS), _columns(kv_seg_BS)
     lse_cost, kl_cost = cost(d, q_BTHD.dtype.itemsize, iq.dtype.itemsize, with_grads=with_grads)
 
-    def kv_block(b, i, j, needed, fetch):
-        return b, fetch[_table_index(b, i, j, n_q, n_k)], 0
-
-    own_q = lambda b, i, j, *_: (b, i, 0)     # noqa: E731   [B, T, ...] blocks of this query block
-    own_row = lambda b, i, j, *_: (b, 0, i)   # noqa: E731   [B, n, T] rows of this query block
-    index_specs = [pl.BlockSpec((None, bq, HI * DI), own_q), pl.BlockSpec((None, bk, DI), kv_block),
-                   pl.BlockSpec((None, HI, bq), own_row)]
-    meta_specs = [pl.BlockSpec((None, 1, bq), own_row), pl.BlockSpec((None, 1, bq), own_row),
-                  pl.BlockSpec((None, bk, 1), kv_block), pl.BlockSpec((None, bk, 1), kv_block)]
-    row_out = pl.BlockSpec((None, 1, bq), own_row)
+    finite = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)   # noqa: E731  (queries without keys are masked)
 
     # ---- pass 1: lseI
+    maps = _IndexMaps(1, n_q, n_k)
     lse_i = pl.pallas_call(
-        functools.partial(_lse_kernel, n_q=n_q, n_k=n_k, index_heads=HI, index_dim=DI),
+        functools.partial(_lse_kernel, n_q=n_q, n_k=n_k, groups=1, index_heads=HI, index_dim=DI),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, n_q, n_k), in_specs=index_specs + meta_specs, out_specs=row_out,
+            num_scalar_prefetch=2, grid=(B, 1, n_q, n_k),
+            in_specs=maps.index_specs(bq, bk, HI, DI) + maps.meta_specs(bq, bk),
+            out_specs=pl.BlockSpec((None, 1, bq), maps.own_row),
             scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32), pltpu.VMEM((1, bq), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((B, 1, T), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret, name="indexer_kl_warmup_lse", cost_estimate=lse_cost,
     )(*tables, iq, ik_BSD, iw, q_pos, q_seg, kv_pos, kv_seg)
     has_set = jnp.isfinite(lse_i[:, 0, :])
 
-    # ---- pass 2: target, KL and gradients
-    finite = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)   # noqa: E731  (queries without keys are masked)
-    out_specs = [row_out]
+    # ---- pass 2: target, KL and gradients. With gradients d ik accumulates over the query blocks, so they
+    # run in order -- within a group: two groups of interleaved query blocks (each with its own d ik, summed
+    # afterwards) keep a "parallel" grid axis for the two TensorCores of a v5p chip at batch 1.
+    groups = query_groups(n_q, with_grads)
+    maps = _IndexMaps(groups, n_q, n_k)
+    out_specs = [pl.BlockSpec((None, 1, bq), maps.own_row)]
     out_shape = [jax.ShapeDtypeStruct((B, 1, T), jnp.float32)]
     if with_grads:
-        out_specs += [pl.BlockSpec((None, bq, HI * DI), own_q), pl.BlockSpec((None, HI, bq), own_row),
-                      pl.BlockSpec((None, S, DI), lambda b, i, j, *_: (b, 0, 0))]
+        out_specs += [pl.BlockSpec((None, bq, HI * DI), maps.own_q), pl.BlockSpec((None, HI, bq), maps.own_row),
+                      pl.BlockSpec((None, None, S, DI), lambda b, g, i, j, *_: (b, g, 0, 0))]
         out_shape += [jax.ShapeDtypeStruct((B, T, HI * DI), jnp.float32), jax.ShapeDtypeStruct((B, HI, T), jnp.float32),
-                      jax.ShapeDtypeStruct((B, S, DI), jnp.float32)]
+                      jax.ShapeDtypeStruct((B, groups, S, DI), jnp.float32)]
     outs = pl.pallas_call(
-        functools.partial(_kl_kernel, scale=scale, n_q=n_q, n_k=n_k, heads=H, head_dim=D, index_heads=HI,
-                          index_dim=DI, with_grads=with_grads),
+        functools.partial(_kl_kernel, scale=scale, n_q=n_q, n_k=n_k, groups=groups, heads=H, head_dim=D,
+                          index_heads=HI, index_dim=DI, with_grads=with_grads),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, n_q, n_k),
-            in_specs=[pl.BlockSpec((None, bq, H * D), own_q), pl.BlockSpec((None, bk, H * D), kv_block),
-                      pl.BlockSpec((None, H, bq), own_row)] + index_specs
-                     + [pl.BlockSpec((None, 1, bq), own_row)] + meta_specs,
+            num_scalar_prefetch=2, grid=(B, groups, n_q // groups, n_k),
+            in_specs=[pl.BlockSpec((None, bq, H * D), maps.own_q), pl.BlockSpec((None, bk, H * D), maps.kv_block),
+                      pl.BlockSpec((None, H, bq), maps.own_row)] + maps.index_specs(bq, bk, HI, DI)
+                     + [pl.BlockSpec((None, 1, bq), maps.own_row)] + maps.meta_specs(bq, bk),
             out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32), pltpu.VMEM((HI, bk, bq), jnp.float32)]),
         out_shape=out_shape,
-        # d ik accumulates over the query blocks too: both grid axes after the batch run in order
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary" if with_grads else "parallel", "arbitrary"),
+            dimension_semantics=("parallel", "parallel", "arbitrary" if with_grads else "parallel", "arbitrary"),
             vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret, name="indexer_kl_warmup" + ("_grads" if with_grads else ""), cost_estimate=kl_cost,
     )(*tables, q_BTHD.reshape(B, T, H * D), k_BSHD.reshape(B, S, H * D), finite(lse_BHT.astype(jnp.float32)),
@@ -291,4 +322,4 @@ def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT
     if not with_grads:
         return WarmupKL(kl, has_set, None, None, None)
     _, d_iq, d_iw, d_ik = outs
-    return WarmupKL(kl, has_set, d_iq.reshape(B, T, HI, DI), d_ik, jnp.swapaxes(d_iw, 1, 2))
+    return WarmupKL(kl, has_set, d_iq.reshape(B, T, HI, DI), jnp.sum(d_ik, axis=1), jnp.swapaxes(d_iw, 1, 2))

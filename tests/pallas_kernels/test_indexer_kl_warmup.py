@@ -108,7 +108,7 @@ def test_declared_cost_counts_key_block_rereads():
     assert lse_cost.flops == pairs * 2 * 32 * 128
     key_bytes = steps * 128 * (64 * 256 * 2 + 128 * 4 + 8)     # a key block per needed step: k, ik, meta
     query_bytes = 4096 * (64 * (256 * 2 + 4) + 32 * (128 * 4 + 4) + 8)
-    outputs = 4096 * 4 * 2 + (4096 * 32 * 129 + 4096 * 128) * 4   # kl, lseI in; d iq, d w, d ik
+    outputs = 4096 * 4 * 2 + (4096 * 32 * 129 + 2 * 4096 * 128) * 4   # kl, lseI in; d iq, d w, d ik per group
     assert kl_cost.bytes_accessed == key_bytes + query_bytes + outputs
 
 

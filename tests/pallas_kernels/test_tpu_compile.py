@@ -5,8 +5,8 @@ Background: docs/training.md#compiling-for-tpu-from-a-cpu-host.
 Needs libtpu (requirements-tpu.txt); skipped without it. Shapes are GLM-5 production sizes: H = 64 query
 heads on the absorbed latent C = 576 (value 512), k = 2048, indexer H_I = 32 x d_I = 128, T = S = 8192,
 bf16, batch 1, on a v5p:2x2x1 slice (4 chips) with queries sharded over the chips inside shard_map.
-Each compile must succeed and fit one v5p chip's HBM. The dense stage's flash attention (MHA form) compiles
-at its own per-chip shapes (below).
+Each compile must succeed and fit one v5p chip's HBM. The dense stage's flash attention (MHA form) and the
+warm-up stage's indexer KL kernels compile at their own per-chip shapes (below).
 """
 import os
 
