@@ -68,12 +68,26 @@ def test_kernel_matches_reference_loss_and_grads(T):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
 
 
+def test_loss_only_kernel_per_token():
+    """The kernel without gradients (kernel.py's ``with_grads=False``): per-token KL as the reference's."""
+    q, k, lse, iq, ik, iw, pos, _, seg, _ = inputs(256)
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 128 - x.shape[-1])])   # noqa: E731  dims to 128
+    r = kernel.warmup_indexer_kl(pad(q), pad(k), jnp.swapaxes(lse, 1, 2), pad(iq), pad(ik),
+                                 jnp.swapaxes(iw, 1, 2), pos, pos, seg, seg, scale=SCALE, with_grads=False,
+                                 interpret=True)
+    want_kl, want_has = reference.indexer_kl_per_token(q, k, iq, ik, iw, pos, pos, seg, seg, scale=SCALE,
+                                                       stage="warmup", lse_BTH=lse)
+    assert r.d_iq is None and r.d_ik is None and r.d_iw is None
+    np.testing.assert_array_equal(r.has_set_BT, want_has)
+    np.testing.assert_allclose(r.kl_BT, want_kl, rtol=2e-5, atol=1e-6)
+
+
 def test_loss_only_kernel_without_differentiation():
     args = inputs(200)
-    got = jax.jit(lambda *a: ops.warmup_kl_sums(*a, scale=SCALE, impl="pallas_interpret"))(*args)
-    want = ops.warmup_kl_sums(*args, scale=SCALE, impl="reference")
-    program = str(jax.make_jaxpr(lambda *a: ops.warmup_kl_sums(*a, scale=SCALE, impl="pallas_interpret"))(*args))
+    call = lambda *a: ops.warmup_kl_sums(*a, scale=SCALE, impl="pallas_interpret")   # noqa: E731
+    program = str(jax.make_jaxpr(call)(*args))
     assert "indexer_kl_warmup_lse" in program and "_grads" not in program
+    got, want = jax.jit(call)(*args), ops.warmup_kl_sums(*args, scale=SCALE, impl="reference")
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
     np.testing.assert_array_equal(got[1], want[1])
 
