@@ -52,8 +52,9 @@ def loss_and_grads(args, impl, weights):
     return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(*args[3:6])
 
 
-@pytest.mark.parametrize("T", [384, 200])   # query blocks of 256 (the last one padded), key blocks of 128
-def test_kernel_matches_reference_loss_and_grads(T):
+def test_kernel_matches_reference_loss_and_grads():
+    """384 tokens: two query blocks of 256 (the last one padded; one query group each), key blocks of 128."""
+    T = 384
     args = inputs(T)
     weights = jnp.asarray([1.0, -0.5])
     (_, (kl, count)), grads = loss_and_grads(args, "pallas_interpret", weights)
@@ -68,13 +69,19 @@ def test_kernel_matches_reference_loss_and_grads(T):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
 
 
+def run_kernel(args, **kw):
+    """kernel.warmup_indexer_kl on 128-query / 128-key blocks, head dims padded to 128."""
+    q, k, lse, iq, ik, iw, pos, _, seg, _ = args
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 128 - x.shape[-1])])   # noqa: E731
+    return kernel.warmup_indexer_kl(pad(q), pad(k), jnp.swapaxes(lse, 1, 2), pad(iq), pad(ik), jnp.swapaxes(iw, 1, 2),
+                                    pos, pos, seg, seg, scale=SCALE, interpret=True, **kw)
+
+
 def test_loss_only_kernel_per_token():
     """The kernel without gradients (kernel.py's ``with_grads=False``): per-token KL as the reference's."""
-    q, k, lse, iq, ik, iw, pos, _, seg, _ = inputs(256)
-    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 128 - x.shape[-1])])   # noqa: E731  dims to 128
-    r = kernel.warmup_indexer_kl(pad(q), pad(k), jnp.swapaxes(lse, 1, 2), pad(iq), pad(ik),
-                                 jnp.swapaxes(iw, 1, 2), pos, pos, seg, seg, scale=SCALE, with_grads=False,
-                                 interpret=True)
+    args = inputs(256)
+    q, k, lse, iq, ik, iw, pos, _, seg, _ = args
+    r = run_kernel(args, with_grads=False)
     want_kl, want_has = reference.indexer_kl_per_token(q, k, iq, ik, iw, pos, pos, seg, seg, scale=SCALE,
                                                        stage="warmup", lse_BTH=lse)
     assert r.d_iq is None and r.d_ik is None and r.d_iw is None
@@ -82,14 +89,24 @@ def test_loss_only_kernel_per_token():
     np.testing.assert_allclose(r.kl_BT, want_kl, rtol=2e-5, atol=1e-6)
 
 
-def test_loss_only_kernel_without_differentiation():
+def test_separate_dk_kernel_for_long_key_sets():
+    """d ik from the keys-outer kernel (used when the fp32 [S, d_I] accumulator does not fit VMEM; forced
+    here) equals the reference gradient, as do d iq and d w from the KL kernel without it."""
+    args = inputs(256, seed=2)
+    r = run_kernel(args, resident_dk_bytes=0)
+    program = str(jax.make_jaxpr(lambda *a: run_kernel(a, resident_dk_bytes=0))(*args))
+    assert "indexer_kl_warmup_dk" in program
+    (_, (_, _)), want = loss_and_grads(args, "xla", jnp.ones(B))
+    for got, w in zip((r.d_iq[..., :DI], r.d_ik[..., :DI], r.d_iw), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def test_undifferentiated_op_runs_the_loss_only_kernel():
     args = inputs(200)
     call = lambda *a: ops.warmup_kl_sums(*a, scale=SCALE, impl="pallas_interpret")   # noqa: E731
     program = str(jax.make_jaxpr(call)(*args))
-    assert "indexer_kl_warmup_lse" in program and "_grads" not in program
-    got, want = jax.jit(call)(*args), ops.warmup_kl_sums(*args, scale=SCALE, impl="reference")
-    np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
-    np.testing.assert_array_equal(got[1], want[1])
+    assert "indexer_kl_warmup_lse" in program and "name=indexer_kl_warmup " in program.replace("\n", " ")
+    assert "_grads" not in program
 
 
 def test_gradient_formula_through_the_relu():
@@ -113,17 +130,25 @@ def test_gradient_formula_through_the_relu():
     np.testing.assert_allclose(r[2][b, t], d_iw, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(d_iw))))
 
 
-def test_declared_cost_counts_key_block_rereads():
+def test_declared_cost_counts_block_rereads():
     d = kernel.Shapes(B=1, T=4096, S=4096, H=64, D=256, HI=32, DI=128, bq=256, bk=128)
-    lse_cost, kl_cost = kernel.cost(d, 2, 4, with_grads=True)
     steps = sum(2 * (i + 1) for i in range(16))   # causal: query block i of 256 needs key blocks 0 .. 2i+1
     pairs = steps * 256 * 128
-    assert kl_cost.flops == pairs * (2 * 64 * 256 + 6 * 32 * 128)
+    per_query, per_key = 32 * 128 * 4 + 32 * 4 + 8, 128 * 4 + 8          # iq, iw, meta; ik, meta
+    att_query, att_key = 64 * (256 * 2 + 4), 64 * 256 * 2                # q, lse; k
+    grads = 4096 * 32 * 129 * 4                                          # d iq, d w
+    lse_cost, kl_cost = kernel.cost(d, 2, 4, with_grads=True)
     assert lse_cost.flops == pairs * 2 * 32 * 128
-    key_bytes = steps * 128 * (64 * 256 * 2 + 128 * 4 + 8)     # a key block per needed step: k, ik, meta
-    query_bytes = 4096 * (64 * (256 * 2 + 4) + 32 * (128 * 4 + 4) + 8)
-    outputs = 4096 * 4 * 2 + (4096 * 32 * 129 + 2 * 4096 * 128) * 4   # kl, lseI in; d iq, d w, d ik per group
-    assert kl_cost.bytes_accessed == key_bytes + query_bytes + outputs
+    assert lse_cost.bytes_accessed == 4096 * (per_query + 4) + steps * 128 * per_key
+    assert kl_cost.flops == pairs * (2 * 64 * 256 + 6 * 32 * 128)
+    # the query side once (with lseI in, kl out), a key block per needed step, d ik once per query group
+    assert kl_cost.bytes_accessed == (4096 * (att_query + per_query + 8) + steps * 128 * (att_key + per_key)
+                                      + grads + 2 * 4096 * 128 * 4)
+    _, kl_cost, dk_cost = kernel.cost(d, 2, 4, with_grads=True, resident=False)
+    assert kl_cost.flops == pairs * (2 * 64 * 256 + 4 * 32 * 128)
+    assert dk_cost.flops == pairs * (2 * 64 * 256 + 4 * 32 * 128)
+    # keys outer: the key side once (with d ik out), a query block per needed step
+    assert dk_cost.bytes_accessed == 4096 * (att_key + per_key + 128 * 4) + steps * 256 * (att_query + per_query + 4)
 
 
 def test_rejects_mismatched_shapes():

@@ -21,7 +21,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from pallas_kernels.flash_attention import kernel as flash_kernel, ops as flash_ops  # noqa: E402
-from pallas_kernels.indexer_kl import ops as indexer_kl_ops  # noqa: E402
+from pallas_kernels.indexer_kl import kernel as indexer_kl_kernel, ops as indexer_kl_ops  # noqa: E402
 from pallas_kernels.lightning_indexer import ops as indexer_ops  # noqa: E402
 from pallas_kernels.sparse_mla import ops as sparse_ops  # noqa: E402
 
@@ -153,8 +153,9 @@ def warmup_kl_grads(q, k, lse, iq, ik, iw, pos, seg):
     return (kl[None], count, *grads)
 
 
-def test_warmup_indexer_kl_compiles(mesh):
-    n, T = len(mesh.devices), 4096
+@pytest.mark.parametrize("T", [4096, 16384])   # 16K keys: d ik too long for VMEM, its own kernel
+def test_warmup_indexer_kl_compiles(mesh, T):
+    n = len(mesh.devices)
     args = (abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
             abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
             abstract(mesh, (n, T, FLASH_H), jnp.float32, BATCH),
@@ -163,11 +164,15 @@ def test_warmup_indexer_kl_compiles(mesh):
             abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, T), jnp.int32, BATCH))
     compiled = compile_and_check(mesh, warmup_kl_grads, args, (BATCH,) * 8, (BATCH,) * 5)
     text = compiled.as_text()
+    resident = T * DI * 4 <= indexer_kl_kernel.RESIDENT_DK_BYTES
     assert "indexer_kl_warmup_lse" in text and "indexer_kl_warmup_grads" in text
+    assert ("indexer_kl_warmup_dk" in text) == (not resident)
     # XLA's cost analysis counts the kernels' declared FLOPs: the causal blocks' (query, key) pairs x (2 H D
-    # for the logits + 2 HI DI for I in the lse kernel + 6 HI DI for I, d iq and d ik in the KL kernel)
+    # for the logits + 2 HI DI for I in the lse kernel + 6 HI DI for I, d iq and d ik in the KL kernel; with
+    # the separate d ik kernel 4 HI DI in the KL kernel and 2 H D + 4 HI DI in the d ik kernel)
     n_q = T // indexer_kl_ops.BLOCK_Q            # causal: (n_q + 1) / 2 n_q of the blocks' pairs are needed
-    declared = T * T * (n_q + 1) // (2 * n_q) * (2 * FLASH_H * FLASH_D + 8 * HI * DI)
+    per_pair = 2 * FLASH_H * FLASH_D + 8 * HI * DI if resident else 4 * FLASH_H * FLASH_D + 10 * HI * DI
+    declared = T * T * (n_q + 1) // (2 * n_q) * per_pair
     cost = compiled.cost_analysis()
     print(f"flops per chip {cost['flops']:.4g} (kernels declare {declared:.4g}), bytes accessed "
           f"{cost['bytes accessed']:.4g}")
