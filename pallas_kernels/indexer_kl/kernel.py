@@ -14,8 +14,8 @@ the ReLU (dI / d(iq_h . ik) = w_h [iq_h . ik > 0]):
     d iq_h[t] = sum_s g_h[t, s] ik[s],   d ik[s] = sum_{t, h} g_h[t, s] iq_h[t],
     d w[t, h] = sum_s dI[t, s] ReLU(iq_h[t] . ik[s])
 
-Two kernels, both with grid (B, groups, T/bq/groups, S/bk) -- query block i * groups + g, key blocks
-innermost -- and every block computed key-major ([bk, bq], so per-query quantities are lane rows [1, bq]
+Kernels 1 and 2 have the grid (B, groups, T/bq/groups, S/bk) -- query block i * groups + g, key blocks
+innermost; every block is computed key-major ([bk, bq], so per-query quantities are lane rows [1, bq]
 like the flash kernel's lse):
   1. `_lse_kernel`: online log-sum-exp of I over the visible keys -> lseI [B, T] (only the indexer's
      HI x DI product per pair).
@@ -24,15 +24,18 @@ like the flash kernel's lse):
      ``with_grads``, d iq [bq, HI*DI] and d w [HI, bq] accumulated over the key blocks and d ik [S, DI]
      resident in VMEM (accumulated over the query blocks of a group, written once; two groups of
      interleaved query blocks, summed afterwards, leave a parallel grid axis for a chip's two
-     TensorCores at batch 1). Nothing of size [T, S] or [T, H, S] ever reaches HBM.
+     TensorCores at batch 1).
+  3. `_dk_kernel`, only when that d ik would not fit VMEM (`RESIDENT_DK_BYTES`): grid (B, S/bk, T/bq),
+     keys outer, recomputing p and I per pair (a second H x D product) to accumulate d ik per key block.
+Nothing of size [T, S] or [T, H, S] ever reaches HBM.
 The query block of q and iq stays in VMEM while the key blocks stream (its index does not change along
 the innermost axis); key blocks are re-read once per query block. Block skipping is the flash kernel's:
 `needed_blocks` / `block_tables` scalar-prefetched, a step whose pair holds no visible pair neither
 computes nor fetches (its key block index repeats the last needed one).
 
 Per (query, key) pair of a needed block: 2 H D FLOPs for the logits, 2 HI DI for I in each kernel, and
-with gradients 4 HI DI more (d iq, d ik; the dots are not recomputed); H + 2 transcendentals (the heads'
-exponentials, log p, exp(I - lseI)).
+with gradients 4 HI DI more (d iq, d ik; the dots are kept in VMEM, not recomputed); H + 2 transcendentals
+(the heads' exponentials, log p, exp(I - lseI)).
 """
 import functools
 from typing import NamedTuple
