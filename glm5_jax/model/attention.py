@@ -256,12 +256,29 @@ class MLAttention(nn.Module):
 
         def kl(target_BTK=None, mha=None):
             # mha: (MHA query, per-head keys, lse) of the flash core: the warm-up target from its lse
+            if mha is not None and cfg.runtime.indexer_loss == "warmup" and cfg.runtime.attention_impl in PALLAS_IMPLS:
+                return indexer_kl_ops.mean_of_sums(*self._warmup_kl_kernel(mha, q_i, k_i, w_i, positions_BT,
+                                                                           segment_ids_BT))
             q_att, kv_att, lse = (q_abs, latent_BSC, None) if mha is None else mha
             return indexer_kl_ops.indexer_kl_loss(
                 jax.lax.stop_gradient(q_att), jax.lax.stop_gradient(kv_att), q_i, k_i, w_i,
                 positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
                 stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK, lse_BTH=lse)
         return selection, kl, cache
+
+    def _warmup_kl_kernel(self, mha, q_i, k_i, w_i, positions_BT, segment_ids_BT):
+        """The warm-up KL kernel per batch shard (every head of a query is needed for its target) ->
+        (sum of KL_t per batch row [B], tokens with a non-empty key set per row [B])."""
+        cfg = self.cfg
+
+        def sums(q, k, lse, iq, ik, iw, pos, seg):
+            return indexer_kl_ops.warmup_kl_sums(q, k, lse, iq, ik, iw, pos, pos, seg, seg, scale=cfg.softmax_scale,
+                                                 impl=cfg.runtime.attention_impl)
+
+        b4, b3, bt = (BATCH, None, None, None), (BATCH, None, None), (BATCH, None)
+        q_m, k_m, lse = (jax.lax.stop_gradient(x) for x in mha)   # the main model is frozen in this stage
+        return logical_shard_map(sums, in_axes=(b4, b4, b3, b4, b3, b3, bt, bt), out_axes=((BATCH,), (BATCH,)))(
+            q_m, k_m, lse, q_i, k_i, w_i, positions_BT, segment_ids_BT)
 
     def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):
         """Top-k selection (lightning_indexer.ops); a Pallas impl runs per batch shard."""

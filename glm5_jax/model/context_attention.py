@@ -32,6 +32,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel.axes import BATCH, SEQ
 from glm5_jax.parallel.context import gather_sequence
 from glm5_jax.parallel.shard_map import logical_shard_map
+from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
@@ -46,7 +47,10 @@ _AXES = {  # logical axes of each per-token operand: split over batch and sequen
 
 def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
                                selection, indexer_qkw=None, *, select, sparse, kl_stage, mha=None):
-    """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k], (kl [B,T], has_set [B,T]) or None).
+    """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k], (kl, has_set) or None): kl and has_set are per
+    token [B,T], or with the warm-up KL kernel (``mha`` on a Pallas impl) each shard's sums over its
+    queries [B, shards] (KL and the count of tokens with a non-empty key set); `mean_over_tokens` of
+    either is the loss.
 
     All [B, T, ...] operands and results are in the sequence layout over ``n_shards``; a selected index
     is a natural token index. ``indexer_qkw``: the indexer's (q, k, w) on full layers; ``select``: run the
@@ -100,6 +104,16 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
             kl_q, kl_kv, kl_lse = a["q"], kv, None
         if kl_stage == "none":
             kl, has_set = jnp.zeros(a["pos"].shape, jnp.float32), jnp.zeros(a["pos"].shape, bool)
+        elif mha is not None and kl_stage == "warmup" and cfg.runtime.attention_impl in PALLAS_IMPLS:
+            # the kernel's per-row sums over this shard's queries, [B, 1] per shard: summed over the
+            # shards by mean_over_tokens like per-token values
+            sg = jax.lax.stop_gradient
+            with jax.named_scope("indexer_kl"):
+                kl, has_set = indexer_kl_ops.warmup_kl_sums(
+                    sg(kl_q), sg(kl_kv), sg(kl_lse), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                    scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl,
+                    block_q=min(indexer_kl_ops.BLOCK_Q, mha_form.chunk_block(a["pos"].shape[1] // 2)))
+            kl, has_set = kl[:, None], has_set[:, None]
         else:
             sg = jax.lax.stop_gradient
             picked = dict(idx_BTK=idx, valid_BTK=valid, target_BTK=target) if kl_stage == "sparse" else {}

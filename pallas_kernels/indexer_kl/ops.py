@@ -1,7 +1,99 @@
-"""DSA indexer KL loss. One XLA implementation serves every attention impl (no Pallas kernel): it is
-chunked over queries, so memory is O(B * T_chunk * H * S) in the warm-up stage and O(B * T_chunk * k)
-in the sparse stage (reference.py). In the sparse stage every attention impl hands it the target it
-computed while attending (the Pallas forward kernel's second sweep included), so the KL only scores the
-indexer at the selected slots; without a target it recomputes one from the same selection."""
+"""DSA indexer KL loss: the one place that picks how it runs.
+
+* Sparse stage, and the warm-up stage on the absorbed form or with the ``"reference"`` / ``"xla"`` impls:
+  the XLA implementation (reference.py), chunked over queries, so memory is O(B * T_chunk * H * S) in the
+  warm-up stage and O(B * T_chunk * k) in the sparse stage. In the sparse stage every attention impl hands
+  it the target it computed while attending (the Pallas forward kernel's second sweep included), so the KL
+  only scores the indexer at the selected slots; without a target it recomputes one from the same selection.
+* Warm-up stage from the flash attention's lse with ``"pallas"`` / ``"pallas_interpret"``
+  (`warmup_kl_sums`): the kernels of kernel.py, which recompute the attention logits blockwise in VMEM and
+  never write a [T, S] array. The main model is frozen in this stage, so the kernel computes the loss and
+  its gradients with respect to the indexer's q, k, w in one forward; the op returns per-batch-row sums
+  (sum_t KL_t, number of tokens with a non-empty key set) and its custom VJP scales the saved gradients by
+  each row's cotangent -- exact for any cotangent. Without differentiation a loss-only kernel runs.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.impls import PALLAS_IMPLS, PALLAS_INTERPRET
+from pallas_kernels.indexer_kl import kernel
 # the public entry points: the loss, and its per-token parts for callers holding a share of the queries
 from pallas_kernels.indexer_kl.reference import indexer_kl_loss, indexer_kl_per_token, mean_over_tokens  # noqa: F401
+from pallas_kernels.tpu_utils import pad_axis, round_up
+
+# queries / keys per kernel block: a [bq, H*D] and a [bk, H*D] block of 8 and 4 MiB at GLM-5's 64 x 256
+# in bf16, double-buffered, with the fp32 gradient blocks and the dots scratch fit the scoped VMEM (a Mosaic
+# compile at 256 x 256 runs out of v5p's 64 MiB). The larger query block halves the key blocks' re-reads.
+BLOCK_Q, BLOCK_K = 256, 128
+
+
+def mean_of_sums(kl_sum, count):
+    """The loss from `warmup_kl_sums`' per-row sums (any shape): mean over tokens with a non-empty set."""
+    return jnp.sum(kl_sum) / jnp.maximum(jnp.sum(count), 1.0)
+
+
+def warmup_kl_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
+                   q_seg_BT, kv_seg_BS, *, scale, impl, block_q=BLOCK_Q, block_k=BLOCK_K,
+                   q_chunk=128):
+    """Warm-up indexer KL from the MHA attention (q [B,T,H,D], per-head keys k [B,S,H,D], fp32 lse [B,T,H])
+    -> (sum over each batch row's tokens of KL_t [B], count of tokens with a non-empty set [B]), fp32.
+    Gradients reach only index_q / index_k / index_w. ``block_q`` / ``block_k``: the kernels' blocks (a
+    sequence shorter than a block uses one block of its length rounded up to 128); ``q_chunk``: the XLA
+    impls' query chunk."""
+    sg = jax.lax.stop_gradient
+    q_BTHD, k_BSHD, lse_BTH = sg(q_BTHD), sg(k_BSHD), sg(lse_BTH)
+    if impl not in PALLAS_IMPLS:
+        kl, has_set = indexer_kl_per_token(q_BTHD, k_BSHD, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT,
+                                           kv_pos_BS, q_seg_BT, kv_seg_BS, scale=scale, stage="warmup",
+                                           lse_BTH=lse_BTH, q_chunk=q_chunk)
+        return jnp.sum(kl, axis=1), jnp.sum(has_set.astype(jnp.float32), axis=1)
+    T, S = q_BTHD.shape[1], k_BSHD.shape[1]
+    static = (float(scale), min(block_q, round_up(T, kernel.LANES)), min(block_k, round_up(S, kernel.LANES)),
+              impl == PALLAS_INTERPRET)
+    return _kernel_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
+                        q_seg_BT, kv_seg_BS, static)
+
+
+def _run(args, static, with_grads):
+    """The kernels on operands padded to the blocks (padded tokens: segment 0, seen by nobody, seeing
+    nothing) and head dims padded to 128 with zeros (dot products unchanged); padding cut off again."""
+    q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg = args
+    scale, bq, bk, interpret = static
+    T, S, DI = q.shape[1], k.shape[1], iq.shape[3]
+    Tp, Sp = round_up(T, bq), round_up(S, bk)
+    D, DIp = round_up(q.shape[3], kernel.LANES), round_up(DI, kernel.LANES)
+    t_pad = lambda x: pad_axis(x, 1, Tp)   # noqa: E731
+    s_pad = lambda x: pad_axis(x, 1, Sp)   # noqa: E731
+    r = kernel.warmup_indexer_kl(
+        pad_axis(t_pad(q), 3, D), pad_axis(s_pad(k), 3, D), jnp.swapaxes(t_pad(lse.astype(jnp.float32)), 1, 2),
+        pad_axis(t_pad(iq), 3, DIp), pad_axis(s_pad(ik), 2, DIp), jnp.swapaxes(t_pad(iw), 1, 2),
+        t_pad(q_pos), s_pad(kv_pos), t_pad(q_seg), s_pad(kv_seg),
+        scale=scale, block_q=bq, block_k=bk, with_grads=with_grads, interpret=interpret)
+    sums = (jnp.sum(r.kl_BT[:, :T], axis=1), jnp.sum(r.has_set_BT[:, :T].astype(jnp.float32), axis=1))
+    if not with_grads:
+        return sums, None
+    return sums, (r.d_iq[:, :T, :, :DI].astype(iq.dtype), r.d_ik[:, :S, :DI].astype(ik.dtype),
+                  r.d_iw[:, :T].astype(iw.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _kernel_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, static):
+    """Not differentiated: the loss-only kernel."""
+    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg), static, with_grads=False)[0]
+
+
+def _kernel_sums_fwd(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, static):
+    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg), static, with_grads=True)
+
+
+def _kernel_sums_bwd(static, grads, cotangents):
+    # the count has no dependence on any input; each row's KL sum scales its own gradients
+    d_kl_B, _ = cotangents
+    d_iq, d_ik, d_iw = grads
+    row = lambda g: (g.astype(jnp.float32) * d_kl_B.reshape((-1,) + (1,) * (g.ndim - 1))).astype(g.dtype)  # noqa: E731
+    return (None, None, None, row(d_iq), row(d_ik), row(d_iw), None, None, None, None)
+
+
+_kernel_sums.defvjp(_kernel_sums_fwd, _kernel_sums_bwd)

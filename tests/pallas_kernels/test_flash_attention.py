@@ -135,9 +135,9 @@ def _model_outputs(cfg, variables, tokens, mesh=None):
 
 
 def test_warmup_stage_model_equals_xla_path():
-    """Dense attention with the warm-up indexer KL: the flash kernel (MHA form, interpreted) gives the XLA
-    absorbed-form logits and per-layer indexer KL (the warm-up target from the kernel's lse) with batch and
-    heads split over chips (the kernel per shard). Training through the kernel (dense stage,
+    """Dense attention with the warm-up indexer KL: the flash kernel (MHA form, interpreted) and the warm-up
+    KL kernel give the XLA absorbed-form logits and per-layer indexer KL (the warm-up target from the flash
+    kernel's lse) with batch and heads split over chips (the kernels per shard). Training through the kernel (dense stage,
     gradients): tests/train/test_context_parallel.py."""
     cfg = CFG.replace(indexer_loss="warmup")
     variables = meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
@@ -147,6 +147,7 @@ def test_warmup_stage_model_equals_xla_path():
     pallas = cfg.replace(attention_impl="pallas_interpret")
     program = str(jax.make_jaxpr(lambda v, t: Transformer(pallas).apply(v, t).logits)(variables, tokens))
     assert "flash_attention_fwd" in program                   # the kernel really runs
+    assert "indexer_kl_warmup_lse" in program                 # and so does the warm-up KL kernel
     mesh = build_mesh(MeshConfig(data=2, fsdp=1, expert=1, tensor=2), jax.devices()[:4])
     logits, kl = _model_outputs(pallas, variables, tokens, mesh)
     np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=0)

@@ -5,8 +5,8 @@ Background: docs/training.md#compiling-for-tpu-from-a-cpu-host.
 Needs libtpu (requirements-tpu.txt); skipped without it. Shapes are GLM-5 production sizes: H = 64 query
 heads on the absorbed latent C = 576 (value 512), k = 2048, indexer H_I = 32 x d_I = 128, T = S = 8192,
 bf16, batch 1, on a v5p:2x2x1 slice (4 chips) with queries sharded over the chips inside shard_map.
-Each compile must succeed and fit one v5p chip's HBM. The dense stage's flash attention (MHA form) compiles
-at its own per-chip shapes (below).
+Each compile must succeed and fit one v5p chip's HBM. The dense stage's flash attention (MHA form) and the
+warm-up stage's indexer KL kernels compile at their own per-chip shapes (below).
 """
 import os
 
@@ -21,6 +21,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from pallas_kernels.flash_attention import kernel as flash_kernel, ops as flash_ops  # noqa: E402
+from pallas_kernels.indexer_kl import kernel as indexer_kl_kernel, ops as indexer_kl_ops  # noqa: E402
 from pallas_kernels.lightning_indexer import ops as indexer_ops  # noqa: E402
 from pallas_kernels.sparse_mla import ops as sparse_ops  # noqa: E402
 
@@ -134,6 +135,44 @@ def test_flash_attention_forward_and_backward_compile(mesh, T, S):
     # 2(D + Dv) and backward 6D + 4Dv fused, 8D + 6Dv split, per pair (D = Dv: 14 D or 18 D)
     n_k = S // flash_ops.BLOCK
     declared = FLASH_H * T * S * (n_k + 1) // (2 * n_k) * (14 if fused else 18) * FLASH_D
+    cost = compiled.cost_analysis()
+    print(f"flops per chip {cost['flops']:.4g} (kernels declare {declared:.4g}), bytes accessed "
+          f"{cost['bytes accessed']:.4g}")
+    assert declared <= cost["flops"] < 1.01 * declared
+
+
+# ---- warm-up stage indexer KL from the flash attention's lse: one 4K sequence per chip (batch split over
+# the 4 chips), the MHA query and per-head keys of 64 heads x 256 in bf16, the indexer's fp32 q, k, w
+def warmup_kl_grads(q, k, lse, iq, ik, iw, pos, seg):
+    def loss(iq, ik, iw):
+        kl, count = indexer_kl_ops.warmup_kl_sums(q, k, lse, iq, ik, iw, pos, pos, seg, seg, scale=192**-0.5,
+                                                  impl="pallas")
+        return jnp.sum(kl), count
+
+    (kl, count), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(iq, ik, iw)
+    return (kl[None], count, *grads)
+
+
+@pytest.mark.parametrize("T", [4096, 16384])   # 16K keys: d ik too long for VMEM, its own kernel
+def test_warmup_indexer_kl_compiles(mesh, T):
+    n = len(mesh.devices)
+    args = (abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
+            abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
+            abstract(mesh, (n, T, FLASH_H), jnp.float32, BATCH),
+            abstract(mesh, (n, T, HI, DI), jnp.float32, BATCH), abstract(mesh, (n, T, DI), jnp.float32, BATCH),
+            abstract(mesh, (n, T, HI), jnp.float32, BATCH),
+            abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, T), jnp.int32, BATCH))
+    compiled = compile_and_check(mesh, warmup_kl_grads, args, (BATCH,) * 8, (BATCH,) * 5)
+    text = compiled.as_text()
+    resident = T * DI * 4 <= indexer_kl_kernel.RESIDENT_DK_BYTES
+    assert "indexer_kl_warmup_lse" in text and "indexer_kl_warmup_grads" in text
+    assert ("indexer_kl_warmup_dk" in text) == (not resident)
+    # XLA's cost analysis counts the kernels' declared FLOPs: the causal blocks' (query, key) pairs x (2 H D
+    # for the logits + 2 HI DI for I in the lse kernel + 6 HI DI for I, d iq and d ik in the KL kernel; with
+    # the separate d ik kernel 4 HI DI in the KL kernel and 2 H D + 4 HI DI in the d ik kernel)
+    n_q = T // indexer_kl_ops.BLOCK_Q            # causal: (n_q + 1) / 2 n_q of the blocks' pairs are needed
+    per_pair = 2 * FLASH_H * FLASH_D + 8 * HI * DI if resident else 4 * FLASH_H * FLASH_D + 10 * HI * DI
+    declared = T * T * (n_q + 1) // (2 * n_q) * per_pair
     cost = compiled.cost_analysis()
     print(f"flops per chip {cost['flops']:.4g} (kernels declare {declared:.4g}), bytes accessed "
           f"{cost['bytes accessed']:.4g}")

@@ -113,6 +113,14 @@ def test_flash_attention_over_context_trains_like_xla_on_one_device():
     assert_same_training(train("dense", "context2", impl="pallas_interpret", steps=2, rows=2), want)
 
 
+def test_warmup_kl_kernel_over_context_trains_like_xla_on_one_device():
+    """Warm-up stage (only the indexer trains, by its KL) with the flash kernel and the warm-up KL kernel
+    (interpreted) per sequence shard, context=2 (each shard's KL sums, the indexer keys' gradient
+    reduce-scattered to their shards), trains like the XLA path on one device."""
+    want = train("warmup", "context1", impl="xla", steps=2, rows=2)
+    assert_same_training(train("warmup", "context2", impl="pallas_interpret", steps=2, rows=2), want)
+
+
 def test_zigzag_layout():
     x = np.arange(2 * 16).reshape(2, 16)
     laid = np.asarray(to_layout(x, 4))
