@@ -43,10 +43,12 @@ def _is_measuring(relpath: str) -> bool:
     return relpath in MEASURING_FILES or os.path.dirname(relpath) in MEASURING_DIRS
 
 
-def _mesh(fsdp: int, expert: int, tensor: int, context: int = 1) -> list[str]:
-    # every point compiles the TPU path (the Pallas DSA kernels; the config file's default is the XLA form)
+def _mesh(fsdp: int, expert: int, tensor: int, context: int = 1, remat: str = "full") -> list[str]:
+    # every point compiles the TPU path (the Pallas DSA kernels; the config file's default is the XLA form) and
+    # names its remat policy (a later override in the point wins): the sweeps committed before the config
+    # moved to "moe_saveable" were measured under "full"
     return [f"mesh.fsdp={fsdp}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", "mesh.data=1",
-            f"mesh.context={context}", "model.attention_impl=pallas"]
+            f"mesh.context={context}", "model.attention_impl=pallas", f"model.remat_policy={remat}"]
 
 
 # 128 chips: 744B parameters with float32 weights, float32 Adam moments and float32 gradients are 12 TB,
@@ -57,6 +59,7 @@ _SMALL = ["data.batch_size=256"]
 _BF16_STATE = _SMALL + _BF16
 _BF16_STATE_256 = ["data.batch_size=512"] + _BF16
 _DENSE = ["train.stage=dense"]
+_MOE = "moe_saveable"     # configs/glm5_744b.py's policy
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
@@ -87,11 +90,12 @@ SWEEPS = {
             "train.grad_accum=4", "model.remat_policy=offload_dots"],
     },
     "v5p:8x16x16/dense": {    # the pretraining stage: dense MLA attention (flash kernel), no indexer
-        "dense_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2) + _DENSE,
-        "dense_fsdp64_cp4_ep8": _mesh(64, 8, 1, context=4) + _DENSE,
-        "dense_fsdp128_ep8_tp2": _mesh(128, 8, 2) + _DENSE,
-        "dense_fsdp64_cp2_ep16": _mesh(64, 16, 1, context=2) + _DENSE,
-        "warmup_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2) + ["train.stage=warmup"],
+        "dense_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2, remat=_MOE) + _DENSE,
+        "dense_fsdp128_cp2_ep8_full": _mesh(128, 8, 1, context=2) + _DENSE,
+        "dense_fsdp64_cp4_ep8": _mesh(64, 8, 1, context=4, remat=_MOE) + _DENSE,
+        "dense_fsdp128_ep8_tp2": _mesh(128, 8, 2, remat=_MOE) + _DENSE,
+        "dense_fsdp64_cp2_ep16": _mesh(64, 16, 1, context=2, remat=_MOE) + _DENSE,
+        "warmup_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2, remat=_MOE) + ["train.stage=warmup"],
     },
     "v5p:4x8x8/dense": {      # 256 chips, 512 x 4096, bf16 weights and first moment
         "dense_bf16_fsdp32_ep8_accum2": _mesh(32, 8, 1) + _BF16_STATE_256 + ["train.grad_accum=2"] + _DENSE,

@@ -31,7 +31,10 @@ def get_config() -> ExperimentConfig:
     chose it: against fsdp 128 x expert 8 x tensor 2 it drops the tensor all-reduces (the KL target's, the
     experts' partial sums) and the per-chip copies of tensor-replicated activations: 9.1 s vs 18.7 s
     estimated per step at 52 vs 26 GiB per chip."""
-    model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25)
+    # remat: "moe_saveable" keeps each MoE layer's expert input rows, gate / up products and outputs (~0.55 GB per
+    # layer per chip) so the backward reruns no expert product and moves no rows; 83-85 GiB per chip in the
+    # dense and sparse steps (bench/results/compile_744b_dense.md, compile_744b.md)
+    model = model_config().replace(remat_policy="moe_saveable", moe_ep="a2a", moe_capacity_factor=1.25)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
     return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=128, context=2, expert=8,
