@@ -32,6 +32,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel.axes import BATCH, SEQ
 from glm5_jax.parallel.context import gather_sequence
 from glm5_jax.parallel.shard_map import logical_shard_map
+from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
@@ -100,6 +101,10 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
             kl_q, kl_kv, kl_lse = a["q"], kv, None
         if kl_stage == "none":
             kl, has_set = jnp.zeros(a["pos"].shape, jnp.float32), jnp.zeros(a["pos"].shape, bool)
+        elif kl_stage == "sparse" and target is not None and cfg.runtime.attention_impl in PALLAS_IMPLS:
+            with jax.named_scope("indexer_kl"):
+                kl, has_set = indexer_kl_ops.sparse_kl_per_token(a["iq"], ik, a["iw"], idx, valid, target,
+                                                                 impl=cfg.runtime.attention_impl)
         else:
             sg = jax.lax.stop_gradient
             picked = dict(idx_BTK=idx, valid_BTK=valid, target_BTK=target) if kl_stage == "sparse" else {}
