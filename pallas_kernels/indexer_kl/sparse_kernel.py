@@ -44,6 +44,9 @@ from pallas_kernels.sparse_mla.kernel import (QUERIES_PER_BLOCK, _column_to_row,
                                               _row_to_column, _RowGather)
 from pallas_kernels.tpu_utils import pad_axis, round_up
 
+# The backward's resident dk block, double-buffered, must leave room in VMEM (64 MiB per v5p TensorCore, as
+# the compiler reports it): up to 32 MiB, i.e. S <= 32768 keys of D = 128 (a 32K-token context shard).
+DK_VMEM_BUDGET = 32 * 2**20
 LANES = 128   # per-query scalars travel as one lane row: lane 0 / 1 of a [B, T, 128] fp32 array
 # VMEM the default scoped limit leaves us; the backward's resident dk block needs more for long sequences
 _DEFAULT_SCOPED_VMEM = 16 * 2**20
@@ -172,8 +175,9 @@ def _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k) -> _
 
 
 def _row_bytes(c: _Call):
-    """HBM bytes one row DMA moves: a [1, D] row of the [B, S, 1, D] operand, whose tiled layout pads the
-    unit second-minor dim to a whole sublane group of 32-bit words (bf16 pairs share a word)."""
+    """HBM bytes one row DMA moves: a [1, D] row of the [B, S, 1, D] operand. XLA lays a bf16 operand out in
+    (2, 128) tiles (seen in the compiled HLO for v5p), one row per tile: a row DMA moves twice its bf16
+    bytes, i.e. D 32-bit words."""
     itemsize = c.ik.dtype.itemsize
     return c.D * max(itemsize, 4) if itemsize < 4 else c.D * itemsize
 
@@ -244,6 +248,11 @@ def sparse_kl_fwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, bl
     return stats[:, :c.T, 0], stats[:, :c.T, 1]
 
 
+def fits_vmem(S, D):
+    """Whether the backward's [S, D] fp32 key-gradient block (two buffers) fits `DK_VMEM_BUDGET`."""
+    return 2 * round_up(S, 8) * D * 4 <= DK_VMEM_BUDGET
+
+
 def _n_split(n_query_blocks):
     """Query shares of the backward: two (one per TensorCore of a megacore chip) when they divide evenly."""
     return 2 if n_query_blocks % 2 == 0 else 1
@@ -252,6 +261,9 @@ def _n_split(n_query_blocks):
 def sparse_kl_bwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_BT, g_BT, *, block_k=512,
                   interpret=False):
     """(d iq [B,T,H,D], d ik [B,S,D], d iw [B,T,H]) fp32 for the cotangent ``g_BT`` of the per-token KL."""
+    if not fits_vmem(ik_BSD.shape[1], ik_BSD.shape[2]):
+        raise ValueError(f"sparse_kl_bwd: the [S, D] = {ik_BSD.shape[1:]} fp32 key-gradient block does not fit "
+                         f"the VMEM budget of {DK_VMEM_BUDGET >> 20} MiB (use the XLA impl)")
     c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k)
     TQ, n_kb = QUERIES_PER_BLOCK, c.K_pad // c.block_k
     n_blocks = c.T_pad // TQ
