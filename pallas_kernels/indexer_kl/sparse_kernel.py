@@ -45,8 +45,12 @@ from pallas_kernels.sparse_mla.kernel import (QUERIES_PER_BLOCK, _column_to_row,
 from pallas_kernels.tpu_utils import pad_axis, round_up
 
 # The backward's resident dk block, double-buffered, must leave room in VMEM (64 MiB per v5p TensorCore, as
-# the compiler reports it): up to 32 MiB, i.e. S <= 32768 keys of D = 128 (a 32K-token context shard).
+# the compiler reports it): up to 32 MiB, i.e. S <= 32768 keys of D = 128 (a 32K-token context shard). With
+# ik resident too (S <= 16384) the backward holds 3 x [S, D] fp32.
 DK_VMEM_BUDGET = 32 * 2**20
+# ik stays in VMEM (fp32, one buffer) while it takes at most this: S <= 16384 keys of D = 128
+RESIDENT_KEYS_BUDGET = 8 * 2**20
+TENSORCORES_PER_CHIP = 2   # v4 / v5p megacore: a "parallel" grid axis is split over the chip's two cores
 LANES = 128   # per-query scalars travel as one lane row: lane 0 / 1 of a [B, T, 128] fp32 array
 # VMEM the default scoped limit leaves us; the backward's resident dk block needs more for long sequences
 _DEFAULT_SCOPED_VMEM = 16 * 2**20
@@ -75,12 +79,31 @@ def _log_softmax_stats(scores_1K, valid_1K):
     return shifted, row_max, log_norm, has_set
 
 
-def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_hbm, stats_ref, buf, sem, scores_scr, *,
-                block_k, n_kb):
+def _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, *, block_k, n_kb, resident, dtype):
+    """The current query's k-block of key rows [block_k, D] in ``dtype``. Resident: copied row by row from
+    the VMEM copy of ik (ik_ref [1, S_pad, D] fp32) into a [block_k, D] fp32 scratch; else DMA-gathered
+    from HBM (ik_ref [B, S, 1, D]) by the sparse-attention kernels' double-buffered gather."""
+    if not resident:
+        buf, sem = gather_scratch
+        return _RowGather(idx_ref, ik_ref, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
+    (rows_scr,) = gather_scratch
+    start = kb * block_k
+
+    def copy_row(j, carry):
+        rows_scr[pl.ds(j, 1), :] = ik_ref[0, pl.ds(idx_ref[start + j], 1), :]
+        return carry
+
+    jax.lax.fori_loop(0, block_k, copy_row, 0)
+    return rows_scr[...].astype(dtype)   # exact: the fp32 copy holds ``dtype`` values
+
+
+def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_ref, stats_ref, *scratch, block_k, n_kb, resident):
     # idx_ref (SMEM) [k_pad]; iq_ref [1, 1, H, D]; iw_ref [1, TQ, H] fp32; valid_ref [1, TQ, k_pad] int32;
-    # p_ref [1, TQ, k_pad] fp32; stats_ref [1, TQ, LANES] fp32; buf [2, block_k, 1, D]; scores [1, k_pad].
+    # p_ref [1, TQ, k_pad] fp32; stats_ref [1, TQ, LANES] fp32; scratch: the gather's, then scores [1, k_pad].
+    *gather_scratch, scores_scr = scratch
     b, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    rows_KD = _RowGather(idx_ref, ik_hbm, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
+    rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, resident=resident,
+                             dtype=iq_ref.dtype)
     _, scores_1K = _scores(iq_ref[0, 0], rows_KD, _row_to_column(iw_ref[0, pl.ds(qi, 1), :]))
     scores_scr[:, pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)] = scores_1K
 
@@ -96,13 +119,15 @@ def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_hbm, stats_ref, bu
         stats_ref[0, pl.ds(qi, 1), :] = jnp.where(lane == 0, kl_11, jnp.where(lane == 1, row_max + log_norm, 0.0))
 
 
-def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_hbm, diq_ref, diw_ref, dik_ref,
-                buf, sem, dw_scr, drows_scr, *, block_k, n_kb):
+def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq_ref, diw_ref, dik_ref,
+                *scratch, block_k, n_kb, resident):
     # scal_ref [1, TQ, LANES] fp32: lane 0 g (the cotangent of kl), lane 1 lse_I; diq_ref [1, 1, H, D] fp32
     # (resident over the k-blocks); diw_ref [1, TQ, H] fp32; dik_ref [1, 1, S_pad, D] fp32 (resident over
-    # this share's queries); dw_scr [H, 1]; drows_scr [block_k, D] fp32.
+    # this share's queries); scratch: the gather's, then dw [H, 1] and the row gradients [block_k, D] fp32.
+    *gather_scratch, dw_scr, drows_scr = scratch
     b, t, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    rows_KD = _RowGather(idx_ref, ik_hbm, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
+    rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, resident=resident,
+                             dtype=iq_ref.dtype)
     iq_HD = iq_ref[0, 0]
     w_H1 = _row_to_column(iw_ref[0, pl.ds(qi, 1), :])
     dots_HK, scores_1K = _scores(iq_HD, rows_KD, w_H1)
@@ -154,36 +179,71 @@ class _Call(NamedTuple):
     T_pad: int
     K_pad: int
     block_k: int
+    resident: bool          # ik kept in VMEM (fp32 [S_pad, D] per batch row) instead of row DMAs from HBM
     idx_flat: jax.Array     # int32 [B * T_pad * K_pad]
     valid: jax.Array        # int32 [B, T_pad, K_pad]
-    iq: jax.Array           # [B, T_pad, H, D] in ik's dtype
+    iq: jax.Array           # [B, T_pad, H, D] in the common dtype of iq and ik
     iw: jax.Array           # fp32 [B, T_pad, H]
     p: jax.Array            # fp32 [B, T_pad, K_pad], 0 on padded slots
-    ik: jax.Array           # [B, S, 1, D]: rows as an untiled leading dim (see sparse_mla/kernel.py)
+    ik: jax.Array           # resident: fp32 [B, S_pad, D]; else [B, S, 1, D], rows as an untiled leading dim
+                            # (see sparse_mla/kernel.py)
 
 
-def _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k) -> _Call:
+def keys_fit_vmem(S, D):
+    """Whether ik stays in VMEM: one fp32 [S, D] buffer of at most `RESIDENT_KEYS_BUDGET`."""
+    return round_up(S, 8) * D * 4 <= RESIDENT_KEYS_BUDGET
+
+
+def fits_vmem(S, D):
+    """Whether the backward's [S, D] fp32 key-gradient block (two buffers) fits `DK_VMEM_BUDGET`."""
+    return 2 * round_up(S, 8) * D * 4 <= DK_VMEM_BUDGET
+
+
+def _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resident) -> _Call:
     B, T, H, D = iq_BTHD.shape
     S = ik_BSD.shape[1]
+    resident = keys_fit_vmem(S, D) if resident is None else resident
     d = _prepare(iq_BTHD, idx_BTK, valid_BTK, S, block_k)
     dtype = jnp.promote_types(iq_BTHD.dtype, ik_BSD.dtype)
     p = pad_axis(pad_axis(target_BTK.astype(jnp.float32), 2, d.K_pad), 1, d.T_pad)
-    return _Call(B=B, T=T, S=S, H=H, D=D, T_pad=d.T_pad, K_pad=d.K_pad, block_k=d.block_k, idx_flat=d.idx_flat,
-                 valid=d.valid, iq=pad_axis(iq_BTHD.astype(dtype), 1, d.T_pad),
-                 iw=pad_axis(iw_BTH.astype(jnp.float32), 1, d.T_pad), p=p,
-                 ik=ik_BSD.astype(dtype)[:, :, None, :])
+    # a resident copy is fp32 (single rows of a 32-bit array load at any sublane offset), holding dtype values
+    ik = (pad_axis(ik_BSD.astype(dtype).astype(jnp.float32), 1, round_up(S, 8)) if resident
+          else ik_BSD.astype(dtype)[:, :, None, :])
+    return _Call(B=B, T=T, S=S, H=H, D=D, T_pad=d.T_pad, K_pad=d.K_pad, block_k=d.block_k, resident=resident,
+                 idx_flat=d.idx_flat, valid=d.valid, iq=pad_axis(iq_BTHD.astype(dtype), 1, d.T_pad),
+                 iw=pad_axis(iw_BTH.astype(jnp.float32), 1, d.T_pad), p=p, ik=ik)
 
 
-def _row_bytes(c: _Call):
-    """HBM bytes one row DMA moves: a [1, D] row of the [B, S, 1, D] operand. XLA lays a bf16 operand out in
-    (2, 128) tiles (seen in the compiled HLO for v5p), one row per tile: a row DMA moves twice its bf16
-    bytes, i.e. D 32-bit words."""
+def _keys_spec_and_scratch(c: _Call):
+    """(in-spec of ik, the gather's scratch): resident, one buffer of the batch row's keys (its block index
+    changes only with the batch row); else ik stays in HBM and two [block_k, 1, D] buffers take row DMAs."""
+    if c.resident:
+        return (pl.BlockSpec((1,) + c.ik.shape[1:], lambda *g: (g[0], 0, 0), pipeline_mode=pl.Buffered(1)),
+                [pltpu.VMEM((c.block_k, c.D), jnp.float32)])
+    return (pl.BlockSpec(memory_space=pl.ANY),
+            [pltpu.VMEM((2, c.block_k, 1, c.D), c.ik.dtype), pltpu.SemaphoreType.DMA((2,))])
+
+
+def _vmem_limit(c: _Call, resident_bytes):
+    """Compiler params asking for more scoped VMEM than the default when the resident blocks need it."""
+    gather = c.block_k * c.D * 4 if c.resident else 2 * c.block_k * 16 * c.D * c.ik.dtype.itemsize
+    need = resident_bytes + gather + 8 * 2**20     # + the per-query blocks and temporaries
+    return dict(vmem_limit_bytes=need) if need > _DEFAULT_SCOPED_VMEM else {}
+
+
+def _keys_bytes(c: _Call):
+    """HBM bytes of reading the keys. Resident: the fp32 copy, once per batch row and TensorCore (a megacore
+    chip's two cores each load it). Else one row DMA per slot: a [1, D] row of the [B, S, 1, D] operand,
+    which XLA lays out in (2, 128) tiles for bf16 (seen in the compiled HLO for v5p), one row per tile, so a
+    row DMA moves twice its bf16 bytes, i.e. D 32-bit words."""
+    if c.resident:
+        return TENSORCORES_PER_CHIP * c.ik.size * 4
     itemsize = c.ik.dtype.itemsize
-    return c.D * max(itemsize, 4) if itemsize < 4 else c.D * itemsize
+    return c.B * c.T_pad * c.K_pad * c.D * max(itemsize, 4)
 
 
 def _bytes_per_query_common(c: _Call):
-    """Per query, what both kernels read besides the gathered rows: idx (to SMEM), valid, p, q, w."""
+    """Per query, what both kernels read besides the keys: idx (to SMEM), valid, p, q, w."""
     return 4 * c.K_pad * 3 + c.H * c.D * c.iq.dtype.itemsize + 4 * c.H
 
 
@@ -191,7 +251,7 @@ def _fwd_cost(c: _Call):
     slots = c.B * c.T_pad * c.K_pad
     return pl.CostEstimate(
         flops=slots * c.H * (2 * c.D + 3) + 10 * slots, transcendentals=2 * slots,
-        bytes_accessed=slots * _row_bytes(c) + c.B * c.T_pad * (_bytes_per_query_common(c) + 4 * LANES))
+        bytes_accessed=_keys_bytes(c) + c.B * c.T_pad * (_bytes_per_query_common(c) + 4 * LANES))
 
 
 def _bwd_cost(c: _Call, n_split):
@@ -201,7 +261,7 @@ def _bwd_cost(c: _Call, n_split):
     per_query_out = 4 * c.H * c.D + 4 * c.H
     return pl.CostEstimate(
         flops=slots * c.H * (6 * c.D + 7) + slots * (c.D + 8), transcendentals=slots,
-        bytes_accessed=slots * _row_bytes(c) + dk_bytes
+        bytes_accessed=_keys_bytes(c) + dk_bytes
         + c.B * c.T_pad * (_bytes_per_query_common(c) + 4 * LANES + per_query_out))
 
 
@@ -225,22 +285,25 @@ def _common_specs(c: _Call, query_block):
             rows_of((c.H,)), rows_of((c.K_pad,)), rows_of((c.K_pad,))], rows_of
 
 
-def sparse_kl_fwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, block_k=512, interpret=False):
+def sparse_kl_fwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, block_k=512, interpret=False,
+                  resident=None):
     """(kl [B, T] fp32, lse_I [B, T] fp32): the KL per query token and the log-normaliser of its masked
-    indexer softmax. ``target_BTK`` is p (0 at invalid slots)."""
-    c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k)
+    indexer softmax. ``target_BTK`` is p (0 at invalid slots). ``resident``: keep ik in VMEM (default: when
+    `keys_fit_vmem`)."""
+    c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resident)
     TQ, n_kb = QUERIES_PER_BLOCK, c.K_pad // c.block_k
     in_specs, rows_of = _common_specs(c, lambda b, t, i, kb: (b, t))
+    keys_spec, gather_scratch = _keys_spec_and_scratch(c)
     stats = pl.pallas_call(
-        functools.partial(_fwd_kernel, block_k=c.block_k, n_kb=n_kb),
+        functools.partial(_fwd_kernel, block_k=c.block_k, n_kb=n_kb, resident=c.resident),
         grid=(c.B, c.T_pad // TQ, TQ, n_kb),
-        in_specs=in_specs + [pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=in_specs + [keys_spec],
         out_specs=rows_of((LANES,)),
         out_shape=jax.ShapeDtypeStruct((c.B, c.T_pad, LANES), jnp.float32),
-        scratch_shapes=[pltpu.VMEM((2, c.block_k, 1, c.D), c.ik.dtype), pltpu.SemaphoreType.DMA((2,)),
-                        pltpu.VMEM((1, c.K_pad), jnp.float32)],
+        scratch_shapes=gather_scratch + [pltpu.VMEM((1, c.K_pad), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+            **_vmem_limit(c, c.ik[0].size * 4 if c.resident else 0)),
         interpret=interpret,
         name="indexer_kl_sparse_fwd",
         cost_estimate=_fwd_cost(c),
@@ -248,23 +311,18 @@ def sparse_kl_fwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, bl
     return stats[:, :c.T, 0], stats[:, :c.T, 1]
 
 
-def fits_vmem(S, D):
-    """Whether the backward's [S, D] fp32 key-gradient block (two buffers) fits `DK_VMEM_BUDGET`."""
-    return 2 * round_up(S, 8) * D * 4 <= DK_VMEM_BUDGET
-
-
 def _n_split(n_query_blocks):
     """Query shares of the backward: two (one per TensorCore of a megacore chip) when they divide evenly."""
-    return 2 if n_query_blocks % 2 == 0 else 1
+    return TENSORCORES_PER_CHIP if n_query_blocks % TENSORCORES_PER_CHIP == 0 else 1
 
 
 def sparse_kl_bwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_BT, g_BT, *, block_k=512,
-                  interpret=False):
+                  interpret=False, resident=None):
     """(d iq [B,T,H,D], d ik [B,S,D], d iw [B,T,H]) fp32 for the cotangent ``g_BT`` of the per-token KL."""
     if not fits_vmem(ik_BSD.shape[1], ik_BSD.shape[2]):
         raise ValueError(f"sparse_kl_bwd: the [S, D] = {ik_BSD.shape[1:]} fp32 key-gradient block does not fit "
                          f"the VMEM budget of {DK_VMEM_BUDGET >> 20} MiB (use the XLA impl)")
-    c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k)
+    c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resident)
     TQ, n_kb = QUERIES_PER_BLOCK, c.K_pad // c.block_k
     n_blocks = c.T_pad // TQ
     n_split = _n_split(n_blocks)
@@ -279,23 +337,23 @@ def sparse_kl_bwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_B
         return b, s * n_local + t
 
     in_specs, rows_of = _common_specs(c, query_block)
+    keys_spec, gather_scratch = _keys_spec_and_scratch(c)
     dk_block = S_pad * c.D * 4
-    vmem = 2 * dk_block + 2 * 2 * c.block_k * 16 * c.D * 4 + 8 * 2**20   # dk (2 buffers), gather, the rest
-    params = dict(vmem_limit_bytes=vmem) if vmem > _DEFAULT_SCOPED_VMEM else {}
     diq, diw, dik = pl.pallas_call(
-        functools.partial(_bwd_kernel, block_k=c.block_k, n_kb=n_kb),
+        functools.partial(_bwd_kernel, block_k=c.block_k, n_kb=n_kb, resident=c.resident),
         grid=(c.B, n_split, n_local, TQ, n_kb),
-        in_specs=in_specs + [rows_of((LANES,)), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=in_specs + [rows_of((LANES,)), keys_spec],
         out_specs=[pl.BlockSpec((1, 1, c.H, c.D), lambda b, s, t, i, kb: (b, (s * n_local + t) * TQ + i, 0, 0)),
                    rows_of((c.H,)),
                    pl.BlockSpec((1, 1, S_pad, c.D), lambda b, s, t, i, kb: (b, s, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct((c.B, c.T_pad, c.H, c.D), jnp.float32),
                    jax.ShapeDtypeStruct((c.B, c.T_pad, c.H), jnp.float32),
                    jax.ShapeDtypeStruct((c.B, n_split, S_pad, c.D), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((2, c.block_k, 1, c.D), c.ik.dtype), pltpu.SemaphoreType.DMA((2,)),
-                        pltpu.VMEM((c.H, 1), jnp.float32), pltpu.VMEM((c.block_k, c.D), jnp.float32)],
+        scratch_shapes=gather_scratch + [pltpu.VMEM((c.H, 1), jnp.float32),
+                                         pltpu.VMEM((c.block_k, c.D), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"), **params),
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"),
+            **_vmem_limit(c, 2 * dk_block + (dk_block if c.resident else 0))),
         interpret=interpret,
         name="indexer_kl_sparse_bwd",
         cost_estimate=_bwd_cost(c, n_split),
