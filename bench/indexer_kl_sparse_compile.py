@@ -6,7 +6,8 @@ this host, once in XLA (pallas_kernels/indexer_kl/reference.py) and once on the 
     python bench/indexer_kl_sparse_compile.py --topology v5p:2x2x1 --seq 4096 --topk 2048
 
 One sequence per chip (batch split over the slice's chips), bf16 indexer q [T, 32, 128], k [T, 128], fp32
-w [T, 32], the selection idx / valid [T, k] and the target p [T, k] fp32 as inputs. Needs libtpu.
+w [T, 32], the selection idx / valid [T, k] and the target p [T, k] fp32 as inputs. ``pallas_row_dma``: the
+kernels with the keys left in HBM (one row DMA per slot, what they do past 16K keys). Needs libtpu.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from glm5_jax.cost.chips import chip_of_topology  # noqa: E402
 from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost  # noqa: E402
-from pallas_kernels.indexer_kl import ops  # noqa: E402
+from pallas_kernels.indexer_kl import ops, sparse_pallas  # noqa: E402
 
 HI, DI = 32, 128
+ROW_DMA = "pallas_row_dma"
 
 
 def compile_kl(mesh, T, K, impl):
@@ -34,9 +36,14 @@ def compile_kl(mesh, T, K, impl):
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct((n, *shape), dtype, sharding=NamedSharding(mesh, P("b")))
 
+    def per_token(*a):
+        if impl == ROW_DMA:     # the kernels with ik left in HBM (one row DMA per slot), as for long key sets
+            return sparse_pallas.sparse_kl_per_token(*a, resident=False)
+        return ops.sparse_kl_per_token(*a, impl=impl)
+
     def loss_and_grads(iq, ik, iw, idx, valid, p):
         def loss(iq, ik, iw):
-            return ops.mean_over_tokens(*ops.sparse_kl_per_token(iq, ik, iw, idx, valid, p, impl=impl))
+            return ops.mean_over_tokens(*per_token(iq, ik, iw, idx, valid, p))
         value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, iw)
         return (value[None],) + grads
 
@@ -52,7 +59,7 @@ def main():
     parser.add_argument("--topology", default="v5p:2x2x1")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--impls", default="xla,pallas")
+    parser.add_argument("--impls", default=f"xla,pallas,{ROW_DMA}")
     args = parser.parse_args()
     devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
     mesh = Mesh(np.array(devices).reshape(-1), ("b",))
@@ -64,7 +71,7 @@ def main():
         compiled = compile_kl(mesh, args.seq, args.topk, impl)
         mem = compiled.memory_analysis()
         cost = hlo_cost(compiled.as_text(), timing=timing)
-        print(f"  {impl:7s}: HBM {cost.bytes_accessed / 1e9:8.3f} GB, FLOPs {(cost.flops + cost.kernel_flops) / 1e9:8.1f} G "
+        print(f"  {impl:14s}: HBM {cost.bytes_accessed / 1e9:8.3f} GB, FLOPs {(cost.flops + cost.kernel_flops) / 1e9:8.1f} G "
               f"(kernels {cost.kernel_flops / 1e9:.1f} G), roofline {cost.roofline_seconds * 1e3:7.2f} ms, "
               f"temp {mem.temp_size_in_bytes / 2**30:.2f} GiB")
 

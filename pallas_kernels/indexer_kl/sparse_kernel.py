@@ -6,11 +6,15 @@ slots idx[t, :] (valid where ``valid``) and the attention's head-mean probabilit
     I[t, j] = sum_h w[t, h] ReLU(iq[t, h] . ik[idx[t, j]])
     kl[t]   = sum_{valid j} p log p - p log softmax_valid(I_t)_j          (0 for a token with no valid slot)
 
-Both kernels walk the grid of the sparse-attention kernels (pallas_kernels/sparse_mla/kernel.py, whose
-row gather they reuse): one step = one query x one block of ``block_k`` slots; the query's slots are
-streamed into SMEM, the block's ik rows are DMA-gathered into VMEM (double-buffered), and the H_I per-head
-dots are one [H_I, D_I] x [D_I, block_k] MXU product. Nothing of size [tokens, k, D_I] or [tokens, k, H_I]
-reaches HBM.
+Both kernels walk the grid of the sparse-attention kernels (pallas_kernels/sparse_mla/kernel.py): one
+step = one query x one block of ``block_k`` slots; the query's slots are streamed into SMEM and the H_I
+per-head dots are one [H_I, D_I] x [D_I, block_k] MXU product. Nothing of size [tokens, k, D_I] or
+[tokens, k, H_I] reaches HBM. The block's ik rows come from one of two places:
+* resident (while an fp32 [S, D_I] copy of the batch row's keys takes at most `RESIDENT_KEYS_BUDGET`,
+  S <= 16K at D_I = 128): the copy is one VMEM block, read from HBM once, and each selected row is copied
+  from it into a [block_k, D_I] scratch (single rows of a 32-bit array load at any sublane offset);
+* else ik stays in HBM and the sparse-attention kernels' double-buffered row-DMA gather fetches them
+  (one DMA of a (2, 128)-tiled bf16 row per slot: a T x k x 512-byte read per kernel).
 
 Forward: the scores of every block go into a [1, k] VMEM row; the query's last block takes the masked
 log-softmax and the KL against p and stores (kl, lse_I) for the query (lse_I = log sum_valid exp I, for the
@@ -31,6 +35,10 @@ instead of XLA's scatter-add of [T, k, D_I] fp32 row gradients (a gathered-row a
 and scattered into tiled dk at (8, 128)-tile granularity). Within a share the grid runs in order, so two
 slots naming the same key (another query's, or a padded slot at row 0 with a zero gradient) add one after
 the other: no race.
+
+The row copies and adds are vector loads and stores issued one row at a time (k per query in each
+kernel); the declared cost (flops, HBM bytes) has no term for their issue time, which is not measured on
+hardware yet.
 """
 import functools
 from typing import NamedTuple
