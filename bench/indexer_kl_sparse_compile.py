@@ -71,7 +71,8 @@ def main():
         compiled = compile_kl(mesh, args.seq, args.topk, impl)
         mem = compiled.memory_analysis()
         cost = hlo_cost(compiled.as_text(), timing=timing)
-        print(f"  {impl:14s}: HBM {cost.bytes_accessed / 1e9:8.3f} GB, FLOPs {(cost.flops + cost.kernel_flops) / 1e9:8.1f} G "
+        flops = cost.flops + cost.kernel_flops
+        print(f"  {impl:14s}: HBM {cost.bytes_accessed / 1e9:8.3f} GB, FLOPs {flops / 1e9:8.1f} G "
               f"(kernels {cost.kernel_flops / 1e9:.1f} G), roofline {cost.roofline_seconds * 1e3:7.2f} ms, "
               f"temp {mem.temp_size_in_bytes / 2**30:.2f} GiB")
 
