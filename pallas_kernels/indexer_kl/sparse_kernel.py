@@ -87,31 +87,39 @@ def _log_softmax_stats(scores_1K, valid_1K):
     return shifted, row_max, log_norm, has_set
 
 
-def _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, *, block_k, n_kb, resident, dtype):
+def _slots_in_block(kb, block_k, n_slots):
+    """How many of k-block kb's slots are real (the last block may end in padding: n_slots = k unpadded)."""
+    return jnp.minimum(block_k, n_slots - kb * block_k)
+
+
+def _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, *, block_k, n_kb, n_slots, resident, dtype):
     """The current query's k-block of key rows [block_k, D] in ``dtype``. Resident: copied row by row from
-    the VMEM copy of ik (ik_ref [1, S_pad, D] fp32) into a [block_k, D] fp32 scratch; else DMA-gathered
-    from HBM (ik_ref [B, S, 1, D]) by the sparse-attention kernels' double-buffered gather."""
+    the VMEM copy of ik (ik_ref [1, S_pad, D] fp32) into a [block_k, D] fp32 scratch, real slots only (rows
+    of padded slots are zero); else DMA-gathered from HBM (ik_ref [B, S, 1, D]) by the sparse-attention
+    kernels' double-buffered gather (padded slots read row 0)."""
     if not resident:
         buf, sem = gather_scratch
         return _RowGather(idx_ref, ik_ref, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
     (rows_scr,) = gather_scratch
-    start = kb * block_k
+    start, n_real = kb * block_k, _slots_in_block(kb, block_k, n_slots)
 
     def copy_row(j, carry):
         rows_scr[pl.ds(j, 1), :] = ik_ref[0, pl.ds(idx_ref[start + j], 1), :]
         return carry
 
-    jax.lax.fori_loop(0, block_k, copy_row, 0)
-    return rows_scr[...].astype(dtype)   # exact: the fp32 copy holds ``dtype`` values
+    jax.lax.fori_loop(0, n_real, copy_row, 0)
+    real_K1 = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < n_real
+    return jnp.where(real_K1, rows_scr[...], 0.0).astype(dtype)   # exact: the fp32 copy holds dtype values
 
 
-def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_ref, stats_ref, *scratch, block_k, n_kb, resident):
+def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_ref, stats_ref, *scratch, block_k, n_kb, n_slots,
+                resident):
     # idx_ref (SMEM) [k_pad]; iq_ref [1, 1, H, D]; iw_ref [1, TQ, H] fp32; valid_ref [1, TQ, k_pad] int32;
     # p_ref [1, TQ, k_pad] fp32; stats_ref [1, TQ, LANES] fp32; scratch: the gather's, then scores [1, k_pad].
     *gather_scratch, scores_scr = scratch
     b, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, resident=resident,
-                             dtype=iq_ref.dtype)
+    rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, n_slots=n_slots,
+                             resident=resident, dtype=iq_ref.dtype)
     _, scores_1K = _scores(iq_ref[0, 0], rows_KD, _row_to_column(iw_ref[0, pl.ds(qi, 1), :]))
     scores_scr[:, pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)] = scores_1K
 
@@ -128,14 +136,14 @@ def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_ref, stats_ref, *s
 
 
 def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq_ref, diw_ref, dik_ref,
-                *scratch, block_k, n_kb, resident):
+                *scratch, block_k, n_kb, n_slots, resident):
     # scal_ref [1, TQ, LANES] fp32: lane 0 g (the cotangent of kl), lane 1 lse_I; diq_ref [1, 1, H, D] fp32
     # (resident over the k-blocks); diw_ref [1, TQ, H] fp32; dik_ref [1, 1, S_pad, D] fp32 (resident over
     # this share's queries); scratch: the gather's, then dw [H, 1] and the row gradients [block_k, D] fp32.
     *gather_scratch, dw_scr, drows_scr = scratch
     b, t, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, resident=resident,
-                             dtype=iq_ref.dtype)
+    rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, n_slots=n_slots,
+                             resident=resident, dtype=iq_ref.dtype)
     iq_HD = iq_ref[0, 0]
     w_H1 = _row_to_column(iw_ref[0, pl.ds(qi, 1), :])
     dots_HK, scores_1K = _scores(iq_HD, rows_KD, w_H1)
@@ -170,7 +178,7 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
         dik_ref[0, 0, pl.ds(key, 1), :] += drows_scr[pl.ds(j, 1), :]
         return carry
 
-    jax.lax.fori_loop(0, block_k, add_row, 0)
+    jax.lax.fori_loop(0, _slots_in_block(kb, block_k, n_slots), add_row, 0)   # padded slots add zeros
 
     @pl.when(kb == n_kb - 1)
     def _store_dw():
@@ -184,6 +192,7 @@ class _Call(NamedTuple):
     S: int
     H: int
     D: int
+    K: int
     T_pad: int
     K_pad: int
     block_k: int
@@ -217,7 +226,7 @@ def _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resi
     # a resident copy is fp32 (single rows of a 32-bit array load at any sublane offset), holding dtype values
     ik = (pad_axis(ik_BSD.astype(dtype).astype(jnp.float32), 1, round_up(S, 8)) if resident
           else ik_BSD.astype(dtype)[:, :, None, :])
-    return _Call(B=B, T=T, S=S, H=H, D=D, T_pad=d.T_pad, K_pad=d.K_pad, block_k=d.block_k, resident=resident,
+    return _Call(B=B, T=T, S=S, H=H, D=D, K=d.K, T_pad=d.T_pad, K_pad=d.K_pad, block_k=d.block_k, resident=resident,
                  idx_flat=d.idx_flat, valid=d.valid, iq=pad_axis(iq_BTHD.astype(dtype), 1, d.T_pad),
                  iw=pad_axis(iw_BTH.astype(jnp.float32), 1, d.T_pad), p=p, ik=ik)
 
@@ -303,7 +312,7 @@ def sparse_kl_fwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, bl
     in_specs, rows_of = _common_specs(c, lambda b, t, i, kb: (b, t))
     keys_spec, gather_scratch = _keys_spec_and_scratch(c)
     stats = pl.pallas_call(
-        functools.partial(_fwd_kernel, block_k=c.block_k, n_kb=n_kb, resident=c.resident),
+        functools.partial(_fwd_kernel, block_k=c.block_k, n_kb=n_kb, n_slots=c.K, resident=c.resident),
         grid=(c.B, c.T_pad // TQ, TQ, n_kb),
         in_specs=in_specs + [keys_spec],
         out_specs=rows_of((LANES,)),
@@ -348,7 +357,7 @@ def sparse_kl_bwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_B
     keys_spec, gather_scratch = _keys_spec_and_scratch(c)
     dk_block = S_pad * c.D * 4
     diq, diw, dik = pl.pallas_call(
-        functools.partial(_bwd_kernel, block_k=c.block_k, n_kb=n_kb, resident=c.resident),
+        functools.partial(_bwd_kernel, block_k=c.block_k, n_kb=n_kb, n_slots=c.K, resident=c.resident),
         grid=(c.B, n_split, n_local, TQ, n_kb),
         in_specs=in_specs + [rows_of((LANES,)), keys_spec],
         out_specs=[pl.BlockSpec((1, 1, c.H, c.D), lambda b, s, t, i, kb: (b, (s * n_local + t) * TQ + i, 0, 0)),
