@@ -251,8 +251,8 @@ def _vmem_limit(c: _Call, resident_bytes):
 def _keys_bytes(c: _Call):
     """HBM bytes of reading the keys. Resident: the fp32 copy, once per batch row and TensorCore (a megacore
     chip's two cores each load it). Else one row DMA per slot: a [1, D] row of the [B, S, 1, D] operand,
-    which XLA lays out in (2, 128) tiles for bf16 (seen in the compiled HLO for v5p), one row per tile, so a
-    row DMA moves twice its bf16 bytes, i.e. D 32-bit words."""
+    which XLA lays out in (1, 128) tiles for fp32 and (2, 128) tiles for bf16 (seen in the compiled HLO for
+    v5p), one row per tile, so a row DMA moves D 32-bit words either way."""
     if c.resident:
         return TENSORCORES_PER_CHIP * c.ik.size * 4
     itemsize = c.ik.dtype.itemsize

@@ -143,9 +143,11 @@ def test_flash_attention_forward_and_backward_compile(mesh, T, S):
 
 # ---- the sparse stage's indexer KL (loss + gradients of the indexer's q, k, w) at GLM-5's per-chip shapes:
 # one 4K sequence per chip (batch split over the 4 chips; the keys stay in VMEM), and a context shard of
-# 1024 queries over 32K gathered keys (row DMAs from HBM); k = 2048 selected keys, H_I = 32 x d_I = 128
-@pytest.mark.parametrize("KL_T, KL_S", [(4096, 4096), (1024, 32768)])
-def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S):
+# 1024 queries over 32K gathered keys (row DMAs from HBM); k = 2048 selected keys, H_I = 32 x d_I = 128, the
+# indexer q and k in fp32 as the model's Indexer returns them (and in bf16)
+@pytest.mark.parametrize("KL_T, KL_S, kl_dtype", [(4096, 4096, jnp.float32), (4096, 4096, jnp.bfloat16),
+                                                  (1024, 32768, jnp.float32)])
+def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S, kl_dtype):
     from glm5_jax.cost.hlo_cost import hlo_cost
     from pallas_kernels.indexer_kl import ops as kl_ops
 
@@ -153,7 +155,7 @@ def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S):
     mesh = Mesh(np.array(topology.devices).reshape(-1), ("q",))
     n = len(mesh.devices)
     args = tuple(abstract(mesh, (n,) + shape, dtype, BATCH) for shape, dtype in [
-        ((KL_T, HI, DI), jnp.bfloat16), ((KL_S, DI), jnp.bfloat16), ((KL_T, HI), jnp.float32),
+        ((KL_T, HI, DI), kl_dtype), ((KL_S, DI), kl_dtype), ((KL_T, HI), jnp.float32),
         ((KL_T, TOPK), jnp.int32), ((KL_T, TOPK), jnp.bool_), ((KL_T, TOPK), jnp.float32)])
 
     def kl_loss_and_grads(iq, ik, iw, idx, valid, p):
