@@ -255,6 +255,8 @@ class MLAttention(nn.Module):
         idx, valid = selection if cfg.runtime.indexer_loss == "sparse" else (None, None)
 
         def kl(target_BTK=None, mha=None):
+            if target_BTK is not None and cfg.runtime.attention_impl in PALLAS_IMPLS:
+                return indexer_kl_ops.mean_over_tokens(*self._sparse_kl_kernel(q_i, k_i, w_i, idx, valid, target_BTK))
             # mha: (MHA query, per-head keys, lse) of the flash core: the warm-up target from its lse
             if mha is not None and cfg.runtime.indexer_loss == "warmup" and cfg.runtime.attention_impl in PALLAS_IMPLS:
                 return indexer_kl_ops.mean_of_sums(*self._warmup_kl_kernel(mha, q_i, k_i, w_i, positions_BT,
@@ -279,6 +281,18 @@ class MLAttention(nn.Module):
         q_m, k_m, lse = (jax.lax.stop_gradient(x) for x in mha)   # the main model is frozen in this stage
         return logical_shard_map(sums, in_axes=(b4, b4, b3, b4, b3, b3, bt, bt), out_axes=((BATCH,), (BATCH,)))(
             q_m, k_m, lse, q_i, k_i, w_i, positions_BT, segment_ids_BT)
+
+    def _sparse_kl_kernel(self, q_i, k_i, w_i, idx, valid, target_BTK):
+        """The sparse stage's indexer KL per token on the Pallas kernels -> (kl [B,T], has_set [B,T]); per
+        batch shard."""
+        impl = self.cfg.runtime.attention_impl
+
+        def per_token(q, k, w, i, v, p):
+            return indexer_kl_ops.sparse_kl_per_token(q, k, w, i, v, p, impl=impl)
+
+        bt, btx = (BATCH, None), (BATCH, None, None)
+        return logical_shard_map(per_token, in_axes=((BATCH, None, None, None), btx, btx, btx, btx, btx),
+                                 out_axes=(bt, bt))(q_i, k_i, w_i, idx, valid, target_BTK)
 
     def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):
         """Top-k selection (lightning_indexer.ops); a Pallas impl runs per batch shard."""

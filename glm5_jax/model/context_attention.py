@@ -114,6 +114,10 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                     scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl,
                     block_q=min(indexer_kl_ops.BLOCK_Q, mha_form.chunk_block(a["pos"].shape[1] // 2)))
             kl, has_set = kl[:, None], has_set[:, None]
+        elif kl_stage == "sparse" and target is not None and cfg.runtime.attention_impl in PALLAS_IMPLS:
+            with jax.named_scope("indexer_kl"):
+                kl, has_set = indexer_kl_ops.sparse_kl_per_token(a["iq"], ik, a["iw"], idx, valid, target,
+                                                                 impl=cfg.runtime.attention_impl)
         else:
             sg = jax.lax.stop_gradient
             picked = dict(idx_BTK=idx, valid_BTK=valid, target_BTK=target) if kl_stage == "sparse" else {}

@@ -1,10 +1,14 @@
 """DSA indexer KL loss: the one place that picks how it runs.
 
-* Sparse stage, and the warm-up stage on the absorbed form or with the ``"reference"`` / ``"xla"`` impls:
-  the XLA implementation (reference.py), chunked over queries, so memory is O(B * T_chunk * H * S) in the
-  warm-up stage and O(B * T_chunk * k) in the sparse stage. In the sparse stage every attention impl hands
-  it the target it computed while attending (the Pallas forward kernel's second sweep included), so the KL
-  only scores the indexer at the selected slots; without a target it recomputes one from the same selection.
+* The XLA implementation (reference.py) for the ``"reference"`` / ``"xla"`` impls, the warm-up stage on the
+  absorbed form and the sparse stage without a given target: chunked over queries, so memory is
+  O(B * T_chunk * H * S) in the warm-up stage and O(B * T_chunk * k) in the sparse stage. In the sparse stage
+  every attention impl hands it the target it computed while attending (the Pallas forward kernel's second
+  sweep included), so the KL only scores the indexer at the selected slots; without a target it recomputes
+  one from the same selection.
+* Sparse stage with a given target and ``"pallas"`` / ``"pallas_interpret"`` (`sparse_kl_per_token`): the
+  kernels of sparse_kernel.py, which gather the selected indexer keys into VMEM per query and never write a
+  [tokens, k, ...] array (above 32K keys per shard their resident key gradient no longer fits VMEM: XLA).
 * Warm-up stage from the flash attention's lse with ``"pallas"`` / ``"pallas_interpret"``
   (`warmup_kl_sums`): the kernels of kernel.py, which recompute the attention logits blockwise in VMEM and
   never write a [T, S] array. The main model is frozen in this stage, so the kernel computes the loss and
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.impls import PALLAS_IMPLS, PALLAS_INTERPRET
-from pallas_kernels.indexer_kl import kernel
+from pallas_kernels.indexer_kl import kernel, sparse_kernel, sparse_pallas
 # the public entry points: the loss, and its per-token parts for callers holding a share of the queries
 from pallas_kernels.indexer_kl.reference import indexer_kl_loss, indexer_kl_per_token, mean_over_tokens  # noqa: F401
 from pallas_kernels.tpu_utils import pad_axis, round_up
@@ -97,3 +101,16 @@ def _kernel_sums_bwd(static, grads, cotangents):
 
 
 _kernel_sums.defvjp(_kernel_sums_fwd, _kernel_sums_bwd)
+
+
+def sparse_kl_per_token(index_q_BTHD, index_k_BSD, index_w_BTH, idx_BTK, valid_BTK, target_BTK, *, impl):
+    """Sparse stage, given target: (kl [B, T] fp32, has_set [B, T] bool). ``reference`` / ``xla``: the XLA
+    form (reference.py); ``pallas`` / ``pallas_interpret``: the kernels, which run on one device (call them
+    per shard on a mesh), while the backward's resident key gradient fits VMEM (sparse_kernel.fits_vmem:
+    up to 32K keys), else the XLA form."""
+    if impl in PALLAS_IMPLS and sparse_kernel.fits_vmem(*index_k_BSD.shape[1:]):
+        return sparse_pallas.sparse_kl_per_token(index_q_BTHD, index_k_BSD, index_w_BTH, idx_BTK, valid_BTK,
+                                                 target_BTK, interpret=impl == PALLAS_INTERPRET)
+    return indexer_kl_per_token(None, None, index_q_BTHD, index_k_BSD, index_w_BTH, None, None, None, None,
+                                scale=None, stage="sparse", idx_BTK=idx_BTK, valid_BTK=valid_BTK,
+                                target_BTK=target_BTK)

@@ -9,6 +9,7 @@ Each compile must succeed and fit one v5p chip's HBM. The dense stage's flash at
 warm-up stage's indexer KL kernels compile at their own per-chip shapes (below).
 """
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +178,41 @@ def test_warmup_indexer_kl_compiles(mesh, T):
     print(f"flops per chip {cost['flops']:.4g} (kernels declare {declared:.4g}), bytes accessed "
           f"{cost['bytes accessed']:.4g}")
     assert declared <= cost["flops"] < 1.01 * declared
+
+
+# ---- the sparse stage's indexer KL (loss + gradients of the indexer's q, k, w) at GLM-5's per-chip shapes:
+# one 4K sequence per chip (batch split over the 4 chips; the keys stay in VMEM), and a context shard of
+# 1024 queries over 32K gathered keys (row DMAs from HBM); k = 2048 selected keys, H_I = 32 x d_I = 128, the
+# indexer q and k in fp32 as the model's Indexer returns them (and in bf16)
+@pytest.mark.parametrize("KL_T, KL_S, kl_dtype", [(4096, 4096, jnp.float32), (4096, 4096, jnp.bfloat16),
+                                                  (1024, 32768, jnp.float32)])
+def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S, kl_dtype):
+    from glm5_jax.cost.hlo_cost import hlo_cost
+    from pallas_kernels.indexer_kl import ops as kl_ops
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
+    mesh = Mesh(np.array(topology.devices).reshape(-1), ("q",))
+    n = len(mesh.devices)
+    args = tuple(abstract(mesh, (n,) + shape, dtype, BATCH) for shape, dtype in [
+        ((KL_T, HI, DI), kl_dtype), ((KL_S, DI), kl_dtype), ((KL_T, HI), jnp.float32),
+        ((KL_T, TOPK), jnp.int32), ((KL_T, TOPK), jnp.bool_), ((KL_T, TOPK), jnp.float32)])
+
+    def kl_loss_and_grads(iq, ik, iw, idx, valid, p):
+        def loss(iq, ik, iw):
+            return kl_ops.mean_over_tokens(*kl_ops.sparse_kl_per_token(iq, ik, iw, idx, valid, p, impl="pallas"))
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, iw)
+        return (value[None],) + grads
+
+    compiled = compile_and_check(mesh, kl_loss_and_grads, args, (BATCH,) * 6, (BATCH,) * 4)
+    text = compiled.as_text()
+    assert "indexer_kl_sparse_fwd" in text and "indexer_kl_sparse_bwd" in text
+    # no gathered rows [..., k, d_I] nor per-head scores [..., k, H_I] of any query chunk in the program (the
+    # XLA form has both): only the kernels see them, in VMEM
+    assert not re.search(rf"\[[\d,]*{TOPK},({DI}|{HI})\]", text)
+    # the kernels' declared FLOPs (per slot and head: forward 2 d_I + 3, backward 6 d_I + 7; per slot 10 and
+    # d_I + 8) are what the cost model charges
+    slots = KL_T * TOPK
+    declared = slots * HI * (8 * DI + 10) + slots * (DI + 18)
+    cost = hlo_cost(text)
+    print(f"kernel FLOPs {cost.kernel_flops:.4g} (declared {declared:.4g}), HBM bytes {cost.bytes_accessed:.4g}")
+    assert cost.kernel_flops == declared
