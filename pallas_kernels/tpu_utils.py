@@ -2,6 +2,9 @@
 import jax
 import jax.numpy as jnp
 
+# the minor dim of a TPU tile: arrays live in HBM as (8, 128) tiles of 32-bit words over their two minor dims
+LANES = 128
+
 
 def round_up(x, m):
     return -(-x // m) * m

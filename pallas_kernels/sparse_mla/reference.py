@@ -40,11 +40,12 @@ def gather_rows(kv_BSC, idx_BTK):
 
 def scatter_add_rows(d_BSC, idx_BTK, rows_BTKC, valid_BTK=None):
     """The transpose of `gather_rows`: d[b, idx[b, t, j]] += rows[b, t, j] for every slot, or for the
-    ``valid`` slots only (the others are sent out of range and dropped)."""
-    B, S, C = d_BSC.shape
+    ``valid`` slots only (the others are sent out of range and dropped). A row may have more than one
+    dim (d [B, S, ...], rows [B, T, k, ...])."""
+    B, S = d_BSC.shape[:2]
     target = idx_BTK if valid_BTK is None else jnp.where(valid_BTK, idx_BTK, S)
     return jax.vmap(lambda d, i, r: d.at[i].add(r, mode="drop"))(d_BSC, target.reshape(B, -1),
-                                                                 rows_BTKC.reshape(B, -1, C))
+                                                                 rows_BTKC.reshape(B, -1, *d_BSC.shape[2:]))
 
 
 def attend_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim):
