@@ -91,10 +91,14 @@ SWEEPS = {
     },
     "v5p:8x16x16/dense": {    # the pretraining stage: dense MLA attention (flash kernel), no indexer
         "dense_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2, remat=_MOE) + _DENSE,
-        "dense_fsdp128_cp2_ep8_full": _mesh(128, 8, 1, context=2) + _DENSE,
         "dense_fsdp64_cp4_ep8": _mesh(64, 8, 1, context=4, remat=_MOE) + _DENSE,
         "dense_fsdp128_ep8_tp2": _mesh(128, 8, 2, remat=_MOE) + _DENSE,
         "dense_fsdp64_cp2_ep16": _mesh(64, 16, 1, context=2, remat=_MOE) + _DENSE,
+        "dense_fsdp32_cp2_ep32": _mesh(32, 32, 1, context=2, remat=_MOE) + _DENSE,
+        "dense_fsdp16_cp2_ep64": _mesh(16, 64, 1, context=2, remat=_MOE) + _DENSE,
+        # under full remat, the layouts whose moe_saveable step does not fit
+        "dense_fsdp64_cp4_ep8_full": _mesh(64, 8, 1, context=4) + _DENSE,
+        "dense_fsdp128_ep8_tp2_full": _mesh(128, 8, 2) + _DENSE,
         "warmup_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2, remat=_MOE) + ["train.stage=warmup"],
     },
     "v5p:4x8x8/dense": {      # 256 chips, 512 x 4096, bf16 weights and first moment
