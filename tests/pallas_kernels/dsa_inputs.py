@@ -34,3 +34,16 @@ def positions_and_segments(B, T, S):
 def normal(rng, shape, dtype=jnp.float32):
     """Standard-normal test data from a numpy Generator (no per-shape jax.random compiles)."""
     return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def packed(B, T, boundaries, pad_from, shift=37):
+    """(positions, segment ids) [B, T]: documents starting at ``boundaries`` (row b shifted by ``shift`` b),
+    positions restarting per document, segment 0 from ``pad_from`` in the last row."""
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        starts = sorted({0, *((x + shift * b) % T for x in boundaries)})
+        for n, (s, e) in enumerate(zip(starts, starts[1:] + [T])):
+            seg[b, s:e], pos[b, s:e] = n + 1, np.arange(e - s)
+    seg[-1, pad_from:] = 0
+    return jnp.asarray(pos), jnp.asarray(seg)

@@ -20,21 +20,9 @@ from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 from pallas_kernels.flash_attention import kernel, ops
 from pallas_kernels.masking import visible_mask
 from tests.model.test_model_properties import TINY
+from dsa_inputs import packed
 
 SCALE = 256 ** -0.5
-
-
-def packed(B, T, boundaries, pad_from):
-    """(positions, segment ids) [B, T]: documents starting at ``boundaries`` (row b shifted by 37 b),
-    positions restarting per document, segment 0 from ``pad_from`` in the last row."""
-    seg = np.zeros((B, T), np.int32)
-    pos = np.zeros((B, T), np.int32)
-    for b in range(B):
-        starts = sorted({0, *((x + 37 * b) % T for x in boundaries)})
-        for n, (s, e) in enumerate(zip(starts, starts[1:] + [T])):
-            seg[b, s:e], pos[b, s:e] = n + 1, np.arange(e - s)
-    seg[-1, pad_from:] = 0
-    return jnp.asarray(pos), jnp.asarray(seg)
 
 
 def random_qkv(key, B, T, S, H, D, Dv):

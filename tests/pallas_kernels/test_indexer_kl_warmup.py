@@ -10,27 +10,15 @@ import numpy as np
 import pytest
 
 from pallas_kernels.indexer_kl import kernel, ops, reference
+from dsa_inputs import packed
 
 SCALE = 0.25
 B, H, D, HI, DI = 2, 2, 64, 3, 32      # D and DI are padded to 128 by ops.py
 
 
-def packed(T, boundaries, pad_from):
-    """(positions, segment ids) [B, T]: documents starting at ``boundaries`` (row b shifted by 29 b),
-    positions restarting per document, segment 0 from ``pad_from`` in the last row."""
-    seg = np.zeros((B, T), np.int32)
-    pos = np.zeros((B, T), np.int32)
-    for b in range(B):
-        starts = sorted({0, *((x + 29 * b) % T for x in boundaries)})
-        for n, (s, e) in enumerate(zip(starts, starts[1:] + [T])):
-            seg[b, s:e], pos[b, s:e] = n + 1, np.arange(e - s)
-    seg[-1, pad_from:] = 0
-    return jnp.asarray(pos), jnp.asarray(seg)
-
-
 def inputs(T, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    pos, seg = packed(T, boundaries=(45, 170, 171, 300), pad_from=T - 70)
+    pos, seg = packed(B, T, boundaries=(45, 170, 171, 300), pad_from=T - 70, shift=29)
     q = jax.random.normal(ks[0], (B, T, H, D))
     k = jax.random.normal(ks[1], (B, T, H, D))
     # the attention's own lse of the scaled logits over the visible keys (-inf for a query without keys)
