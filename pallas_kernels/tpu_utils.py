@@ -26,3 +26,12 @@ def pad_axis(x, axis, size, value=0):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths, constant_values=value)
+
+
+def check_blocks(kernel_name: str, T: int, S: int, block_q: int, block_k: int):
+    """A blockwise attention-shaped kernel's grid: T queries and S keys each a multiple of its block, each block
+    a multiple of LANES (ops.py pads to them)."""
+    for name, n, blk in (("T", T, block_q), ("S", S, block_k)):
+        if blk % LANES or n % blk:
+            raise ValueError(f"{kernel_name}: {name}={n} is not a multiple of its block {blk} "
+                             f"(a multiple of {LANES}); ops.py pads to it")

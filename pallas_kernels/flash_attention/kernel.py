@@ -45,9 +45,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_utils import mxu_precision
+from pallas_kernels.tpu_utils import LANES, check_blocks, mxu_precision
 
-LANES = 128
 # The backward computes dQ inside the dK/dV kernel while one head's fp32 dQ [T, D] fits this many bytes of
 # VMEM (T = 8192 at D = 256), else in a separate dQ kernel. The pipeline double-buffers the dQ block, so the
 # fused kernel needs ~2 x 8 MiB + ~11 MiB of 512-blocks and temporaries: its scoped VMEM limit leaves room
@@ -259,10 +258,7 @@ def _shapes(q_BTHD, k_BSHD, v_BSHV, block_q, block_k) -> _Shapes:
         raise ValueError(f"flash_attention: q {q_BTHD.shape}, k {k_BSHD.shape}, v {v_BSHV.shape} disagree")
     if D % LANES or Dv % LANES:
         raise ValueError(f"flash_attention: head dims {D}, {Dv} must be multiples of {LANES}")
-    for name, n, blk in (("T", T, block_q), ("S", S, block_k)):
-        if blk % LANES or n % blk:
-            raise ValueError(f"flash_attention: {name}={n} is not a multiple of its block {blk} "
-                             f"(a multiple of {LANES}); ops.py pads to it")
+    check_blocks("flash_attention", T, S, block_q, block_k)
     return _Shapes(B, T, S, H, D, Dv, block_q, block_k)
 
 

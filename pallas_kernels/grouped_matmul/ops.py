@@ -43,8 +43,7 @@ def grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, *, impl=RAGGED_DOT, out_dtype
                          f"({rhs_EKN.shape[0]})")
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if impl == RAGGED_DOT:
-        rhs = jnp.swapaxes(rhs_EKN, 1, 2) if transpose_rhs else rhs_EKN
-        return reference.grouped_matmul(lhs_MK, rhs, group_sizes_E, out_dtype)
+        return reference.grouped_matmul(lhs_MK, _as_kn(rhs_EKN, transpose_rhs), group_sizes_E, out_dtype)
     return _kernel_grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E, impl, jnp.dtype(out_dtype), transpose_rhs)
 
 

@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_attention.kernel import (LANES, _columns, _mm, _mm_nt, _rows, _table_index, _visible,
-                                                   block_tables, needed_blocks)
+from pallas_kernels.flash_attention.kernel import (_columns, _mm, _mm_nt, _rows, _table_index, _visible, block_tables,
+                                                   needed_blocks)
+from pallas_kernels.tpu_utils import LANES, check_blocks
 
 # d ik of one batch row stays resident in VMEM (fp32 [S, DI], double-buffered by the pipeline) while the
 # query blocks run up to this size (S = 8K at DI = 128); longer key sets get d ik from a separate kernel
@@ -85,10 +86,7 @@ def check_shapes(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, block_q, bloc
             raise ValueError(f"warmup_indexer_kl: {name} has shape {got}, expected {want}")
     if D % LANES or DI % LANES:
         raise ValueError(f"warmup_indexer_kl: head dims D={D}, DI={DI} must be multiples of {LANES}")
-    for name, n, blk in (("T", T, block_q), ("S", S, block_k)):
-        if blk % LANES or n % blk:
-            raise ValueError(f"warmup_indexer_kl: {name}={n} is not a multiple of its block {blk} "
-                             f"(a multiple of {LANES}); ops.py pads to it")
+    check_blocks("warmup_indexer_kl", T, S, block_q, block_k)
     return Shapes(B, T, S, H, D, HI, DI, block_q, block_k)
 
 

@@ -50,7 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.sparse_mla.kernel import (QUERIES_PER_BLOCK, _column_to_row, _mm, _mm_nt, _prepare,
                                               _row_to_column, _RowGather)
-from pallas_kernels.tpu_utils import pad_axis, round_up
+from pallas_kernels.tpu_utils import LANES, pad_axis, round_up
 
 # The backward's resident dk block, double-buffered, must leave room in VMEM (64 MiB per v5p TensorCore, as
 # the compiler reports it): up to 32 MiB, i.e. S <= 32768 keys of D = 128 (a 32K-token context shard). With
@@ -59,7 +59,7 @@ DK_VMEM_BUDGET = 32 * 2**20
 # ik stays in VMEM (fp32, one buffer) while it takes at most this: S <= 16384 keys of D = 128
 RESIDENT_KEYS_BUDGET = 8 * 2**20
 TENSORCORES_PER_CHIP = 2   # v4 / v5p megacore: a "parallel" grid axis is split over the chip's two cores
-LANES = 128   # per-query scalars travel as one lane row: lane 0 / 1 of a [B, T, 128] fp32 array
+# per-query scalars travel as one lane row: lane 0 / 1 of a [B, T, LANES] fp32 array
 # VMEM the default scoped limit leaves us; the backward's resident dk block needs more for long sequences
 _DEFAULT_SCOPED_VMEM = 16 * 2**20
 

@@ -36,6 +36,7 @@ from glm5_jax.model.moe.experts import swiglu_rows
 from glm5_jax.parallel.axes import BATCH, EMBED, EXP, MLP_MOE, SEQ
 from glm5_jax.parallel.shard_map import logical_mesh_axes
 from pallas_kernels.impls import BLOCKED, RAGGED_DOT
+from pallas_kernels.tpu_utils import LANES
 
 
 def _single(axes: tuple[str, ...], what: str) -> str | None:
@@ -57,9 +58,6 @@ def _rank_within_expert(flat_e, n_experts):
     rank_sorted = jnp.arange(flat_e.shape[0], dtype=jnp.int32) - starts[flat_e[order]]
     rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
     return order, rank, counts
-
-
-LANES = 128   # the minor tile dim of the TPU's tiled HBM layout
 
 
 def tile_rows(x_RD):
