@@ -15,9 +15,9 @@ What the wrappers add to megablox:
 * `tgmm` visits every empty group once and writes zeros there: an expert without rows gets an exactly zero
   weight gradient.
 
-Tiles (rows, contraction, output columns). v5p has 95 MiB of VMEM per core but Mosaic's default scoped
-VMEM limit is 16 MiB; each kernel double-buffers its input and output blocks and keeps one fp32
-accumulator, with bf16 operands:
+Tiles (rows, contraction, output columns). v5p has 64 MiB of VMEM per TensorCore (jax's
+`pallas.mosaic.tpu_info`) but Mosaic's default scoped VMEM limit is 16 MiB; each kernel double-buffers its
+input and output blocks and keeps one fp32 accumulator, with bf16 operands:
 
 * `gmm` (256, 1024, 1024): lhs 256x1024 (0.5 MiB), rhs 1024x1024 (2 MiB), fp32 out 256x1024 (1 MiB), each
   x2, + fp32 accumulator 1 MiB = 8 MiB. Each weight tile is reused by 256 rows: 2*256*1024*1024 FLOPs per

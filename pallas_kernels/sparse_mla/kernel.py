@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_utils import mxu_precision, pad_axis, round_up
+from pallas_kernels.tpu_utils import LANES, mxu_precision, pad_axis, round_up
 
 QUERIES_PER_BLOCK = 8  # TQ
 
@@ -175,10 +175,15 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
             target_ref[0, pl.ds(qi, 1), pl.ds(start, block_k)] = jnp.mean(p_HK, axis=0, keepdims=True)
 
 
-def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref,
-                buf, sem, *, scale, v_dim, block_k):
-    # q_ref [1, 1, H, C]; dout_ref [1, 1, H, v_dim]; lse/delta [1, TQ, H] fp32; valid [1, TQ, block_k];
-    # dq_ref [1, 1, H, C] fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] fp32.
+def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
+    # q_ref [1, 1, H, C]; (wide: qw_ref [1, 1, H, W], q zero-padded to W = C rounded up to 128 lanes);
+    # dout_ref [1, 1, H, v_dim]; lse/delta [1, TQ, H] fp32; valid [1, TQ, block_k]; dq_ref [1, 1, H, C]
+    # fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] fp32, or wide: [1, 1, block_k, W/128,
+    # 128] (the tile-row view, one 128-lane chunk of a row per sublane of its own tile).
+    if wide:
+        qw_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref, buf, sem = refs
+    else:
+        (dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref, buf, sem), qw_ref = refs, q_ref
     b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
     rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
 
@@ -198,10 +203,24 @@ def _bwd_kernel(idx_ref, q_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm,
         dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
     dq_ref[0, 0] += _mm(ds_HK.astype(rows_KC.dtype), rows_KC) * scale
-    dkey_KC = _mm(ds_HK.T.astype(q_HC.dtype), q_HC) * scale
     dvalue_KV = _mm(p_HK.T.astype(dout_HV.dtype), dout_HV)
-    drows_ref[0, 0] = dkey_KC
-    drows_ref[0, 0, :, :v_dim] += dvalue_KV
+    if not wide:
+        drows_ref[0, 0] = _mm(ds_HK.T.astype(q_HC.dtype), q_HC) * scale
+        drows_ref[0, 0, :, :v_dim] += dvalue_KV
+        return
+    # key part over the padded width (the query is 0 past C, so are those columns), plus the value part on
+    # the first v_dim columns; each 128-lane chunk is stored to its sublane of the row's tile (a strided
+    # store), so the output is already in the layout the scatter-add wants: no relayout copy through HBM.
+    dkey_KW = _mm(ds_HK.T.astype(q_HC.dtype), qw_ref[0, 0]) * scale
+    for c in range(drows_ref.shape[3]):
+        lo, hi = c * LANES, (c + 1) * LANES
+        chunk_KL = dkey_KW[:, lo:hi]
+        if hi <= v_dim:
+            chunk_KL = chunk_KL + dvalue_KV[:, lo:hi]
+        elif lo < v_dim:   # v_dim not a multiple of 128 (small test widths only)
+            part = dvalue_KV[:, lo:]
+            chunk_KL = chunk_KL + jnp.concatenate([part, jnp.zeros((part.shape[0], hi - v_dim), part.dtype)], 1)
+        drows_ref[0, 0, :, c, :] = chunk_KL
 
 
 class _Padded(NamedTuple):
@@ -246,14 +265,19 @@ def _grid_and_common_specs(d, sweeps=1):
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"))
 
 
-def _cost(d, v_dim, itemsize, backward, with_target=False):
+def _cost(d, v_dim, itemsize, backward, with_target=False, tile_rows=False):
     """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
 
     Per (query, slot, head): logits 2C; forward adds p @ V 2v (and with the KL target a second sweep:
     logits 2C again); the backward recomputes the logits (2C), dP = dO V^T (2v), dq += dS rows (2C),
     drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered rows (twice with the target sweep), q and
-    the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients."""
+    the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients.
+    With ``tile_rows`` it also reads the query padded to W = C rounded up to 128 lanes, the key part's
+    product runs over W (2W FLOPs instead of 2C) and each row gradient is written as whole fp32 [8, 128]
+    tiles, W/128 rows of them in use: 8 * 128 * 4 bytes per row."""
     B, T, H, C, K = d.B, d.T_pad, d.H, d.C, d.K_pad
+    W = round_up(C, LANES) if tile_rows else C
+    row_bytes = 8 * LANES * 4 if tile_rows else C * 4
     pairs = B * T * K * H
     rows = B * T * K * C * itemsize
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
@@ -263,8 +287,9 @@ def _cost(d, v_dim, itemsize, backward, with_target=False):
                                    bytes_accessed=2 * rows + per_query + B * T * K * 4)
         return pl.CostEstimate(flops=pairs * (2 * C + 2 * v_dim), transcendentals=pairs,
                                bytes_accessed=rows + per_query)
-    return pl.CostEstimate(flops=pairs * (6 * C + 4 * v_dim), transcendentals=pairs,
-                           bytes_accessed=rows + 2 * per_query + B * T * H * C * 4 + B * T * K * C * 4)
+    wide_q = B * T * H * W * itemsize if tile_rows else 0
+    return pl.CostEstimate(flops=pairs * (4 * C + 2 * W + 4 * v_dim), transcendentals=pairs,
+                           bytes_accessed=rows + 2 * per_query + wide_q + B * T * H * C * 4 + B * T * K * row_bytes)
 
 
 def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=512, interpret=False,
@@ -307,38 +332,46 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
 
 
 def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
-                        scale, v_dim, block_k=512, interpret=False):
+                        scale, v_dim, block_k=512, tile_rows=False, interpret=False):
     """(dq [B, T, H, C] fp32, drows [B, T, k, C] fp32): gradients of q and of every gathered slot's row.
 
-    ``delta = rowsum(dO * O) - dlse`` [B, T, H] fp32. Invalid slots get zero row gradients.
+    ``delta = rowsum(dO * O) - dlse`` [B, T, H] fp32. Invalid slots get zero row gradients. With
+    ``tile_rows`` drows is [B, T, k, W/128, 128], each row zero-padded to W = C rounded up to 128 lanes:
+    the tile-row view a scatter-add wants (each row owns its TPU tiles), written by the kernel so that no
+    pad or relayout pass over the rows runs in XLA.
     """
     S = kv_BSC.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
     B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
+    W = round_up(C, LANES) if tile_rows else C
+    wide = tile_rows
+    row_tiles = (W // LANES, LANES) if tile_rows else (C,)
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
     q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
     dout = pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
     lse = pad_axis(lse_BTH.astype(jnp.float32), 1, T_pad, -jnp.inf)
     delta = pad_axis(delta_BTH.astype(jnp.float32), 1, T_pad)
+    q_in = [q, pad_axis(q, 3, W)] if wide else [q]
+    q_specs = [pl.BlockSpec((1, 1, H, C), per_query)] + ([pl.BlockSpec((1, 1, H, W), per_query)] if wide else [])
     dq, drows = pl.pallas_call(
-        functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k),
+        functools.partial(_bwd_kernel, scale=scale, v_dim=v_dim, block_k=block_k, wide=wide),
         grid=grid,
-        in_specs=[idx_spec,
-                  pl.BlockSpec((1, 1, H, C), per_query),
+        in_specs=[idx_spec, *q_specs,
                   pl.BlockSpec((1, 1, H, v_dim), per_query),
                   row_block, row_block,
                   valid_spec,
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[pl.BlockSpec((1, 1, H, C), per_query),
-                   pl.BlockSpec((1, 1, block_k, C), lambda b, t, i, kb: (b, t * QUERIES_PER_BLOCK + i, kb, 0))],
+                   pl.BlockSpec((1, 1, block_k, *row_tiles),
+                                lambda b, t, i, kb: (b, t * QUERIES_PER_BLOCK + i, kb) + (0,) * len(row_tiles))],
         out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, C), jnp.float32),
-                   jax.ShapeDtypeStruct((B, T_pad, K_pad, C), jnp.float32)],
+                   jax.ShapeDtypeStruct((B, T_pad, K_pad, *row_tiles), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,))],
         compiler_params=_SEMANTICS,
         interpret=interpret,
         name="sparse_mla_bwd",
-        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=True),
-    )(d.idx_flat, q, dout, lse, delta, d.valid, kv_BSC[:, :, None, :])
+        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=True, tile_rows=tile_rows),
+    )(d.idx_flat, *q_in, dout, lse, delta, d.valid, kv_BSC[:, :, None, :])
     T, K = d.T, d.K
     if (T, K) != (T_pad, K_pad):
         dq, drows = dq[:, :T], drows[:, :T, :K]

@@ -131,9 +131,10 @@ def test_reference_query_chunks_agree():
     assert reference.rows_q_chunk(1, 2048, 576, 2) == 1   # one query's rows already exceed the budget
 
 
-def test_backward_chunks_and_scatter_add():
+@pytest.mark.parametrize("C,V", [(16, 8), (288, 200)])   # rows of 1 and 3 lane tiles, value in 1 and 2
+def test_backward_chunks_and_scatter_add(C, V):
     """Several backward query chunks, with keys selected by many queries (scatter-add collisions)."""
-    B, T, S, H, C, V, topk = 1, 21, 24, 2, 16, 8, 12
+    B, T, S, H, topk = 1, 21, 24, 2, 12
     q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, seed=3)
     out, lse = reference.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V)
     dout = normal(np.random.default_rng(4), out.shape)
@@ -155,6 +156,9 @@ def test_tpu_interpreter_out_of_bounds_checked():
         dout = jnp.ones_like(out)
         dq, rows = kernel.sparse_mla_bwd_rows(q, kv, idx, valid, dout, lse, jnp.sum(out, -1),
                                               scale=SCALE, v_dim=V, block_k=8, interpret=params)
+        # the row gradients in the tile-row view, zero-padded to 128 lanes, as ops.sparse_mla_grads asks
+        dq_w, rows_w = kernel.sparse_mla_bwd_rows(q, kv, idx, valid, dout, lse, jnp.sum(out, -1), scale=SCALE,
+                                                  v_dim=V, block_k=8, tile_rows=True, interpret=params)
     finally:
         pltpu.reset_tpu_interpret_mode_state()
     ref_out, ref_lse = reference.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V)
@@ -163,6 +167,10 @@ def test_tpu_interpreter_out_of_bounds_checked():
     _, vjp = jax.vjp(lambda a: reference.sparse_mla(a, kv, idx, valid, scale=SCALE, v_dim=V)[0], q)
     assert_close(dq, vjp(dout)[0], 1e-5)
     assert np.all(np.asarray(rows)[~np.asarray(valid)] == 0)
+    assert rows_w.shape == rows.shape[:3] + (1, 128)
+    np.testing.assert_array_equal(np.asarray(rows_w[..., 0, :C]), np.asarray(rows))
+    assert np.all(np.asarray(rows_w[..., 0, C:]) == 0)
+    np.testing.assert_array_equal(np.asarray(dq_w), np.asarray(dq))
 
 
 def test_inside_shard_map_over_queries():
