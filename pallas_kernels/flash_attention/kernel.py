@@ -18,6 +18,11 @@ is a copy unless XLA has the producer -- the projection and concatenation that b
 H*D] directly; a compile of the kernels alone on parameters pays it.) D and Dv must be multiples of 128
 (GLM-5: D = 192 nope + 64 rope = 256, Dv = 256).
 
+Selection mask (optional ``allowed`` [B, T, S] int8): key s is attended from query t only if it is also
+allowed there -- DSA's top-k set, when the sparse stage runs dense blockwise at short context. The mask
+arrives as one int8 (bq, bk) block per grid step, fetched like the key block (a key-major [bk, bq] block of
+its transpose in the backward's dK/dV kernel); it is re-read once per head, T * S * H bytes per sweep.
+
 Block skipping. Causal attention over packed documents leaves most (query block, key block) pairs without a
 visible pair. `needed_blocks` (XLA, O(B * T/bq * S/bk)) marks a pair *needed* unless per-block summaries
 (positions per segment-id part) prove nothing is visible -- a test that depends on no layout, exact while a
@@ -80,9 +85,16 @@ def _column_to_row(col_N1):
     return jnp.sum(jnp.where(_eye(col_N1.shape[0]), col_N1, 0.0), axis=0, keepdims=True)
 
 
-def _visible(q_pos, q_seg, kv_pos, kv_seg):
-    """The masking.visible_mask rule on broadcastable blocks (a column side and a row side)."""
-    return (q_seg == kv_seg) & (q_seg != 0) & (kv_pos <= q_pos)
+def _visible(q_pos, q_seg, kv_pos, kv_seg, allowed_ref=None):
+    """The masking.visible_mask rule on broadcastable blocks (a column side and a row side), and the
+    selection mask's block where there is one."""
+    visible = (q_seg == kv_seg) & (q_seg != 0) & (kv_pos <= q_pos)
+    return visible if allowed_ref is None else visible & (allowed_ref[...] != 0)
+
+
+def _split_mask(refs, masked):
+    """(allowed_ref or None, the remaining refs): the optional mask operand comes first in ``refs``."""
+    return (refs[0], refs[1:]) if masked else (None, refs)
 
 
 # ------------------------------------------------------------------------------------------ block tables
@@ -137,9 +149,11 @@ def _table_index(b, outer, inner, n_outer, n_inner):
 
 # ------------------------------------------------------------------------------------------------ forward
 def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref,
-                out_ref, lse_ref, m_scr, l_scr, acc_scr, *, scale, n_q, n_k):
+                *refs, scale, n_q, n_k, masked):
     # q_ref [bq, D]; k_ref [bk, D]; v_ref [bk, Dv]; q_pos/q_seg [bq, 1]; kv_pos/kv_seg [1, bk] int32;
-    # out_ref [bq, Dv]; lse_ref [1, bq] fp32; m/l [bq, 1], acc [bq, Dv] fp32 scratch.
+    # (masked: allowed_ref [bq, bk] int8); out_ref [bq, Dv]; lse_ref [1, bq] fp32; m/l [bq, 1], acc [bq, Dv]
+    # fp32 scratch.
+    allowed_ref, (out_ref, lse_ref, m_scr, l_scr, acc_scr) = _split_mask(refs, masked)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -150,7 +164,7 @@ def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref
 
     @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
     def _accumulate():
-        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...])
+        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...], allowed_ref)
         s = jnp.where(visible, _mm_nt(q_ref[...], k_ref[...]) * scale, -jnp.inf)
         m_prev = m_scr[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -172,10 +186,12 @@ def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref
 
 # ----------------------------------------------------------------------------------------------- backward
 def _dkv_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, q_pos_ref, q_seg_ref,
-                kv_pos_ref, kv_seg_ref, *refs, scale, n_q, n_k, fused_dq):
+                kv_pos_ref, kv_seg_ref, *refs, scale, n_q, n_k, fused_dq, masked):
     # key-major: k_ref [bk, D], v_ref [bk, Dv], kv_pos/kv_seg [bk, 1]; q_ref [bq, D], dout_ref [bq, Dv],
-    # lse/delta [1, bq] fp32, q_pos/q_seg [1, bq]; dk/dv [bk, D/Dv] (fp32 accumulators in scratch);
-    # with ``fused_dq`` also dq_ref [T, D] fp32, this head's whole dQ, resident in VMEM over the grid steps.
+    # lse/delta [1, bq] fp32, q_pos/q_seg [1, bq]; (masked: allowed_ref [bk, bq] int8, the transposed mask);
+    # dk/dv [bk, D/Dv] (fp32 accumulators in scratch); with ``fused_dq`` also dq_ref [T, D] fp32, this head's
+    # whole dQ, resident in VMEM over the grid steps.
+    allowed_ref, refs = _split_mask(refs, masked)
     if fused_dq:
         dk_ref, dv_ref, dq_ref, dk_scr, dv_scr = refs
     else:
@@ -194,7 +210,7 @@ def _dkv_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, d
 
     @pl.when(needed_ref[_table_index(b, kb, qb, n_k, n_q)] != 0)
     def _accumulate():
-        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...])   # [bk, bq]
+        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...], allowed_ref)  # [bk, bq]
         lse = lse_ref[...]
         lse = jnp.where(lse == -jnp.inf, 0.0, lse)   # queries without keys: every p is masked to 0
         q, dout = q_ref[...], dout_ref[...]
@@ -214,8 +230,9 @@ def _dkv_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, d
 
 
 def _dq_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, q_pos_ref, q_seg_ref,
-               kv_pos_ref, kv_seg_ref, dq_ref, dq_scr, lse_scr, delta_scr, *, scale, n_q, n_k):
+               kv_pos_ref, kv_seg_ref, *refs, scale, n_q, n_k, masked):
     # query-major like the forward; lse/delta arrive as rows [1, bq] and are turned into columns once.
+    allowed_ref, (dq_ref, dq_scr, lse_scr, delta_scr) = _split_mask(refs, masked)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -227,7 +244,7 @@ def _dq_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, de
 
     @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
     def _accumulate():
-        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...])   # [bq, bk]
+        visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...], allowed_ref)  # [bq, bk]
         k = k_ref[...]
         p = jnp.where(visible, jnp.exp(_mm_nt(q_ref[...], k) * scale - lse_scr[...]), 0.0)
         dp = _mm_nt(dout_ref[...], v_ref[...])
@@ -262,15 +279,17 @@ def _shapes(q_BTHD, k_BSHD, v_BSHV, block_q, block_k) -> _Shapes:
     return _Shapes(B, T, S, H, D, Dv, block_q, block_k)
 
 
-def _cost(d: _Shapes, itemsize, flops_per_pair, passes):
+def _cost(d: _Shapes, itemsize, flops_per_pair, passes, mask_reads=0):
     """Declared cost (the compiled program's FLOP/byte accounting reads it): ``flops_per_pair`` for every
     (query, key, head) pair of the blocks a causal sequence needs -- n(n+1)/2 of n^2 block pairs with n key
     blocks, which a zig-zag context shard needs too on average (the tables decide at run time) -- and
-    ``passes`` reads of q, k, v and the per-query rows (out or dO, fp32 lse and delta)."""
+    ``passes`` reads of q, k, v and the per-query rows (out or dO, fp32 lse and delta), plus ``mask_reads``
+    sweeps of the int8 selection mask's needed blocks (one byte per pair: it is re-read per head)."""
     n_k = d.S // d.bk
     pairs = d.B * d.H * d.T * d.S * (n_k + 1) // (2 * n_k)
     operands = d.B * d.H * ((d.T + d.S) * d.D + d.S * d.Dv + d.T * d.Dv) * itemsize + d.B * d.H * d.T * 8
-    return pl.CostEstimate(flops=pairs * flops_per_pair, transcendentals=pairs, bytes_accessed=passes * operands)
+    return pl.CostEstimate(flops=pairs * flops_per_pair, transcendentals=pairs,
+                           bytes_accessed=passes * operands + mask_reads * pairs)
 
 
 def _params(innermost="arbitrary", outer="parallel", vmem_limit_bytes=None):
@@ -286,10 +305,18 @@ def _rows(x_BT):
     return x_BT.astype(jnp.int32)[:, None, :]
 
 
+def _mask_operand(allowed_BTS, d: _Shapes):
+    if allowed_BTS.shape != (d.B, d.T, d.S):
+        raise ValueError(f"flash_attention: allowed {allowed_BTS.shape} is not [B, T, S] = {(d.B, d.T, d.S)}")
+    return allowed_BTS.astype(jnp.int8)
+
+
 def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, block_q=512,
-              block_k=512, interpret=False):
-    """(out [B, T, H, Dv] in q's dtype, lse [B, H, T] fp32). T and S must be multiples of the blocks."""
+              block_k=512, allowed_BTS=None, interpret=False):
+    """(out [B, T, H, Dv] in q's dtype, lse [B, H, T] fp32). T and S must be multiples of the blocks.
+    ``allowed_BTS``: the optional selection mask (bool or int8 [B, T, S])."""
     d = _shapes(q_BTHD, k_BSHD, v_BSHV, block_q, block_k)
+    masked = allowed_BTS is not None
     B, T, S, H, D, Dv, bq, bk = d
     n_q, n_k = T // bq, S // bk
     tables = block_tables(needed_blocks(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, bq, bk))
@@ -300,6 +327,11 @@ def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
     def kv_meta(b, h, i, j, needed, fetch):
         return b, 0, fetch[_table_index(b, i, j, n_q, n_k)]
 
+    def mask_block(b, h, i, j, needed, fetch):
+        return b, i, fetch[_table_index(b, i, j, n_q, n_k)]
+
+    mask_spec = [pl.BlockSpec((None, bq, bk), mask_block)] if masked else []
+    mask_arg = [_mask_operand(allowed_BTS, d)] if masked else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=(B, H, n_q, n_k),
         in_specs=[pl.BlockSpec((None, bq, D), lambda b, h, i, j, *_: (b, i, h)),
@@ -308,29 +340,34 @@ def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
                   pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)),
                   pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)),
                   pl.BlockSpec((None, 1, bk), kv_meta),
-                  pl.BlockSpec((None, 1, bk), kv_meta)],
+                  pl.BlockSpec((None, 1, bk), kv_meta),
+                  *mask_spec],
         out_specs=[pl.BlockSpec((None, bq, Dv), lambda b, h, i, j, *_: (b, i, h)),
                    pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))],
         scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                         pltpu.VMEM((bq, Dv), jnp.float32)])
     out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, n_q=n_q, n_k=n_k),
+        functools.partial(_fwd_kernel, scale=scale, n_q=n_q, n_k=n_k, masked=masked),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((B, T, H * Dv), q_BTHD.dtype),
                    jax.ShapeDtypeStruct((B, H, 1, T), jnp.float32)],
         compiler_params=_params(),
         interpret=interpret,
-        name="flash_attention_fwd",
-        cost_estimate=_cost(d, q_BTHD.dtype.itemsize, 2 * (D + Dv), passes=1),
+        name="flash_attention_fwd_masked" if masked else "flash_attention_fwd",
+        cost_estimate=_cost(d, q_BTHD.dtype.itemsize, 2 * (D + Dv), passes=1, mask_reads=int(masked)),
     )(tables.needed, tables.fetch, q_BTHD.reshape(B, T, H * D), k_BSHD.reshape(B, S, H * D),
-      v_BSHV.reshape(B, S, H * Dv), _columns(q_pos_BT), _columns(q_seg_BT), _rows(kv_pos_BS), _rows(kv_seg_BS))
+      v_BSHV.reshape(B, S, H * Dv), _columns(q_pos_BT), _columns(q_seg_BT), _rows(kv_pos_BS), _rows(kv_seg_BS),
+      *mask_arg)
     return out.reshape(B, T, H, Dv), lse[:, :, 0, :]
 
 
 def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, dout_BTHV, lse_BHT, delta_BHT, *,
-              scale, block_q=512, block_k=512, interpret=False):
-    """(dq, dk, dv) in the dtypes of q, k, v. ``delta = rowsum(dO * O) - dlse`` [B, H, T] fp32."""
+              scale, block_q=512, block_k=512, allowed_BTS=None, interpret=False):
+    """(dq, dk, dv) in the dtypes of q, k, v. ``delta = rowsum(dO * O) - dlse`` [B, H, T] fp32;
+    ``allowed_BTS``: the forward's selection mask, if it had one."""
     d = _shapes(q_BTHD, k_BSHD, v_BSHV, block_q, block_k)
+    masked = allowed_BTS is not None
+    allowed = _mask_operand(allowed_BTS, d) if masked else None
     B, T, S, H, D, Dv, bq, bk = d
     n_q, n_k = T // bq, S // bk
     needed = needed_blocks(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, bq, bk)
@@ -351,6 +388,9 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
     def q_meta(b, h, kb, qb, needed, fetch):
         return b, 0, fetch[_table_index(b, kb, qb, n_k, n_q)]
 
+    def mask_t_block(b, h, kb, qb, needed, fetch):
+        return b, kb, fetch[_table_index(b, kb, qb, n_k, n_q)]
+
     own_kv = lambda b, h, kb, qb, *_: (b, kb, h)  # noqa: E731
     own_kv_meta = lambda b, h, kb, qb, *_: (b, kb, 0)  # noqa: E731
     fused_dq = T * D * 4 <= FUSED_DQ_BYTES
@@ -360,7 +400,7 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
         out_specs.append(pl.BlockSpec((None, T, D), lambda b, h, kb, qb, *_: (b, 0, h)))
         out_shape.append(jax.ShapeDtypeStruct((B, T, H * D), jnp.float32))
     grads = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, n_q=n_q, n_k=n_k, fused_dq=fused_dq),
+        functools.partial(_dkv_kernel, scale=scale, n_q=n_q, n_k=n_k, fused_dq=fused_dq, masked=masked),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, H, n_k, n_q),
             in_specs=[pl.BlockSpec((None, bq, D), q_block),
@@ -372,7 +412,8 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
                       pl.BlockSpec((None, 1, bq), q_meta),
                       pl.BlockSpec((None, 1, bq), q_meta),
                       pl.BlockSpec((None, bk, 1), own_kv_meta),
-                      pl.BlockSpec((None, bk, 1), own_kv_meta)],
+                      pl.BlockSpec((None, bk, 1), own_kv_meta),
+                      *([pl.BlockSpec((None, bk, bq), mask_t_block)] if masked else [])],
             out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)]),
         out_shape=out_shape,
@@ -380,9 +421,10 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
                          else _params()),
         interpret=interpret,
         name="flash_attention_bwd_fused" if fused_dq else "flash_attention_bwd_dkv",
-        cost_estimate=_cost(d, itemsize, 6 * D + 4 * Dv if fused_dq else 4 * D + 4 * Dv, passes=2),
+        cost_estimate=_cost(d, itemsize, 6 * D + 4 * Dv if fused_dq else 4 * D + 4 * Dv, passes=2,
+                            mask_reads=int(masked)),
     )(*t_tables, q, k, v, dout, lse, delta, _rows(q_pos_BT), _rows(q_seg_BT), _columns(kv_pos_BS),
-      _columns(kv_seg_BS))
+      _columns(kv_seg_BS), *([jnp.swapaxes(allowed, 1, 2)] if masked else []))
     if fused_dq:
         dk, dv, dq = grads
         return (dq.astype(q.dtype).reshape(B, T, H, D), dk.reshape(B, S, H, D), dv.reshape(B, S, H, Dv))
@@ -397,11 +439,14 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
     def kv_meta(b, h, i, j, needed, fetch):
         return b, 0, fetch[_table_index(b, i, j, n_q, n_k)]
 
+    def mask_block(b, h, i, j, needed, fetch):
+        return b, i, fetch[_table_index(b, i, j, n_q, n_k)]
+
     own_q = lambda b, h, i, j, *_: (b, i, h)  # noqa: E731
     own_row = lambda b, h, i, j, *_: (b, h, 0, i)  # noqa: E731
     own_q_meta = lambda b, h, i, j, *_: (b, i, 0)  # noqa: E731
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, n_q=n_q, n_k=n_k),
+        functools.partial(_dq_kernel, scale=scale, n_q=n_q, n_k=n_k, masked=masked),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, H, n_q, n_k),
             in_specs=[pl.BlockSpec((None, bq, D), own_q),
@@ -413,7 +458,8 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
                       pl.BlockSpec((None, bq, 1), own_q_meta),
                       pl.BlockSpec((None, bq, 1), own_q_meta),
                       pl.BlockSpec((None, 1, bk), kv_meta),
-                      pl.BlockSpec((None, 1, bk), kv_meta)],
+                      pl.BlockSpec((None, 1, bk), kv_meta),
+                      *([pl.BlockSpec((None, bq, bk), mask_block)] if masked else [])],
             out_specs=pl.BlockSpec((None, bq, D), own_q),
             scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                             pltpu.VMEM((bq, 1), jnp.float32)]),
@@ -421,7 +467,7 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
         compiler_params=_params(),
         interpret=interpret,
         name="flash_attention_bwd_dq",
-        cost_estimate=_cost(d, itemsize, 4 * D + 2 * Dv, passes=2),
+        cost_estimate=_cost(d, itemsize, 4 * D + 2 * Dv, passes=2, mask_reads=int(masked)),
     )(*tables, q, k, v, dout, lse, delta, _columns(q_pos_BT), _columns(q_seg_BT), _rows(kv_pos_BS),
-      _rows(kv_seg_BS))
+      _rows(kv_seg_BS), *([allowed] if masked else []))
     return dq.reshape(B, T, H, D), dk.reshape(B, S, H, D), dv.reshape(B, S, H, Dv)

@@ -9,7 +9,8 @@
   by nobody, seeing nothing), head dims to multiples of 128 with zeros (logits unchanged; GLM-5's 256 need
   none), and the padding is cut off.
 
-Shapes: q [B,T,H,D], k [B,S,H,D], v [B,S,H,Dv], positions / segment ids [B,T] and [B,S]
+Shapes: q [B,T,H,D], k [B,S,H,D], v [B,S,H,Dv], positions / segment ids [B,T] and [B,S], optionally a
+selection mask ``allowed`` [B,T,S] bool (a key is attended only where it is also allowed: DSA's top-k set)
 -> out [B,T,H,Dv] in q's dtype, lse [B,T,H] fp32 (-inf for a query that sees no key).
 """
 from __future__ import annotations
@@ -41,15 +42,20 @@ def check_impl(impl):
 
 
 def flash_attention(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, impl=XLA,
-                    block=BLOCK, q_chunk=512) -> FlashAttention:
+                    block=BLOCK, q_chunk=512, allowed_BTS=None) -> FlashAttention:
     """Attention of every query over its visible keys (same non-zero segment, key position <= query
-    position). ``q_chunk``: queries per chunk of the ``"xla"`` impl; ``block``: the kernels' block size."""
+    position), restricted to ``allowed_BTS`` when given. ``q_chunk``: queries per chunk of the ``"xla"``
+    impl; ``block``: the kernels' block size."""
     check_impl(impl)
     args = (q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
+    if allowed_BTS is not None and allowed_BTS.shape != (q_BTHD.shape[0], q_BTHD.shape[1], k_BSHD.shape[1]):
+        raise ValueError(f"flash_attention: allowed {allowed_BTS.shape} is not [B, T, S] of q {q_BTHD.shape}, "
+                         f"k {k_BSHD.shape}")
     if impl in PALLAS_IMPLS:
-        return FlashAttention(*_pallas(*args, scale=float(scale), block=block, interpret=impl == PALLAS_INTERPRET))
+        return FlashAttention(*_pallas(*args, allowed_BTS, scale=float(scale), block=block,
+                                       interpret=impl == PALLAS_INTERPRET))
     chunk = None if impl == REFERENCE else q_chunk
-    return FlashAttention(*reference.flash_attention(*args, scale=scale, q_chunk=chunk))
+    return FlashAttention(*reference.flash_attention(*args, scale=scale, q_chunk=chunk, allowed_BTS=allowed_BTS))
 
 
 # ----------------------------------------------------------------------------------------- Pallas path
@@ -72,30 +78,40 @@ def _pad_head(x, size):
     return pad_axis(x, 3, size)
 
 
+def _pad_mask(allowed_BTS, bq, bk):
+    """The selection mask as int8, padded along T and S with 0 (padded tokens are allowed nowhere)."""
+    if allowed_BTS is None:
+        return None
+    T, S = allowed_BTS.shape[1:]
+    return pad_axis(pad_axis(allowed_BTS.astype(jnp.int8), 1, round_up(T, bq)), 2, round_up(S, bk))
+
+
 def _pallas(*args, scale, block, interpret):
+    *args, allowed = args
     T, S = args[0].shape[1], args[1].shape[1]
     bq, bk = _blocks(T, S, block)
     sg = jax.lax.stop_gradient
+    allowed = None if allowed is None else sg(allowed).astype(jnp.int8)
     out, lse_BHT = kernel.flash_fwd(*_pad(tuple(sg(x) for x in args), bq, bk), scale=scale, block_q=bq,
-                                    block_k=bk, interpret=interpret)
+                                    block_k=bk, allowed_BTS=_pad_mask(allowed, bq, bk), interpret=interpret)
     out = checkpoint_name(out[:, :T, :, :args[2].shape[3]], SAVED_NAMES[0])
     lse = checkpoint_name(jnp.swapaxes(lse_BHT, 1, 2)[:, :T], SAVED_NAMES[1])
-    return _with_grads(*args, out, lse, (scale, bq, bk, interpret))
+    return _with_grads(*args, allowed, out, lse, (scale, bq, bk, interpret))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _with_grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _with_grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed, out, lse, static):
     """The identity on (out, lse); its VJP runs the backward kernels."""
     return out, lse
 
 
-def _with_grads_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, static):
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+def _with_grads_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed, out, lse, static):
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed, out, lse)
 
 
 def _with_grads_bwd(static, residuals, cotangents):
     scale, bq, bk, interpret = static
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed, out, lse = residuals
     dout, dlse = cotangents
     T = q.shape[1]
     # d lse / d s = p: an lse cotangent enters like -delta; a query without keys has no dependence on q/k/v
@@ -105,11 +121,12 @@ def _with_grads_bwd(static, residuals, cotangents):
     dout_p = _pad_head(pad_axis(dout, 1, Tp), round_up(v.shape[3], kernel.LANES))
     lse_p, delta_p = (jnp.swapaxes(pad_axis(x.astype(jnp.float32), 1, Tp), 1, 2) for x in (lse, delta))
     dq, dk, dv = kernel.flash_bwd(*_pad((q, k, v, q_pos, kv_pos, q_seg, kv_seg), bq, bk), dout_p, lse_p, delta_p,
-                                  scale=scale, block_q=bq, block_k=bk, interpret=interpret)
+                                  scale=scale, block_q=bq, block_k=bk, allowed_BTS=_pad_mask(allowed, bq, bk),
+                                  interpret=interpret)
     S = k.shape[1]
     D, Dv = q.shape[3], v.shape[3]
     return (dq[:, :T, :, :D].astype(q.dtype), dk[:, :S, :, :D].astype(k.dtype), dv[:, :S, :, :Dv].astype(v.dtype),
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 _with_grads.defvjp(_with_grads_fwd, _with_grads_bwd)

@@ -22,12 +22,17 @@ def attend(q_BTHD, k_BSHD, v_BSHV, visible_BTS, *, scale):
     return out.astype(q_BTHD.dtype), jnp.swapaxes(lse, 1, 2)
 
 
-def flash_attention(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, q_chunk=None):
-    """(out, lse) of every query over its visible keys. ``q_chunk``: queries per chunk (None: all at once);
-    chunks are rematerialised in the backward pass, so at most [B, H, q_chunk, S] logits are live."""
-    def chunk(q, q_pos, q_seg):
-        return attend(q, k_BSHD, v_BSHV, visible_mask(q_pos, kv_pos_BS, q_seg, kv_seg_BS), scale=scale)
+def flash_attention(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, q_chunk=None,
+                    allowed_BTS=None):
+    """(out, lse) of every query over its visible keys (and, given ``allowed_BTS`` [B, T, S] bool, only the
+    allowed ones). ``q_chunk``: queries per chunk (None: all at once); chunks are rematerialised in the
+    backward pass, so at most [B, H, q_chunk, S] logits are live."""
+    def chunk(q, q_pos, q_seg, *allowed):
+        visible = visible_mask(q_pos, kv_pos_BS, q_seg, kv_seg_BS)
+        return attend(q, k_BSHD, v_BSHV, visible & allowed[0] if allowed else visible, scale=scale)
 
+    extra = () if allowed_BTS is None else (allowed_BTS.astype(bool),)
     if q_chunk is None:
-        return chunk(q_BTHD, q_pos_BT, q_seg_BT)
-    return chunked_over_queries(jax.checkpoint(chunk), q_chunk, q_BTHD.shape[1], q_BTHD, q_pos_BT, q_seg_BT)
+        return chunk(q_BTHD, q_pos_BT, q_seg_BT, *extra)
+    return chunked_over_queries(jax.checkpoint(chunk), q_chunk, q_BTHD.shape[1], q_BTHD, q_pos_BT, q_seg_BT,
+                                *extra)

@@ -12,6 +12,7 @@ import jax
 
 from pallas_kernels.impls import PALLAS, PALLAS_INTERPRET, REFERENCE, XLA
 from pallas_kernels.lightning_indexer import kernel, reference
+from pallas_kernels.masking import selection_mask
 
 IMPLS = (REFERENCE, XLA, PALLAS, PALLAS_INTERPRET)
 
@@ -21,11 +22,14 @@ def check_impl(impl):
         raise ValueError(f"indexer_topk: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
-def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk, impl="xla"):
-    """(idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S): the top-k visible keys per query."""
+def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk, impl="xla",
+                 with_mask=False):
+    """(idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S): the top-k visible keys per query; with
+    ``with_mask`` also the same selection as a mask [B, T, S] bool (for attending densely over it)."""
     check_impl(impl)
     q_BTHD, k_BSD, w_BTH = (jax.lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
     args = (q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
     if impl in ("reference", "xla"):
-        return reference.indexer_topk(*args, topk=topk)
-    return kernel.indexer_topk(*args, topk=topk, interpret=impl == PALLAS_INTERPRET)
+        idx, valid = reference.indexer_topk(*args, topk=topk)
+        return (idx, valid, selection_mask(idx, valid, k_BSD.shape[1])) if with_mask else (idx, valid)
+    return kernel.indexer_topk(*args, topk=topk, with_mask=with_mask, interpret=impl == PALLAS_INTERPRET)

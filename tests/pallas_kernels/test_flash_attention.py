@@ -32,11 +32,12 @@ def random_qkv(key, B, T, S, H, D, Dv):
             jax.random.normal(ks[4], (B, T, H)))
 
 
-def check_against_reference(q, k, v, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, block, backward_kernels):
+def check_against_reference(q, k, v, dout, dlse, q_pos, kv_pos, q_seg, kv_seg, block, backward_kernels,
+                            allowed=None):
     def run(impl):
         def objective(q, k, v):
             out, lse = ops.flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, scale=SCALE, impl=impl,
-                                           block=block)
+                                           block=block, allowed_BTS=allowed)
             return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse), (out, lse)
         value_and_grad = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)
         if impl == "pallas_interpret":
@@ -77,6 +78,30 @@ def test_context_shard_and_unaligned_head_dims_match_reference(monkeypatch):
     q, k, v, dout, dlse = random_qkv(jax.random.PRNGKey(1), B, 2 * c, S, H, 40, 20)
     check_against_reference(q, k, v, dout, dlse, kv_pos[:, rows], kv_pos, kv_seg[:, rows], kv_seg, block=128,
                             backward_kernels=("flash_attention_bwd_dkv", "flash_attention_bwd_dq"))
+
+
+@pytest.mark.parametrize("fused_dq", [True, False])
+def test_selection_mask_matches_reference(monkeypatch, fused_dq):
+    """With a selection mask (DSA's top-k set as a [B, T, S] mask): attention over the visible AND allowed
+    keys only. The reference gets the mask too; a few queries are allowed none of their visible keys
+    (lse -inf, zero gradients), and the reference with every key allowed differs (the mask matters)."""
+    if not fused_dq:
+        monkeypatch.setattr(kernel, "FUSED_DQ_BYTES", 0)
+    B, T, H = 2, 256, 2
+    pos, seg = packed(B, T, boundaries=(90,), pad_from=240)
+    q, k, v, dout, dlse = random_qkv(jax.random.PRNGKey(2), B, T, T, H, 128, 128)
+    allowed = jax.random.bernoulli(jax.random.PRNGKey(3), 0.4, (B, T, T))
+    allowed = allowed.at[:, 130:140].set(False)
+    check_against_reference(q, k, v, dout, dlse, pos, pos, seg, seg, block=128, allowed=allowed,
+                            backward_kernels=("flash_attention_bwd_fused",) if fused_dq else
+                            ("flash_attention_bwd_dkv", "flash_attention_bwd_dq"))
+    masked = ops.flash_attention(q, k, v, pos, pos, seg, seg, scale=SCALE, impl="reference", allowed_BTS=allowed)
+    full = ops.flash_attention(q, k, v, pos, pos, seg, seg, scale=SCALE, impl="reference")
+    assert np.isinf(masked.lse[:, 130:140]).all() and np.isfinite(full.lse[:, 130:140]).all()
+    assert float(jnp.max(jnp.abs(masked.out - full.out))) > 0.1
+    with pytest.raises(ValueError, match="allowed"):
+        ops.flash_attention(q, k, v, pos, pos, seg, seg, scale=SCALE, impl="pallas_interpret",
+                            allowed_BTS=allowed[:, :, :-1])
 
 
 @pytest.mark.parametrize("boundaries", [(300, 700), tuple(range(50, 1024, 50))])

@@ -6,7 +6,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dsa_inputs import assert_close, normal, positions_and_segments
 from pallas_kernels.lightning_indexer import kernel, ops, reference
-from pallas_kernels.masking import visible_mask
+from pallas_kernels.masking import selection_mask, visible_mask
 
 
 def make_inputs(B, T, S, H=4, D=16, dtype=jnp.float32, seed=0):
@@ -54,6 +54,26 @@ def test_topk_matches_reference():
     assert (~valid).any() and valid.any()  # early rows see fewer than k keys; padded rows see none
     assert not valid[0, -1].any() and valid[0, -4].any()
     assert_same_selection(args, idx, valid, ref_idx, ref_valid)
+
+
+def test_selection_mask_from_scores_equals_the_top_k_with_ties():
+    """The mask the kernel path makes from each chunk's scores (masking.top_k_mask) is exactly the set of
+    (idx, valid) it returns: small-integer inputs make exact ties (equal scores, ReLU zeros) common, at
+    the k-th value too; rows with fewer visible keys than k and padded rows included."""
+    rng = np.random.default_rng(3)
+    B, T, S, H, D, topk = 2, 100, 140, 2, 4, 24
+    q = jnp.asarray(rng.integers(-2, 3, (B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.integers(-2, 3, (B, S, D)), jnp.float32)
+    w = jnp.asarray(rng.integers(-2, 3, (B, T, H)) / 2, jnp.float32)
+    args = (q, k, w) + positions_and_segments(B, T, S)
+    idx, valid, mask = ops.indexer_topk(*args, topk=topk, impl="pallas_interpret", with_mask=True)
+    np.testing.assert_array_equal(mask, selection_mask(idx, valid, S))
+    scores = np.asarray(reference.index_scores(q, k, w, visible_mask(*args[3:])))
+    kth = np.sort(np.where(np.isfinite(scores), scores, -np.inf), axis=-1)[..., -topk]
+    assert ((scores == kth[..., None]).sum(-1) > 1).any()            # ties at the k-th value occur
+    assert (np.asarray(valid).sum(-1) < topk).any() and np.asarray(valid).any()
+    _, _, xla_mask = ops.indexer_topk(*args, topk=topk, impl="xla", with_mask=True)
+    np.testing.assert_array_equal(np.asarray(xla_mask).sum(-1), np.asarray(mask).sum(-1))
 
 
 def test_query_chunks_not_multiple_of_chunk():

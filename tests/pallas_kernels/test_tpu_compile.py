@@ -110,28 +110,33 @@ FLASH_H, FLASH_D = 64, 256
 BATCH = P("q")
 
 
-def flash_fwd_bwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+def flash_fwd_bwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed=None):
     def attend(q, k, v):
         return tuple(flash_ops.flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, scale=192**-0.5,
-                                               impl="pallas"))
+                                               impl="pallas", allowed_BTS=allowed))
 
     (out, lse), vjp = jax.vjp(attend, q, k, v)
     return (out, lse, *vjp((out, lse)))
 
 
-@pytest.mark.parametrize("T, S", [(4096, 4096), (2048, 4096), (16384, 32768)])
-def test_flash_attention_forward_and_backward_compile(mesh, T, S):
+# (2048, 4096) masked: the sparse stage at 4K, attending densely over a context shard's keys restricted to
+# the top-k selection (an int8 [T, S] mask)
+@pytest.mark.parametrize("T, S, masked", [(4096, 4096, False), (2048, 4096, False), (2048, 4096, True),
+                                          (16384, 32768, False)])
+def test_flash_attention_forward_and_backward_compile(mesh, T, S, masked):
     n = len(mesh.devices)
     args = (abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
             abstract(mesh, (n, S, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
             abstract(mesh, (n, S, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
             abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH),
             abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH))
-    compiled = compile_and_check(mesh, flash_fwd_bwd, args, (BATCH,) * 7, (BATCH,) * 5)
+    args += (abstract(mesh, (n, T, S), jnp.bool_, BATCH),) if masked else ()
+    compiled = compile_and_check(mesh, flash_fwd_bwd, args, (BATCH,) * len(args), (BATCH,) * 5)
     fused = T * FLASH_D * 4 <= flash_kernel.FUSED_DQ_BYTES
     backward = ("flash_attention_bwd_fused",) if fused else ("flash_attention_bwd_dkv", "flash_attention_bwd_dq")
     text = compiled.as_text()
-    assert all(name in text for name in ("flash_attention_fwd",) + backward)
+    assert all(name in text for name in ("flash_attention_fwd_masked" if masked else "flash_attention_fwd",)
+               + backward)
     # XLA's cost analysis counts the kernels' declared FLOPs: the causal blocks' pairs x heads, forward
     # 2(D + Dv) and backward 6D + 4Dv fused, 8D + 6Dv split, per pair (D = Dv: 14 D or 18 D)
     n_k = S // flash_ops.BLOCK
