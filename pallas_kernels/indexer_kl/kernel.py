@@ -36,8 +36,9 @@ The query block of q and iq stays in VMEM while the key blocks stream (its index
 the innermost axis); key blocks are re-read once per query block. Block skipping is the flash kernel's:
 `needed_blocks` / `block_tables` scalar-prefetched, a step whose pair holds no visible pair neither
 computes nor fetches (its key block index repeats the last needed one). The mask only removes pairs, so
-the same tables serve it: an int8 [B, S, T] copy (key-major like the blocks, so no transpose in the kernel)
-whose [bk, bq] block is indexed by the step's key and query blocks, fetched only at needed steps.
+the same tables serve it: its int8 [bq, bk] block is indexed by the step's query and fetched key block
+(fetched only at needed steps) and transposed in VMEM to the key-major [bk, bq] -- one 32-bit transpose
+per step instead of an XLA transpose of the whole [B, T, S] mask through HBM.
 
 Per (query, key) pair of a needed block: 2 H D FLOPs for the logits, 2 HI DI for I in each kernel, and
 with gradients 4 HI DI more (d iq, d ik; the dots are kept in VMEM, not recomputed); H + 2 transcendentals
@@ -99,11 +100,11 @@ def check_shapes(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, block_q, bloc
 
 # ----------------------------------------------------------------------------------------------- kernels
 def _key_set(q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, allowed_ref):
-    """Bool [bk, bq]: the pair is visible and (with a mask block [bk, bq] int8) allowed."""
+    """Bool [bk, bq]: the pair is visible and (with a mask block [bq, bk] int8) allowed."""
     keys = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...])
     if allowed_ref is None:
         return keys
-    return keys & (allowed_ref[...].astype(jnp.int32) != 0)   # int8 compared after widening to 32 bits
+    return keys & (allowed_ref[...].astype(jnp.int32).T != 0)   # int8 [bq, bk] widened to 32 bits, transposed
 
 
 def _index_dots_t(ik, iq_ref, n_heads, dim):
@@ -122,7 +123,7 @@ def _scores_t(dots, iw_ref):
 def _lse_kernel(needed_ref, fetch_ref, iq_ref, ik_ref, iw_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref,
                 *refs, n_q, n_k, groups, masked, index_heads, index_dim):
     # iq_ref [bq, HI*DI]; ik_ref [bk, DI]; iw_ref [HI, bq] fp32; q_pos/q_seg [1, bq]; kv_pos/kv_seg [bk, 1];
-    # with ``masked`` allowed_ref [bk, bq] int8; lse_ref [1, bq] fp32 (-inf for a query with an empty key set);
+    # with ``masked`` allowed_ref [bq, bk] int8; lse_ref [1, bq] fp32 (-inf for a query with an empty key set);
     # m/l [1, bq] fp32 scratch
     allowed_ref, (lse_ref, m_scr, l_scr) = (refs[0], refs[1:]) if masked else (None, refs)
     b, i, j = pl.program_id(0), pl.program_id(2) * groups + pl.program_id(1), pl.program_id(3)
@@ -171,7 +172,7 @@ def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
                **dims):
     # q_ref [bq, H*D]; k_ref [bk, H*D]; lse_ref [H, bq] fp32 (0 where -inf); iq_ref [bq, HI*DI];
     # ik_ref [bk, DI]; iw_ref [HI, bq] fp32; lse_i_ref [1, bq] fp32 (0 where -inf); q_pos/q_seg [1, bq];
-    # kv_pos/kv_seg [bk, 1]; with ``masked`` allowed_ref [bk, bq] int8. Outputs: kl_ref [1, bq]; with grads
+    # kv_pos/kv_seg [bk, 1]; with ``masked`` allowed_ref [bq, bk] int8. Outputs: kl_ref [1, bq]; with grads
     # also diq_ref [bq, HI*DI], diw_ref [HI, bq] (accumulated over the key blocks) and, with ``resident_dk``,
     # dik_ref [S, DI] (resident, accumulated over the group's query blocks), all fp32. Scratch: kl_scr [1, bq],
     # dots_scr [HI, bk, bq] fp32.
@@ -230,7 +231,7 @@ def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
 def _dk_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_ref, lse_i_ref, q_pos_ref,
                q_seg_ref, kv_pos_ref, kv_seg_ref, *refs, n_q, n_k, masked, **dims):
     # d ik when it is too long to stay resident: grid (B, n_k, n_q), query blocks innermost, the same
-    # blocks as `_kl_kernel` (with ``masked`` allowed_ref [bk, bq] int8); dik_ref [bk, DI] fp32 accumulated
+    # blocks as `_kl_kernel` (with ``masked`` allowed_ref [bq, bk] int8); dik_ref [bk, DI] fp32 accumulated
     # over the query blocks.
     allowed_ref, dik_ref = refs if masked else (None, refs[0])
     b, kb, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -254,7 +255,7 @@ def _dk_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
 
 # ------------------------------------------------------------------------------------------------ wrapper
 def _separate_dk(d: Shapes, operands, blocks, needed, dims, cost_estimate, interpret):
-    """d ik [B, S, DI] fp32 from `_dk_kernel`: grid (B, n_k, n_q), query blocks (and the mask's [bk, bq]
+    """d ik [B, S, DI] fp32 from `_dk_kernel`: grid (B, n_k, n_q), query blocks (and the mask's [bq, bk]
     block) fetched through the transposed block tables (a skipped step repeats the last needed query block)."""
     n_q, n_k = d.T // d.bq, d.S // d.bk
     tables = block_tables(jnp.swapaxes(needed, 1, 2))
@@ -265,7 +266,7 @@ def _separate_dk(d: Shapes, operands, blocks, needed, dims, cost_estimate, inter
     index_maps = {"q": lambda b, kb, qb, *t: (b, fetched(b, kb, qb, *t), 0),     # [B, T, ...] blocks
                   "row": lambda b, kb, qb, *t: (b, 0, fetched(b, kb, qb, *t)),   # [B, n, T] rows
                   "k": lambda b, kb, qb, *_: (b, kb, 0),
-                  "mask": lambda b, kb, qb, *t: (b, kb, fetched(b, kb, qb, *t))}   # [B, S, T] blocks
+                  "mask": lambda b, kb, qb, *t: (b, fetched(b, kb, qb, *t), kb)}   # [B, T, S] blocks
     return pl.pallas_call(
         functools.partial(_dk_kernel, n_q=n_q, n_k=n_k, masked=blocks[-1][0] == "mask", **dims),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -295,12 +296,12 @@ class _IndexMaps(NamedTuple):
     def own_row(self, b, g, i, j, *_):    # [B, n, T] rows of the query block
         return b, 0, i * self.groups + g
 
-    def mask_block(self, b, g, i, j, needed, fetch):   # [B, S, T]: the fetched key block x the query block
-        return b, fetch[_table_index(b, i * self.groups + g, j, self.n_q, self.n_k)], i * self.groups + g
+    def mask_block(self, b, g, i, j, needed, fetch):   # [B, T, S]: the query block x the fetched key block
+        return b, i * self.groups + g, fetch[_table_index(b, i * self.groups + g, j, self.n_q, self.n_k)]
 
     def spec(self, kind, shape):
         """kind: "q" a [B, T, ...] block of the query block, "row" a [B, n, T] row block of it, "k" the key
-        block the tables fetch, "mask" the [bk, bq] block of a [B, S, T] mask at both."""
+        block the tables fetch, "mask" the [bq, bk] block of a [B, T, S] mask at both."""
         maps = {"q": self.own_q, "row": self.own_row, "k": self.kv_block, "mask": self.mask_block}
         return pl.BlockSpec((None, *shape), maps[kind])
 
@@ -352,15 +353,14 @@ def cost(d: Shapes, q_itemsize, index_itemsize, *, with_grads, resident=True, ma
 
 
 def _mask_operands(allowed_BTS, d: Shapes):
-    """() without a mask, else (allowed [B, S, T] int8,): key-major like the kernels' [bk, bq] blocks, one XLA
-    transpose here instead of one per block in the kernels."""
+    """() without a mask, else (allowed [B, T, S] int8,)."""
     if allowed_BTS is None:
         return ()
     if allowed_BTS.shape != (d.B, d.T, d.S):
         raise ValueError(f"warmup_indexer_kl: allowed has shape {allowed_BTS.shape}, expected {(d.B, d.T, d.S)}")
     if allowed_BTS.dtype not in (jnp.bool_, jnp.int8):
         raise ValueError(f"warmup_indexer_kl: allowed must be bool or int8, got {allowed_BTS.dtype}")
-    return (jnp.swapaxes(allowed_BTS.astype(jnp.int8), 1, 2),)
+    return (allowed_BTS.astype(jnp.int8),)
 
 
 def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
@@ -389,7 +389,7 @@ def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT
     # (kind, block shape) of every operand: see _IndexMaps.spec
     index_blocks = [("q", (bq, HI * DI)), ("k", (bk, DI)), ("row", (HI, bq))]                  # iq, ik, iw
     meta_blocks = [("row", (1, bq)), ("row", (1, bq)), ("k", (bk, 1)), ("k", (bk, 1))]   # positions, segments
-    meta_blocks += [("mask", (bk, bq))] * len(mask_operands)                             # the mask's [bk, bq]
+    meta_blocks += [("mask", (bq, bk))] * len(mask_operands)                             # the mask's [bq, bk]
     lse_blocks = index_blocks + meta_blocks
     kl_blocks = ([("q", (bq, H * D)), ("k", (bk, H * D)), ("row", (H, bq))] + index_blocks + [("row", (1, bq))]
                  + meta_blocks)   # q, k, lse, iq, ik, iw, lseI, positions, segments(, mask)

@@ -60,8 +60,6 @@ def warmup_kl_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_B
     T, S = q_BTHD.shape[1], k_BSHD.shape[1]
     static = (float(scale), min(block_q, round_up(T, kernel.LANES)), min(block_k, round_up(S, kernel.LANES)),
               impl == PALLAS_INTERPRET)
-    if allowed_BTS is not None:   # int8 for the kernels; no cotangent (an integer input)
-        allowed_BTS = (allowed_BTS != 0).astype(jnp.int8)
     return _kernel_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
                         q_seg_BT, kv_seg_BS, allowed_BTS, static)
 
@@ -81,7 +79,8 @@ def _run(args, static, with_grads):
         pad_axis(t_pad(q), 3, D), pad_axis(s_pad(k), 3, D), jnp.swapaxes(t_pad(lse.astype(jnp.float32)), 1, 2),
         pad_axis(t_pad(iq), 3, DIp), pad_axis(s_pad(ik), 2, DIp), jnp.swapaxes(t_pad(iw), 1, 2),
         t_pad(q_pos), s_pad(kv_pos), t_pad(q_seg), s_pad(kv_seg),
-        None if allowed is None else pad_axis(t_pad(allowed), 2, Sp), scale=scale, block_q=bq, block_k=bk, with_grads=with_grads, interpret=interpret)
+        None if allowed is None else pad_axis(t_pad(allowed), 2, Sp),
+        scale=scale, block_q=bq, block_k=bk, with_grads=with_grads, interpret=interpret)
     sums = (jnp.sum(r.kl_BT[:, :T], axis=1), jnp.sum(r.has_set_BT[:, :T].astype(jnp.float32), axis=1))
     if not with_grads:
         return sums, None
@@ -91,7 +90,7 @@ def _run(args, static, with_grads):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
 def _kernel_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, static):
-    """Not differentiated: the loss-only kernel. ``allowed``: int8 [B, T, S] or None."""
+    """Not differentiated: the loss-only kernel. ``allowed``: bool / int8 [B, T, S] (no cotangent) or None."""
     return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed), static, with_grads=False)[0]
 
 
