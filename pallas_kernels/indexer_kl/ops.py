@@ -15,6 +15,9 @@
   its gradients with respect to the indexer's q, k, w in one forward; the op returns per-batch-row sums
   (sum_t KL_t, number of tokens with a non-empty key set) and its custom VJP scales the saved gradients by
   each row's cotangent -- exact for any cotangent. Without differentiation a loss-only kernel runs.
+  With a selection mask (``allowed_BTS``, e.g. `masking.selection_mask` of DSA's top-k) the same op is the
+  sparse stage's KL computed densely, for when the sparse attention runs as masked dense blocks (short
+  context, where the selection covers most visible keys) and hands over its lse over the selected keys.
 """
 import functools
 
@@ -39,31 +42,33 @@ def mean_of_sums(kl_sum, count):
 
 
 def warmup_kl_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
-                   q_seg_BT, kv_seg_BS, *, scale, impl, block_q=BLOCK_Q, block_k=BLOCK_K,
+                   q_seg_BT, kv_seg_BS, allowed_BTS=None, *, scale, impl, block_q=BLOCK_Q, block_k=BLOCK_K,
                    q_chunk=128):
     """Warm-up indexer KL from the MHA attention (q [B,T,H,D], per-head keys k [B,S,H,D], fp32 lse [B,T,H])
     -> (sum over each batch row's tokens of KL_t [B], count of tokens with a non-empty set [B]), fp32.
-    Gradients reach only index_q / index_k / index_w. ``block_q`` / ``block_k``: the kernels' blocks (a
-    sequence shorter than a block uses one block of its length rounded up to 128); ``q_chunk``: the XLA
-    impls' query chunk."""
+    Each query's key set is its visible keys, with ``allowed_BTS`` (bool or int8 [B, T, S]) only those with
+    allowed != 0 -- lse must be the attention's over the same set. Gradients reach only index_q / index_k /
+    index_w (none reach the mask). ``block_q`` / ``block_k``: the kernels' blocks (a sequence shorter than a
+    block uses one block of its length rounded up to 128); ``q_chunk``: the XLA impls' query chunk."""
     sg = jax.lax.stop_gradient
     q_BTHD, k_BSHD, lse_BTH = sg(q_BTHD), sg(k_BSHD), sg(lse_BTH)
     if impl not in PALLAS_IMPLS:
         kl, has_set = indexer_kl_per_token(q_BTHD, k_BSHD, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT,
                                            kv_pos_BS, q_seg_BT, kv_seg_BS, scale=scale, stage="warmup",
-                                           lse_BTH=lse_BTH, q_chunk=q_chunk)
+                                           lse_BTH=lse_BTH, allowed_BTS=allowed_BTS, q_chunk=q_chunk)
         return jnp.sum(kl, axis=1), jnp.sum(has_set.astype(jnp.float32), axis=1)
     T, S = q_BTHD.shape[1], k_BSHD.shape[1]
     static = (float(scale), min(block_q, round_up(T, kernel.LANES)), min(block_k, round_up(S, kernel.LANES)),
               impl == PALLAS_INTERPRET)
     return _kernel_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
-                        q_seg_BT, kv_seg_BS, static)
+                        q_seg_BT, kv_seg_BS, allowed_BTS, static)
 
 
 def _run(args, static, with_grads):
     """The kernels on operands padded to the blocks (padded tokens: segment 0, seen by nobody, seeing
-    nothing) and head dims padded to 128 with zeros (dot products unchanged); padding cut off again."""
-    q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg = args
+    nothing; the mask padded with 0) and head dims padded to 128 with zeros (dot products unchanged); padding
+    cut off again."""
+    q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed = args
     scale, bq, bk, interpret = static
     T, S, DI = q.shape[1], k.shape[1], iq.shape[3]
     Tp, Sp = round_up(T, bq), round_up(S, bk)
@@ -74,6 +79,7 @@ def _run(args, static, with_grads):
         pad_axis(t_pad(q), 3, D), pad_axis(s_pad(k), 3, D), jnp.swapaxes(t_pad(lse.astype(jnp.float32)), 1, 2),
         pad_axis(t_pad(iq), 3, DIp), pad_axis(s_pad(ik), 2, DIp), jnp.swapaxes(t_pad(iw), 1, 2),
         t_pad(q_pos), s_pad(kv_pos), t_pad(q_seg), s_pad(kv_seg),
+        None if allowed is None else pad_axis(t_pad(allowed), 2, Sp),
         scale=scale, block_q=bq, block_k=bk, with_grads=with_grads, interpret=interpret)
     sums = (jnp.sum(r.kl_BT[:, :T], axis=1), jnp.sum(r.has_set_BT[:, :T].astype(jnp.float32), axis=1))
     if not with_grads:
@@ -82,14 +88,14 @@ def _run(args, static, with_grads):
                   r.d_iw[:, :T].astype(iw.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
-def _kernel_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, static):
-    """Not differentiated: the loss-only kernel."""
-    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg), static, with_grads=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
+def _kernel_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, static):
+    """Not differentiated: the loss-only kernel. ``allowed``: bool / int8 [B, T, S] (no cotangent) or None."""
+    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed), static, with_grads=False)[0]
 
 
-def _kernel_sums_fwd(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, static):
-    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg), static, with_grads=True)
+def _kernel_sums_fwd(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, static):
+    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed), static, with_grads=True)
 
 
 def _kernel_sums_bwd(static, grads, cotangents):
@@ -97,7 +103,7 @@ def _kernel_sums_bwd(static, grads, cotangents):
     d_kl_B, _ = cotangents
     d_iq, d_ik, d_iw = grads
     row = lambda g: (g.astype(jnp.float32) * d_kl_B.reshape((-1,) + (1,) * (g.ndim - 1))).astype(g.dtype)  # noqa: E731
-    return (None, None, None, row(d_iq), row(d_ik), row(d_iw), None, None, None, None)
+    return (None, None, None, row(d_iq), row(d_ik), row(d_iw), None, None, None, None, None)
 
 
 _kernel_sums.defvjp(_kernel_sums_fwd, _kernel_sums_bwd)

@@ -8,6 +8,10 @@ key.detach()), so only the indexer inputs receive gradients.
     warmup: set = every visible key          loss_t = KL(p_t || softmax(I_t))   over visible s
     sparse: set = the selected valid slots   both distributions renormalised over that set
 
+The warm-up form also takes a mask ``allowed_BTS`` [B, T, S] (set = visible and allowed keys): with
+``masking.selection_mask`` of the selection it is the sparse stage's KL computed densely, as when the
+sparse attention runs as masked dense attention (its lse then covers the same set).
+
 Loss = mean over query tokens that have a non-empty set. KL is sum_s p log p - p log q with q taken as
 an exact log-softmax (Megatron adds 1e-10 inside both logs; the difference is O(1e-10)). Then
 d loss / d I[t, s] = (softmax(I_t) - p_t)[s] / n_tokens on the set and 0 elsewhere.
@@ -69,8 +73,10 @@ def kl_per_token(p_BTN, scores_BTN, allowed_BTN):
     return jnp.where(has_set, kl, 0.0), has_set
 
 
-def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, lse=None, *, scale):
+def _warmup_chunk(q, kv, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, lse=None, allowed=None, *, scale):
     visible = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
+    if allowed is not None:   # the key set: visible and allowed
+        visible = visible & (allowed != 0)
     if lse is None:   # absorbed: q [B, t, H, C] on the latent rows kv [B, S, C]
         logits = jnp.einsum("bthc,bsc->bths", q, kv, preferred_element_type=jnp.float32) * scale
         p = head_summed_target(logits, visible)
@@ -95,12 +101,13 @@ def _sparse_chunk_kl(p, iq, ik, iw, idx, valid):
 
 def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
                     q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, stage,
-                    idx_BTK=None, valid_BTK=None, target_BTK=None, lse_BTH=None, q_chunk=128):
+                    idx_BTK=None, valid_BTK=None, target_BTK=None, lse_BTH=None, allowed_BTS=None, q_chunk=128):
     """Scalar indexer loss; gradients reach only index_q / index_k / index_w (q and kv are detached).
 
     Warm-up stage: with ``lse_BTH`` (the attention's fp32 log-sum-exp [B, T, H]) q is the MHA query
     [B, T, H, D] and kv the per-head keys [B, S, H, D] the attention used; without it, the absorbed q
-    [B, T, H, C] and latent rows kv [B, S, C].
+    [B, T, H, C] and latent rows kv [B, S, C]. ``allowed_BTS`` (bool or int [B, T, S], optional) restricts
+    each query's key set to its visible keys with allowed != 0 (``lse_BTH`` must then be over that set).
 
     Sparse stage: ``target_BTK`` may carry the head-averaged attention probabilities over the selected
     slots when the caller already has them (the XLA sparse attention computes them from the same
@@ -109,7 +116,7 @@ def indexer_kl_loss(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
     kl_BT, has_set_BT = indexer_kl_per_token(
         q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
         scale=scale, stage=stage, idx_BTK=idx_BTK, valid_BTK=valid_BTK, target_BTK=target_BTK, lse_BTH=lse_BTH,
-        q_chunk=q_chunk)
+        allowed_BTS=allowed_BTS, q_chunk=q_chunk)
     return mean_over_tokens(kl_BT, has_set_BT)
 
 
@@ -120,11 +127,14 @@ def mean_over_tokens(kl_BT, has_set_BT):
 
 def indexer_kl_per_token(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
                          q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, stage,
-                         idx_BTK=None, valid_BTK=None, target_BTK=None, lse_BTH=None, q_chunk=128):
+                         idx_BTK=None, valid_BTK=None, target_BTK=None, lse_BTH=None, allowed_BTS=None,
+                         q_chunk=128):
     """(kl [B, T] fp32, has_set [B, T] bool) per query token (arguments as `indexer_kl_loss`): callers
     that hold a share of the queries (a context-parallel shard) sum them across shards themselves."""
     if stage not in STAGES:
         raise ValueError(f"indexer_kl_loss: stage must be one of {STAGES}, got {stage!r}")
+    if allowed_BTS is not None and stage != "warmup":
+        raise ValueError("indexer_kl_loss: allowed_BTS serves the warm-up form (the sparse stage takes idx_BTK)")
     if stage == "sparse" and (idx_BTK is None or valid_BTK is None):
         raise ValueError("indexer_kl_loss: the sparse stage needs idx_BTK and valid_BTK")
     if lse_BTH is not None and (stage != "warmup" or kv_BSC.ndim != 4):
@@ -140,12 +150,13 @@ def indexer_kl_per_token(q_BTHC, kv_BSC, index_q_BTHD, index_k_BSD, index_w_BTH,
 
     if stage == "warmup":
         per_query = (q_BTHC, index_q_BTHD, index_w_BTH, q_pos_BT, q_seg_BT)
-        if lse_BTH is not None:
-            per_query += (jax.lax.stop_gradient(lse_BTH),)
+        optional = {"lse": None if lse_BTH is None else jax.lax.stop_gradient(lse_BTH), "allowed": allowed_BTS}
+        optional = {name: x for name, x in optional.items() if x is not None}
+        per_query += tuple(optional.values())
 
         def chunk_kl(xs, ik):
-            return _warmup_chunk(xs[0], kv_BSC, xs[1], ik, xs[2], xs[3], kv_pos_BS, xs[4], kv_seg_BS, *xs[5:],
-                                 scale=scale)
+            return _warmup_chunk(xs[0], kv_BSC, xs[1], ik, xs[2], xs[3], kv_pos_BS, xs[4], kv_seg_BS,
+                                 **dict(zip(optional, xs[5:])), scale=scale)
     else:
         given = target_BTK is not None
         per_query = (jax.lax.stop_gradient(target_BTK) if given else q_BTHC, index_q_BTHD, index_w_BTH, idx_BTK,

@@ -1,6 +1,7 @@
 """Warm-up indexer KL kernel (Pallas interpreter on CPU) against the XLA reference: the loss sums and the
 gradients of index q, k, w on packed documents with uneven boundaries, padding, and blocks that are
-partial, invisible (skipped by the tables) or hold a query without keys.
+partial, invisible (skipped by the tables) or hold a query without keys. With a selection mask, kernels and
+XLA impl against the sparse stage's KL of the same selection, its target computed here by hand.
 
 Background: docs/architecture.md#dsa-training-stages-and-the-indexer-kl.
 """
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import masking
 from pallas_kernels.indexer_kl import kernel, ops, reference
 from dsa_inputs import packed
 
@@ -31,10 +33,10 @@ def inputs(T, seed=0):
     return (q, k, lse, iq, ik, iw, pos, pos, seg, seg)
 
 
-def loss_and_grads(args, impl, weights):
+def loss_and_grads(args, impl, weights, allowed=None):
     """sum_b weights[b] * sum_t KL_t (an uneven cotangent per row) + the count, and d/d(iq, ik, iw)."""
     def objective(iq, ik, iw):
-        kl_B, count_B = ops.warmup_kl_sums(*args[:3], iq, ik, iw, *args[6:], scale=SCALE, impl=impl)
+        kl_B, count_B = ops.warmup_kl_sums(*args[:3], iq, ik, iw, *args[6:], allowed, scale=SCALE, impl=impl)
         return jnp.sum(kl_B * weights), (kl_B, count_B)
 
     return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(*args[3:6])
@@ -102,7 +104,7 @@ def test_gradient_formula_through_the_relu():
     held fixed: dKL/dI = softmax(I) - p, then dI/d(iq_h . ik) = w_h [iq_h . ik > 0]."""
     args = inputs(200, seed=1)
     q, k, lse, iq, ik, iw, pos, _, seg, _ = args
-    r = ops._run(args, (SCALE, 128, 128, True), with_grads=True)[1]
+    r = ops._run((*args, None), (SCALE, 128, 128, True), with_grads=True)[1]
     b, t = 0, 150
     visible = (seg[b] == seg[b, t]) & (pos[b] <= pos[b, t])
     logits = jnp.einsum("hd,shd->hs", q[b, t], k[b], precision="highest") * SCALE
@@ -144,3 +146,114 @@ def test_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="iq has shape"):
         kernel.check_shapes(x, x, jnp.zeros((1, 1, 128)), jnp.zeros((1, 64, 1, 128)), jnp.zeros((1, 128, 128)),
                             jnp.zeros((1, 1, 128)), 128, 128)
+
+
+# ---- with a selection mask: the sparse stage's KL computed densely
+TOPK, EMPTY_QUERY = 48, (0, 100)   # a query that sees keys but is given an empty selection
+
+
+def selected(args, seed=3):
+    """A random DSA-style selection -- up to TOPK distinct visible keys per query (all of them for a query
+    with fewer), none for EMPTY_QUERY -- as (idx, valid [B, T, TOPK]), and its mask [B, T, S]."""
+    pos, seg = args[6], args[8]
+    visible = masking.visible_mask(pos, pos, seg, seg)
+    draw = jax.random.uniform(jax.random.PRNGKey(seed), visible.shape)
+    top, idx = jax.lax.top_k(jnp.where(visible, draw, -1.0), TOPK)
+    valid = (top >= 0.0).at[EMPTY_QUERY].set(False)
+    return idx, valid, masking.selection_mask(idx, valid, visible.shape[2])
+
+
+def with_masked_lse(args, allowed):
+    """The inputs with the attention's lse over the allowed keys, and the sparse stage's target by hand:
+    the head-mean of exp(s_h - lse_h) at each valid selected slot."""
+    q, k = args[:2]
+    logits_BHTS = jnp.einsum("bthd,bshd->bhts", q, k, precision="highest") * SCALE
+    lse_BHT = jax.nn.logsumexp(jnp.where(allowed[:, None], logits_BHTS, -jnp.inf), axis=-1)
+    return (*args[:2], jnp.swapaxes(lse_BHT, 1, 2), *args[3:]), logits_BHTS, lse_BHT
+
+
+def hand_target(logits_BHTS, lse_BHT, idx, valid):
+    at_slots = jnp.take_along_axis(logits_BHTS, idx[:, None], axis=-1)   # [B, H, T, K]
+    probs = jnp.exp(at_slots - jnp.where(jnp.isfinite(lse_BHT), lse_BHT, 0.0)[..., None])
+    return jnp.where(valid, jnp.mean(probs, axis=1), 0.0)
+
+
+def sparse_stage(args, idx, valid, target, weights):
+    """The sparse stage's per-token KL (reference.py, given target) -> (weighted loss, (kl sums, count)) and
+    d/d(iq, ik, iw)."""
+    def objective(iq, ik, iw):
+        kl, has_set = reference.indexer_kl_per_token(None, None, iq, ik, iw, None, None, None, None, scale=None,
+                                                     stage="sparse", idx_BTK=idx, valid_BTK=valid, target_BTK=target)
+        kl_B = jnp.sum(kl, axis=1)
+        return jnp.sum(kl_B * weights), (kl_B, jnp.sum(has_set.astype(jnp.float32), axis=1))
+
+    return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(*args[3:6])
+
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+def test_selection_mask_gives_the_sparse_stage_kl(impl):
+    """384 packed tokens with padding, TOPK random visible keys per query (about half of a long document's
+    keys), one query with an empty selection: loss sums and gradients of the op with the selection's mask
+    equal the sparse stage's KL of the same selection with the target computed by hand."""
+    args = inputs(384)
+    idx, valid, allowed = selected(args)
+    visible = masking.visible_mask(args[6], args[6], args[8], args[8])
+    assert bool(jnp.any(jnp.sum(visible, -1) > 2 * TOPK)) and bool(jnp.any(visible[EMPTY_QUERY]))
+    args, logits, lse = with_masked_lse(args, allowed)
+    weights = jnp.asarray([1.0, -0.5])
+    (_, (kl, count)), grads = loss_and_grads(args, impl, weights, allowed)
+    (_, (want_kl, want_count)), want_grads = sparse_stage(args, idx, valid, hand_target(logits, lse, idx, valid),
+                                                          weights)
+    np.testing.assert_array_equal(count, want_count)
+    assert float(count[0]) == 384 - 1 and float(count[1]) == 384 - 70   # the empty selection; padding
+    np.testing.assert_allclose(kl, want_kl, rtol=2e-5)
+    assert np.all(np.asarray(want_kl) > 1.0)
+    for got, want in zip(grads, want_grads):
+        scale = float(jnp.max(jnp.abs(want)))
+        assert scale > 0
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
+
+
+def test_selection_mask_in_the_loss_only_and_separate_dk_kernels():
+    """The mask in the kernels ops.py does not exercise above: the loss-only KL kernel (per-token KL) and the
+    keys-outer d ik kernel (forced), on 128 x 128 blocks, against the sparse stage of the same selection."""
+    args = inputs(256, seed=4)
+    idx, valid, allowed = selected(args, seed=5)
+    args, logits, lse = with_masked_lse(args, allowed)
+    target = hand_target(logits, lse, idx, valid)
+    mask = allowed.astype(jnp.int8)
+    want_kl, want_has = reference.indexer_kl_per_token(None, None, *args[3:6], None, None, None, None, scale=None,
+                                                       stage="sparse", idx_BTK=idx, valid_BTK=valid, target_BTK=target)
+    r = run_kernel(args, with_grads=False, allowed_BTS=mask)
+    np.testing.assert_array_equal(r.has_set_BT, want_has)
+    assert not bool(r.has_set_BT[EMPTY_QUERY])
+    np.testing.assert_allclose(r.kl_BT, want_kl, rtol=2e-5, atol=1e-6)
+    r = run_kernel(args, allowed_BTS=mask, resident_dk_bytes=0)
+    program = str(jax.make_jaxpr(lambda *a: run_kernel(a[:-1], allowed_BTS=a[-1], resident_dk_bytes=0))(*args, mask))
+    assert "indexer_kl_warmup_dk" in program
+    _, want = sparse_stage(args, idx, valid, target, jnp.ones(B))
+    for got, w in zip((r.d_iq[..., :DI], r.d_ik[..., :DI], r.d_iw), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def test_declared_cost_of_the_mask():
+    """Each kernel reads one int8 mask byte per (query, key) pair of its needed steps; nothing else changes."""
+    d = kernel.Shapes(B=1, T=4096, S=4096, H=64, D=256, HI=32, DI=128, bq=256, bk=128)
+    pairs = sum(2 * (i + 1) for i in range(16)) * 256 * 128
+    for resident in (True, False):
+        plain = kernel.cost(d, 2, 4, with_grads=True, resident=resident)
+        masked = kernel.cost(d, 2, 4, with_grads=True, resident=resident, masked=True)
+        assert len(masked) == len(plain) == (2 if resident else 3)
+        for m, p in zip(masked, plain):
+            assert (m.flops, m.transcendentals) == (p.flops, p.transcendentals)
+            assert m.bytes_accessed == p.bytes_accessed + pairs
+
+
+def test_rejects_a_bad_mask():
+    x = jnp.zeros((1, 128, 1, 128))
+    pos = jnp.zeros((1, 128), jnp.int32)
+    args = (x, x, jnp.zeros((1, 1, 128)), x, jnp.zeros((1, 128, 128)), jnp.zeros((1, 1, 128)), pos, pos, pos, pos)
+    with pytest.raises(ValueError, match="allowed has shape"):
+        kernel.warmup_indexer_kl(*args, jnp.zeros((1, 128, 64), bool), scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="allowed must be bool or int8"):
+        kernel.warmup_indexer_kl(*args, jnp.zeros((1, 128, 128), jnp.float32), scale=1.0, interpret=True)

@@ -148,19 +148,21 @@ def test_flash_attention_forward_and_backward_compile(mesh, T, S, masked):
 
 
 # ---- warm-up stage indexer KL from the flash attention's lse: one 4K sequence per chip (batch split over
-# the 4 chips), the MHA query and per-head keys of 64 heads x 256 in bf16, the indexer's fp32 q, k, w
-def warmup_kl_grads(q, k, lse, iq, ik, iw, pos, seg):
+# the 4 chips), the MHA query and per-head keys of 64 heads x 256 in bf16, the indexer's fp32 q, k, w; masked:
+# with a bool selection mask [T, S] (the sparse stage's KL computed densely)
+def warmup_kl_grads(q, k, lse, iq, ik, iw, pos, seg, *allowed):
     def loss(iq, ik, iw):
-        kl, count = indexer_kl_ops.warmup_kl_sums(q, k, lse, iq, ik, iw, pos, pos, seg, seg, scale=192**-0.5,
-                                                  impl="pallas")
+        kl, count = indexer_kl_ops.warmup_kl_sums(q, k, lse, iq, ik, iw, pos, pos, seg, seg, *allowed,
+                                                  scale=192**-0.5, impl="pallas")
         return jnp.sum(kl), count
 
     (kl, count), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(iq, ik, iw)
     return (kl[None], count, *grads)
 
 
-@pytest.mark.parametrize("T", [4096, 16384])   # 16K keys: d ik too long for VMEM, its own kernel
-def test_warmup_indexer_kl_compiles(mesh, T):
+# 16K keys: d ik too long for VMEM, its own kernel (with the mask too)
+@pytest.mark.parametrize("T, masked", [(4096, False), (4096, True), (16384, False), (16384, True)])
+def test_warmup_indexer_kl_compiles(mesh, T, masked):
     n = len(mesh.devices)
     args = (abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
             abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
@@ -168,7 +170,8 @@ def test_warmup_indexer_kl_compiles(mesh, T):
             abstract(mesh, (n, T, HI, DI), jnp.float32, BATCH), abstract(mesh, (n, T, DI), jnp.float32, BATCH),
             abstract(mesh, (n, T, HI), jnp.float32, BATCH),
             abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, T), jnp.int32, BATCH))
-    compiled = compile_and_check(mesh, warmup_kl_grads, args, (BATCH,) * 8, (BATCH,) * 5)
+    args += (abstract(mesh, (n, T, T), jnp.bool_, BATCH),) * masked
+    compiled = compile_and_check(mesh, warmup_kl_grads, args, (BATCH,) * len(args), (BATCH,) * 5)
     text = compiled.as_text()
     resident = T * DI * 4 <= indexer_kl_kernel.RESIDENT_DK_BYTES
     assert "indexer_kl_warmup_lse" in text and "indexer_kl_warmup_grads" in text
