@@ -15,6 +15,15 @@ same function, kept as a readable cross-check.
 
 When the mesh splits the sequence (context parallelism), select + attend + indexer KL run per sequence
 shard over the gathered latent rows and indexer keys instead (glm5_jax/model/context_attention.py).
+
+On TPU (Pallas impls) the dense and warm-up stages attend with the flash kernel in the MHA form
+(glm5_jax/model/mha_form.py), and so does the sparse stage while a sequence is short next to the top-k
+(`masked_flash_core`): at 4K keys and k = 2048 the selection holds half or more of every query's visible
+keys, so attending densely over it as a [T, S] mask costs fewer FLOPs than the absorbed form's per-slot
+products (1024 against 2176 per pair and head forward for GLM-5, over ~S/2 causal keys against k slots)
+and reads contiguous blocks instead of gathering rows. The selection then carries that mask as a third
+member, (idx, valid, allowed), and the sparse-stage indexer KL runs the warm-up KL kernels over the
+allowed keys (the same distributions, renormalised over the selected set).
 """
 from __future__ import annotations
 
@@ -48,6 +57,16 @@ ATTENTION_SAVED_NAMES = (("attention_core_out", "indexer_kl_target") + sparse_ml
                          + flash_ops.SAVED_NAMES)
 
 
+def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:
+    """Whether the sparse stage's attention core is the flash kernel over the selection as a mask (and the
+    selection carries that mask): Pallas impls, training, the absorbed form, a DSA model, and at most
+    ``masked_flash_factor`` x index_topk keys."""
+    rt = cfg.runtime
+    return (rt.attention_impl in PALLAS_IMPLS and rt.mla_form == "absorbed" and not decoding
+            and rt.attention_mode == "sparse" and cfg.use_indexer
+            and num_keys <= rt.masked_flash_factor * cfg.index_topk)
+
+
 def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
     cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
                             cfg.max_position_embeddings)
@@ -58,7 +77,8 @@ def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
 
 class AttentionOutput(NamedTuple):
     out: jax.Array              # [B, T, D] the layer's output projection
-    selection: tuple            # (idx [B, T, k], valid [B, T, k]): this layer's top-k, or the one it reused
+    selection: tuple            # (idx [B, T, k], valid [B, T, k][, allowed [B, T, S]]): this layer's top-k,
+                                # or the one it reused (allowed: the mask of `masked_flash_core`)
     indexer_kl: jax.Array | None   # the indexer KL term when the stage trains the indexer, else None
     cache: Any                  # the updated decode cache (None when not decoding)
 
@@ -139,9 +159,10 @@ class MLAttention(nn.Module):
             kv_positions_BS, kv_segments_BS = cache_slots(latent_BSC)
         latent_BSC = latent_BSC.astype(dt)
         sparse = cfg.runtime.attention_mode == "sparse" and self.indexer_kind != "none"
-        # dense attention on TPU: the flash kernel in the MHA form (glm5_jax/model/mha_form.py)
+        masked = sparse and masked_flash_core(cfg, latent_BSC.shape[1], decoding=cache is not None)
+        # dense attention on TPU, and short sparse sequences: the flash kernel in the MHA form
         flash = (cfg.runtime.attention_impl in PALLAS_IMPLS and cfg.runtime.mla_form == "absorbed"
-                 and cache is None and not sparse)
+                 and cache is None and (masked or not sparse))
         q_abs = None if flash else jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)],
                                                    axis=-1)
 
@@ -149,7 +170,8 @@ class MLAttention(nn.Module):
         if cache is None and n_shards > 1:     # the sequence is split over shards (context parallelism)
             mha = (mha_form.mha_query(q_nope, q_rot, dt), w_kvb) if flash else None
             o, selection, indexer_kl = self._context_parallel(a_BTD, qr, positions_BT, segment_ids_BT,
-                                                              prev_selection, q_abs, latent_BSC, n_shards, mha)
+                                                              prev_selection, q_abs, latent_BSC, n_shards, mha,
+                                                              masked)
             o = checkpoint_name(o, ATTENTION_SAVED_NAMES[0])
             if not flash:
                 o = einsum("bthr,rhv->bthv", o, w_uv, dt)
@@ -158,7 +180,7 @@ class MLAttention(nn.Module):
 
         # ---- select
         selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
-                                                       q_abs, latent_BSC, cache)
+                                                       q_abs, latent_BSC, cache, masked)
         visible = None if flash else visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
 
         # ---- attend (named scopes: the compile report files the HLO by them)
@@ -168,15 +190,16 @@ class MLAttention(nn.Module):
             k_m, v_m = mha_form.mha_keys_values(cfg, latent_BSC[..., :R], latent_BSC[..., R:], w_kvb)
         with jax.named_scope("attention_core"):
             if flash:
-                o, lse = self._flash_core(q_m, k_m, v_m, positions_BT, segment_ids_BT)
+                o, lse = self._flash_core(q_m, k_m, v_m, positions_BT, segment_ids_BT,
+                                          selection[2] if masked else None)
                 kl_args = dict(mha=(q_m, k_m, lse))
             elif cfg.runtime.mla_form == "mha" and cache is None:
-                allowed = visible & selection_mask(*selection, visible.shape[-1]) if sparse else visible
+                allowed = visible & selection_mask(*selection[:2], visible.shape[-1]) if sparse else visible
                 o = naive_attention(cfg, q_nope, q_rot, c, k_rot, w_kvb, allowed)
             else:
                 with_target = indexer_kl_fn is not None and cfg.runtime.indexer_loss == "sparse"
                 if sparse:
-                    o_lat, target = self._sparse_core(q_abs, latent_BSC, *selection, decoding=cache is not None,
+                    o_lat, target = self._sparse_core(q_abs, latent_BSC, *selection[:2], decoding=cache is not None,
                                                       with_target=with_target)
                 else:
                     o_lat, _ = sparse_mla_ops.dense_mla(q_abs, latent_BSC, visible, scale=cfg.softmax_scale,
@@ -192,22 +215,26 @@ class MLAttention(nn.Module):
         o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
 
-    def _flash_core(self, q, k, v, positions_BT, segment_ids_BT):
-        """Dense causal attention in the MHA form -> (o [B,T,H,d_v], lse [B,T,H]); per (batch, head) shard."""
+    def _flash_core(self, q, k, v, positions_BT, segment_ids_BT, allowed_BTS=None):
+        """Causal attention in the MHA form over every visible key, or only the ``allowed`` ones (the
+        selection mask) -> (o [B,T,H,d_v], lse [B,T,H]); per (batch, head) shard."""
         cfg = self.cfg
 
-        def core(q, k, v, pos, seg):
-            return mha_form.flash_core(cfg, q, k, v, pos, pos, seg, seg)
+        def core(q, k, v, pos, seg, *allowed):
+            return mha_form.flash_core(cfg, q, k, v, pos, pos, seg, seg, allowed_BTS=allowed[0] if allowed else None)
 
         heads, bt = (BATCH, None, ACT_HEADS, None), (BATCH, None)
-        return logical_shard_map(core, in_axes=(heads, heads, heads, bt, bt),
-                                 out_axes=(heads, (BATCH, None, ACT_HEADS)))(q, k, v, positions_BT, segment_ids_BT)
+        extra = () if allowed_BTS is None else (allowed_BTS,)
+        return logical_shard_map(core, in_axes=(heads, heads, heads, bt, bt) + ((BATCH, None, None),) * len(extra),
+                                 out_axes=(heads, (BATCH, None, ACT_HEADS)))(q, k, v, positions_BT, segment_ids_BT,
+                                                                             *extra)
 
     def _context_parallel(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC,
-                          n_shards, mha=None):
+                          n_shards, mha=None, masked=False):
         """Select + attend + indexer KL with the sequence split over ``n_shards`` (glm5_jax/model/context_attention.py)
-        -> (o_lat, selection, indexer KL or None); with ``mha`` = (MHA query, kv_b_proj) the dense core runs the
-        flash kernel and o is the per-head output [B,T,H,d_v] instead of o_lat."""
+        -> (o_lat, selection, indexer KL or None); with ``mha`` = (MHA query, kv_b_proj) the core runs the
+        flash kernel (over the selection mask when ``masked``) and o is the per-head output [B,T,H,d_v]
+        instead of o_lat."""
         cfg = self.cfg
         full = self.indexer_kind == "full"
         indexer_qkw = None
@@ -221,17 +248,21 @@ class MLAttention(nn.Module):
                 cfg, n_shards, q_abs, latent_BSC, positions_BT, segment_ids_BT, prev_selection, indexer_qkw,
                 select=full and cfg.runtime.attention_mode == "sparse",
                 sparse=cfg.runtime.attention_mode == "sparse" and self.indexer_kind != "none",
-                kl_stage=cfg.runtime.indexer_loss if indexer_qkw is not None else "none", mha=mha)
+                kl_stage=cfg.runtime.indexer_loss if indexer_qkw is not None else "none", mha=mha, masked=masked)
         if full and cfg.runtime.attention_mode == "sparse":
             selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
+        else:   # nothing selected here: pass the carried selection on whole (its mask included)
+            selection = prev_selection
         with jax.named_scope("indexer_kl"):
             indexer_kl = None if kl_parts is None else indexer_kl_ops.mean_over_tokens(*kl_parts)
         return o_lat, selection, indexer_kl
 
-    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache):
+    def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache,
+                masked=False):
         """(selection, indexer KL or None, cache): this layer's top-k (full), the previous full layer's
-        (shared), or pass-through (none / dense attention). The KL comes as a function of an optional
-        precomputed sparse-stage target (see indexer_kl reference), called once attention has run."""
+        (shared), or pass-through (none / dense attention); ``masked``: the top-k also as a mask. The KL comes
+        as a function of an optional precomputed sparse-stage target (see indexer_kl reference) or of the
+        flash core's (query, keys, lse), called once attention has run."""
         cfg = self.cfg
         if self.indexer_kind != "full":
             return prev_selection, None, cache
@@ -247,20 +278,23 @@ class MLAttention(nn.Module):
         selection = prev_selection
         if cfg.runtime.attention_mode == "sparse":
             selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, kv_positions_BS, segment_ids_BT,
-                                           kv_segments_BS)
+                                           kv_segments_BS, with_mask=masked)
             if cache is None:
                 selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
         if cfg.runtime.indexer_loss == "none" or cache is not None:
             return selection, None, cache
-        idx, valid = selection if cfg.runtime.indexer_loss == "sparse" else (None, None)
+        idx, valid = selection[:2] if cfg.runtime.indexer_loss == "sparse" else (None, None)
+        allowed = selection[2] if masked else None
 
         def kl(target_BTK=None, mha=None):
             if target_BTK is not None and cfg.runtime.attention_impl in PALLAS_IMPLS:
                 return indexer_kl_ops.mean_over_tokens(*self._sparse_kl_kernel(q_i, k_i, w_i, idx, valid, target_BTK))
-            # mha: (MHA query, per-head keys, lse) of the flash core: the warm-up target from its lse
-            if mha is not None and cfg.runtime.indexer_loss == "warmup" and cfg.runtime.attention_impl in PALLAS_IMPLS:
+            # mha: (MHA query, per-head keys, lse) of the flash core: the target from its lse, over every
+            # visible key (warm-up) or the selected ones (sparse stage on the masked flash core)
+            if mha is not None and cfg.runtime.attention_impl in PALLAS_IMPLS and (
+                    cfg.runtime.indexer_loss == "warmup" or allowed is not None):
                 return indexer_kl_ops.mean_of_sums(*self._warmup_kl_kernel(mha, q_i, k_i, w_i, positions_BT,
-                                                                           segment_ids_BT))
+                                                                           segment_ids_BT, allowed))
             q_att, kv_att, lse = (q_abs, latent_BSC, None) if mha is None else mha
             return indexer_kl_ops.indexer_kl_loss(
                 jax.lax.stop_gradient(q_att), jax.lax.stop_gradient(kv_att), q_i, k_i, w_i,
@@ -268,19 +302,23 @@ class MLAttention(nn.Module):
                 stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK, lse_BTH=lse)
         return selection, kl, cache
 
-    def _warmup_kl_kernel(self, mha, q_i, k_i, w_i, positions_BT, segment_ids_BT):
-        """The warm-up KL kernel per batch shard (every head of a query is needed for its target) ->
-        (sum of KL_t per batch row [B], tokens with a non-empty key set per row [B])."""
+    def _warmup_kl_kernel(self, mha, q_i, k_i, w_i, positions_BT, segment_ids_BT, allowed_BTS=None):
+        """The warm-up KL kernel per batch shard (every head of a query is needed for its target), over the
+        visible keys or only the ``allowed`` ones (the sparse stage's selection mask) -> (sum of KL_t per
+        batch row [B], tokens with a non-empty key set per row [B])."""
         cfg = self.cfg
 
-        def sums(q, k, lse, iq, ik, iw, pos, seg):
+        def sums(q, k, lse, iq, ik, iw, pos, seg, *allowed):
             return indexer_kl_ops.warmup_kl_sums(q, k, lse, iq, ik, iw, pos, pos, seg, seg, scale=cfg.softmax_scale,
-                                                 impl=cfg.runtime.attention_impl)
+                                                 impl=cfg.runtime.attention_impl,
+                                                 allowed_BTS=allowed[0] if allowed else None)
 
         b4, b3, bt = (BATCH, None, None, None), (BATCH, None, None), (BATCH, None)
-        q_m, k_m, lse = (jax.lax.stop_gradient(x) for x in mha)   # the main model is frozen in this stage
-        return logical_shard_map(sums, in_axes=(b4, b4, b3, b4, b3, b3, bt, bt), out_axes=((BATCH,), (BATCH,)))(
-            q_m, k_m, lse, q_i, k_i, w_i, positions_BT, segment_ids_BT)
+        q_m, k_m, lse = (jax.lax.stop_gradient(x) for x in mha)   # the main model gets no KL gradient
+        extra = () if allowed_BTS is None else (allowed_BTS,)
+        return logical_shard_map(sums, in_axes=(b4, b4, b3, b4, b3, b3, bt, bt) + (b3,) * len(extra),
+                                 out_axes=((BATCH,), (BATCH,)))(
+            q_m, k_m, lse, q_i, k_i, w_i, positions_BT, segment_ids_BT, *extra)
 
     def _sparse_kl_kernel(self, q_i, k_i, w_i, idx, valid, target_BTK):
         """The sparse stage's indexer KL per token on the Pallas kernels -> (kl [B,T], has_set [B,T]); per
@@ -294,20 +332,21 @@ class MLAttention(nn.Module):
         return logical_shard_map(per_token, in_axes=((BATCH, None, None, None), btx, btx, btx, btx, btx),
                                  out_axes=(bt, bt))(q_i, k_i, w_i, idx, valid, target_BTK)
 
-    def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):
-        """Top-k selection (lightning_indexer.ops); a Pallas impl runs per batch shard."""
+    def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, with_mask=False):
+        """Top-k selection (lightning_indexer.ops), with ``with_mask`` also as a mask [B, T, S]; a Pallas
+        impl runs per batch shard."""
         cfg = self.cfg
 
         def topk(q, k, w, q_pos, kv_pos, q_seg, kv_seg):
             return indexer_ops.indexer_topk(q, k, w, q_pos, kv_pos, q_seg, kv_seg, topk=cfg.index_topk,
-                                            impl=cfg.runtime.attention_impl)
+                                            impl=cfg.runtime.attention_impl, with_mask=with_mask)
 
         args = (q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
         if cfg.runtime.attention_impl not in PALLAS_IMPLS:
             return topk(*args)
         bt, btx = (BATCH, None), (BATCH, None, None)
         return logical_shard_map(topk, in_axes=((BATCH, None, None, None), btx, btx, bt, bt, bt, bt),
-                                 out_axes=(btx, btx))(*args)
+                                 out_axes=(btx,) * (3 if with_mask else 2))(*args)
 
     def _sparse_core(self, q_abs, latent_BSC, idx, valid, *, decoding, with_target):
         """Absorbed sparse attention -> (o_lat [B,T,H,R], indexer KL target or None); a Pallas impl runs

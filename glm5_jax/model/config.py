@@ -72,6 +72,10 @@ class RuntimeConfig:
     projection_impl: ProjectionImpl = "xla"
     quant_matmul: QuantMatmul = "xla"        # packed INT4 experts: dequantise + the moe_impl matmul, or the kernel
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
+    # Pallas impls, training: the sparse stage attends with the flash kernel (MHA form) over the top-k
+    # selection as a [T, S] mask while the keys number at most this x index_topk (glm5_jax/model/attention.py
+    # `masked_flash_core`); longer sequences gather each query's rows. 0 always gathers.
+    masked_flash_factor: float = 4.0
     attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
@@ -91,6 +95,8 @@ class RuntimeConfig:
                 raise ConfigError(f"RuntimeConfig.{f.name}={getattr(self, f.name)!r}: must be one of {allowed}")
         if not (isinstance(self.attention_q_chunk, int) and self.attention_q_chunk > 0):
             raise ConfigError(f"RuntimeConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
+        if not self.masked_flash_factor >= 0:
+            raise ConfigError(f"RuntimeConfig.masked_flash_factor={self.masked_flash_factor!r}: must be >= 0")
         if not self.moe_capacity_factor > 0:
             raise ConfigError(f"RuntimeConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
         if self.indexer_loss == "sparse" and self.attention_mode != "sparse":

@@ -15,7 +15,9 @@ Dense core on TPU (``mha``: the flash kernel in the MHA form, glm5_jax/model/mha
 up-projects the gathered latent rows of every key to per-head keys and values itself (the latent row is
 576 values per token against 64 x 512 per-head values: gathering latent rows moves 57x fewer bytes, for
 kv_b_proj FLOPs repeated on every shard of the sequence) and runs the kernel over them with its own queries,
-causal by positions; the warm-up KL target comes from the kernel's lse.
+causal by positions; the warm-up KL target comes from the kernel's lse. The sparse stage at short
+context (``masked``, glm5_jax/model/attention.py `masked_flash_core`) runs the same core over its queries'
+top-k selection as a [T_shard, S] mask, and its indexer KL on the warm-up kernels over that mask.
 
 The backward pass returns each key's gradient to the shard that owns it (the all-gather's transpose
 is a reduce-scatter). The sparse core runs with ``training_rows=False``: a local query's keys are not
@@ -42,12 +44,13 @@ _BT = (BATCH, SEQ)
 _AXES = {  # logical axes of each per-token operand: split over batch and sequence, whole otherwise
     "q": _BT + (None, None), "kv": _BT + (None,), "pos": _BT, "seg": _BT, "idx": _BT + (None,),
     "valid": _BT + (None,), "iq": _BT + (None, None), "ik": _BT + (None,), "iw": _BT + (None,),
-    "q_mha": _BT + (None, None), "w_kvb": (None, None, None)}
+    "q_mha": _BT + (None, None), "w_kvb": (None, None, None), "allowed": _BT + (None,)}
 
 
 def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
-                               selection, indexer_qkw=None, *, select, sparse, kl_stage, mha=None):
-    """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k], (kl, has_set) or None): kl and has_set are per
+                               selection, indexer_qkw=None, *, select, sparse, kl_stage, mha=None, masked=False):
+    """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k] (+ allowed [B,T,S] when ``masked``), (kl, has_set) or
+    None): kl and has_set are per
     token [B,T], or with the warm-up KL kernel (``mha`` on a Pallas impl) each shard's sums over its
     queries [B, shards] (KL and the count of tokens with a non-empty key set); `mean_over_tokens` of
     either is the loss.
@@ -56,15 +59,18 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
     is a natural token index. ``indexer_qkw``: the indexer's (q, k, w) on full layers; ``select``: run the
     top-k (else ``selection`` is used); ``sparse``: top-k attention (else every visible key);
     ``kl_stage``: "none", "warmup" or "sparse"; ``mha``: (MHA query [B,T,H,D], kv_b_proj [R,H,d_nope+d_v])
-    for the dense core on the flash kernel, which then returns the per-head output [B,T,H,d_v] as o.
+    for the dense core on the flash kernel, which then returns the per-head output [B,T,H,d_v] as o;
+    ``masked``: sparse attention on that flash core over the selection as a mask (the selection carries it).
     """
     args = {"q": q_abs_BTHC, "kv": latent_BTC, "pos": positions_BT, "seg": segment_ids_BT,
             "idx": selection[0], "valid": selection[1]}
     if indexer_qkw is not None:
         args.update(zip(("iq", "ik", "iw"), indexer_qkw))
+    if masked != (sparse and mha is not None):
+        raise ValueError("context_parallel_attention: the masked flash core is sparse attention with an MHA core")
+    if masked and not select:
+        args["allowed"] = selection[2]
     if mha is not None:
-        if sparse:
-            raise ValueError("context_parallel_attention: the MHA flash core serves dense attention only")
         del args["q"]                                        # the absorbed query is not computed
         args.update(q_mha=mha[0], w_kvb=mha[1])
     names = sorted(args)
@@ -87,32 +93,36 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
         a = dict(zip(names, values))
         kv, kv_pos, kv_seg = (gather_sequence(a[x], n_shards) for x in ("kv", "pos", "seg"))
         ik = gather_sequence(a["ik"], n_shards) if "ik" in a else None
-        idx, valid = a["idx"], a["valid"]
+        idx, valid, allowed = a["idx"], a["valid"], a.get("allowed")
         if select:
             with jax.named_scope("lightning_indexer"):      # scope names: glm5_jax.cost.categories
-                idx, valid = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
-                                                      topk=cfg.index_topk, impl=cfg.runtime.attention_impl)
+                picked = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
+                                                  topk=cfg.index_topk, impl=cfg.runtime.attention_impl,
+                                                  with_mask=masked)
+            idx, valid, allowed = picked if masked else picked + (None,)
         if mha is not None:
             k_m, v_m = mha_form.mha_keys_values(cfg, kv[..., :R], kv[..., R:], a["w_kvb"])
             with jax.named_scope("attention_core"):
                 o, lse = mha_form.flash_core(cfg, a["q_mha"], k_m, v_m, a["pos"], kv_pos, a["seg"], kv_seg,
-                                             block=mha_form.chunk_block(a["pos"].shape[1] // 2))
-            target, kl_q, kl_kv, kl_lse = None, a["q_mha"], k_m, lse   # the warm-up target from the lse
+                                             block=mha_form.chunk_block(a["pos"].shape[1] // 2),
+                                             allowed_BTS=allowed)
+            target, kl_q, kl_kv, kl_lse = None, a["q_mha"], k_m, lse   # the KL target from the lse
         else:
             with jax.named_scope("attention_core"):
                 o, target = _core(a["q"], kv, idx, valid, a["pos"], kv_pos, a["seg"], kv_seg)
             kl_q, kl_kv, kl_lse = a["q"], kv, None
         if kl_stage == "none":
             kl, has_set = jnp.zeros(a["pos"].shape, jnp.float32), jnp.zeros(a["pos"].shape, bool)
-        elif mha is not None and kl_stage == "warmup" and cfg.runtime.attention_impl in PALLAS_IMPLS:
+        elif mha is not None and (kl_stage == "warmup" or masked) and cfg.runtime.attention_impl in PALLAS_IMPLS:
             # the kernel's per-row sums over this shard's queries, [B, 1] per shard: summed over the
-            # shards by mean_over_tokens like per-token values
+            # shards by mean_over_tokens like per-token values; over the selected keys when masked
             sg = jax.lax.stop_gradient
             with jax.named_scope("indexer_kl"):
                 kl, has_set = indexer_kl_ops.warmup_kl_sums(
                     sg(kl_q), sg(kl_kv), sg(kl_lse), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                     scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl,
-                    block_q=min(indexer_kl_ops.BLOCK_Q, mha_form.chunk_block(a["pos"].shape[1] // 2)))
+                    block_q=min(indexer_kl_ops.BLOCK_Q, mha_form.chunk_block(a["pos"].shape[1] // 2)),
+                    allowed_BTS=allowed)
             kl, has_set = kl[:, None], has_set[:, None]
         elif kl_stage == "sparse" and target is not None and cfg.runtime.attention_impl in PALLAS_IMPLS:
             with jax.named_scope("indexer_kl"):
@@ -125,9 +135,9 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                 kl, has_set = indexer_kl_ops.indexer_kl_per_token(
                     sg(kl_q), sg(kl_kv), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                     scale=cfg.softmax_scale, stage=kl_stage, lse_BTH=kl_lse, **picked)
-        return o, idx, valid, kl, has_set
+        return (o, idx, valid, kl, has_set) + ((allowed,) if masked else ())
 
-    out_axes = (_AXES["q"], _AXES["idx"], _AXES["valid"], _BT, _BT)
-    o, idx, valid, kl, has_set = logical_shard_map(per_shard, tuple(_AXES[x] for x in names), out_axes)(
+    out_axes = (_AXES["q"], _AXES["idx"], _AXES["valid"], _BT, _BT) + ((_AXES["allowed"],) if masked else ())
+    o, idx, valid, kl, has_set, *allowed = logical_shard_map(per_shard, tuple(_AXES[x] for x in names), out_axes)(
         *(args[x] for x in names))
-    return o, (idx, valid), (None if kl_stage == "none" else (kl, has_set))
+    return o, (idx, valid, *allowed), (None if kl_stage == "none" else (kl, has_set))

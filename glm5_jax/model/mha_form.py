@@ -30,11 +30,13 @@ def mha_keys_values(cfg: ModelConfig, c_BSR, k_rot_BSr, w_kvb_RHK):
 
 
 def flash_core(cfg: ModelConfig, q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
-               block=flash_ops.BLOCK):
-    """(out [B, T, H, d_v], lse [B, T, H] fp32): causal attention over the visible keys by
-    ``cfg.attention_impl`` (called per shard by the caller when the impl is a Pallas kernel)."""
+               block=flash_ops.BLOCK, allowed_BTS=None):
+    """(out [B, T, H, d_v], lse [B, T, H] fp32): causal attention over the visible keys (and only the
+    allowed ones: the sparse stage's top-k selection as a mask) by ``cfg.attention_impl`` (called per shard
+    by the caller when the impl is a Pallas kernel)."""
     r = flash_ops.flash_attention(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
-                                  scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl, block=block)
+                                  scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl, block=block,
+                                  allowed_BTS=allowed_BTS)
     return r.out, r.lse
 
 

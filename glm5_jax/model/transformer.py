@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from glm5_jax.model.attention import masked_flash_core
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
 from glm5_jax.model.layer_plan import LayerKind
@@ -79,10 +80,13 @@ def positions_from_segments(segment_ids_BT):
     return (t - start_index).astype(jnp.int32)
 
 
-def empty_selection(cfg: ModelConfig, B, T, num_keys=None):
-    """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, keys)]."""
-    k = min(cfg.index_topk, T if num_keys is None else num_keys) if cfg.use_indexer else 1
-    return jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
+def empty_selection(cfg: ModelConfig, B, T, num_keys=None, decoding=False):
+    """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, keys)], and the
+    selection mask [B, T, keys] where the sparse core is the masked flash kernel (`masked_flash_core`)."""
+    S = T if num_keys is None else num_keys
+    k = min(cfg.index_topk, S) if cfg.use_indexer else 1
+    empty = jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
+    return empty + (jnp.zeros((B, T, S), jnp.int8),) if masked_flash_core(cfg, S, decoding) else empty
 
 
 def shift_left(tokens_BT, k):
@@ -107,7 +111,7 @@ class MTPModule(nn.Module):
         B, T, _ = u.shape
         num_keys = T if cache is None else cache["latent"].shape[1]
         out = DecoderLayer(cfg, kind, name="block")(u, positions_BT, segment_ids_BT,
-                                                    empty_selection(cfg, B, T, num_keys), cache)
+                                                    empty_selection(cfg, B, T, num_keys, cache is not None), cache)
         return MTPOutput(out.h, RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="shared_head_norm")(out.h), out.stats,
                          out.cache)
 
@@ -140,7 +144,7 @@ class Transformer(nn.Module):
         B, T = tokens_BT.shape
         num_keys = T if cache is None else _cache_len(cache)
         stack = self.decoder(self.embed(tokens_BT), positions, segment_ids,
-                             empty_selection(self.cfg, B, T, num_keys), cache)
+                             empty_selection(self.cfg, B, T, num_keys, cache is not None), cache)
         h_normed = self.final_norm(stack.h)
         return MainOutput(self.head(_rows_at(h_normed, logits_at)), stack.h, h_normed, stack.stats, stack.cache)
 

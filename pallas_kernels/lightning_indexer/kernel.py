@@ -125,8 +125,8 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk,
                  q_chunk=512, block_t=256, block_s=512, with_mask=False, interpret=False):
     """Same contract as reference.indexer_topk: (idx [B, T, k] int32, valid [B, T, k] bool); with
-    ``with_mask`` also the selection as a mask [B, T, S] bool, made from each chunk's scores while they
-    are at hand (masking.top_k_mask)."""
+    ``with_mask`` also the selection as a mask [B, T, S] int8 (1 = selected), made from each chunk's scores
+    while they are at hand (masking.top_k_mask); int8 is what the masked kernels read."""
     k = min(topk, k_BSD.shape[1])
 
     def select(q, w, q_pos, q_seg):
@@ -134,6 +134,6 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
                               block_t=block_t, block_s=block_s, interpret=interpret)
         top_scores, idx = jax.lax.top_k(scores, k)
         picked = (idx.astype(jnp.int32), top_scores > -jnp.inf)
-        return picked + (top_k_mask(scores, top_scores),) if with_mask else picked
+        return picked + (top_k_mask(scores, top_scores).astype(jnp.int8),) if with_mask else picked
 
     return chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)

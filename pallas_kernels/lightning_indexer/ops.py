@@ -9,6 +9,7 @@ loss (pallas_kernels/indexer_kl). The inputs are detached here, before any kerne
 differentiation of a model that uses the indexer never asks ``pallas_call`` for a derivative.
 """
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.impls import PALLAS, PALLAS_INTERPRET, REFERENCE, XLA
 from pallas_kernels.lightning_indexer import kernel, reference
@@ -25,11 +26,11 @@ def check_impl(impl):
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk, impl="xla",
                  with_mask=False):
     """(idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S): the top-k visible keys per query; with
-    ``with_mask`` also the same selection as a mask [B, T, S] bool (for attending densely over it)."""
+    ``with_mask`` also the same selection as a mask [B, T, S] int8, 1 = selected (for attending densely over it)."""
     check_impl(impl)
     q_BTHD, k_BSD, w_BTH = (jax.lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
     args = (q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
     if impl in ("reference", "xla"):
         idx, valid = reference.indexer_topk(*args, topk=topk)
-        return (idx, valid, selection_mask(idx, valid, k_BSD.shape[1])) if with_mask else (idx, valid)
+        return (idx, valid, selection_mask(idx, valid, k_BSD.shape[1]).astype(jnp.int8)) if with_mask else (idx, valid)
     return kernel.indexer_topk(*args, topk=topk, with_mask=with_mask, interpret=impl == PALLAS_INTERPRET)

@@ -165,3 +165,26 @@ def test_warmup_stage_model_equals_xla_path():
     logits, kl = _model_outputs(pallas, variables, tokens, mesh)
     np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=0)
     np.testing.assert_allclose(kl, want_kl, rtol=1e-5, atol=1e-7)
+
+
+def test_sparse_stage_masked_flash_model_equals_xla_path():
+    """The sparse stage at short context on TPU impls: the top-k selection as a mask over the flash kernel
+    (MHA form) and the indexer KL on the warm-up kernels over that mask give the XLA path's logits and
+    sparse-stage KL (per-slot gathers, target from the absorbed-form attention over the selected slots).
+    64 tokens, k = 8: the selection drops most keys."""
+    cfg = CFG.replace(attention_mode="sparse", indexer_loss="sparse", masked_flash_factor=8.0)
+    variables = meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(1), jnp.zeros((1, 8), jnp.int32)))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 64)), jnp.int32)
+    want_logits, want_kl = _model_outputs(cfg, variables, tokens)
+    assert np.sum(want_kl > 1e-3) >= 2
+    pallas = cfg.replace(attention_impl="pallas_interpret")
+    program = str(jax.make_jaxpr(lambda v, t: Transformer(pallas).apply(v, t).logits)(variables, tokens))
+    assert "flash_attention_fwd_masked" in program and "indexer_kl_warmup_lse" in program
+    assert "sparse_mla_fwd" not in program                    # no per-slot gathers
+    gathered = cfg.replace(attention_impl="pallas_interpret", masked_flash_factor=0.0)
+    assert "sparse_mla_fwd" in str(jax.make_jaxpr(lambda v, t: Transformer(gathered).apply(v, t).logits)(
+        variables, tokens))
+    mesh = build_mesh(MeshConfig(data=2, fsdp=1, expert=1, tensor=2), jax.devices()[:4])
+    logits, kl = _model_outputs(pallas, variables, tokens, mesh)
+    np.testing.assert_allclose(logits, want_logits, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(kl, want_kl, rtol=1e-5, atol=1e-7)

@@ -47,19 +47,20 @@ def initial_weights():
     return jax.device_get((state.params, state.moe_bias))
 
 
-def make_trainer(stage, mesh_name, impl, rows=B):
+def make_trainer(stage, mesh_name, impl, rows=B, masked_flash_factor=4.0):
     mesh_cfg, n_devices = MESHES[mesh_name]
-    exp = ExperimentConfig(model=MODEL.replace(attention_impl=impl), data=DataConfig(batch_size=rows, seq_len=T),
+    model = MODEL.replace(attention_impl=impl, masked_flash_factor=masked_flash_factor)
+    exp = ExperimentConfig(model=model, data=DataConfig(batch_size=rows, seq_len=T),
                            train=TrainConfig(stage=stage, warmup_steps=1, learning_rate=1e-2, eps=1e-4),
                            mesh=mesh_cfg)
     return Trainer(exp, build_mesh(mesh_cfg, jax.devices()[:n_devices]))
 
 
 @functools.lru_cache
-def train(stage, mesh_name, impl="xla", steps=4, rows=B):
+def train(stage, mesh_name, impl="xla", steps=4, rows=B, masked_flash_factor=4.0):
     """(per-step [loss, lm_loss, indexer_loss], final (params, routing bias)) on the host; ``rows`` of
     each batch."""
-    trainer = make_trainer(stage, mesh_name, impl, rows)
+    trainer = make_trainer(stage, mesh_name, impl, rows, masked_flash_factor)
     params, moe_bias = initial_weights()
     state = trainer.state_from_weights(jax.device_put(params, trainer.state_shardings.params),
                                        jax.device_put(moe_bias, trainer.state_shardings.moe_bias), seed=0)
@@ -111,6 +112,15 @@ def test_flash_attention_over_context_trains_like_xla_on_one_device():
     on one device."""
     want = train("dense", "context1", impl="xla", steps=2, rows=2)
     assert_same_training(train("dense", "context2", impl="pallas_interpret", steps=2, rows=2), want)
+
+
+def test_masked_flash_sparse_stage_over_context_trains_like_xla_on_one_device():
+    """Sparse stage on the short-context TPU form: each shard's top-k as a mask over the flash kernel and
+    the warm-up KL kernels over that mask (interpreted; masked_flash_factor 8, so T = 64 = 8 k takes this
+    form), context=2, trains like the XLA path (per-query row gathers) on one device."""
+    want = train("sparse", "context1", impl="xla", steps=2, rows=2)
+    assert_same_training(train("sparse", "context2", impl="pallas_interpret", steps=2, rows=2,
+                               masked_flash_factor=8.0), want)
 
 
 def test_warmup_kl_kernel_over_context_trains_like_xla_on_one_device():
