@@ -24,14 +24,15 @@ def selection_mask(idx_BTK, valid_BTK, num_keys):
     return jnp.zeros((B, T, num_keys), bool).at[b, t, idx_BTK].max(valid_BTK, mode="drop")
 
 
-def top_k_mask(scores_BTS, top_scores_BTK):
-    """Boolean [B, T, S]: the keys ``lax.top_k(scores, k)`` picked, from the scores and the k values it
-    returned, without a scatter: every key scoring above the k-th value, and of the keys scoring exactly
-    the k-th value the lowest-indexed ones, as many as top_k took (lax.top_k puts the lower index first
-    among equal values). Keys at -inf (not visible) are never picked. Equals ``selection_mask`` of the
-    top-k's (idx, valid)."""
+def top_k_mask(scores_BTS, top_scores_BTK, top_idx_BTK):
+    """Boolean [B, T, S]: the keys ``lax.top_k(scores, k)`` picked, from the scores and the values and
+    indices it returned, without a scatter: every key scoring above the k-th value, and of the keys scoring
+    exactly the k-th value those at or below the highest index top_k took among them (lax.top_k puts the
+    lower index first among equal values, so the tied keys it takes are the lowest-indexed ones). Keys at
+    -inf (not visible) are never picked. Equals ``selection_mask`` of the top-k's (idx, valid). Elementwise
+    over [T, S] plus a reduction over k: no scan along S."""
     kth = top_scores_BTK[..., -1:]
-    at_kth = scores_BTS == kth
-    taken_at_kth = jnp.sum(top_scores_BTK == kth, axis=-1, keepdims=True)
-    rank_at_kth = jnp.cumsum(at_kth.astype(jnp.int32), axis=-1)
-    return ((scores_BTS > kth) | (at_kth & (rank_at_kth <= taken_at_kth))) & (scores_BTS > -jnp.inf)
+    last_tied = jnp.max(jnp.where(top_scores_BTK == kth, top_idx_BTK, -1), axis=-1, keepdims=True)
+    key = jnp.arange(scores_BTS.shape[-1], dtype=top_idx_BTK.dtype)
+    tied_and_taken = (scores_BTS == kth) & (key <= last_tied)
+    return ((scores_BTS > kth) | tied_and_taken) & (scores_BTS > -jnp.inf)

@@ -134,6 +134,6 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
                               block_t=block_t, block_s=block_s, interpret=interpret)
         top_scores, idx = jax.lax.top_k(scores, k)
         picked = (idx.astype(jnp.int32), top_scores > -jnp.inf)
-        return picked + (top_k_mask(scores, top_scores).astype(jnp.int8),) if with_mask else picked
+        return picked + (top_k_mask(scores, top_scores, picked[0]).astype(jnp.int8),) if with_mask else picked
 
     return chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)

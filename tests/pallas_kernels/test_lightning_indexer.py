@@ -70,7 +70,9 @@ def test_selection_mask_from_scores_equals_the_top_k_with_ties():
     np.testing.assert_array_equal(mask, selection_mask(idx, valid, S))
     scores = np.asarray(reference.index_scores(q, k, w, visible_mask(*args[3:])))
     kth = np.sort(np.where(np.isfinite(scores), scores, -np.inf), axis=-1)[..., -topk]
-    assert ((scores == kth[..., None]).sum(-1) > 1).any()            # ties at the k-th value occur
+    picked_at_kth = np.take_along_axis(scores, np.asarray(idx), -1) == kth[..., None]
+    # ties at the k-th value of which top_k took only some (the lowest-indexed) occur
+    assert ((scores == kth[..., None]).sum(-1) > (picked_at_kth & np.asarray(valid)).sum(-1))[np.isfinite(kth)].any()
     assert (np.asarray(valid).sum(-1) < topk).any() and np.asarray(valid).any()
     _, _, xla_mask = ops.indexer_topk(*args, topk=topk, impl="xla", with_mask=True)
     np.testing.assert_array_equal(np.asarray(xla_mask).sum(-1), np.asarray(mask).sum(-1))
