@@ -26,16 +26,19 @@ def model_config() -> ModelConfig:
 
 
 def get_config() -> ExperimentConfig:
-    """2048 v5p chips: FSDP 128 x context 2 x expert-parallel 8, no tensor split; 1024 sequences of 4096
-    tokens (4.2M) per step, each sequence over 2 chips. The mesh sweep (bench/mesh_sweep.py, README: Scale)
-    chose it: against fsdp 128 x expert 8 x tensor 2 it drops the tensor all-reduces (the KL target's, the
-    experts' partial sums) and the per-chip copies of tensor-replicated activations: 9.1 s vs 18.7 s
-    estimated per step at 52 vs 26 GiB per chip."""
+    """2048 v5p chips: FSDP 32 x context 2 x expert-parallel 32, no tensor split; 1024 sequences of 4096
+    tokens (4.2M) per step, each sequence over 2 chips. The mesh sweeps (bench/mesh_sweep.py, README: Scale)
+    chose it: no tensor split (against fsdp 128 x expert 8 x tensor 2 it drops the tensor all-reduces and the
+    per-chip copies of tensor-replicated activations: 9.1 s vs 18.7 s then), and 32 experts' worth of chips
+    per expert group, so each chip holds 8 routed experts instead of 32: the experts' weight gathers,
+    gradient reduce-scatters and weight re-reads shrink 4x for a wider all-to-all. Dense stage: est. 5.02 s
+    against 6.63 s at expert 8 (bench/results/mesh_sweep_dense.md); sparse stage: 5.32 s against 7.01 s
+    (bench/results/compile_744b.md)."""
     # remat: "moe_saveable" keeps each MoE layer's expert input rows, gate / up products and outputs (~0.55 GB per
     # layer per chip) so the backward reruns no expert product and moves no rows; 83-85 GiB per chip in the
     # dense and sparse steps (bench/results/compile_744b_dense.md, compile_744b.md)
     model = model_config().replace(remat_policy="moe_saveable", moe_ep="a2a", moe_capacity_factor=1.25)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
-    return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=128, context=2, expert=8,
+    return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=32, context=2, expert=32,
                                                                                          tensor=1))
