@@ -49,11 +49,10 @@ _AXES = {  # logical axes of each per-token operand: split over batch and sequen
 
 def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
                                selection, indexer_qkw=None, *, select, sparse, kl_stage, mha=None, masked=False):
-    """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k] (+ allowed [B,T,S] when ``masked``), (kl, has_set) or
-    None): kl and has_set are per
-    token [B,T], or with the warm-up KL kernel (``mha`` on a Pallas impl) each shard's sums over its
-    queries [B, shards] (KL and the count of tokens with a non-empty key set); `mean_over_tokens` of
-    either is the loss.
+    """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k] (+ allowed [B,T,S] when ``masked``), (kl, has_set)
+    or None): kl and has_set are per token [B,T], or with the warm-up KL kernel (``mha`` on a Pallas impl)
+    each shard's sums over its queries [B, shards] (KL and the count of tokens with a non-empty key set);
+    `mean_over_tokens` of either is the loss.
 
     All [B, T, ...] operands and results are in the sequence layout over ``n_shards``; a selected index
     is a natural token index. ``indexer_qkw``: the indexer's (q, k, w) on full layers; ``select``: run the
