@@ -35,3 +35,12 @@ def check_blocks(kernel_name: str, T: int, S: int, block_q: int, block_k: int):
         if blk % LANES or n % blk:
             raise ValueError(f"{kernel_name}: {name}={n} is not a multiple of its block {blk} "
                              f"(a multiple of {LANES}); ops.py pads to it")
+
+
+def mask_operand(kernel_name: str, allowed_BTS, shape):
+    """A kernel's selection-mask operand: ``allowed_BTS`` (bool or int8, of ``shape`` = (B, T, S)) as int8."""
+    if allowed_BTS.shape != tuple(shape):
+        raise ValueError(f"{kernel_name}: allowed has shape {allowed_BTS.shape}, expected {tuple(shape)}")
+    if allowed_BTS.dtype not in (jnp.bool_, jnp.int8):
+        raise ValueError(f"{kernel_name}: allowed must be bool or int8, got {allowed_BTS.dtype}")
+    return allowed_BTS.astype(jnp.int8)

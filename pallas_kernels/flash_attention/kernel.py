@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_utils import LANES, check_blocks, mxu_precision
+from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand, mxu_precision
 
 # The backward computes dQ inside the dK/dV kernel while one head's fp32 dQ [T, D] fits this many bytes of
 # VMEM (T = 8192 at D = 256), else in a separate dQ kernel. The pipeline double-buffers the dQ block, so the
@@ -305,12 +305,6 @@ def _rows(x_BT):
     return x_BT.astype(jnp.int32)[:, None, :]
 
 
-def _mask_operand(allowed_BTS, d: _Shapes):
-    if allowed_BTS.shape != (d.B, d.T, d.S):
-        raise ValueError(f"flash_attention: allowed {allowed_BTS.shape} is not [B, T, S] = {(d.B, d.T, d.S)}")
-    return allowed_BTS.astype(jnp.int8)
-
-
 def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, block_q=512,
               block_k=512, allowed_BTS=None, interpret=False):
     """(out [B, T, H, Dv] in q's dtype, lse [B, H, T] fp32). T and S must be multiples of the blocks.
@@ -331,7 +325,7 @@ def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
         return b, i, fetch[_table_index(b, i, j, n_q, n_k)]
 
     mask_spec = [pl.BlockSpec((None, bq, bk), mask_block)] if masked else []
-    mask_arg = [_mask_operand(allowed_BTS, d)] if masked else []
+    mask_arg = [mask_operand("flash_attention", allowed_BTS, (B, T, S))] if masked else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=(B, H, n_q, n_k),
         in_specs=[pl.BlockSpec((None, bq, D), lambda b, h, i, j, *_: (b, i, h)),
@@ -367,7 +361,7 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
     ``allowed_BTS``: the forward's selection mask, if it had one."""
     d = _shapes(q_BTHD, k_BSHD, v_BSHV, block_q, block_k)
     masked = allowed_BTS is not None
-    allowed = _mask_operand(allowed_BTS, d) if masked else None
+    allowed = mask_operand("flash_attention", allowed_BTS, (d.B, d.T, d.S)) if masked else None
     B, T, S, H, D, Dv, bq, bk = d
     n_q, n_k = T // bq, S // bk
     needed = needed_blocks(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, bq, bk)

@@ -53,9 +53,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_attention.kernel import (_columns, _mm, _mm_nt, _rows, _table_index, _visible, block_tables,
-                                                   needed_blocks)
-from pallas_kernels.tpu_utils import LANES, check_blocks
+from pallas_kernels.flash_attention.kernel import (_columns, _mm, _mm_nt, _rows, _split_mask, _table_index, _visible,
+                                                   block_tables, needed_blocks)
+from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand
 
 # d ik of one batch row stays resident in VMEM (fp32 [S, DI], double-buffered by the pipeline) while the
 # query blocks run up to this size (S = 8K at DI = 128); longer key sets get d ik from a separate kernel
@@ -125,7 +125,7 @@ def _lse_kernel(needed_ref, fetch_ref, iq_ref, ik_ref, iw_ref, q_pos_ref, q_seg_
     # iq_ref [bq, HI*DI]; ik_ref [bk, DI]; iw_ref [HI, bq] fp32; q_pos/q_seg [1, bq]; kv_pos/kv_seg [bk, 1];
     # with ``masked`` allowed_ref [bq, bk] int8; lse_ref [1, bq] fp32 (-inf for a query with an empty key set);
     # m/l [1, bq] fp32 scratch
-    allowed_ref, (lse_ref, m_scr, l_scr) = (refs[0], refs[1:]) if masked else (None, refs)
+    allowed_ref, (lse_ref, m_scr, l_scr) = _split_mask(refs, masked)
     b, i, j = pl.program_id(0), pl.program_id(2) * groups + pl.program_id(1), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -176,7 +176,7 @@ def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
     # also diq_ref [bq, HI*DI], diw_ref [HI, bq] (accumulated over the key blocks) and, with ``resident_dk``,
     # dik_ref [S, DI] (resident, accumulated over the group's query blocks), all fp32. Scratch: kl_scr [1, bq],
     # dots_scr [HI, bk, bq] fp32.
-    allowed_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)
+    allowed_ref, refs = _split_mask(refs, masked)
     diq_ref = diw_ref = dik_ref = None
     if with_grads and resident_dk:
         kl_ref, diq_ref, diw_ref, dik_ref, kl_scr, dots_scr = refs
@@ -233,7 +233,7 @@ def _dk_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
     # d ik when it is too long to stay resident: grid (B, n_k, n_q), query blocks innermost, the same
     # blocks as `_kl_kernel` (with ``masked`` allowed_ref [bq, bk] int8); dik_ref [bk, DI] fp32 accumulated
     # over the query blocks.
-    allowed_ref, dik_ref = refs if masked else (None, refs[0])
+    allowed_ref, (dik_ref,) = _split_mask(refs, masked)
     b, kb, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(qb == 0)
@@ -352,17 +352,6 @@ def cost(d: Shapes, q_itemsize, index_itemsize, *, with_grads, resident=True, ma
     return costs
 
 
-def _mask_operands(allowed_BTS, d: Shapes):
-    """() without a mask, else (allowed [B, T, S] int8,)."""
-    if allowed_BTS is None:
-        return ()
-    if allowed_BTS.shape != (d.B, d.T, d.S):
-        raise ValueError(f"warmup_indexer_kl: allowed has shape {allowed_BTS.shape}, expected {(d.B, d.T, d.S)}")
-    if allowed_BTS.dtype not in (jnp.bool_, jnp.int8):
-        raise ValueError(f"warmup_indexer_kl: allowed must be bool or int8, got {allowed_BTS.dtype}")
-    return (allowed_BTS.astype(jnp.int8),)
-
-
 def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
                       allowed_BTS=None, *, scale, block_q=128, block_k=128, with_grads=True, interpret=False,
                       resident_dk_bytes=RESIDENT_DK_BYTES) -> WarmupKL:
@@ -373,8 +362,8 @@ def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT
     (without it, all of them). T, S multiples of the blocks; D, DI multiples of 128. d ik stays resident in
     the KL kernel while its fp32 [S, DI] fits ``resident_dk_bytes``, else a separate kernel computes it."""
     d = check_shapes(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, block_q, block_k)
-    mask_operands = _mask_operands(allowed_BTS, d)
-    masked = bool(mask_operands)
+    masked = allowed_BTS is not None
+    mask_operands = (mask_operand("warmup_indexer_kl", allowed_BTS, (d.B, d.T, d.S)),) if masked else ()
     B, T, S, H, D, HI, DI, bq, bk = d
     n_q, n_k = T // bq, S // bk
     needed = needed_blocks(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, bq, bk)
