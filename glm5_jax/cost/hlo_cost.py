@@ -597,14 +597,48 @@ def _reduce_scatter_fusion(instrs: dict) -> bool:
                 and instrs[root[2][0]][1] == "all-reduce")
 
 
+def _async_start_of(name: str, opcode: str, operands: list[str]) -> str | None:
+    """The start instruction an async done waits for: an ``X-done``'s (``async-done``, ``all-gather-done``,
+    ...) operand, or the async collective fusion's ``async-collective-start.N`` for its
+    ``async-collective-done.N``."""
+    if opcode.endswith("-done") and operands:
+        return operands[0]
+    if name.startswith(ASYNC_COLLECTIVE_DONE):
+        return ASYNC_COLLECTIVE_START + name[len(ASYNC_COLLECTIVE_DONE):]
+    return None
+
+
+def _exposed_async(windows: list[tuple[int, int, float]], instr_seconds: list[float]) -> float:
+    """Exposed seconds of async collectives, each a window (start index, done index, seconds) over a
+    computation's scheduled instructions: it runs beside the instructions strictly between its start and
+    its done. Windows that overlap share that compute (and are in flight together), so each group of
+    overlapping windows exposes max(0, its collectives' seconds - the roofline seconds inside the union of
+    its windows). A start without a done in the same computation runs to the computation's end; a done
+    scheduled before its start (a loop body that waits at the top of the next trip for what it started at
+    the bottom of this one) wraps round the body."""
+    n = len(instr_seconds)
+    instr_seconds = instr_seconds * 2               # index i + n: instruction i in the next trip
+    windows = [(start, done + n if done < start else done, seconds) for start, done, seconds in windows]
+    exposed, group = 0.0, None                      # group: [first start, last done, async seconds]
+    for start, done, seconds in sorted(windows) + [(2 * n + 1, 0, 0.0)]:
+        if group is not None and start < group[1]:
+            group[1] = max(group[1], done)
+            group[2] += seconds
+            continue
+        if group is not None:
+            exposed += max(0.0, group[2] - sum(instr_seconds[group[0] + 1:group[1]]))
+        group = [start, done, seconds]
+    return exposed
+
+
 def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
              num_partitions: int | None = None, loop_trips: bool = True) -> HloCost:
     """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
     instruction under a category from its metadata (instructions without one take their caller's);
     `timing` adds communication seconds with this overlap rule: an asynchronous collective (a start/done
-    pair, or one inside the TPU compiler's async collective fusion) hides behind the compute of the
-    computation it is issued in (one loop trip, its fusions included) up to that compute's roofline
-    time; a synchronous one is exposed in full. With `timing`, every top-level instruction also takes
+    pair, or one inside the TPU compiler's async collective fusion) hides behind the roofline time of the
+    instructions the compiled schedule places between its start and its done (`_exposed_async`); a
+    synchronous one is exposed in full. With `timing`, every top-level instruction also takes
     its own roofline time, max(its FLOPs / timing.peak_flops, its HBM bytes / timing.hbm_bandwidth)
     (``roofline_seconds``, and per category under "seconds"). ``loop_trips=False`` counts every loop
     body once, as XLA's own ``cost_analysis()`` does (to compare the two)."""
@@ -631,7 +665,12 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         own, children = _Tally(), _Tally()
         sync_s = async_s = 0.0
         rs_fusion = fused and _reduce_scatter_fusion(instrs)
-        for iname, (shape, opcode, operands, raw, attrs) in instrs.items():
+        # per instruction of this computation, in schedule order: its roofline seconds (a loop's or call's
+        # whole body included) and the async seconds it starts; where each async start is done
+        instr_seconds, instr_async, started_at, done_at = [], [], {}, {}
+        for index, (iname, (shape, opcode, operands, raw, attrs)) in enumerate(instrs.items()):
+            seconds_before = own.total("seconds") + children.total("seconds")
+            async_before = async_s
             cat = category_of(attrs, inherited)
             flops_before = own.total("flops") + own.total("kernel_flops")
             nbytes = None
@@ -701,10 +740,17 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
             if timing is not None and nbytes is not None:
                 op_flops = own.total("flops") + own.total("kernel_flops") - flops_before
                 own.add(("seconds", cat), max(op_flops / timing.peak_flops, nbytes / timing.hbm_bandwidth))
+            instr_seconds.append(own.total("seconds") + children.total("seconds") - seconds_before)
+            instr_async.append(async_s - async_before)
+            if async_s > async_before:
+                started_at[iname] = index
+            start = _async_start_of(iname, opcode, operands)
+            if start is not None:
+                done_at[start] = index
         own.sync_seconds, own.async_seconds = sync_s, async_s
         if timing is not None:
-            compute_s = own.total("seconds")       # this level's ops, each at its own roofline
-            own.exposed_comm_seconds = sync_s + max(0.0, async_s - compute_s)
+            windows = [(i, done_at.get(name, len(instrs)), instr_async[i]) for name, i in started_at.items()]
+            own.exposed_comm_seconds = sync_s + _exposed_async(windows, instr_seconds)
         own.merge(children)
         memo[key] = own
         return own

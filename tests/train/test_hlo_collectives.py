@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.cost.collectives import collective_groups, moved_bytes, spanned_axes
-from glm5_jax.cost.hlo_cost import CollectiveOp, StepTiming, hlo_cost
+from glm5_jax.cost.hlo_cost import CollectiveOp, StepTiming, _exposed_async, hlo_cost
 from glm5_jax.cost.ici import V5P_LINK_BYTES_PER_S, CollectiveModel
 
 
@@ -87,14 +87,15 @@ def test_ici_times_on_a_torus_and_a_line():
 
 ASYNC_STEP = """HloModule m, num_partitions=4
 
-ENTRY %main (x: f32[64,128], w: f32[128,128], g: f32[1000]) -> f32[64,128] {
+ENTRY %main (x: f32[64,128], w: f32[128,128], g: f32[1000]) -> (f32[64,128], f32[4000]) {
   %x = f32[64,128]{1,0} parameter(0)
   %w = f32[128,128]{1,0} parameter(1)
   %g = f32[1000]{0} parameter(2)
   %ag = f32[4000]{0} all-gather(%g), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="a"}
   %ags = (f32[1000]{0}, f32[4000]{0}) all-gather-start(%g), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="b"}
+  %dot = f32[64,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="c"}
   %agd = f32[4000]{0} all-gather-done(%ags)
-  ROOT %dot = f32[64,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="c"}
+  ROOT %t = (f32[64,128]{1,0}, f32[4000]{0}) tuple(%dot, %agd)
 }
 """
 
@@ -108,9 +109,30 @@ def test_overlap_rule_exposes_sync_collectives_and_hides_async_ones_behind_compu
     assert ops["a"][0] == CollectiveOp("all-gather", 16000, ((0, 1, 2, 3),), False, "a") and ops["a"][1] == 1
     assert ops["b"][0].is_async and ops["b"][0].nbytes == 16000
     assert cost.comm_seconds == 8.0
-    # sync 3 s in full + async 5 s less the 2 s of compute it overlaps
+    # sync 3 s in full + async 5 s less the 2 s of compute scheduled between its start and done
     assert cost.exposed_comm_seconds == 3.0 + (5.0 - 2.0)
     assert np.isclose(cost.by_category["flops"]["c"], 2 * 64 * 128 * 128)
+    # the same dot scheduled after the done overlaps nothing: both collectives exposed in full
+    lines = ASYNC_STEP.split("\n")
+    dot = next(k for k, line in enumerate(lines) if line.startswith("  %dot = "))
+    lines[dot], lines[dot + 1] = lines[dot + 1], lines[dot]
+    after = "\n".join(lines)
+    assert after.index("%agd = ") < after.index("%dot = ")
+    assert hlo_cost(after, categorize=lambda name: name, timing=timing).exposed_comm_seconds == 8.0
+
+
+def test_async_windows_share_the_compute_between_start_and_done():
+    seconds = [1.0, 2.0, 4.0, 8.0, 16.0]         # roofline seconds of five scheduled instructions
+    # one collective of 5 s from 0 to 3 runs beside instructions 1 and 2 (6 s): hidden
+    assert _exposed_async([(0, 3, 5.0)], seconds) == 0.0
+    # two overlapping windows (0..3, 2..4: union 1..3, 14 s) in flight together with 20 s: 6 s exposed
+    assert _exposed_async([(0, 3, 10.0), (2, 4, 10.0)], seconds) == 20.0 - (2 + 4 + 8)
+    # disjoint windows each hide behind their own compute only: 0..2 (2 s) and 2..4 (8 s)
+    assert _exposed_async([(0, 2, 3.0), (2, 4, 3.0)], seconds) == 1.0
+    # a done scheduled before its start wraps round a loop body: 3..(next trip)1 runs beside 4 and 0
+    assert _exposed_async([(3, 1, 20.0)], seconds) == 20.0 - (16 + 1)
+    # no done: to the end of the computation
+    assert _exposed_async([(2, 5, 30.0)], seconds) == 30.0 - (8 + 16)
 
 
 # The TPU compiler's async collective fusion (libtpu flag --xla_tpu_enable_async_collective_fusion): one
