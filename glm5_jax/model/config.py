@@ -66,6 +66,9 @@ class RuntimeConfig:
     # "none" (GSPMD decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
     moe_ep: MoeEp = "none"
     moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
+    # expert parallelism: a shard's tokens cross the all_to_all in this many chunks, each with its own
+    # capacity, so one chunk's transport can overlap another's expert matmuls (expert_parallel.py)
+    moe_a2a_chunks: int = 1
     remat_policy: RematPolicy = "full"       # glm5_jax/model/decoder.py REMAT_POLICIES
     # weight projections' gradient (glm5_jax.model.layers.einsum): "xla" (as JAX derives it; TPU/GPU) or
     # "cpu_transposed_grad" (the weight gradient from a materialised x^T: faster on XLA:CPU)
@@ -97,6 +100,8 @@ class RuntimeConfig:
             raise ConfigError(f"RuntimeConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
         if not self.masked_flash_factor >= 0:
             raise ConfigError(f"RuntimeConfig.masked_flash_factor={self.masked_flash_factor!r}: must be >= 0")
+        if not (isinstance(self.moe_a2a_chunks, int) and self.moe_a2a_chunks >= 1):
+            raise ConfigError(f"RuntimeConfig.moe_a2a_chunks={self.moe_a2a_chunks!r}: must be an int >= 1")
         if not self.moe_capacity_factor > 0:
             raise ConfigError(f"RuntimeConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
         if self.indexer_loss == "sparse" and self.attention_mode != "sparse":

@@ -9,7 +9,10 @@ compile). `train.py` applies the config's set right after reading the config.
 * ``"collective_overlap"``: the TPU compiler's async collective fusion: the FSDP all-gathers, gradient
   reduce-scatters and all-reduces run inside the compute fusions around them (async-collective-start /
   -done in the compiled HLO), so they overlap the layer's matmuls; data-parallel all-reduces of
-  different sizes are combined. The same flags the public MaxText v5p training recipes set.
+  different sizes are combined. The same flags the public MaxText v5p training recipes set. Also the
+  all-to-all asynchronous (``--xla_tpu_enable_async_all_to_all``): with the expert-parallel tokens sent in
+  chunks (``RuntimeConfig.moe_a2a_chunks``) one chunk's transport runs beside another chunk's expert
+  matmuls.
 
 Flags the user already put in ``LIBTPU_INIT_ARGS`` win over the set's value for the same flag.
 """
@@ -30,6 +33,7 @@ FLAG_SETS: dict[str, tuple[str, ...]] = {
         "--xla_enable_async_collective_permute=true",
         "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
         "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+        "--xla_tpu_enable_async_all_to_all=true",
     ),
 }
 

@@ -48,11 +48,12 @@ def _loss_and_grads(cfg, variables, mesh=None, tensor_rules=DEFAULT_RULES):
         return fn(variables["params"], x)
 
 
-@pytest.mark.parametrize("mesh_cfg,hidden", [(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16),
-                                             (MeshConfig(data=1, fsdp=1, expert=4, tensor=2), 16),
-                                             (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 256)],
-                         ids=["fsdp2_expert4", "expert4_tensor2", "fsdp2_expert4_tile_rows"])
-def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden):
+@pytest.mark.parametrize("mesh_cfg,hidden,chunks", [(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 1),
+                                                    (MeshConfig(data=1, fsdp=1, expert=4, tensor=2), 16, 1),
+                                                    (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 256, 1),
+                                                    (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2)],
+                         ids=["fsdp2_expert4", "expert4_tensor2", "fsdp2_expert4_tile_rows", "fsdp2_expert4_chunks2"])
+def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks):
     # hidden 256: the transport moves rows in the [rows, D / 128, 128] view (expert_parallel.tile_rows)
     # (init scaled with the width, so that outputs keep the magnitude the tolerances were set for)
     cfg = CFG.replace(hidden_size=hidden, initializer_range=CFG.initializer_range * (16 / hidden) ** 0.5)
@@ -60,7 +61,8 @@ def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden):
     variables = _params(cfg)
     (ref_loss, (ref_out, ref_aux)), ref_grads = _loss_and_grads(cfg, variables)
     # capacity factor E / K: every (shard, expert) pair can hold all of a shard's tokens -> nothing dropped
-    ep_cfg = cfg.replace(moe_ep="a2a", moe_capacity_factor=CFG.n_routed_experts / CFG.num_experts_per_tok)
+    ep_cfg = cfg.replace(moe_ep="a2a", moe_capacity_factor=CFG.n_routed_experts / CFG.num_experts_per_tok,
+                         moe_a2a_chunks=chunks)
     mesh = build_mesh(mesh_cfg, jax.devices()[:8])
     (loss, (out, aux)), grads = _loss_and_grads(ep_cfg, variables, mesh)
     assert float(aux["dropped"]) == 0.0
@@ -71,26 +73,27 @@ def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden):
         np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
-def test_all_to_all_ep_reports_and_zeroes_dropped_assignments():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_all_to_all_ep_reports_and_zeroes_dropped_assignments(chunks):
     variables = _params()
     mesh = build_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), jax.devices()[:8])
     x, mask = _inputs()
     factor = 0.5
-    ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=factor, n_shared_experts=0)
+    ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=factor, n_shared_experts=0, moe_a2a_chunks=chunks)
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
         out, aux = jax.jit(lambda v, x: MoE(ep_cfg).apply(v, x, mask))(variables, x)
-    # expected drops: per token shard (16 tokens each), assignments past `cap` for each expert, in token order
+    # expected drops: per token chunk (16 tokens per shard, in `chunks` chunks), assignments past `cap` for each
+    # expert, in token order
     x_ND = x.reshape(-1, CFG.hidden_size)
     scores = jax.nn.sigmoid(x_ND @ variables["params"]["router"])
     idx, gates = route(scores, variables["moe_bias"]["e_score_correction_bias"], CFG)
-    shards = 8
-    n_local = B * T // shards
-    cap = capacity(n_local, CFG.num_experts_per_tok, CFG.n_routed_experts, factor)
-    assert cap == 2
+    n_chunk = B * T // 8 // chunks
+    cap = capacity(n_chunk, CFG.num_experts_per_tok, CFG.n_routed_experts, factor)
+    assert cap == {1: 2, 2: 1}[chunks]
     kept = np.zeros(idx.shape, bool)
-    for s in range(shards):
+    for s in range(B * T // n_chunk):
         seen = {}
-        for n in range(s * n_local, (s + 1) * n_local):
+        for n in range(s * n_chunk, (s + 1) * n_chunk):
             for k in range(CFG.num_experts_per_tok):
                 e = int(idx[n, k])
                 kept[n, k] = seen.get(e, 0) < cap

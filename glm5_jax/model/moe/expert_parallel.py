@@ -9,7 +9,9 @@ never from model code). Per token shard:
 
 Each (source shard, expert) pair carries at most ``C = ceil(capacity_factor * N_local * K / E)``
 assignments; later ones (in token order) are dropped: their expert output is zero and they are counted
-in ``dropped``. Both transports keep exactly the same assignments, so they compute the same function:
+in ``dropped``. With ``RuntimeConfig.moe_a2a_chunks = c > 1`` a shard's tokens go as c chunks of N_local / c
+tokens, one after another, each with its own capacity (of N_local / c tokens) and its own transports: one
+chunk's all_to_all has the other chunks' expert matmuls to overlap (an async all_to_all on TPU). Both transports keep exactly the same assignments, so they compute the same function:
 
 * ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU); the
   receiver packs each local expert's received rows together (the per-source counts travel with them), so
@@ -203,7 +205,10 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     shards = math.prod(mesh.shape[a] for a in batch)
     if N % shards:
         raise ValueError(f"{N} tokens do not split over the {shards} token shards {batch}")
-    cap = capacity(N // shards, K, cfg.n_routed_experts, cfg.runtime.moe_capacity_factor)
+    chunks = cfg.runtime.moe_a2a_chunks
+    if (N // shards) % chunks:
+        chunks = 1                 # a short step (decode) whose tokens per shard do not split: one chunk
+    cap = capacity(N // shards // chunks, K, cfg.n_routed_experts, cfg.runtime.moe_capacity_factor)
     body = TRANSPORTS[cfg.runtime.moe_ep]
     impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
     tok = P(batch or None, None)
@@ -218,7 +223,12 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
 
     def local(x, idx, wg_EFD, wu_EFD, wd_EFD):
         wg_EFD, wu_EFD, wd_EFD = (gather_width(w, 2) for w in (wg_EFD, wu_EFD, wd_EFD))
-        y, dropped = body(x, idx, wg_EFD, wu_EFD, wd_EFD, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl)
+        # token chunks, each its own dispatch -> experts -> combine: they share no data, so the compiler can
+        # run one chunk's all_to_all beside another chunk's expert matmuls
+        ys, drops = zip(*(body(x_c, idx_c, wg_EFD, wu_EFD, wd_EFD, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype,
+                               impl=impl)
+                          for x_c, idx_c in zip(jnp.split(x, chunks), jnp.split(idx, chunks))))
+        y, dropped = jnp.concatenate(ys) if chunks > 1 else ys[0], sum(drops)
         return y, jax.lax.psum(dropped, batch) if batch else dropped
 
     # All three weights enter as [E, F, D], the gate and up ones transposed on each shard (no communication):
