@@ -33,11 +33,16 @@ def get_config() -> ExperimentConfig:
     per expert group, so each chip holds 8 routed experts instead of 32: the experts' weight gathers,
     gradient reduce-scatters and weight re-reads shrink 4x for a wider all-to-all. Dense stage: est. 5.02 s
     against 6.63 s at expert 8 (bench/results/mesh_sweep_dense.md); sparse stage: 5.32 s against 7.01 s
-    (bench/results/compile_744b.md)."""
+    (bench/results/compile_744b.md). Under the stricter start-to-done overlap rule of docs/cost_model.md
+    those are 5.13 and 5.45 s, and with the async all-to-all in two token chunks (below) 4.72 s dense and
+    5.04 s sparse."""
     # remat: "moe_saveable" keeps each MoE layer's expert input rows, gate / up products and outputs (~0.55 GB per
     # layer per chip) so the backward reruns no expert product and moves no rows; 83-85 GiB per chip in the
     # dense and sparse steps (bench/results/compile_744b_dense.md, compile_744b.md)
-    model = model_config().replace(remat_policy="moe_saveable", moe_ep="a2a", moe_capacity_factor=1.25)
+    # moe_a2a_chunks=2: each chip's tokens cross the (async) all-to-all in two halves, so one half's transport
+    # runs beside the other half's expert matmuls
+    model = model_config().replace(remat_policy="moe_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
+                                   moe_a2a_chunks=2)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
     return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=32, context=2, expert=32,
