@@ -11,7 +11,8 @@ Each (source shard, expert) pair carries at most ``C = ceil(capacity_factor * N_
 assignments; later ones (in token order) are dropped: their expert output is zero and they are counted
 in ``dropped``. With ``RuntimeConfig.moe_a2a_chunks = c > 1`` a shard's tokens go as c chunks of N_local / c
 tokens, one after another, each with its own capacity (of N_local / c tokens) and its own transports: one
-chunk's all_to_all has the other chunks' expert matmuls to overlap (an async all_to_all on TPU). Both transports keep exactly the same assignments, so they compute the same function:
+chunk's all_to_all has the other chunks' expert matmuls to overlap (an async all_to_all on TPU). Both
+transports keep exactly the same assignments, so they compute the same function:
 
 * ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU); the
   receiver packs each local expert's received rows together (the per-source counts travel with them), so
@@ -228,7 +229,7 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
         ys, drops = zip(*(body(x_c, idx_c, wg_EFD, wu_EFD, wd_EFD, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype,
                                impl=impl)
                           for x_c, idx_c in zip(jnp.split(x, chunks), jnp.split(idx, chunks))))
-        y, dropped = jnp.concatenate(ys) if chunks > 1 else ys[0], sum(drops)
+        y, dropped = jnp.concatenate(ys), sum(drops)
         return y, jax.lax.psum(dropped, batch) if batch else dropped
 
     # All three weights enter as [E, F, D], the gate and up ones transposed on each shard (no communication):
