@@ -9,9 +9,9 @@ and MFU.
 
 --topology=v5p:4x4x8 sweeps 128 chips at a 4x smaller batch (256 x 4096), v5p:4x8x8 256 chips at 512 x 4096.
 --topology=v5p:8x16x16/dense sweeps layouts of the pretraining (dense-attention) stage and its warm-up,
-v5p:4x8x8/dense the same on 256 chips; --topology=v5p:8x16x16/tokens sweeps tokens per chip (1024, 2048,
-4096 sequences of 4K per step, micro-batched where one does not fit) for the dense and the sparse stage
-and plots estimated MFU against tokens per chip (``OUT_mfu.png``).
+v5p:4x8x8/dense the same on 256 chips; --topology=v5p:8x16x16/tokens sweeps tokens per chip (1024 to 8192
+sequences of 4K per step, in micro-batches under the config's remat policy or in one batch under full remat)
+for the dense and the sparse stage and plots estimated MFU against tokens per chip (``OUT_mfu.png``).
 Every point compiles the TPU path (model.attention_impl=pallas). Each point is a separate process (at most
 --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
 model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
@@ -106,18 +106,16 @@ SWEEPS = {
         "dense_bf16_fsdp16_cp2_ep8_accum2": _mesh(16, 8, 1, context=2) + _BF16_STATE_256
         + ["train.grad_accum=2"] + _DENSE,
     },
-    "v5p:8x16x16/tokens": {   # tokens per chip: 1024 / 2048 / 4096 sequences of 4096 over 2048 chips
-        # micro-batches of 1024 sequences: the same per-chip work per micro-batch, the weights gathered
-        # once per micro-batch
-        **{f"{stage}_b{b}": _mesh(128, 8, 1, context=2) + [f"train.stage={stage}", f"data.batch_size={b}",
-                                                            f"train.grad_accum={b // 1024}"]
-           for stage in ("dense", "sparse") for b in (1024, 2048, 4096)},
-        # one batch of 2048 (4096) sequences: twice (four times) the tokens per chip per weight gather
-        **{f"{stage}_b2048_accum1": _mesh(128, 8, 1, context=2) + [f"train.stage={stage}", "data.batch_size=2048",
-                                                                    "train.grad_accum=1"]
-           for stage in ("dense", "sparse")},
-        "dense_b4096_accum1": _mesh(128, 8, 1, context=2) + ["train.stage=dense", "data.batch_size=4096",
-                                                              "train.grad_accum=1"],
+    "v5p:8x16x16/tokens": {   # tokens per chip: 1024 ... 8192 sequences of 4096 over 2048 chips, the config's layout
+        # (fsdp 32 x context 2 x expert 32). moe_saveable keeps ~40 GiB per chip per 1024 sequences, so a larger
+        # batch either runs in micro-batches of 1024 (the weights gathered again per micro-batch, the same work
+        # per token) or in one batch under full remat (the weight gathers and gradient reductions paid once)
+        **{f"{stage}_b{b}_saveable": _mesh(32, 32, 1, context=2, remat=_MOE) + [
+            f"train.stage={stage}", f"data.batch_size={b}", f"train.grad_accum={b // 1024}"]
+           for stage in ("dense", "sparse") for b in (1024, 2048)},
+        **{f"{stage}_b{b}_full": _mesh(32, 32, 1, context=2) + [
+            f"train.stage={stage}", f"data.batch_size={b}", "train.grad_accum=1"]
+           for stage, batches in (("dense", (1024, 2048, 4096, 8192)), ("sparse", (2048, 4096))) for b in batches},
     },
     "v5p:4x8x8": {            # 256 chips, 512 x 4096: the smallest pod the sweep on 128 chips leaves
         "bf16_fsdp16_ep8_tp2_accum4": _mesh(16, 8, 2) + _BF16_STATE_256 + ["train.grad_accum=4"],
@@ -244,24 +242,26 @@ def plot(rows: list[dict], path: str, hbm_gb: float = 95.0):
 
 
 def plot_tokens(rows: list[dict], path: str, n_chips: int, seq_len: int = 4096):
-    """Estimated MFU against tokens per chip per step, one line per stage (point names STAGE_bBATCH)."""
+    """Estimated MFU against tokens per chip per step: one line per stage (the point name's prefix), remat
+    policy and batching (micro-batches or one batch)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for stage in sorted({r["name"].split("_b")[0] for r in rows}):
-        for label, keep in (("micro-batches of 1024 sequences", lambda r: not r["name"].endswith("_accum1")),
-                            ("one batch", lambda r: r["name"].endswith("_accum1") or r["grad_accum"] == 1)):
-            pts = sorted((r["batch_size"] * seq_len / n_chips, r["mfu"]) for r in rows
-                         if r["name"].startswith(stage + "_b") and keep(r) and r.get("mfu") is not None
-                         and r.get("fits"))
-            if len(pts) > 1:
-                ax.plot(*zip(*pts), "o-" if "micro" in label else "s--", label=f"{stage} stage, {label}")
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r.get("mfu") is None or not r.get("fits"):
+            continue
+        batching = "one batch" if r["grad_accum"] == 1 else "micro-batches of 1024"
+        label = f"{r['name'].split('_b')[0]} stage, {r['remat_policy']}, {batching}"
+        lines.setdefault(label, []).append((r["batch_size"] * seq_len / n_chips, r["mfu"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in sorted(lines.items()):
+        ax.plot(*zip(*sorted(pts)), "o-" if "one batch" in label else "s--", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per chip per step")
     ax.set_ylabel("estimated MFU")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
