@@ -12,7 +12,9 @@ compile). `train.py` applies the config's set right after reading the config.
   different sizes are combined. The same flags the public MaxText v5p training recipes set. Also the
   all-to-all asynchronous (``--xla_tpu_enable_async_all_to_all``): with the expert-parallel tokens sent in
   chunks (``RuntimeConfig.moe_a2a_chunks``) one chunk's transport runs beside another chunk's expert
-  matmuls.
+  matmuls. And the latency-hiding scheduler told to prefer keeping more collectives in flight over avoiding
+  a stall (``--xla_lhs_prioritize_async_depth_over_stall``): with the all-to-alls async, the scheduler
+  otherwise leaves most of the experts' FSDP weight all-gathers synchronous.
 
 Flags the user already put in ``LIBTPU_INIT_ARGS`` win over the set's value for the same flag.
 """
@@ -34,6 +36,7 @@ FLAG_SETS: dict[str, tuple[str, ...]] = {
         "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
         "--xla_tpu_data_parallel_opt_different_sized_ops=true",
         "--xla_tpu_enable_async_all_to_all=true",
+        "--xla_lhs_prioritize_async_depth_over_stall=ENABLED",
     ),
 }
 
