@@ -62,6 +62,8 @@ class HloCost:
     exposed_comm_seconds: float = 0.0  # what the overlap rule leaves exposed
     uncounted_custom_calls: list = dataclasses.field(default_factory=list)   # kernels with no known cost
     roofline_seconds: float = 0.0      # every top-level op at max(its compute, its HBM time) (needs `timing`)
+    # the top-level instructions that cost the most roofline time, loop trips multiplied in (needs `timing`)
+    top_instructions: list = dataclasses.field(default_factory=list)
 
     @property
     def total_flops(self) -> float:
@@ -631,8 +633,41 @@ def _exposed_async(windows: list[tuple[int, int, float]], instr_seconds: list[fl
     return exposed
 
 
+@dataclasses.dataclass(frozen=True)
+class TopInstruction:
+    name: str              # the instruction's name in the compiled HLO
+    computation: str       # the computation it is in
+    category: str
+    opcode: str
+    op_name: str           # its metadata op_name (the JAX source of it)
+    executions: float      # per step: the product of the trip counts of the loops around it
+    seconds: float         # roofline seconds per step, all executions
+    bytes: float           # HBM bytes per step, all executions
+    flops: float           # per step, all executions
+
+
+def _top(own_instrs: dict, runs: dict, entry: str, n: int) -> list[TopInstruction]:
+    """The n instructions with the most roofline seconds per step: each computation's executions per step
+    are the sum over its callers of the caller's executions x the callee's runs per caller run."""
+    executions: dict[str, float] = {}
+
+    def visit(comp: str, times: float, depth: int = 0):
+        if depth > 64:
+            raise ValueError(f"computation call graph deeper than 64 at {comp!r}")
+        executions[comp] = executions.get(comp, 0.0) + times
+        for callee, k in runs.get(comp, {}).items():
+            visit(callee, times * k, depth + 1)
+
+    visit(entry, 1.0)
+    rows = [TopInstruction(iname, comp, cat, opcode, op_name, executions[comp], sec * executions[comp],
+                           nbytes * executions[comp], flops * executions[comp])
+            for comp, instrs in own_instrs.items() if comp in executions
+            for iname, cat, sec, nbytes, flops, opcode, op_name in instrs]
+    return sorted(rows, key=lambda r: -r.seconds)[:n]
+
+
 def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
-             num_partitions: int | None = None, loop_trips: bool = True) -> HloCost:
+             num_partitions: int | None = None, loop_trips: bool = True, top: int = 0) -> HloCost:
     """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
     instruction under a category from its metadata (instructions without one take their caller's);
     `timing` adds communication seconds with this overlap rule: an asynchronous collective (a start/done
@@ -641,7 +676,8 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
     synchronous one is exposed in full. With `timing`, every top-level instruction also takes
     its own roofline time, max(its FLOPs / timing.peak_flops, its HBM bytes / timing.hbm_bandwidth)
     (``roofline_seconds``, and per category under "seconds"). ``loop_trips=False`` counts every loop
-    body once, as XLA's own ``cost_analysis()`` does (to compare the two)."""
+    body once, as XLA's own ``cost_analysis()`` does (to compare the two). ``top = n`` (with `timing`) lists
+    the n top-level instructions with the most roofline seconds per step (`TopInstruction`)."""
     comps, entry = parse_computations(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -650,6 +686,11 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         num_partitions = int(m.group(1)) if m else 1
     categorize = categorize or (lambda op_name: "all")
     memo, loops, uncounted = {}, {}, []
+    # for `top`: each unfused computation's own instructions (name, category, seconds, bytes, flops, opcode,
+    # op_name) and the computations it runs (callee, times per run of it)
+    own_instrs: dict[str, list] = {}
+    runs: dict[str, dict[str, float]] = {}
+    own_instrs_done: set[str] = set()
 
     def category_of(attrs: str, inherited: str) -> str:
         m = _OP_NAME.search(attrs)
@@ -720,26 +761,37 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
             elif opcode == "while" and "body" in callees:
                 trip = trip_count(comps, name, operands, attrs, callees.get("condition", ""), callees["body"])
                 loops[callees["body"]] = trip
-                children.merge(cost(callees["body"], False, cat), 1 if trip is None or not loop_trips else trip)
+                times = 1 if trip is None or not loop_trips else trip
+                runs.setdefault(name, {})[callees["body"]] = times
+                children.merge(cost(callees["body"], False, cat), times)
             elif opcode == "conditional":
                 branches = [callees[k] for k in ("true_computation", "false_computation") if k in callees]
                 m = _BRANCHES.search(attrs)
                 if m:
                     branches += [b.strip().lstrip("%") for b in m.group(1).split(",") if b.strip()]
                 if branches:
-                    tallies = [cost(c, False, cat) for c in branches]
-                    children.merge(max(tallies, key=lambda t: (t.total("flops") + t.total("kernel_flops"),
-                                                                t.total("bytes"))))
+                    tallies = {c: cost(c, False, cat) for c in branches}
+                    taken = max(tallies, key=lambda c: (tallies[c].total("flops") + tallies[c].total("kernel_flops"),
+                                                         tallies[c].total("bytes")))
+                    runs.setdefault(name, {})[taken] = 1
+                    children.merge(tallies[taken])
             elif opcode in ("call", "async-start", "call-start") and ("calls" in callees or "to_apply" in callees):
                 sub_mode = "async" if mode == "sync" and opcode != "call" else mode
                 sub = cost(callees.get("calls") or callees["to_apply"], fused, cat, sub_mode)
+                if not fused:
+                    runs.setdefault(name, {})[callees.get("calls") or callees["to_apply"]] = 1
                 children.merge(sub)
                 if sub_mode == "async" and mode == "sync":    # its collectives overlap this computation's compute
                     children.exposed_comm_seconds -= sub.exposed_comm_seconds
                     async_s += sub.comm_seconds
             if timing is not None and nbytes is not None:
                 op_flops = own.total("flops") + own.total("kernel_flops") - flops_before
-                own.add(("seconds", cat), max(op_flops / timing.peak_flops, nbytes / timing.hbm_bandwidth))
+                op_seconds = max(op_flops / timing.peak_flops, nbytes / timing.hbm_bandwidth)
+                own.add(("seconds", cat), op_seconds)
+                if top and not fused and name not in own_instrs_done:
+                    m = _OP_NAME.search(attrs)
+                    own_instrs.setdefault(name, []).append(
+                        (iname, cat, op_seconds, nbytes, op_flops, opcode, m.group(1) if m else ""))
             instr_seconds.append(own.total("seconds") + children.total("seconds") - seconds_before)
             instr_async.append(async_s - async_before)
             if async_s > async_before:
@@ -748,6 +800,8 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
             if start is not None:
                 done_at[start] = index
         own.sync_seconds, own.async_seconds = sync_s, async_s
+        if not fused:
+            own_instrs_done.add(name)
         if timing is not None:
             windows = [(i, done_at.get(name, len(instrs)), instr_async[i]) for name, i in started_at.items()]
             own.exposed_comm_seconds = sync_s + _exposed_async(windows, instr_seconds)
@@ -756,7 +810,7 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         return own
 
     tally = cost(entry, False, "other")
-    return HloCost(flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
+    return HloCost(top_instructions=_top(own_instrs, runs, entry, top) if top and timing is not None else [],flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
                    bytes_accessed=tally.total("bytes"), loops=sorted(loops.items(), key=lambda kv: kv[0]),
                    by_category={f: {c: v for (g, c), v in sorted(tally.values.items()) if g == f}
                                 for f in ("flops", "kernel_flops", "bytes", "seconds")},

@@ -21,8 +21,11 @@ body times its trip count; XLA's own ``cost_analysis()`` visits each loop body o
 * ``estimated_step_seconds`` = ``roofline_seconds`` (each top-level op at max(its FLOPs / achievable
   FLOP/s, its HBM bytes / achievable HBM bandwidth), summed; rates from glm5_jax.cost.chips) + the
   exposed communication: a synchronous collective is exposed in full, an asynchronous one (start/done
-  pair) hides behind the compute of the loop trip it is issued in, up to that compute's roofline time.
+  pair) hides behind the roofline time of the instructions the compiled schedule places between its start
+  and its done (docs/cost_model.md).
   ``step_seconds_if_all_overlap`` = max(roofline, all communication) is the optimistic bound.
+  ``top_instructions``: the compiled instructions with the most roofline seconds per step (loop trips
+  multiplied in), with the JAX source each came from (its op_name): where to look first.
   ``mfu`` = model FLOPs / (chips x vendor peak x estimated_step_seconds); the model FLOPs exclude MTP.
 * ``optimizer_state``: bytes of optimizer state (and params) per chip from the state's shardings, and
   over which mesh axes they are split (fsdp: ZeRO-style sharding of the AdamW moments).
@@ -32,6 +35,7 @@ once and shows as null there; ``uncounted_custom_calls`` names kernels whose cos
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import logging
@@ -51,7 +55,10 @@ from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.train.step import Trainer
 
+TOP_INSTRUCTIONS = 25     # the report's list of the dearest compiled instructions
+
 log = logging.getLogger("glm5_jax.compile")
+
 
 def topology_devices(topology: str):
     from jax.experimental import topologies
@@ -141,7 +148,7 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
     chip = chip_of_topology(topology)
     devices = list(mesh.devices.flat)
     timing, comm_model = step_timing(topology, mesh)
-    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=len(devices))
+    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=len(devices), top=TOP_INSTRUCTIONS)
     once = hlo_cost(hlo_text, num_partitions=len(devices), loop_trips=False)
     n = len(devices)
     tokens = exp_cfg.data.batch_size * exp_cfg.data.seq_len
@@ -188,6 +195,8 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
             "sum over ops of max(op FLOPs / achievable FLOP/s, op HBM bytes / achievable HBM bytes/s) "
             "+ exposed communication",
         "step_seconds_if_all_overlap": max(hlo.roofline_seconds, comm_s),
+        # where the roofline time goes: the dearest compiled instructions, loop trips multiplied in
+        "top_instructions": [dataclasses.asdict(t) for t in hlo.top_instructions],
         "peak_flops_per_device": chip.peak_flops,
         "hbm_bytes_per_second": chip.hbm_bandwidth,
         "achievable_flops_per_device": chip.achievable_flops,
@@ -293,7 +302,7 @@ def write_compile_report(exp_cfg, topology: str, workdir: str) -> dict:
     return report
 
 
-def markdown_tables(report: dict, top_collectives: int = 12) -> str:
+def markdown_tables(report: dict, top_collectives: int = 12, top_instructions: int = 15) -> str:
     """The breakdown and the dearest collectives of a report as markdown tables."""
     from glm5_jax.cost.categories import CATEGORY_TITLES
 
@@ -323,6 +332,14 @@ def markdown_tables(report: dict, top_collectives: int = 12) -> str:
     for r in report["communication"]["collectives"][:top_collectives]:
         lines.append(f"| {r['kind']} | {r['mesh_axes']} | {r['category']} | {r['async']} | {r['count']:.0f} | "
                      f"{r['bytes_per_chip'] / 1e9:.2f} | {r['seconds']:.3f} |")
+    if report.get("top_instructions"):
+        lines += ["", "| instruction | category | opcode | per step | HBM GB / chip | TFLOPs / chip | roofline s | "
+                  "source (op_name) |", "|---|---|---|---|---|---|---|---|"]
+        for t in report["top_instructions"][:top_instructions]:
+            source = t["op_name"].split("/")
+            source = "/".join(source[-3:]) if len(source) > 3 else t["op_name"]
+            lines.append(f"| {t['name']} | {t['category']} | {t['opcode']} | {t['executions']:.0f} | "
+                         f"{t['bytes'] / 1e9:.1f} | {t['flops'] / 1e12:.1f} | {t['seconds']:.3f} | {source} |")
     return "\n".join(lines) + "\n"
 
 

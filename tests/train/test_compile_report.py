@@ -95,6 +95,11 @@ def check_memory_and_flops(report, n_params, trained_share=1.0):
     assert math.isclose(sum(c["roofline_seconds"] for c in breakdown.values()), report["roofline_seconds"],
                         rel_tol=1e-9)
     assert math.isclose(report["estimated_step_seconds"], report["roofline_seconds"] + comm["exposed_seconds"])
+    # the dearest instructions: dearest first, each no more than the roofline, together no more than it
+    top = [t["seconds"] for t in report["top_instructions"]]
+    assert 0 < len(top) <= 25 and top == sorted(top, reverse=True)
+    assert sum(top) <= report["roofline_seconds"] * (1 + 1e-9)
+    assert all(t["executions"] >= 1 and t["bytes"] >= 0 for t in report["top_instructions"])
     # XLA's own cost analysis beside ours, both counting each loop body once
     assert report["loop_once"]["flops"] == pytest.approx(report["compiler_flops"], rel=0.1)
     # ZeRO: the AdamW moments (2 x fp32 per param) are split over fsdp (and more) axes

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from glm5_jax.cost.hlo_cost import hlo_cost
+from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
 
 D, M = 128, 64
 
@@ -185,3 +185,23 @@ def test_ragged_dot_kernel_without_cost_estimate_counted_from_shapes():
     unknown = RAGGED_CUSTOM_CALL.replace('frontend_attributes={ragged_dot_tiling="128,256,384"}, ', "").replace(
         "ragged_dot_general/ragged-dot-none", "some_kernel")
     assert hlo_cost(unknown).uncounted_custom_calls == ["jit(f)/some_kernel"]
+
+
+def test_top_instructions_multiply_loop_trips_and_sum_to_the_roofline():
+    """Per instruction, hand-timed at 1 FLOP/s and 1 byte/s (so seconds = max(FLOPs, bytes)): the body's
+    fusion runs 5 times a step, the entry dot once; together with the counter add they are the whole
+    roofline."""
+    cost = hlo_cost(HAND_WRITTEN, timing=StepTiming(1.0, 1.0, lambda op: 0.0), top=10)
+    top = {t.name: t for t in cost.top_instructions}
+    assert set(top) == {"fusion.1", "dot.0", "next"}
+    matmul, f32 = 2 * M * D * D, 4
+    fusion = top["fusion.1"]
+    assert (fusion.computation, fusion.opcode, fusion.executions) == ("body", "fusion", 5)
+    assert fusion.flops == 5 * matmul and fusion.bytes == 5 * f32 * (2 * M * D + D * D)
+    assert fusion.seconds == 5 * max(matmul, f32 * (2 * M * D + D * D))
+    assert (top["dot.0"].executions, top["dot.0"].flops) == (1, matmul)
+    assert (top["next"].executions, top["next"].bytes) == (5, 5 * 3 * 4)
+    assert [t.name for t in cost.top_instructions] == ["fusion.1", "dot.0", "next"]      # dearest first
+    assert sum(t.seconds for t in cost.top_instructions) == pytest.approx(cost.roofline_seconds, rel=1e-12)
+    assert hlo_cost(HAND_WRITTEN, timing=StepTiming(1.0, 1.0, lambda op: 0.0), top=1).top_instructions[0].name \
+        == "fusion.1"
