@@ -692,6 +692,10 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
     runs: dict[str, dict[str, float]] = {}
     own_instrs_done: set[str] = set()
 
+    def add_run(caller: str, callee: str, times: float):
+        if caller not in own_instrs_done:       # each computation's calls once, on its first visit
+            runs.setdefault(caller, {})[callee] = runs.get(caller, {}).get(callee, 0.0) + times
+
     def category_of(attrs: str, inherited: str) -> str:
         m = _OP_NAME.search(attrs)
         return categorize(m.group(1)) if m else inherited
@@ -762,7 +766,7 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                 trip = trip_count(comps, name, operands, attrs, callees.get("condition", ""), callees["body"])
                 loops[callees["body"]] = trip
                 times = 1 if trip is None or not loop_trips else trip
-                runs.setdefault(name, {})[callees["body"]] = times
+                add_run(name, callees["body"], times)
                 children.merge(cost(callees["body"], False, cat), times)
             elif opcode == "conditional":
                 branches = [callees[k] for k in ("true_computation", "false_computation") if k in callees]
@@ -773,13 +777,13 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                     tallies = {c: cost(c, False, cat) for c in branches}
                     taken = max(tallies, key=lambda c: (tallies[c].total("flops") + tallies[c].total("kernel_flops"),
                                                          tallies[c].total("bytes")))
-                    runs.setdefault(name, {})[taken] = 1
+                    add_run(name, taken, 1)
                     children.merge(tallies[taken])
             elif opcode in ("call", "async-start", "call-start") and ("calls" in callees or "to_apply" in callees):
                 sub_mode = "async" if mode == "sync" and opcode != "call" else mode
                 sub = cost(callees.get("calls") or callees["to_apply"], fused, cat, sub_mode)
                 if not fused:
-                    runs.setdefault(name, {})[callees.get("calls") or callees["to_apply"]] = 1
+                    add_run(name, callees.get("calls") or callees["to_apply"], 1)
                 children.merge(sub)
                 if sub_mode == "async" and mode == "sync":    # its collectives overlap this computation's compute
                     children.exposed_comm_seconds -= sub.exposed_comm_seconds
@@ -810,10 +814,11 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         return own
 
     tally = cost(entry, False, "other")
-    return HloCost(top_instructions=_top(own_instrs, runs, entry, top) if top and timing is not None else [],flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
+    return HloCost(flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
                    bytes_accessed=tally.total("bytes"), loops=sorted(loops.items(), key=lambda kv: kv[0]),
                    by_category={f: {c: v for (g, c), v in sorted(tally.values.items()) if g == f}
                                 for f in ("flops", "kernel_flops", "bytes", "seconds")},
                    roofline_seconds=tally.total("seconds"),
                    collectives=tally.collectives, comm_seconds=tally.comm_seconds,
-                   exposed_comm_seconds=tally.exposed_comm_seconds, uncounted_custom_calls=sorted(set(uncounted)))
+                   exposed_comm_seconds=tally.exposed_comm_seconds, uncounted_custom_calls=sorted(set(uncounted)),
+                   top_instructions=_top(own_instrs, runs, entry, top) if top and timing is not None else [])
