@@ -242,22 +242,22 @@ def plot(rows: list[dict], path: str, hbm_gb: float = 95.0):
 
 
 def plot_tokens(rows: list[dict], path: str, n_chips: int, seq_len: int = 4096):
-    """Estimated MFU against tokens per chip per step: one line per stage (the point name's prefix), remat
-    policy and batching (micro-batches or one batch)."""
+    """Estimated MFU against tokens per chip per step: one line per stage (the point name's prefix) and remat
+    policy, labelled with its micro-batch (sequences per pass) where all its points share one."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines: dict[str, list[tuple[float, float]]] = {}
+    groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        if r.get("mfu") is None or not r.get("fits"):
-            continue
-        batching = "one batch" if r["grad_accum"] == 1 else "micro-batches of 1024"
-        label = f"{r['name'].split('_b')[0]} stage, {r['remat_policy']}, {batching}"
-        lines.setdefault(label, []).append((r["batch_size"] * seq_len / n_chips, r["mfu"]))
+        if r.get("mfu") is not None and r.get("fits"):
+            groups.setdefault((r["name"].split("_b")[0], r["remat_policy"]), []).append(r)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, pts in sorted(lines.items()):
-        ax.plot(*zip(*sorted(pts)), "o-" if "one batch" in label else "s--", label=label)
+    for (stage, remat), pts in sorted(groups.items()):
+        micro = {r["batch_size"] // r["grad_accum"] for r in pts}
+        batching = f"micro-batches of {micro.pop()} sequences" if len(micro) == 1 and len(pts) > 1 else "one batch"
+        xy = sorted((r["batch_size"] * seq_len / n_chips, r["mfu"]) for r in pts)
+        ax.plot(*zip(*xy), "o-" if batching == "one batch" else "s--", label=f"{stage} stage, {remat}, {batching}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per chip per step")
     ax.set_ylabel("estimated MFU")

@@ -14,19 +14,24 @@ from tests.train.test_train_cli import ROOT
 CONFIG = os.path.join(ROOT, "configs", "glm5_744b.py")
 
 
-@pytest.mark.parametrize("topology, chips", [("v5p:8x16x16", 2048), ("v5p:4x4x8", 128)])
-def test_points_are_valid_meshes(topology, chips):
-    points = mesh_sweep.SWEEPS[topology]
-    assert len(points) >= 8
+@pytest.mark.parametrize("sweep", sorted(mesh_sweep.SWEEPS))
+def test_points_are_valid_meshes(sweep):
+    points = mesh_sweep.SWEEPS[sweep]
+    chips = math.prod(int(n) for n in sweep.split(":")[1].split("/")[0].split("x"))
     for name, overrides in points.items():
         cfg = apply_overrides(load_config_file(CONFIG), overrides)
         sizes = cfg.mesh.axis_sizes(chips)
         assert math.prod(sizes.values()) == chips, name
+        assert cfg.data.batch_size % cfg.train.grad_accum == 0, name
         micro_batch = cfg.data.batch_size // cfg.train.grad_accum
         check_mesh_fits_model(sizes, cfg.model, micro_batch)
-    policies = {apply_overrides(load_config_file(CONFIG), o).model.runtime.remat_policy for o in points.values()}
-    assert {"full", "offload_dots", "selection_saveable"} <= policies
     assert all("model.attention_impl=pallas" in o for o in points.values())   # the TPU path
+    if sweep in ("v5p:8x16x16", "v5p:4x4x8"):
+        policies = {apply_overrides(load_config_file(CONFIG), o).model.runtime.remat_policy for o in points.values()}
+        assert len(points) >= 8 and {"full", "offload_dots", "selection_saveable"} <= policies
+    if sweep.endswith("/tokens"):     # tokens per chip: the batch is what varies, from 1024 to 8192 sequences
+        batches = {apply_overrides(load_config_file(CONFIG), o).data.batch_size for o in points.values()}
+        assert batches == {1024, 2048, 4096, 8192}
 
 
 def test_cache_key_follows_the_resolved_config():
