@@ -711,8 +711,8 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         sync_s = async_s = 0.0
         rs_fusion = fused and _reduce_scatter_fusion(instrs)
         # per instruction of this computation, in schedule order: its roofline seconds (a loop's or call's
-        # whole body included) and the async seconds it starts; where each async start is done
-        instr_seconds, instr_async, started_at, done_at = [], [], {}, {}
+        # whole body included); each async start's (index, seconds it starts); where each is done
+        instr_seconds, started_at, done_at = [], {}, {}
         for index, (iname, (shape, opcode, operands, raw, attrs)) in enumerate(instrs.items()):
             seconds_before = own.total("seconds") + children.total("seconds")
             async_before = async_s
@@ -797,9 +797,8 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                     own_instrs.setdefault(name, []).append(
                         (iname, cat, op_seconds, nbytes, op_flops, opcode, m.group(1) if m else ""))
             instr_seconds.append(own.total("seconds") + children.total("seconds") - seconds_before)
-            instr_async.append(async_s - async_before)
             if async_s > async_before:
-                started_at[iname] = index
+                started_at[iname] = (index, async_s - async_before)
             start = _async_start_of(iname, opcode, operands)
             if start is not None:
                 done_at[start] = index
@@ -807,7 +806,7 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         if not fused:
             own_instrs_done.add(name)
         if timing is not None:
-            windows = [(i, done_at.get(name, len(instrs)), instr_async[i]) for name, i in started_at.items()]
+            windows = [(i, done_at.get(name, len(instrs)), s) for name, (i, s) in started_at.items()]
             own.exposed_comm_seconds = sync_s + _exposed_async(windows, instr_seconds)
         own.merge(children)
         memo[key] = own
