@@ -34,6 +34,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from glm5_jax.cost.ici import torus_dims  # noqa: E402
+
 # what measures the compiled step (the cost model and the report): changing it does not change what is compiled
 MEASURING_DIRS = ("glm5_jax/cost",)
 MEASURING_FILES = ("glm5_jax/train/compile_report.py",)
@@ -107,8 +109,8 @@ SWEEPS = {
         + ["train.grad_accum=2"] + _DENSE,
     },
     "v5p:8x16x16/tokens": {   # tokens per chip: 1024 ... 8192 sequences of 4096 over 2048 chips, the config's layout
-        # (fsdp 32 x context 2 x expert 32). moe_saveable keeps ~40 GiB per chip per 1024 sequences, so a larger
-        # batch either runs in micro-batches of 1024 (the weights gathered again per micro-batch, the same work
+        # (fsdp 32 x context 2 x expert 32). moe_saveable's saved MoE rows take 58 GiB per chip more than full remat
+        # at 1024 sequences, so a larger batch either runs in micro-batches of 1024 (the weights gathered again per micro-batch, the same work
         # per token) or in one batch under full remat (the weight gathers and gradient reductions paid once)
         **{f"{stage}_b{b}_saveable": _mesh(32, 32, 1, context=2, remat=_MOE) + [
             f"train.stage={stage}", f"data.batch_size={b}", f"train.grad_accum={b // 1024}"]
@@ -310,7 +312,7 @@ def main(argv=None):
         f.write(table)
     plot(rows, stem + ".png")
     if sweep.endswith("/tokens"):
-        plot_tokens(rows, stem + "_mfu.png", n_chips=math.prod(int(v) for v in args.topology[4:].split("x")))
+        plot_tokens(rows, stem + "_mfu.png", n_chips=math.prod(torus_dims(args.topology)))
     print(table)
     return result
 

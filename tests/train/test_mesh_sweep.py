@@ -7,6 +7,7 @@ import os
 import pytest
 
 from bench import mesh_sweep
+from glm5_jax.cost.ici import torus_dims
 from glm5_jax.parallel.mesh import check_mesh_fits_model
 from glm5_jax.train.experiment import apply_overrides, load_config_file
 from tests.train.test_train_cli import ROOT
@@ -17,9 +18,9 @@ CONFIG = os.path.join(ROOT, "configs", "glm5_744b.py")
 @pytest.mark.parametrize("sweep", sorted(mesh_sweep.SWEEPS))
 def test_points_are_valid_meshes(sweep):
     points = mesh_sweep.SWEEPS[sweep]
-    chips = math.prod(int(n) for n in sweep.split(":")[1].split("/")[0].split("x"))
-    for name, overrides in points.items():
-        cfg = apply_overrides(load_config_file(CONFIG), overrides)
+    chips = math.prod(torus_dims(sweep.split("/")[0]))
+    cfgs = {name: apply_overrides(load_config_file(CONFIG), overrides) for name, overrides in points.items()}
+    for name, cfg in cfgs.items():
         sizes = cfg.mesh.axis_sizes(chips)
         assert math.prod(sizes.values()) == chips, name
         assert cfg.data.batch_size % cfg.train.grad_accum == 0, name
@@ -27,11 +28,10 @@ def test_points_are_valid_meshes(sweep):
         check_mesh_fits_model(sizes, cfg.model, micro_batch)
     assert all("model.attention_impl=pallas" in o for o in points.values())   # the TPU path
     if sweep in ("v5p:8x16x16", "v5p:4x4x8"):
-        policies = {apply_overrides(load_config_file(CONFIG), o).model.runtime.remat_policy for o in points.values()}
+        policies = {cfg.model.runtime.remat_policy for cfg in cfgs.values()}
         assert len(points) >= 8 and {"full", "offload_dots", "selection_saveable"} <= policies
     if sweep.endswith("/tokens"):     # tokens per chip: the batch is what varies, from 1024 to 8192 sequences
-        batches = {apply_overrides(load_config_file(CONFIG), o).data.batch_size for o in points.values()}
-        assert batches == {1024, 2048, 4096, 8192}
+        assert {cfg.data.batch_size for cfg in cfgs.values()} == {1024, 2048, 4096, 8192}
 
 
 def test_cache_key_follows_the_resolved_config():
