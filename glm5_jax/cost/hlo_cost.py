@@ -247,9 +247,17 @@ def _matmul_flops(shape: str, opcode: str, operand_shapes: list[str], attrs: str
 def parse_computations(hlo_text: str):
     """{computation name: {instruction name: (shape, opcode, operand names, raw operands, attrs)}}, entry name.
     Dicts keep the instruction order."""
-    comps, entry, current = {}, None, None
+    comps, entry, current, pending = {}, None, None, ""
     for raw in hlo_text.splitlines():
         line = raw.strip()
+        if pending:
+            # an instruction whose attributes span lines (XLA prints some kernels' backend config as
+            # multi-line JSON, its continuation lines starting with "}"): joined until its braces balance
+            line = pending + line
+            if line.count("{") > line.count("}"):
+                pending = line
+                continue
+            pending = ""
         if current is None:
             m = _HEADER.match(line)
             if m and not line.startswith("HloModule"):
@@ -259,6 +267,8 @@ def parse_computations(hlo_text: str):
                     entry = current
         elif line.startswith("}"):                # "}" or "}, execution_thread=..."
             current = None
+        elif line.count("{") > line.count("}"):
+            pending = line
         elif line:
             parts = _split_instruction(line)
             if parts is not None:

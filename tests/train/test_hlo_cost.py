@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
+from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost, parse_computations
 
 D, M = 128, 64
 
@@ -185,6 +185,35 @@ def test_ragged_dot_kernel_without_cost_estimate_counted_from_shapes():
     unknown = RAGGED_CUSTOM_CALL.replace('frontend_attributes={ragged_dot_tiling="128,256,384"}, ', "").replace(
         "ragged_dot_general/ragged-dot-none", "some_kernel")
     assert hlo_cost(unknown).uncounted_custom_calls == ["jit(f)/some_kernel"]
+
+
+def test_kernel_cost_estimate_printed_over_several_lines_is_counted():
+    """XLA prints some Mosaic calls' backend config as multi-line JSON (seen for a Pallas kernel in a while
+    loop, wrapped in a kCustom fusion), its continuation lines starting with "}": the instruction is read
+    whole, the kernel's declared FLOPs and bytes counted, and the computation goes on past it."""
+    text = """HloModule m
+
+%kernel_fusion (p.0: f32[8,128]) -> f32[8,128] {
+  %p.0 = f32[8,128]{1,0} parameter(0)
+  ROOT %k = f32[8,128]{1,0} custom-call(%p.0), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/my_kernel/pallas_call"}, backend_config={"custom_call_config": {"body": "TUzv", "cost_estimate": {
+"bytes_accessed":4096,
+"flops":1000000,
+"transcendentals":0
+}, "serialization_format": 1}}
+  %unused = f32[8,128]{1,0} add(%p.0, %p.0)
+}
+
+ENTRY %main (x: f32[8,128]) -> f32[8,8] {
+  %x = f32[8,128]{1,0} parameter(0)
+  %f = f32[8,128]{1,0} fusion(%x), kind=kCustom, calls=%kernel_fusion
+  ROOT %y = f32[8,8]{1,0} dot(%f, %x), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+    comps, entry = parse_computations(text)
+    assert entry == "main" and list(comps["kernel_fusion"]) == ["p.0", "k", "unused"]
+    cost = hlo_cost(text)
+    assert cost.uncounted_custom_calls == [] and cost.kernel_flops == 1_000_000
+    assert cost.flops == 2 * 8 * 8 * 128
 
 
 def test_top_instructions_multiply_loop_trips_and_sum_to_the_roofline():
