@@ -4,11 +4,14 @@ this host, once in XLA (pallas_kernels/indexer_kl/reference.py) and once on the 
 (glm5_jax.cost.hlo_cost; a kernel is charged its declared pl.CostEstimate).
 
     python bench/indexer_kl_sparse_compile.py --topology v5p:2x2x1 --seq 4096 --topk 2048
+    python bench/indexer_kl_sparse_compile.py --seq 3168 --keys 202752    # a 200K context shard
 
-One sequence per chip (batch split over the slice's chips), indexer q [T, 32, 128] and k [T, 128] in
+One sequence per chip (batch split over the slice's chips), indexer q [T, 32, 128] and k [S, 128] in
 ``--dtype`` (default fp32, as the model's Indexer returns them), fp32 w [T, 32], the selection idx / valid
 [T, k] and the target p [T, k] fp32 as inputs. ``pallas_row_dma``: the kernels with the keys left in HBM
-(one row DMA per slot, what they do past 16K keys). Needs libtpu.
+(one row DMA per slot, what they do past 16K keys). ``--keys S`` (default T): a context shard's T queries
+over the S keys of the whole sequence (past 32K the backward's row gradients are scatter-added by XLA).
+Needs libtpu.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ HI, DI = 32, 128
 ROW_DMA = "pallas_row_dma"
 
 
-def compile_kl(mesh, T, K, impl, dtype=jnp.float32):
+def compile_kl(mesh, T, K, impl, dtype=jnp.float32, S=None):
     n = mesh.devices.size
 
     def spec(shape, dtype):
@@ -48,7 +51,7 @@ def compile_kl(mesh, T, K, impl, dtype=jnp.float32):
         value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, iw)
         return (value[None],) + grads
 
-    operands = (spec((T, HI, DI), dtype), spec((T, DI), dtype), spec((T, HI), jnp.float32),
+    operands = (spec((T, HI, DI), dtype), spec((S or T, DI), dtype), spec((T, HI), jnp.float32),
                 spec((T, K), jnp.int32), spec((T, K), jnp.bool_), spec((T, K), jnp.float32))
     fn = jax.shard_map(loss_and_grads, mesh=mesh, in_specs=(P("b"),) * 6, out_specs=(P("b"),) * 4,
                        check_vma=False)
@@ -60,6 +63,7 @@ def main():
     parser.add_argument("--topology", default="v5p:2x2x1")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--keys", type=int, default=None, help="keys per sequence (default: --seq)")
     parser.add_argument("--impls", default=f"xla,pallas,{ROW_DMA}")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="of the indexer q and k (the model's Indexer returns fp32)")
@@ -68,10 +72,11 @@ def main():
     mesh = Mesh(np.array(devices).reshape(-1), ("b",))
     chip = chip_of_topology(args.topology)
     timing = StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, lambda op: 0.0)
-    print(f"{args.topology}, per chip: {args.seq} queries x {args.topk} selected keys, indexer {HI} x {DI} "
+    print(f"{args.topology}, per chip: {args.seq} queries x {args.topk} selected of {args.keys or args.seq} "
+          f"keys, indexer {HI} x {DI} "
           f"{args.dtype}, loss + gradients")
     for impl in args.impls.split(","):
-        compiled = compile_kl(mesh, args.seq, args.topk, impl, jnp.dtype(args.dtype))
+        compiled = compile_kl(mesh, args.seq, args.topk, impl, jnp.dtype(args.dtype), args.keys)
         mem = compiled.memory_analysis()
         cost = hlo_cost(compiled.as_text(), timing=timing)
         flops = cost.flops + cost.kernel_flops

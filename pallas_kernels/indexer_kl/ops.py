@@ -8,7 +8,8 @@
   one from the same selection.
 * Sparse stage with a given target and ``"pallas"`` / ``"pallas_interpret"`` (`sparse_kl_per_token`): the
   kernels of sparse_kernel.py, which gather the selected indexer keys into VMEM per query and never write a
-  [tokens, k, ...] array (above 32K keys per shard their resident key gradient no longer fits VMEM: XLA).
+  [tokens, k, ...] array in the forward; the backward accumulates the key gradient in VMEM up to 32K keys
+  per shard, past that it hands XLA each slot's row gradient to scatter-add, one query chunk at a time.
 * Warm-up stage from the flash attention's lse with ``"pallas"`` / ``"pallas_interpret"``
   (`warmup_kl_sums`): the kernels of kernel.py, which recompute the attention logits blockwise in VMEM and
   never write a [T, S] array. The main model is frozen in this stage, so the kernel computes the loss and
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.impls import PALLAS_IMPLS, PALLAS_INTERPRET
-from pallas_kernels.indexer_kl import kernel, sparse_kernel, sparse_pallas
+from pallas_kernels.indexer_kl import kernel, sparse_pallas
 # the public entry points: the loss, and its per-token parts for callers holding a share of the queries
 from pallas_kernels.indexer_kl.reference import indexer_kl_loss, indexer_kl_per_token, mean_over_tokens  # noqa: F401
 from pallas_kernels.tpu_utils import pad_axis, round_up
@@ -111,10 +112,9 @@ _kernel_sums.defvjp(_kernel_sums_fwd, _kernel_sums_bwd)
 
 def sparse_kl_per_token(index_q_BTHD, index_k_BSD, index_w_BTH, idx_BTK, valid_BTK, target_BTK, *, impl):
     """Sparse stage, given target: (kl [B, T] fp32, has_set [B, T] bool). ``reference`` / ``xla``: the XLA
-    form (reference.py); ``pallas`` / ``pallas_interpret``: the kernels, which run on one device (call them
-    per shard on a mesh), while the backward's resident key gradient fits VMEM (sparse_kernel.fits_vmem:
-    up to 32K keys), else the XLA form."""
-    if impl in PALLAS_IMPLS and sparse_kernel.fits_vmem(*index_k_BSD.shape[1:]):
+    form (reference.py); ``pallas`` / ``pallas_interpret``: the kernels (sparse_pallas.py), which run on one
+    device (call them per shard on a mesh), at any number of keys."""
+    if impl in PALLAS_IMPLS:
         return sparse_pallas.sparse_kl_per_token(index_q_BTHD, index_k_BSD, index_w_BTH, idx_BTK, valid_BTK,
                                                  target_BTK, interpret=impl == PALLAS_INTERPRET)
     return indexer_kl_per_token(None, None, index_q_BTHD, index_k_BSD, index_w_BTH, None, None, None, None,

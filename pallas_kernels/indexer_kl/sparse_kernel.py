@@ -136,10 +136,12 @@ def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_ref, stats_ref, *s
 
 
 def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq_ref, diw_ref, dik_ref,
-                *scratch, block_k, n_kb, n_slots, resident):
+                *scratch, block_k, n_kb, n_slots, resident, dk_rows):
     # scal_ref [1, TQ, LANES] fp32: lane 0 g (the cotangent of kl), lane 1 lse_I; diq_ref [1, 1, H, D] fp32
     # (resident over the k-blocks); diw_ref [1, TQ, H] fp32; dik_ref [1, 1, S_pad, D] fp32 (resident over
-    # this share's queries); scratch: the gather's, then dw [H, 1] and the row gradients [block_k, D] fp32.
+    # this share's queries), or with ``dk_rows`` the slots' row gradients [1, 1, block_k, W/128, 128] in the
+    # tile-row view (W = D rounded up to 128 lanes); scratch: the gather's, then dw [H, 1] and the row
+    # gradients [block_k, D] fp32.
     *gather_scratch, dw_scr, drows_scr = scratch
     b, t, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, n_slots=n_slots,
@@ -158,9 +160,10 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
     softmax_1K = jnp.exp(jnp.where(valid_1K, scores_1K - lse_11, -jnp.inf))
     d_scores_1K = jnp.where(valid_1K, g_11 * (softmax_1K * p_sum - p_1K), 0.0)
 
-    @pl.when((t == 0) & (qi == 0) & (kb == 0))
-    def _init_share():
-        dik_ref[...] = jnp.zeros(dik_ref.shape, jnp.float32)
+    if not dk_rows:
+        @pl.when((t == 0) & (qi == 0) & (kb == 0))
+        def _init_share():
+            dik_ref[...] = jnp.zeros(dik_ref.shape, jnp.float32)
 
     @pl.when(kb == 0)
     def _init_query():
@@ -171,14 +174,24 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
     g_HK = jnp.where(dots_HK > 0.0, d_scores_1K * w_H1, 0.0)
     # MXU operands in the keys' dtype with fp32 accumulation (as selected_scores._product_grads)
     diq_ref[0, 0] += _mm(g_HK.astype(rows_KD.dtype), rows_KD)
-    drows_scr[...] = _mm(g_HK.T.astype(iq_HD.dtype), iq_HD)
+    drows_KD = _mm(g_HK.T.astype(iq_HD.dtype), iq_HD)
+    if dk_rows:
+        # each 128-lane chunk of a row goes to its sublane of the row's own tile (a strided store): the layout
+        # XLA's scatter-add into d ik reads, with no relayout copy through HBM
+        W = dik_ref.shape[3] * LANES
+        if W > drows_KD.shape[1]:
+            drows_KD = jnp.concatenate([drows_KD, jnp.zeros((block_k, W - drows_KD.shape[1]), jnp.float32)], 1)
+        for c in range(dik_ref.shape[3]):
+            dik_ref[0, 0, :, c, :] = drows_KD[:, c * LANES:(c + 1) * LANES]
+    else:
+        drows_scr[...] = drows_KD
 
-    def add_row(j, carry):
-        key = idx_ref[start + j]
-        dik_ref[0, 0, pl.ds(key, 1), :] += drows_scr[pl.ds(j, 1), :]
-        return carry
+        def add_row(j, carry):
+            key = idx_ref[start + j]
+            dik_ref[0, 0, pl.ds(key, 1), :] += drows_scr[pl.ds(j, 1), :]
+            return carry
 
-    jax.lax.fori_loop(0, _slots_in_block(kb, block_k, n_slots), add_row, 0)   # padded slots add zeros
+        jax.lax.fori_loop(0, _slots_in_block(kb, block_k, n_slots), add_row, 0)   # padded slots add zeros
 
     @pl.when(kb == n_kb - 1)
     def _store_dw():
@@ -271,13 +284,18 @@ def _fwd_cost(c: _Call):
         bytes_accessed=_keys_bytes(c) + c.B * c.T_pad * (_bytes_per_query_common(c) + 4 * LANES))
 
 
-def _bwd_cost(c: _Call, n_split):
-    # per (slot, head): dots 2D, scores 3, dq 2D, row gradient 2D, dw and G 4; per slot the scatter adds D
+def _bwd_cost(c: _Call, n_split, dk_rows=False):
+    # per (slot, head): dots 2D, scores 3, dq 2D, row gradient 2D, dw and G 4; per slot 8, and D for the
+    # in-VMEM scatter-add (with ``dk_rows`` XLA's scatter does those adds, and the kernel writes each slot's
+    # row gradient in the tile-row view: W = D rounded up to 128 lanes, fp32)
     slots = c.B * c.T_pad * c.K_pad
-    dk_bytes = c.B * n_split * round_up(c.S, 8) * c.D * 4
+    if dk_rows:
+        dk_bytes, scatter_flops = slots * round_up(c.D, LANES) * 4, 0
+    else:
+        dk_bytes, scatter_flops = c.B * n_split * round_up(c.S, 8) * c.D * 4, slots * c.D
     per_query_out = 4 * c.H * c.D + 4 * c.H
     return pl.CostEstimate(
-        flops=slots * c.H * (6 * c.D + 7) + slots * (c.D + 8), transcendentals=slots,
+        flops=slots * c.H * (6 * c.D + 7) + slots * 8 + scatter_flops, transcendentals=slots,
         bytes_accessed=_keys_bytes(c) + dk_bytes
         + c.B * c.T_pad * (_bytes_per_query_common(c) + 4 * LANES + per_query_out))
 
@@ -335,16 +353,33 @@ def _n_split(n_query_blocks):
 
 def sparse_kl_bwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_BT, g_BT, *, block_k=512,
                   interpret=False, resident=None):
-    """(d iq [B,T,H,D], d ik [B,S,D], d iw [B,T,H]) fp32 for the cotangent ``g_BT`` of the per-token KL."""
+    """(d iq [B,T,H,D], d ik [B,S,D], d iw [B,T,H]) fp32 for the cotangent ``g_BT`` of the per-token KL, with
+    d ik accumulated in VMEM (`fits_vmem`)."""
     if not fits_vmem(ik_BSD.shape[1], ik_BSD.shape[2]):
         raise ValueError(f"sparse_kl_bwd: the [S, D] = {ik_BSD.shape[1:]} fp32 key-gradient block does not fit "
-                         f"the VMEM budget of {DK_VMEM_BUDGET >> 20} MiB (use the XLA impl)")
+                         f"the VMEM budget of {DK_VMEM_BUDGET >> 20} MiB (use sparse_kl_bwd_rows)")
     c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resident)
+    diq, diw, dik = _bwd(c, lse_BT, g_BT, dk_rows=False, interpret=interpret)
+    return diq[:, :c.T], jnp.sum(dik, axis=1)[:, :c.S], diw[:, :c.T]
+
+
+def sparse_kl_bwd_rows(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_BT, g_BT, *, block_k=512,
+                       interpret=False, resident=None):
+    """(d iq [B,T,H,D], drows [B,T,k,W/128,128], d iw [B,T,H]) fp32, any number of keys: instead of d ik, each
+    slot's row gradient in the tile-row view (W = D rounded up to 128 lanes, zero past D; padded and invalid
+    slots carry zeros), for XLA to scatter-add into d ik (sparse_pallas does, per query chunk)."""
+    c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resident)
+    diq, diw, drows = _bwd(c, lse_BT, g_BT, dk_rows=True, interpret=interpret)
+    return diq[:, :c.T], drows[:, :c.T, :c.K], diw[:, :c.T]
+
+
+def _bwd(c: _Call, lse_BT, g_BT, *, dk_rows, interpret):
+    """The backward kernel: (d iq, d iw, dk) with dk either n_split partial [S_pad, D] blocks per batch row
+    or (``dk_rows``) the slots' row gradients; T and k still padded."""
     TQ, n_kb = QUERIES_PER_BLOCK, c.K_pad // c.block_k
     n_blocks = c.T_pad // TQ
-    n_split = _n_split(n_blocks)
+    n_split = 1 if dk_rows else _n_split(n_blocks)
     n_local = n_blocks // n_split
-    S_pad = round_up(c.S, 8)
     lane = jnp.arange(LANES)
     scal = jnp.where(lane == 0, g_BT.astype(jnp.float32)[..., None],
                      jnp.where(lane == 1, lse_BT.astype(jnp.float32)[..., None], 0.0))
@@ -355,24 +390,36 @@ def sparse_kl_bwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_B
 
     in_specs, rows_of = _common_specs(c, query_block)
     keys_spec, gather_scratch = _keys_spec_and_scratch(c)
-    dk_block = S_pad * c.D * 4
-    diq, diw, dik = pl.pallas_call(
-        functools.partial(_bwd_kernel, block_k=c.block_k, n_kb=n_kb, n_slots=c.K, resident=c.resident),
+    if dk_rows:
+        n_chunks = round_up(c.D, LANES) // LANES
+        dk_spec = pl.BlockSpec((1, 1, c.block_k, n_chunks, LANES),
+                               lambda b, s, t, i, kb: (b, (s * n_local + t) * TQ + i, kb, 0, 0))
+        dk_shape = (c.B, c.T_pad, c.K_pad, n_chunks, LANES)
+        resident_bytes = 0
+        # queries write their own blocks: the query-block axis may be split over a megacore's TensorCores
+        semantics = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+    else:
+        S_pad = round_up(c.S, 8)
+        dk_spec = pl.BlockSpec((1, 1, S_pad, c.D), lambda b, s, t, i, kb: (b, s, 0, 0))
+        dk_shape = (c.B, n_split, S_pad, c.D)
+        resident_bytes = 2 * S_pad * c.D * 4
+        semantics = ("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary")
+    if c.resident:
+        resident_bytes += c.ik[0].size * 4
+    return pl.pallas_call(
+        functools.partial(_bwd_kernel, block_k=c.block_k, n_kb=n_kb, n_slots=c.K, resident=c.resident,
+                          dk_rows=dk_rows),
         grid=(c.B, n_split, n_local, TQ, n_kb),
         in_specs=in_specs + [rows_of((LANES,)), keys_spec],
         out_specs=[pl.BlockSpec((1, 1, c.H, c.D), lambda b, s, t, i, kb: (b, (s * n_local + t) * TQ + i, 0, 0)),
-                   rows_of((c.H,)),
-                   pl.BlockSpec((1, 1, S_pad, c.D), lambda b, s, t, i, kb: (b, s, 0, 0))],
+                   rows_of((c.H,)), dk_spec],
         out_shape=[jax.ShapeDtypeStruct((c.B, c.T_pad, c.H, c.D), jnp.float32),
                    jax.ShapeDtypeStruct((c.B, c.T_pad, c.H), jnp.float32),
-                   jax.ShapeDtypeStruct((c.B, n_split, S_pad, c.D), jnp.float32)],
+                   jax.ShapeDtypeStruct(dk_shape, jnp.float32)],
         scratch_shapes=gather_scratch + [pltpu.VMEM((c.H, 1), jnp.float32),
                                          pltpu.VMEM((c.block_k, c.D), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary", "arbitrary"),
-            **_vmem_limit(c, 2 * dk_block + (dk_block if c.resident else 0))),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, **_vmem_limit(c, resident_bytes)),
         interpret=interpret,
         name="indexer_kl_sparse_bwd",
-        cost_estimate=_bwd_cost(c, n_split),
+        cost_estimate=_bwd_cost(c, n_split, dk_rows),
     )(c.idx_flat, c.iq, c.iw, c.valid, c.p, scal, c.ik)
-    return diq[:, :c.T], jnp.sum(dik, axis=1)[:, :c.S], diw[:, :c.T]

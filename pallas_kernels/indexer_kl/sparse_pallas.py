@@ -3,26 +3,42 @@
 JAX cannot differentiate ``pallas_call``: the forward kernel's (kl, lse_I) and the inputs are the
 residuals, and the backward kernel gives the gradients of the indexer's q, k and w. The target, the
 selection and its mask get no gradient (the target comes from detached attention inputs).
+
+The key gradient d ik [S, D] is accumulated in VMEM by the backward kernel while it fits
+(`sparse_kernel.fits_vmem`: up to 32K keys of 128). Past that (a long-context shard sees every key of the
+sequence: 202,752 at GLM-5's longest) the kernel writes each slot's row gradient instead, and XLA
+scatter-adds them into d ik one query chunk at a time, as the sparse attention's backward does with its
+latent rows (pallas_kernels/sparse_mla/ops.py), in the tile-row view where each row owns its TPU tiles.
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunking import merge_queries, split_queries
 from pallas_kernels.indexer_kl import sparse_kernel
+from pallas_kernels.sparse_mla.reference import scatter_add_rows
+from pallas_kernels.tpu_utils import LANES, round_up
+
+# queries per backward call when the row gradients go through HBM: [B, 256, k, 128] fp32 is 256 MiB at k = 2048
+ROWS_Q_CHUNK = 256
 
 
 def sparse_kl_per_token(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, interpret=False,
-                        block_k=512, resident=None):
+                        block_k=512, resident=None, dk_in_vmem=None, q_chunk=ROWS_Q_CHUNK):
     """(kl [B, T] fp32, has_set [B, T] bool), as reference.indexer_kl_per_token in the sparse stage with a
-    given target. ``resident``: ik in VMEM or row DMAs from HBM (default: sparse_kernel.keys_fit_vmem)."""
+    given target. ``resident``: ik in VMEM or row DMAs from HBM (default: sparse_kernel.keys_fit_vmem).
+    ``dk_in_vmem``: the backward accumulates d ik in VMEM, or scatter-adds row gradients through HBM in
+    chunks of ``q_chunk`` queries (default: sparse_kernel.fits_vmem)."""
+    if dk_in_vmem is None:
+        dk_in_vmem = sparse_kernel.fits_vmem(*ik_BSD.shape[1:])
     kl = _kl(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, jax.lax.stop_gradient(target_BTK),
-             (interpret, block_k, resident))
+             (interpret, block_k, resident, dk_in_vmem, q_chunk))
     return kl, jnp.any(valid_BTK, axis=-1)
 
 
 def _options(static):
-    interpret, block_k, resident = static
+    interpret, block_k, resident, _, _ = static
     return dict(interpret=interpret, block_k=block_k, resident=resident)
 
 
@@ -38,8 +54,32 @@ def _kl_fwd(iq, ik, iw, idx, valid, target, static):
 
 def _kl_bwd(static, residuals, g_BT):
     iq, ik, iw, idx, valid, target, lse = residuals
-    diq, dik, diw = sparse_kernel.sparse_kl_bwd(iq, ik, iw, idx, valid, target, lse, g_BT, **_options(static))
+    dk_in_vmem, q_chunk = static[3], static[4]
+    if dk_in_vmem:
+        diq, dik, diw = sparse_kernel.sparse_kl_bwd(iq, ik, iw, idx, valid, target, lse, g_BT, **_options(static))
+    else:
+        diq, dik, diw = _bwd_rows(iq, ik, iw, idx, valid, target, lse, g_BT, q_chunk, _options(static))
     return diq.astype(iq.dtype), dik.astype(ik.dtype), diw.astype(iw.dtype), None, None, None
 
 
 _kl.defvjp(_kl_fwd, _kl_bwd)
+
+
+def _bwd_rows(iq, ik, iw, idx, valid, target, lse, g, q_chunk, options):
+    """The backward with d ik scatter-added by XLA: the kernel per chunk of ``q_chunk`` queries, each
+    chunk's row gradients [B, q_chunk, k, W/128, 128] added into d ik [B, S, W/128, 128] (the loop's carry)
+    and gone before the next chunk's exist. Padded queries have no valid slot and a zero cotangent."""
+    B, T, H, D = iq.shape
+    S = ik.shape[1]
+    W = round_up(D, LANES)
+    split = functools.partial(split_queries, q_chunk=min(q_chunk, T))
+
+    def step(dk, chunk):
+        iq_c, iw_c, idx_c, valid_c, target_c, lse_c, g_c = chunk
+        diq, drows, diw = sparse_kernel.sparse_kl_bwd_rows(iq_c, ik, iw_c, idx_c, valid_c, target_c, lse_c, g_c,
+                                                           **options)
+        return scatter_add_rows(dk, idx_c, drows, valid_c), (diq, diw)
+
+    chunks = (split(iq), split(iw), split(idx), split(valid, value=False), split(target), split(lse), split(g))
+    dk, (diq, diw) = jax.lax.scan(step, jnp.zeros((B, S, W // LANES, LANES), jnp.float32), chunks)
+    return merge_queries(diq, T), dk.reshape(B, S, W)[..., :D], merge_queries(diw, T)

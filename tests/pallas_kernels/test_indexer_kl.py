@@ -242,12 +242,13 @@ def test_sparse_kernel_equals_reference_on_packed_segments_and_uneven_masks():
         assert_close(g, w, 1e-5)
 
 
-@pytest.mark.parametrize("resident", [True, False])
-def test_sparse_kernel_gradients_over_several_key_blocks_and_query_shares(resident):
+@pytest.mark.parametrize("resident, dk_in_vmem", [(True, True), (False, True), (False, False)])
+def test_sparse_kernel_gradients_over_several_key_blocks_and_query_shares(resident, dk_in_vmem):
     """k = 300 slots in blocks of 128 (three blocks, the last padded) and 16 queries in two backward shares
-    (each accumulating its own dk block): keys chosen by many queries and repeated within a query, weighted
-    per-token cotangents; the kernels' gradients = the XLA path's, with the keys resident in VMEM and with
-    row DMAs from HBM; bf16 inputs give bf16 gradients."""
+    (each accumulating its own dk block) or, with the row gradients scatter-added by XLA (as past 32K keys),
+    in chunks of 8 queries: keys chosen by many queries and repeated within a query, weighted per-token
+    cotangents; the kernels' gradients = the XLA path's, with the keys resident in VMEM and with row DMAs
+    from HBM; bf16 inputs give bf16 gradients."""
     from pallas_kernels.indexer_kl import sparse_kernel, sparse_pallas
 
     rng = np.random.default_rng(6)
@@ -265,7 +266,8 @@ def test_sparse_kernel_gradients_over_several_key_blocks_and_query_shares(reside
 
     ref = weighted(lambda *a: ops.sparse_kl_per_token(*a, idx, valid, p, impl="reference"))
     ker = weighted(lambda *a: sparse_pallas.sparse_kl_per_token(*a, idx, valid, p, interpret=True, block_k=128,
-                                                                 resident=resident))
+                                                                 resident=resident, dk_in_vmem=dk_in_vmem,
+                                                                 q_chunk=8))
     (value, grads), (want_value, want_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(iq, ik, iw)
                                                 for f in (ker, ref))
     assert_close(value, want_value, 1e-5)

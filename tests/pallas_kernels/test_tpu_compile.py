@@ -189,14 +189,15 @@ def test_warmup_indexer_kl_compiles(mesh, T, masked):
 
 
 # ---- the sparse stage's indexer KL (loss + gradients of the indexer's q, k, w) at GLM-5's per-chip shapes:
-# one 4K sequence per chip (batch split over the 4 chips; the keys stay in VMEM), and a context shard of
-# 1024 queries over 32K gathered keys (row DMAs from HBM); k = 2048 selected keys, H_I = 32 x d_I = 128, the
-# indexer q and k in fp32 as the model's Indexer returns them (and in bf16)
+# one 4K sequence per chip (batch split over the 4 chips; the keys stay in VMEM), a context shard of 1024
+# queries over 32K gathered keys (row DMAs from HBM), and one over GLM-5's longest context, 202,752 keys (the
+# key gradient no longer fits VMEM: XLA scatter-adds the kernel's row gradients); k = 2048 selected keys,
+# H_I = 32 x d_I = 128, the indexer q and k in fp32 as the model's Indexer returns them (and in bf16)
 @pytest.mark.parametrize("KL_T, KL_S, kl_dtype", [(4096, 4096, jnp.float32), (4096, 4096, jnp.bfloat16),
-                                                  (1024, 32768, jnp.float32)])
+                                                  (1024, 32768, jnp.float32), (1024, 202752, jnp.float32)])
 def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S, kl_dtype):
     from glm5_jax.cost.hlo_cost import hlo_cost
-    from pallas_kernels.indexer_kl import ops as kl_ops
+    from pallas_kernels.indexer_kl import ops as kl_ops, sparse_kernel, sparse_pallas
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
     mesh = Mesh(np.array(topology.devices).reshape(-1), ("q",))
@@ -217,10 +218,14 @@ def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S, kl_dtype):
     # no gathered rows [..., k, d_I] nor per-head scores [..., k, H_I] of any query chunk in the program (the
     # XLA form has both): only the kernels see them, in VMEM
     assert not re.search(rf"\[[\d,]*{TOPK},({DI}|{HI})\]", text)
+    dk_in_vmem = sparse_kernel.fits_vmem(KL_S, DI)
+    # past 32K keys the backward's row gradients reach HBM, one chunk of queries at a time, in the tile-row view
+    row_chunk = rf"f32\[1,{sparse_pallas.ROWS_Q_CHUNK},{TOPK},1,{DI}\]"
+    assert bool(re.search(row_chunk, text)) == (not dk_in_vmem)
     # the kernels' declared FLOPs (per slot and head: forward 2 d_I + 3, backward 6 d_I + 7; per slot 10 and
-    # d_I + 8) are what the cost model charges
+    # 8, and d_I for the in-VMEM scatter-add) are what the cost model charges
     slots = KL_T * TOPK
-    declared = slots * HI * (8 * DI + 10) + slots * (DI + 18)
+    declared = slots * HI * (8 * DI + 10) + slots * (18 + (DI if dk_in_vmem else 0))
     cost = hlo_cost(text)
     print(f"kernel FLOPs {cost.kernel_flops:.4g} (declared {declared:.4g}), HBM bytes {cost.bytes_accessed:.4g}")
     assert cost.kernel_flops == declared
