@@ -6,9 +6,9 @@ selection and its mask get no gradient (the target comes from detached attention
 
 The key gradient d ik [S, D] is accumulated in VMEM by the backward kernel while it fits
 (`sparse_kernel.fits_vmem`: up to 32K keys of 128). Past that (a long-context shard sees every key of the
-sequence: 202,752 at GLM-5's longest) the kernel writes each slot's row gradient instead, and XLA
-scatter-adds them into d ik one query chunk at a time, as the sparse attention's backward does with its
-latent rows (pallas_kernels/sparse_mla/ops.py), in the tile-row view where each row owns its TPU tiles.
+sequence: 202,752 at GLM-5's longest) the kernel writes each slot's row gradient to HBM instead, one query
+chunk at a time, and the sorted row scatter-add kernel (pallas_kernels/row_scatter) adds them into d ik:
+each row of d ik read and written once per chunk, where XLA's scatter-add moves a whole 8-row tile per slot.
 """
 import functools
 
@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.chunking import merge_queries, split_queries
+from pallas_kernels.impls import PALLAS, PALLAS_INTERPRET
 from pallas_kernels.indexer_kl import sparse_kernel
-from pallas_kernels.sparse_mla.reference import scatter_add_rows
+from pallas_kernels.row_scatter.ops import row_scatter_add
 from pallas_kernels.tpu_utils import LANES, round_up
 
-# queries per backward call when the row gradients go through HBM: [B, 256, k, 128] fp32 is 256 MiB at k = 2048
-ROWS_Q_CHUNK = 256
+# queries per backward call when the row gradients go through HBM: [B, 1024, k, 128] fp32 is 1 GiB at k = 2048
+# (d ik, 104 MB at 202,752 keys, is read and written once per chunk)
+ROWS_Q_CHUNK = 1024
 
 
 def sparse_kl_per_token(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, interpret=False,
@@ -66,20 +68,26 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 
 
 def _bwd_rows(iq, ik, iw, idx, valid, target, lse, g, q_chunk, options):
-    """The backward with d ik scatter-added by XLA: the kernel per chunk of ``q_chunk`` queries, each
-    chunk's row gradients [B, q_chunk, k, W/128, 128] added into d ik [B, S, W/128, 128] (the loop's carry)
-    and gone before the next chunk's exist. Padded queries have no valid slot and a zero cotangent."""
+    """The backward with d ik accumulated through HBM: the kernel per chunk of queries (T split into equal
+    chunks of at most ``q_chunk``, a multiple of 8), each chunk's row gradients [B, chunk, k, W] added into
+    d ik [B, S, W] (the loop's carry) by the row scatter-add and gone before the next chunk's exist. Padded
+    queries have no valid slot and a zero cotangent."""
     B, T, H, D = iq.shape
     S = ik.shape[1]
     W = round_up(D, LANES)
-    split = functools.partial(split_queries, q_chunk=min(q_chunk, T))
+    n_chunks = -(-T // q_chunk)
+    split = functools.partial(split_queries, q_chunk=round_up(-(-T // n_chunks), 8))
+    scatter_impl = PALLAS_INTERPRET if options["interpret"] else PALLAS
 
     def step(dk, chunk):
         iq_c, iw_c, idx_c, valid_c, target_c, lse_c, g_c = chunk
         diq, drows, diw = sparse_kernel.sparse_kl_bwd_rows(iq_c, ik, iw_c, idx_c, valid_c, target_c, lse_c, g_c,
                                                            **options)
-        return scatter_add_rows(dk, idx_c, drows, valid_c), (diq, diw)
+        Tc, K = idx_c.shape[1:]
+        dk = row_scatter_add(dk, drows.reshape(B, Tc * K, W), idx_c.reshape(B, -1), valid_c.reshape(B, -1),
+                             impl=scatter_impl)
+        return dk, (diq, diw)
 
     chunks = (split(iq), split(iw), split(idx), split(valid, value=False), split(target), split(lse), split(g))
-    dk, (diq, diw) = jax.lax.scan(step, jnp.zeros((B, S, W // LANES, LANES), jnp.float32), chunks)
-    return merge_queries(diq, T), dk.reshape(B, S, W)[..., :D], merge_queries(diw, T)
+    dk, (diq, diw) = jax.lax.scan(step, jnp.zeros((B, S, W), jnp.float32), chunks)
+    return merge_queries(diq, T), dk[..., :D], merge_queries(diw, T)

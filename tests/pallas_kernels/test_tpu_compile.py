@@ -218,14 +218,17 @@ def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S, kl_dtype):
     # no gathered rows [..., k, d_I] nor per-head scores [..., k, H_I] of any query chunk in the program (the
     # XLA form has both): only the kernels see them, in VMEM
     assert not re.search(rf"\[[\d,]*{TOPK},({DI}|{HI})\]", text)
+    # past 32K keys the backward's row gradients reach HBM, one chunk of queries at a time, and the sorted row
+    # scatter-add kernel adds them into d ik (no XLA scatter)
     dk_in_vmem = sparse_kernel.fits_vmem(KL_S, DI)
-    # past 32K keys the backward's row gradients reach HBM, one chunk of queries at a time, in the tile-row view
-    row_chunk = rf"f32\[1,{sparse_pallas.ROWS_Q_CHUNK},{TOPK},1,{DI}\]"
-    assert bool(re.search(row_chunk, text)) == (not dk_in_vmem)
+    row_chunk = rf"f32\[1,{min(KL_T, sparse_pallas.ROWS_Q_CHUNK)},{TOPK},1,{DI}\]"
+    assert bool(re.search(row_chunk, text)) == ("sorted_row_scatter_add" in text) == (not dk_in_vmem)
+    assert not re.search(r"= f32\[[\d,]+\][^ ]* scatter\(", text)
     # the kernels' declared FLOPs (per slot and head: forward 2 d_I + 3, backward 6 d_I + 7; per slot 10 and
-    # 8, and d_I for the in-VMEM scatter-add) are what the cost model charges
+    # 8, and d_I for the scatter-add in VMEM, in the backward or the row scatter-add) are what the cost
+    # model charges
     slots = KL_T * TOPK
-    declared = slots * HI * (8 * DI + 10) + slots * (18 + (DI if dk_in_vmem else 0))
+    declared = slots * HI * (8 * DI + 10) + slots * (DI + 18)
     cost = hlo_cost(text)
     print(f"kernel FLOPs {cost.kernel_flops:.4g} (declared {declared:.4g}), HBM bytes {cost.bytes_accessed:.4g}")
     assert cost.kernel_flops == declared
