@@ -178,8 +178,8 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
 def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
     # q_ref [1, 1, H, C]; (wide: qw_ref [1, 1, H, W], q zero-padded to W = C rounded up to 128 lanes);
     # dout_ref [1, 1, H, v_dim]; lse/delta [1, TQ, H] fp32; valid [1, TQ, block_k]; dq_ref [1, 1, H, C]
-    # fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] fp32, or wide: [1, 1, block_k, W/128,
-    # 128] (the tile-row view, one 128-lane chunk of a row per sublane of its own tile).
+    # fp32 (resident across k-blocks); drows_ref [1, 1, block_k, C] fp32, or wide: [1, 1, block_k, 1, W]
+    # (each row its own run of (1, 128) tiles in HBM: one DMA per row for the row scatter-add).
     if wide:
         qw_ref, dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref, buf, sem = refs
     else:
@@ -209,18 +209,12 @@ def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
         drows_ref[0, 0, :, :v_dim] += dvalue_KV
         return
     # key part over the padded width (the query is 0 past C, so are those columns), plus the value part on
-    # the first v_dim columns; each 128-lane chunk is stored to its sublane of the row's tile (a strided
-    # store), so the output is already in the layout the scatter-add wants: no relayout copy through HBM.
+    # the first v_dim columns
     dkey_KW = _mm(ds_HK.T.astype(q_HC.dtype), qw_ref[0, 0]) * scale
-    for c in range(drows_ref.shape[3]):
-        lo, hi = c * LANES, (c + 1) * LANES
-        chunk_KL = dkey_KW[:, lo:hi]
-        if hi <= v_dim:
-            chunk_KL = chunk_KL + dvalue_KV[:, lo:hi]
-        elif lo < v_dim:   # v_dim not a multiple of 128 (small test widths only)
-            part = dvalue_KV[:, lo:]
-            chunk_KL = chunk_KL + jnp.concatenate([part, jnp.zeros((part.shape[0], hi - v_dim), part.dtype)], 1)
-        drows_ref[0, 0, :, c, :] = chunk_KL
+    W = dkey_KW.shape[1]
+    dvalue_KW = jnp.concatenate([dvalue_KV, jnp.zeros((block_k, W - v_dim), jnp.float32)], 1) if W > v_dim \
+        else dvalue_KV
+    drows_ref[0, 0, :, 0, :] = dkey_KW + dvalue_KW
 
 
 class _Padded(NamedTuple):
@@ -265,19 +259,19 @@ def _grid_and_common_specs(d, sweeps=1):
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"))
 
 
-def _cost(d, v_dim, itemsize, backward, with_target=False, tile_rows=False):
+def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False):
     """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
 
     Per (query, slot, head): logits 2C; forward adds p @ V 2v (and with the KL target a second sweep:
     logits 2C again); the backward recomputes the logits (2C), dP = dO V^T (2v), dq += dS rows (2C),
     drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered rows (twice with the target sweep), q and
     the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients.
-    With ``tile_rows`` it also reads the query padded to W = C rounded up to 128 lanes, the key part's
-    product runs over W (2W FLOPs instead of 2C) and each row gradient is written as whole fp32 [8, 128]
-    tiles, W/128 rows of them in use: 8 * 128 * 4 bytes per row."""
+    With ``dma_rows`` it also reads the query padded to W = C rounded up to 128 lanes, the key part's
+    product runs over W (2W FLOPs instead of 2C) and each row gradient is written as W fp32 lanes ((1, 128)
+    tiles)."""
     B, T, H, C, K = d.B, d.T_pad, d.H, d.C, d.K_pad
-    W = round_up(C, LANES) if tile_rows else C
-    row_bytes = 8 * LANES * 4 if tile_rows else C * 4
+    W = round_up(C, LANES) if dma_rows else C
+    row_bytes = W * 4
     pairs = B * T * K * H
     rows = B * T * K * C * itemsize
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
@@ -287,7 +281,7 @@ def _cost(d, v_dim, itemsize, backward, with_target=False, tile_rows=False):
                                    bytes_accessed=2 * rows + per_query + B * T * K * 4)
         return pl.CostEstimate(flops=pairs * (2 * C + 2 * v_dim), transcendentals=pairs,
                                bytes_accessed=rows + per_query)
-    wide_q = B * T * H * W * itemsize if tile_rows else 0
+    wide_q = B * T * H * W * itemsize if dma_rows else 0
     return pl.CostEstimate(flops=pairs * (4 * C + 2 * W + 4 * v_dim), transcendentals=pairs,
                            bytes_accessed=rows + 2 * per_query + wide_q + B * T * H * C * 4 + B * T * K * row_bytes)
 
@@ -332,20 +326,22 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
 
 
 def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
-                        scale, v_dim, block_k=512, tile_rows=False, interpret=False):
+                        scale, v_dim, block_k=512, dma_rows=False, interpret=False):
     """(dq [B, T, H, C] fp32, drows [B, T, k, C] fp32): gradients of q and of every gathered slot's row.
 
     ``delta = rowsum(dO * O) - dlse`` [B, T, H] fp32. Invalid slots get zero row gradients. With
-    ``tile_rows`` drows is [B, T, k, W/128, 128], each row zero-padded to W = C rounded up to 128 lanes:
-    the tile-row view a scatter-add wants (each row owns its TPU tiles), written by the kernel so that no
-    pad or relayout pass over the rows runs in XLA.
+    ``dma_rows`` drows is [B, T, k, 1, W], each row zero-padded to W = C rounded up to 128 lanes: in HBM a
+    row is then its own W / 128 (1, 128) tiles, which the row scatter-add kernel fetches with one DMA.
+    ``kv_BSC`` may also be given as the row view [B, S, 1, C] the kernel gathers from (made once by a
+    caller that runs the kernel over several query chunks, so the relayout is not repeated per chunk).
     """
-    S = kv_BSC.shape[1]
+    kv_rows = kv_BSC if kv_BSC.ndim == 4 else kv_BSC[:, :, None, :]
+    S = kv_rows.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
     B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
-    W = round_up(C, LANES) if tile_rows else C
-    wide = tile_rows
-    row_tiles = (W // LANES, LANES) if tile_rows else (C,)
+    W = round_up(C, LANES) if dma_rows else C
+    wide = dma_rows
+    row_tiles = (1, W) if dma_rows else (C,)
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
     q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
     dout = pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
@@ -366,12 +362,12 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
                                 lambda b, t, i, kb: (b, t * QUERIES_PER_BLOCK + i, kb) + (0,) * len(row_tiles))],
         out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, C), jnp.float32),
                    jax.ShapeDtypeStruct((B, T_pad, K_pad, *row_tiles), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_rows.dtype), pltpu.SemaphoreType.DMA((2,))],
         compiler_params=_SEMANTICS,
         interpret=interpret,
         name="sparse_mla_bwd",
-        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=True, tile_rows=tile_rows),
-    )(d.idx_flat, *q_in, dout, lse, delta, d.valid, kv_BSC[:, :, None, :])
+        cost_estimate=_cost(d, v_dim, kv_rows.dtype.itemsize, backward=True, dma_rows=dma_rows),
+    )(d.idx_flat, *q_in, dout, lse, delta, d.valid, kv_rows)
     T, K = d.T, d.K
     if (T, K) != (T_pad, K_pad):
         dq, drows = dq[:, :T], drows[:, :T, :K]

@@ -31,12 +31,13 @@ from jax.ad_checkpoint import checkpoint_name
 from pallas_kernels.chunking import merge_queries, split_queries
 from pallas_kernels.impls import PALLAS, PALLAS_IMPLS, PALLAS_INTERPRET, REFERENCE, XLA
 from pallas_kernels.masking import selection_mask
+from pallas_kernels.row_scatter.ops import row_scatter_add
 from pallas_kernels.sparse_mla import gather_saved, kernel, masked_dense, reference
 from pallas_kernels.sparse_mla.attention_vjp import attention_vjp
 from pallas_kernels.tpu_utils import LANES, round_up
 
 IMPLS = (REFERENCE, XLA, PALLAS, PALLAS_INTERPRET)
-BWD_Q_CHUNK = 64  # queries per backward kernel call; the row gradients of one chunk live in HBM
+BWD_Q_CHUNK = 64  # fewest queries per backward kernel call (bwd_q_chunk); a chunk's row gradients live in HBM
 # A decode cache of at most this many times k slots attends through the selection mask (one matmul over
 # every slot) instead of gathering k rows per query: the same result for a few times the FLOPs.
 DENSE_DECODE_FACTOR = 4
@@ -137,25 +138,39 @@ _with_grads = attention_vjp(_kernel_grads)   # identity on (out, lse); its VJP r
 
 
 def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
-                     scale, v_dim, interpret, q_chunk=BWD_Q_CHUNK):
-    """(dq [B,T,H,C] fp32, dkv [B,S,C] fp32): backward kernel per query chunk + scatter-add of rows
-    (memory O(B * T_chunk * k * C))."""
-    B, S, C = kv_BSC.shape
-    split = functools.partial(split_queries, q_chunk=q_chunk)
-    Cp = round_up(C, LANES)
+                     scale, v_dim, interpret, q_chunk=None):
+    """(dq [B,T,H,C] fp32, dkv [B,S,C] fp32): the backward kernel per query chunk, each chunk's row
+    gradients added into d(kv) by the row scatter-add kernel (pallas_kernels/row_scatter; memory
+    O(B * T_chunk * k * C)). ``q_chunk`` (default `bwd_q_chunk`) is rounded to equal chunks."""
+    B, T = q_BTHC.shape[:2]
+    S, C = kv_BSC.shape[1:]
+    K = idx_BTK.shape[2]
+    W = round_up(C, LANES)
+    n_chunks = -(-T // (q_chunk or bwd_q_chunk(S, K)))
+    split = functools.partial(split_queries, q_chunk=round_up(-(-T // n_chunks), 8))
+    kv_rows = kv_BSC[:, :, None, :]           # the kernel's row view, made once for every chunk
+    scatter_impl = PALLAS_INTERPRET if interpret else PALLAS
 
-    # The scatter-add runs in the tile-row view: in [S, C] fp32 a TPU tile spans 8 rows, so adding one row
-    # reads and writes 7 others; in [S, C/128, 128] (C padded to 640) each row owns its tiles (v5p:2x2x1,
-    # one 64-query chunk at GLM-5's widths: 6.4 -> 3.2 GB by our count and by XLA's). Same sums. The kernel
-    # writes the row gradients in that view and the loop carries d(kv) in it, so nothing is padded,
-    # relaid out or sliced per chunk (v5p:2x2x1, 1024 queries per chip, forward + backward: 63.7 -> 41 GB).
-    def step(d3, chunk):
+    # XLA's scatter-add would read and write back a whole (8, 128) fp32 tile per selected row, each row
+    # padded to 8 sublanes (4 KiB for GLM-5's 576 columns); the row scatter-add reads each row's 640 lanes
+    # once and d(kv) once per chunk.
+    def step(dkv, chunk):
         q, idx, valid, dout, lse, delta = chunk
-        dq, rows = kernel.sparse_mla_bwd_rows(q, kv_BSC, idx, valid, dout, lse, delta, scale=scale,
-                                              v_dim=v_dim, tile_rows=True, interpret=interpret)
-        return reference.scatter_add_rows(d3, idx, rows, valid), dq
+        dq, rows = kernel.sparse_mla_bwd_rows(q, kv_rows, idx, valid, dout, lse, delta, scale=scale,
+                                              v_dim=v_dim, dma_rows=True, interpret=interpret)
+        Tc = idx.shape[1]
+        dkv = row_scatter_add(dkv, rows.reshape(B, Tc * K, W), idx.reshape(B, -1), valid.reshape(B, -1),
+                              impl=scatter_impl)
+        return dkv, dq
 
     chunks = (split(q_BTHC), split(idx_BTK), split(valid_BTK, value=False), split(dout_BTHV),
               split(lse_BTH, value=-jnp.inf), split(delta_BTH))
-    d3, dq = jax.lax.scan(step, jnp.zeros((B, S, Cp // LANES, LANES), jnp.float32), chunks)
-    return merge_queries(dq, q_BTHC.shape[1]), d3.reshape(B, S, Cp)[..., :C]
+    dkv, dq = jax.lax.scan(step, jnp.zeros((B, S, W), jnp.float32), chunks)
+    return merge_queries(dq, T), dkv[..., :C]
+
+
+def bwd_q_chunk(S, K):
+    """Queries per backward chunk: enough that the chunk's k row updates (each a row of d(kv)) outnumber the
+    S rows of d(kv) the scatter-add reads and writes once per chunk by 4x (8 S / k), at least 64 and at most
+    1024 (GLM-5 at 202,752 keys, k = 2048: 792 queries, 4.2 GB of fp32 row gradients)."""
+    return min(1024, max(BWD_Q_CHUNK, round_up(8 * S // K, 8)))

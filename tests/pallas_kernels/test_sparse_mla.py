@@ -156,9 +156,9 @@ def test_tpu_interpreter_out_of_bounds_checked():
         dout = jnp.ones_like(out)
         dq, rows = kernel.sparse_mla_bwd_rows(q, kv, idx, valid, dout, lse, jnp.sum(out, -1),
                                               scale=SCALE, v_dim=V, block_k=8, interpret=params)
-        # the row gradients in the tile-row view, zero-padded to 128 lanes, as ops.sparse_mla_grads asks
+        # the row gradients as [..., 1, W] rows zero-padded to 128 lanes, as ops.sparse_mla_grads asks
         dq_w, rows_w = kernel.sparse_mla_bwd_rows(q, kv, idx, valid, dout, lse, jnp.sum(out, -1), scale=SCALE,
-                                                  v_dim=V, block_k=8, tile_rows=True, interpret=params)
+                                                  v_dim=V, block_k=8, dma_rows=True, interpret=params)
     finally:
         pltpu.reset_tpu_interpret_mode_state()
     ref_out, ref_lse = reference.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V)
