@@ -49,8 +49,7 @@ from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import selection_mask, visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 
-# name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
-SELECTION_NAME = "dsa_selection"
+SELECTION_NAME = context_attention.SELECTION_NAME   # the top-k selection, for remat policies
 # the attention core's output and indexer KL target, and the residuals its impls name: a remat policy
 # keeping these never reruns the attention core in the backward pass
 ATTENTION_SAVED_NAMES = (("attention_core_out", "indexer_kl_target") + sparse_mla_ops.SAVED_NAMES

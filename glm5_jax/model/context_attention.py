@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model import mha_form
 from glm5_jax.model.config import ModelConfig
@@ -40,6 +41,8 @@ from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 
+# name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
+SELECTION_NAME = "dsa_selection"
 _BT = (BATCH, SEQ)
 _AXES = {  # logical axes of each per-token operand: split over batch and sequence, whole otherwise
     "q": _BT + (None, None), "kv": _BT + (None,), "pos": _BT, "seg": _BT, "idx": _BT + (None,),
@@ -98,6 +101,9 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                 picked = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                                                   topk=cfg.index_topk, impl=cfg.runtime.attention_impl,
                                                   with_mask=masked)
+            # named inside the shard's computation, where a remat policy sees it: keeping it, the backward
+            # pass does not rerun the indexer's scores and top-k over the gathered keys
+            picked = tuple(checkpoint_name(x, SELECTION_NAME) for x in picked)
             idx, valid, allowed = picked if masked else picked + (None,)
         if mha is not None:
             k_m, v_m = mha_form.mha_keys_values(cfg, kv[..., :R], kv[..., R:], a["w_kvb"])

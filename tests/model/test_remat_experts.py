@@ -132,3 +132,18 @@ def test_selection_saveable_does_not_rerun_the_top_k():
     assert full_bodies >= 1 and counts["none"] >= full_bodies
     assert counts["full"] - counts["none"] == full_bodies
     assert counts["selection_saveable"] == counts["none"]
+
+
+def test_selection_saveable_reaches_into_the_context_parallel_shard_map():
+    """With the sequence split over context shards the top-k runs inside the attention's `shard_map` (over
+    the gathered keys); the selection is named there, so "selection_saveable" keeps it and the backward
+    reruns no top-k, where "full" reruns each full layer's (context=2 fake devices)."""
+    ids = jnp.asarray(tokens(2, 32))
+    variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, context=2, expert=1, tensor=1), jax.devices()[:2])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+        counts = {p: _top_ks_in_grad(p, variables, ids) for p in ("none", "full", "selection_saveable")}
+    full_bodies = sum(kind.indexer == "full" for segment in plan_segments(TINY) for kind in segment.unit)
+    assert counts["none"] >= full_bodies >= 1
+    assert counts["full"] - counts["none"] == full_bodies
+    assert counts["selection_saveable"] == counts["none"]
