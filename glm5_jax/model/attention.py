@@ -52,7 +52,7 @@ from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 SELECTION_NAME = context_attention.SELECTION_NAME   # the top-k selection, for remat policies
 # the attention core's output and indexer KL target, and the residuals its impls name: a remat policy
 # keeping these never reruns the attention core in the backward pass
-ATTENTION_SAVED_NAMES = (("attention_core_out", "indexer_kl_target") + sparse_mla_ops.SAVED_NAMES
+ATTENTION_SAVED_NAMES = (("attention_core_out", context_attention.KL_TARGET_NAME) + sparse_mla_ops.SAVED_NAMES
                          + flash_ops.SAVED_NAMES)
 
 

@@ -41,8 +41,11 @@ from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 
-# name of the top-k selection for remat policies (decoder.REMAT_POLICIES keep it rather than redo top-k)
+# names for remat policies (decoder.REMAT_POLICIES), given inside the shard's computation where a policy
+# sees them: the top-k selection (kept, the backward does not redo the top-k) and the indexer KL target
+# (kept with the attention kernel's out and lse, the backward does not rerun the attention forward)
 SELECTION_NAME = "dsa_selection"
+KL_TARGET_NAME = "indexer_kl_target"
 _BT = (BATCH, SEQ)
 _AXES = {  # logical axes of each per-token operand: split over batch and sequence, whole otherwise
     "q": _BT + (None, None), "kv": _BT + (None,), "pos": _BT, "seg": _BT, "idx": _BT + (None,),
@@ -85,7 +88,8 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
             attended = sparse_mla_ops.sparse_mla(q, kv, idx, valid, scale=cfg.softmax_scale, v_dim=R,
                                                  impl=cfg.runtime.attention_impl, training_rows=False,
                                                  with_target=with_target)
-            return attended.out, attended.target
+            target = None if attended.target is None else checkpoint_name(attended.target, KL_TARGET_NAME)
+            return attended.out, target
         visible = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
         o, _ = sparse_mla_ops.dense_mla(q, kv, visible, scale=cfg.softmax_scale, v_dim=R,
                                         q_chunk=cfg.runtime.attention_q_chunk)
@@ -101,8 +105,6 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                 picked = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                                                   topk=cfg.index_topk, impl=cfg.runtime.attention_impl,
                                                   with_mask=masked)
-            # named inside the shard's computation, where a remat policy sees it: keeping it, the backward
-            # pass does not rerun the indexer's scores and top-k over the gathered keys
             picked = tuple(checkpoint_name(x, SELECTION_NAME) for x in picked)
             idx, valid, allowed = picked if masked else picked + (None,)
         if mha is not None:
