@@ -1,4 +1,6 @@
 """Small helpers shared by the Pallas TPU kernels."""
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -44,3 +46,15 @@ def mask_operand(kernel_name: str, allowed_BTS, shape):
     if allowed_BTS.dtype not in (jnp.bool_, jnp.int8):
         raise ValueError(f"{kernel_name}: allowed must be bool or int8, got {allowed_BTS.dtype}")
     return allowed_BTS.astype(jnp.int8)
+
+
+def removable_when_unused(kernel_fn, *args, **static):
+    """``kernel_fn(*args, **static)`` (a function issuing a ``pallas_call``) staged as its own jitted call.
+
+    JAX never removes a ``pallas_call`` from a jaxpr, even when no output is used (its dead-code rule keeps
+    it: a kernel may write through aliased inputs). Under a remat policy that saves a kernel's results by
+    name, the rematerialised backward computation then still runs the kernel and drops what it computes.
+    A jitted call is removed when none of its outputs is used, so the kernel goes with it; a forward kernel
+    whose outputs a policy names is called through this.
+    """
+    return jax.jit(functools.partial(kernel_fn, **static))(*args)

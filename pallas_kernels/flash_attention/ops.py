@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.flash_attention import kernel, reference
 from pallas_kernels.impls import PALLAS, PALLAS_IMPLS, PALLAS_INTERPRET, REFERENCE, XLA
-from pallas_kernels.tpu_utils import pad_axis, round_up
+from pallas_kernels.tpu_utils import pad_axis, removable_when_unused, round_up
 
 IMPLS = (REFERENCE, XLA, PALLAS, PALLAS_INTERPRET)
 SAVED_NAMES = ("flash_attention_out", "flash_attention_lse")
@@ -86,14 +86,19 @@ def _pad_mask(allowed_BTS, bq, bk):
     return pad_axis(pad_axis(allowed_BTS.astype(jnp.int8), 1, round_up(T, bq)), 2, round_up(S, bk))
 
 
+def _flash_fwd(allowed_BTS, *args, **static):
+    return kernel.flash_fwd(*args, allowed_BTS=allowed_BTS, **static)
+
+
 def _pallas(*args, scale, block, interpret):
     *args, allowed = args
     T, S = args[0].shape[1], args[1].shape[1]
     bq, bk = _blocks(T, S, block)
     sg = jax.lax.stop_gradient
     allowed = None if allowed is None else sg(allowed).astype(jnp.int8)
-    out, lse_BHT = kernel.flash_fwd(*_pad(tuple(sg(x) for x in args), bq, bk), scale=scale, block_q=bq,
-                                    block_k=bk, allowed_BTS=_pad_mask(allowed, bq, bk), interpret=interpret)
+    out, lse_BHT = removable_when_unused(_flash_fwd, _pad_mask(allowed, bq, bk),
+                                         *_pad(tuple(sg(x) for x in args), bq, bk),
+                                         scale=scale, block_q=bq, block_k=bk, interpret=interpret)
     out = checkpoint_name(out[:, :T, :, :args[2].shape[3]], SAVED_NAMES[0])
     lse = checkpoint_name(jnp.swapaxes(lse_BHT, 1, 2)[:, :T], SAVED_NAMES[1])
     return _with_grads(*args, allowed, out, lse, (scale, bq, bk, interpret))

@@ -34,7 +34,7 @@ from pallas_kernels.masking import selection_mask
 from pallas_kernels.row_scatter.ops import row_scatter_add
 from pallas_kernels.sparse_mla import gather_saved, kernel, masked_dense, reference
 from pallas_kernels.sparse_mla.attention_vjp import attention_vjp
-from pallas_kernels.tpu_utils import LANES, round_up
+from pallas_kernels.tpu_utils import LANES, removable_when_unused, round_up
 
 IMPLS = (REFERENCE, XLA, PALLAS, PALLAS_INTERPRET)
 BWD_Q_CHUNK = 64  # fewest queries per backward kernel call (bwd_q_chunk); a chunk's row gradients live in HBM
@@ -124,8 +124,8 @@ def dense_mla(q_BTHC, kv_BSC, visible_BTS, *, scale, v_dim, q_chunk=256):
 def _pallas(q, kv, idx, valid, scale, v_dim, interpret, with_target):
     """(out, lse, target or None); the target is computed on detached inputs (it carries no gradient)."""
     sg = jax.lax.stop_gradient
-    results = kernel.sparse_mla_fwd(sg(q), sg(kv), idx, valid, scale=scale, v_dim=v_dim, interpret=interpret,
-                                    with_target=with_target)
+    results = removable_when_unused(kernel.sparse_mla_fwd, sg(q), sg(kv), idx, valid, scale=scale, v_dim=v_dim,
+                                    interpret=interpret, with_target=with_target)
     out, lse = (checkpoint_name(x, name) for x, name in zip(results[:2], PALLAS_SAVED_NAMES))
     return (*_with_grads(q, kv, idx, valid, out, lse, (scale, v_dim, interpret)), results[2] if with_target else None)
 

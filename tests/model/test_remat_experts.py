@@ -147,3 +147,44 @@ def test_selection_saveable_reaches_into_the_context_parallel_shard_map():
     assert counts["none"] >= full_bodies >= 1
     assert counts["full"] - counts["none"] == full_bodies
     assert counts["selection_saveable"] == counts["none"]
+
+
+def _named_kernels(jaxpr, name):
+    """Number of `pallas_call` equations named ``name``, nested jaxprs included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _named_kernels(inner, name)
+    return n
+
+
+def test_attention_saveable_does_not_rerun_the_attention_forward_kernel():
+    """Context parallelism (context=2) with the Pallas sparse attention over gathered rows (the long-context
+    path: no masked flash core) and the sparse indexer KL: "full" reruns every layer's attention forward
+    kernel (with its KL-target sweep) in the backward pass; "attention_saveable" keeps its out, lse and
+    target and the selection, so its program runs that kernel and the top-k as often as with no remat."""
+    cfg = TINY.replace(attention_impl="pallas_interpret", masked_flash_factor=0, indexer_loss="sparse")
+    ids = jnp.asarray(tokens(2, 32))
+    variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, context=2, expert=1, tensor=1), jax.devices()[:2])
+
+    def counts(policy):
+        def loss(params):
+            return jnp.mean(Transformer(cfg.replace(remat_policy=policy)).apply(
+                {**variables, "params": params}, ids, with_mtp=True).logits)
+
+        with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+            jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"]).jaxpr
+        # full-indexer layers attend with the KL-target sweep, shared ones without
+        forward_kernels = sum(_named_kernels(jaxpr, n) for n in ("sparse_mla_fwd_target", "sparse_mla_fwd"))
+        return forward_kernels, _indexer_top_ks(jaxpr, cfg.index_topk)
+
+    (none, none_topk), (full, _), (saveable, saveable_topk) = (counts(p) for p in
+                                                               ("none", "full", "attention_saveable"))
+    layers = sum(len(segment.unit) for segment in plan_segments(TINY))     # bodies of the scanned segments
+    assert none >= layers >= 1 and full == none + layers
+    assert (saveable, saveable_topk) == (none, none_topk)
