@@ -45,9 +45,10 @@ REMAT_POLICIES = {
     # not rerun the lightning indexer's scores and top-k, everything else is recomputed
     "selection_saveable": _keep_selection,
     # "selection_saveable" + the attention core's results the attention impls name (attention.
-    # ATTENTION_SAVED_NAMES: the kernels' out and lse, the indexer KL target): the backward does not rerun the
-    # attention core's forward either (the long-context step: B*T*H*d_c + B*T*k values per layer)
-    "attention_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES),
+    # ATTENTION_SAVED_NAMES but the layer-level "attention_core_out", which is the kernel's out passed through:
+    # the kernels' out and lse, the indexer KL target): the backward does not rerun the attention core's
+    # forward either (the long-context step: B*T*H*d_c + B*T*k values per layer)
+    "attention_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES[1:]),
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),
