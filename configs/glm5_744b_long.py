@@ -47,7 +47,10 @@ STAGES = {
 
 def stage_config(name: str) -> ExperimentConfig:
     seq_len, batch, context, steps = STAGES[name]
-    model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25,
+    # remat "attention_saveable": the backward reruns neither the indexer's top-k over every earlier key nor
+    # the attention forward kernel; the 200K step 16.7 -> 14.0 s for 41.9 -> 70.0 GiB per chip
+    # (bench/results/compile_744b_200k.md)
+    model = model_config().replace(remat_policy="attention_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    attention_impl="pallas")
     data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
     train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0)
