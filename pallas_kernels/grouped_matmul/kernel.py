@@ -15,19 +15,26 @@ What the wrappers add to megablox:
 * `tgmm` visits every empty group once and writes zeros there: an expert without rows gets an exactly zero
   weight gradient.
 
-Tiles (rows, contraction, output columns). v5p has 64 MiB of VMEM per TensorCore (jax's
-`pallas.mosaic.tpu_info`) but Mosaic's default scoped VMEM limit is 16 MiB; each kernel double-buffers its
-input and output blocks and keeps one fp32 accumulator, with bf16 operands:
+Tiles (rows, contraction, output columns), chosen by `bench/gmm_tiling_compile.py` (Mosaic compiles for v5p
+at the 744B config's per-chip shapes: 10,240-row buffers with ~8,192 routed rows over 8 local experts, D =
+6144, F = 2048, bf16; results in bench/results/gmm_tiling.json). v5p has 64 MiB of VMEM per TensorCore, but
+Mosaic's default scoped limit is 16 MiB; each kernel double-buffers its input and output blocks and keeps
+one fp32 accumulator:
 
-* `gmm` (256, 1024, 1024): lhs 256x1024 (0.5 MiB), rhs 1024x1024 (2 MiB), fp32 out 256x1024 (1 MiB), each
-  x2, + fp32 accumulator 1 MiB = 8 MiB. Each weight tile is reused by 256 rows: 2*256*1024*1024 FLOPs per
-  (0.5 + 2) MiB read, ~200 FLOP/byte, above v5p's 459 TFLOP/s / 2.76 TB/s ~ 166 ridge. A 512-row tile
-  halves weight traffic but wastes on average half a tile per expert on partial tiles (32 local experts
-  of ~1000-1300 rows each at GLM-5's per-chip shapes: ~20% extra MXU work at 256, ~40% at 512).
-* `tgmm` (256, 1024, 1024): lhs^T 256x1024 and d out 256x1024 (0.5 MiB each), out 1024x1024 in the weight
-  dtype (2 MiB bf16), each x2, + fp32 accumulator 4 MiB = 10 MiB; 512 FLOP/byte.
-GLM-5's widths D = 6144 and F = 2048 (1024 per chip with the expert width over 2 chips) are multiples of
-1024; a dimension at most the preferred tile is taken whole.
+* `gmm` (512, 1024, 1024): lhs 512x1024 (1 MiB), rhs 1024x1024 (2 MiB), fp32 out 512x1024 (2 MiB), each x2,
+  + accumulator 2 MiB = 12 MiB. megablox reads the lhs once per output-column tile and each weight tile once
+  per active row tile, so the row tile sets the weight traffic: at 256 rows both gmm shapes are
+  memory-bound (1.56 and 1.81 GB, 0.66 and 0.77 ms against 0.58 ms of MXU work), at 512 they are
+  compute-bound (1.06 and 1.31 GB, 0.64 ms, which includes the larger partial tiles: a group that starts or
+  ends inside a row tile costs the whole tile, ~11% of the MXU work at 256 rows, ~22% at 512).
+* `tgmm` (256, 1024, 1024): lhs^T and d out 256x1024 (0.5 MiB each), out 1024x1024 in the weight dtype
+  (2 MiB bf16), each x2, + fp32 accumulator 4 MiB = 10 MiB. Compute-bound at 256 rows already (0.71 GB,
+  0.30 ms of traffic against 0.58 ms of MXU work), so smaller partial tiles win over 512 rows (0.58 ms
+  against 0.64). 128 rows would win again on paper (0.55 ms), but a grid step of 128 x 1024 x 1024 is
+  0.7 us of MXU work, about twice the fixed cost of a Pallas grid step, which the cost model does not
+  count. Larger column tiles (2048) run out of scoped VMEM.
+GLM-5's widths D = 6144 and F = 2048 are multiples of 1024; a dimension at most the preferred tile is taken
+whole.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, tg
 
 from pallas_kernels.tpu_utils import pad_axis, round_up
 
-GMM_TILING = (256, 1024, 1024)      # (rows, contraction, output columns) of the forward and input gradient
+GMM_TILING = (512, 1024, 1024)      # (rows, contraction, output columns) of the forward and input gradient
 TGMM_TILING = (256, 1024, 1024)     # (rows, lhs columns, d out columns) of the weight gradient
 
 
