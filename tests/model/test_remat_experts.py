@@ -18,29 +18,28 @@ from tests.model.test_model_properties import TINY, tokens
 from tests.model.test_moe_ep import CFG as EP_CFG
 
 
-def _primitive_counts(jaxpr, counts):
-    """Count every primitive of a jaxpr and of all the jaxprs nested in its equations' parameters."""
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters (scan, remat,
+    shard_map, custom_vjp and jit bodies)."""
     for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] += 1
+        yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    _primitive_counts(inner, counts)
+                    yield from _all_eqns(inner)
+
+
+def _primitive_counts(jaxpr, counts):
+    """Count every primitive of a jaxpr and of all the jaxprs nested in its equations' parameters."""
+    counts.update(eqn.primitive.name for eqn in _all_eqns(jaxpr))
     return counts
 
 
 def _row_all_to_alls(jaxpr):
     """Number of `all_to_all` equations moving floating-point rows (not the per-expert integer counts)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "all_to_all" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _row_all_to_alls(inner)
-    return n
+    return sum(eqn.primitive.name == "all_to_all" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)
+               for eqn in _all_eqns(jaxpr))
 
 
 def _grouped_matmuls_in_grad(policy, variables, ids):
@@ -100,15 +99,7 @@ def test_experts_saveable_reaches_into_the_expert_parallel_shard_map():
 
 def _indexer_top_ks(jaxpr, k):
     """Number of `top_k` equations taking the `k` largest (the indexer's; routing takes other k's)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "top_k" and eqn.params.get("k") == k
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _indexer_top_ks(inner, k)
-    return n
+    return sum(eqn.primitive.name == "top_k" and eqn.params.get("k") == k for eqn in _all_eqns(jaxpr))
 
 
 def _top_ks_in_grad(policy, variables, ids):
@@ -151,15 +142,7 @@ def test_selection_saveable_reaches_into_the_context_parallel_shard_map():
 
 def _named_kernels(jaxpr, name):
     """Number of `pallas_call` equations named ``name``, nested jaxprs included."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _named_kernels(inner, name)
-    return n
+    return sum(eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name for eqn in _all_eqns(jaxpr))
 
 
 def test_attention_saveable_does_not_rerun_the_attention_forward_kernel():
