@@ -7,6 +7,8 @@ one chunk's intermediates are live).
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.tpu_utils import round_up
+
 
 def chunked_over_queries(fn, q_chunk, T, *arrays_BT):
     """Apply ``fn`` to query chunks of every [B, T, ...] array and concatenate its outputs along T.
@@ -32,3 +34,10 @@ def merge_queries(y, T):
     """Inverse of `split_queries`: [n_chunks, B, q_chunk, ...] -> [B, T, ...] (padding cut)."""
     y = jnp.moveaxis(y, 0, 1)
     return y.reshape(y.shape[0], y.shape[1] * y.shape[2], *y.shape[3:])[:, :T]
+
+
+def equal_chunk(T, max_chunk, multiple=8):
+    """Queries per chunk when T is split into the fewest equal chunks of at most ``max_chunk``, rounded up to a
+    multiple of ``multiple`` (`split_queries` pads the last one): 3,168 queries at most 1,024 -> 4 x 792."""
+    n_chunks = -(-T // max_chunk)
+    return round_up(-(-T // n_chunks), multiple)

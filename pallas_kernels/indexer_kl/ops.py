@@ -9,7 +9,8 @@
 * Sparse stage with a given target and ``"pallas"`` / ``"pallas_interpret"`` (`sparse_kl_per_token`): the
   kernels of sparse_kernel.py, which gather the selected indexer keys into VMEM per query and never write a
   [tokens, k, ...] array in the forward; the backward accumulates the key gradient in VMEM up to 32K keys
-  per shard, past that it hands XLA each slot's row gradient to scatter-add, one query chunk at a time.
+  per shard, past that it writes each slot's row gradient, one query chunk at a time, for the row
+  scatter-add kernel (pallas_kernels/row_scatter) to add.
 * Warm-up stage from the flash attention's lse with ``"pallas"`` / ``"pallas_interpret"``
   (`warmup_kl_sums`): the kernels of kernel.py, which recompute the attention logits blockwise in VMEM and
   never write a [T, S] array. The main model is frozen in this stage, so the kernel computes the loss and

@@ -139,10 +139,13 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
                 *scratch, block_k, n_kb, n_slots, resident, dk_rows):
     # scal_ref [1, TQ, LANES] fp32: lane 0 g (the cotangent of kl), lane 1 lse_I; diq_ref [1, 1, H, D] fp32
     # (resident over the k-blocks); diw_ref [1, TQ, H] fp32; dik_ref [1, 1, S_pad, D] fp32 (resident over
-    # this share's queries), or with ``dk_rows`` the slots' row gradients [1, 1, block_k, W/128, 128] in the
-    # tile-row view (W = D rounded up to 128 lanes); scratch: the gather's, then dw [H, 1] and the row
-    # gradients [block_k, D] fp32.
-    *gather_scratch, dw_scr, drows_scr = scratch
+    # this share's queries), or with ``dk_rows`` the slots' row gradients [1, 1, block_k, 1, W] (W = D rounded
+    # up to 128 lanes: in HBM each row its own (1, 128) tiles); scratch: the gather's, then dw [H, 1] and
+    # (without ``dk_rows``) the row gradients [block_k, D] fp32.
+    if dk_rows:
+        *gather_scratch, dw_scr = scratch
+    else:
+        *gather_scratch, dw_scr, drows_scr = scratch
     b, t, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, n_slots=n_slots,
                              resident=resident, dtype=iq_ref.dtype)
@@ -175,14 +178,11 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
     # MXU operands in the keys' dtype with fp32 accumulation (as selected_scores._product_grads)
     diq_ref[0, 0] += _mm(g_HK.astype(rows_KD.dtype), rows_KD)
     drows_KD = _mm(g_HK.T.astype(iq_HD.dtype), iq_HD)
-    if dk_rows:
-        # each 128-lane chunk of a row goes to its sublane of the row's own tile (a strided store): the layout
-        # XLA's scatter-add into d ik reads, with no relayout copy through HBM
-        W = dik_ref.shape[3] * LANES
+    if dk_rows:   # the rows the row scatter-add kernel fetches with one DMA each
+        W = dik_ref.shape[4]
         if W > drows_KD.shape[1]:
             drows_KD = jnp.concatenate([drows_KD, jnp.zeros((block_k, W - drows_KD.shape[1]), jnp.float32)], 1)
-        for c in range(dik_ref.shape[3]):
-            dik_ref[0, 0, :, c, :] = drows_KD[:, c * LANES:(c + 1) * LANES]
+        dik_ref[0, 0, :, 0, :] = drows_KD
     else:
         drows_scr[...] = drows_KD
 
@@ -286,8 +286,8 @@ def _fwd_cost(c: _Call):
 
 def _bwd_cost(c: _Call, n_split, dk_rows=False):
     # per (slot, head): dots 2D, scores 3, dq 2D, row gradient 2D, dw and G 4; per slot 8, and D for the
-    # in-VMEM scatter-add (with ``dk_rows`` XLA's scatter does those adds, and the kernel writes each slot's
-    # row gradient in the tile-row view: W = D rounded up to 128 lanes, fp32)
+    # in-VMEM scatter-add (with ``dk_rows`` the row scatter-add kernel does those adds, and this kernel writes
+    # each slot's row gradient: W = D rounded up to 128 lanes, fp32)
     slots = c.B * c.T_pad * c.K_pad
     if dk_rows:
         dk_bytes, scatter_flops = slots * round_up(c.D, LANES) * 4, 0
@@ -365,9 +365,10 @@ def sparse_kl_bwd(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_B
 
 def sparse_kl_bwd_rows(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, lse_BT, g_BT, *, block_k=512,
                        interpret=False, resident=None):
-    """(d iq [B,T,H,D], drows [B,T,k,W/128,128], d iw [B,T,H]) fp32, any number of keys: instead of d ik, each
-    slot's row gradient in the tile-row view (W = D rounded up to 128 lanes, zero past D; padded and invalid
-    slots carry zeros), for XLA to scatter-add into d ik (sparse_pallas does, per query chunk)."""
+    """(d iq [B,T,H,D], drows [B,T,k,1,W], d iw [B,T,H]) fp32, any number of keys: instead of d ik, each
+    slot's row gradient (W = D rounded up to 128 lanes, zero past D; in HBM each row its own (1, 128) tiles;
+    padded and invalid slots carry zeros), to be added into d ik by pallas_kernels/row_scatter (sparse_pallas
+    does, per query chunk)."""
     c = _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resident)
     diq, diw, drows = _bwd(c, lse_BT, g_BT, dk_rows=True, interpret=interpret)
     return diq[:, :c.T], drows[:, :c.T, :c.K], diw[:, :c.T]
@@ -391,10 +392,10 @@ def _bwd(c: _Call, lse_BT, g_BT, *, dk_rows, interpret):
     in_specs, rows_of = _common_specs(c, query_block)
     keys_spec, gather_scratch = _keys_spec_and_scratch(c)
     if dk_rows:
-        n_chunks = round_up(c.D, LANES) // LANES
-        dk_spec = pl.BlockSpec((1, 1, c.block_k, n_chunks, LANES),
+        W = round_up(c.D, LANES)
+        dk_spec = pl.BlockSpec((1, 1, c.block_k, 1, W),
                                lambda b, s, t, i, kb: (b, (s * n_local + t) * TQ + i, kb, 0, 0))
-        dk_shape = (c.B, c.T_pad, c.K_pad, n_chunks, LANES)
+        dk_shape = (c.B, c.T_pad, c.K_pad, 1, W)
         resident_bytes = 0
         # queries write their own blocks: the query-block axis may be split over a megacore's TensorCores
         semantics = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
@@ -416,8 +417,8 @@ def _bwd(c: _Call, lse_BT, g_BT, *, dk_rows, interpret):
         out_shape=[jax.ShapeDtypeStruct((c.B, c.T_pad, c.H, c.D), jnp.float32),
                    jax.ShapeDtypeStruct((c.B, c.T_pad, c.H), jnp.float32),
                    jax.ShapeDtypeStruct(dk_shape, jnp.float32)],
-        scratch_shapes=gather_scratch + [pltpu.VMEM((c.H, 1), jnp.float32),
-                                         pltpu.VMEM((c.block_k, c.D), jnp.float32)],
+        scratch_shapes=gather_scratch + [pltpu.VMEM((c.H, 1), jnp.float32)]
+        + ([] if dk_rows else [pltpu.VMEM((c.block_k, c.D), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, **_vmem_limit(c, resident_bytes)),
         interpret=interpret,
         name="indexer_kl_sparse_bwd",

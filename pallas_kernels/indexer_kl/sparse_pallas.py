@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunking import merge_queries, split_queries
+from pallas_kernels.chunking import equal_chunk, merge_queries, split_queries
 from pallas_kernels.impls import PALLAS, PALLAS_INTERPRET
 from pallas_kernels.indexer_kl import sparse_kernel
 from pallas_kernels.row_scatter.ops import row_scatter_add
@@ -75,8 +75,7 @@ def _bwd_rows(iq, ik, iw, idx, valid, target, lse, g, q_chunk, options):
     B, T, H, D = iq.shape
     S = ik.shape[1]
     W = round_up(D, LANES)
-    n_chunks = -(-T // q_chunk)
-    split = functools.partial(split_queries, q_chunk=round_up(-(-T // n_chunks), 8))
+    split = functools.partial(split_queries, q_chunk=equal_chunk(T, q_chunk))
     scatter_impl = PALLAS_INTERPRET if options["interpret"] else PALLAS
 
     def step(dk, chunk):

@@ -1,8 +1,8 @@
 """The XLA form of the row scatter-add: d[b, target[b, n]] += rows[b, n] for every update whose target is a
 row of d (targets out of range, e.g. the sentinel S of a masked update, are dropped).
 
-Shapes: d [B, S, W] fp32, rows [B, N, W], target [B, N] int32. Letters: B batch rows, S rows of d (keys),
-N updates, W row width.
+Shapes: d [B, S, W] fp32, rows [B, N, W], target [B, N] int32 (a row may have more dims than W: d [B, S,
+...], rows [B, N, ...]). Letters: B batch rows, S rows of d (keys), N updates, W row width.
 """
 import jax
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels.chunking import merge_queries, split_queries
+from pallas_kernels.chunking import equal_chunk, merge_queries, split_queries
 from pallas_kernels.impls import PALLAS, PALLAS_IMPLS, PALLAS_INTERPRET, REFERENCE, XLA
 from pallas_kernels.masking import selection_mask
 from pallas_kernels.row_scatter.ops import row_scatter_add
@@ -146,8 +146,7 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
     S, C = kv_BSC.shape[1:]
     K = idx_BTK.shape[2]
     W = round_up(C, LANES)
-    n_chunks = -(-T // (q_chunk or bwd_q_chunk(S, K)))
-    split = functools.partial(split_queries, q_chunk=round_up(-(-T // n_chunks), 8))
+    split = functools.partial(split_queries, q_chunk=equal_chunk(T, q_chunk or bwd_q_chunk(S, K)))
     kv_rows = kv_BSC[:, :, None, :]           # the kernel's row view, made once for every chunk
     scatter_impl = PALLAS_INTERPRET if interpret else PALLAS
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.chunking import chunked_over_queries
+from pallas_kernels.row_scatter import reference as row_scatter_reference
 
 
 def _masked_softmax(logits, allowed, axis=-1):
@@ -44,8 +45,8 @@ def scatter_add_rows(d_BSC, idx_BTK, rows_BTKC, valid_BTK=None):
     dim (d [B, S, ...], rows [B, T, k, ...])."""
     B, S = d_BSC.shape[:2]
     target = idx_BTK if valid_BTK is None else jnp.where(valid_BTK, idx_BTK, S)
-    return jax.vmap(lambda d, i, r: d.at[i].add(r, mode="drop"))(d_BSC, target.reshape(B, -1),
-                                                                 rows_BTKC.reshape(B, -1, *d_BSC.shape[2:]))
+    return row_scatter_reference.row_scatter_add(d_BSC, rows_BTKC.reshape(B, -1, *d_BSC.shape[2:]),
+                                                 target.reshape(B, -1))
 
 
 def attend_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, scale, v_dim):
