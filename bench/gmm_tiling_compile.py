@@ -40,9 +40,8 @@ TILINGS = [(128, 1024, 1024), (256, 512, 512), (256, 1024, 1024), (256, 2048, 10
            (384, 1024, 1024), (512, 512, 1024), (512, 1024, 512), (512, 1024, 1024), (512, 2048, 2048)]
 
 
-def products(M, E):
-    """(name, kind, K, N, multiplicity per SwiGLU pass): gmm [M, K] x [K, N] or tgmm -> [E, K, N]."""
-    return [("gate/up forward + down input grad", "gmm", D, F, 4),
+# (what, kind, K, N, products per SwiGLU pass): gmm [M, K] x [K, N], or tgmm -> [E, K, N]
+PRODUCTS = [("gate/up forward + down input grad", "gmm", D, F, 4),
             ("down forward + gate/up input grads", "gmm", F, D, 3),
             ("gate/up weight grads", "tgmm", D, F, 2),
             ("down weight grad", "tgmm", F, D, 1)]
@@ -84,7 +83,7 @@ def main():
     rows = []
     for tiling in TILINGS:
         per_kernel = {}
-        for _, kind, K, N, times in products(M, E):
+        for _, kind, K, N, times in PRODUCTS:
             entry = per_kernel.setdefault(kind, dict(hbm_bytes=0.0, mxu_flops=0.0, roofline_seconds=0.0))
             if entry.get("error"):
                 continue

@@ -10,7 +10,8 @@ One sequence per chip (batch split over the slice's chips), indexer q [T, 32, 12
 ``--dtype`` (default fp32, as the model's Indexer returns them), fp32 w [T, 32], the selection idx / valid
 [T, k] and the target p [T, k] fp32 as inputs. ``pallas_row_dma``: the kernels with the keys left in HBM
 (one row DMA per slot, what they do past 16K keys). ``--keys S`` (default T): a context shard's T queries
-over the S keys of the whole sequence (past 32K the backward's row gradients are scatter-added by XLA).
+over the S keys of the whole sequence (past 32K the backward's row gradients go through HBM to the row
+scatter-add kernel, pallas_kernels/row_scatter).
 Needs libtpu.
 """
 from __future__ import annotations
