@@ -245,9 +245,9 @@ def test_sparse_kernel_equals_reference_on_packed_segments_and_uneven_masks():
 @pytest.mark.parametrize("resident, dk_in_vmem", [(True, True), (False, True), (False, False)])
 def test_sparse_kernel_gradients_over_several_key_blocks_and_query_shares(resident, dk_in_vmem):
     """k = 300 slots in blocks of 128 (three blocks, the last padded) and 16 queries in two backward shares
-    (each accumulating its own dk block) or, with the row gradients scatter-added by XLA (as past 32K keys),
-    in chunks of 8 queries: keys chosen by many queries and repeated within a query, weighted per-token
-    cotangents; the kernels' gradients = the XLA path's, with the keys resident in VMEM and with row DMAs
+    (each accumulating its own dk block) or, with the row gradients added by the row scatter-add kernel (as
+    past 32K keys), in chunks of 8 queries: keys chosen by many queries and repeated within a query, weighted
+    per-token cotangents; the kernels' gradients = the XLA path's, with the keys resident in VMEM and with row DMAs
     from HBM; bf16 inputs give bf16 gradients."""
     from pallas_kernels.indexer_kl import sparse_kernel, sparse_pallas
 

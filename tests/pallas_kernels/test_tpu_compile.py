@@ -191,8 +191,9 @@ def test_warmup_indexer_kl_compiles(mesh, T, masked):
 # ---- the sparse stage's indexer KL (loss + gradients of the indexer's q, k, w) at GLM-5's per-chip shapes:
 # one 4K sequence per chip (batch split over the 4 chips; the keys stay in VMEM), a context shard of 1024
 # queries over 32K gathered keys (row DMAs from HBM), and one over GLM-5's longest context, 202,752 keys (the
-# key gradient no longer fits VMEM: XLA scatter-adds the kernel's row gradients); k = 2048 selected keys,
-# H_I = 32 x d_I = 128, the indexer q and k in fp32 as the model's Indexer returns them (and in bf16)
+# key gradient no longer fits VMEM: the row scatter-add kernel adds the backward's row gradients); k = 2048
+# selected keys, H_I = 32 x d_I = 128, the indexer q and k in fp32 as the model's Indexer returns them (and in
+# bf16)
 @pytest.mark.parametrize("KL_T, KL_S, kl_dtype", [(4096, 4096, jnp.float32), (4096, 4096, jnp.bfloat16),
                                                   (1024, 32768, jnp.float32), (1024, 202752, jnp.float32)])
 def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S, kl_dtype):
