@@ -460,6 +460,52 @@ def _written_bytes(instrs: dict, name: str, depth: int = 0) -> int:
     return hbm_bytes(shape)
 
 
+_PASS_THROUGH = ("bitcast", "reshape", "get-tuple-element")
+
+
+def _kernel_fusion_bytes(instrs: dict, full_in: list[int], params: dict[int, str]) -> int | None:
+    """HBM bytes of a fusion the TPU compiler built around Mosaic kernels (kind=kCustom; e.g. a kernel whose
+    output goes straight into a loop's stacked buffer through a dynamic-update-slice), when every kernel in
+    it declares its bytes: the kernels' declared bytes (their reads and their writes, wherever they land),
+    plus what the fusion's other instructions read and write. A parameter that only feeds kernels, or is
+    only the buffer a dynamic-update-slice writes into in place, adds nothing more. None: not such a fusion."""
+    kernels = {n for n, (_, op, _, _, attrs) in instrs.items() if op == "custom-call" and "tpu_custom_call" in attrs}
+    if not kernels:
+        return None
+    declared = [_kernel_cost(instrs[n][0], [], instrs[n][4]) for n in kernels]
+    if any(d is None or d[1] is None for d in declared):
+        return None
+    nbytes = sum(d[1] for d in declared)
+
+    def from_kernel(name, depth=0):             # a kernel's output, passed through bitcasts / tuple picks
+        if name in kernels:
+            return True
+        shape, op, operands, _, _ = instrs.get(name, ("", "", [], "", ""))
+        return op in _PASS_THROUGH and depth < 8 and bool(operands) and from_kernel(operands[0], depth + 1)
+
+    def only_aliased(name, depth=0):            # every use: a kernel operand, or the buffer updated in place
+        users = [(u, i) for u, i in instrs.items() if name in i[2]]
+        for uname, (_, op, operands, _, _) in users:
+            if uname in kernels or (op == "dynamic-update-slice" and operands[0] == name):
+                continue
+            if op in _PASS_THROUGH and depth < 8 and only_aliased(uname, depth + 1):
+                continue
+            return False
+        return bool(users)
+
+    for i, full in enumerate(full_in):
+        if full and i in params and not only_aliased(params[i]):
+            nbytes += full
+    root = list(instrs)[-1]
+    _, op, operands, _, _ = instrs[root]
+    for out in (operands if op == "tuple" else [root]):
+        o_shape, o_op, o_operands, _, _ = instrs[out]
+        if from_kernel(out) or (o_op == "dynamic-update-slice" and len(o_operands) > 1 and from_kernel(o_operands[1])):
+            continue
+        nbytes += _written_bytes(instrs, out)
+    return nbytes
+
+
 def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str = "") -> float:
     """HBM bytes one top-level instruction reads and writes: operands and result at their tiled sizes,
     nothing for arrays in VMEM; windows (slices, gathers, scatters, in-place updates) by the tiles they
@@ -483,6 +529,9 @@ def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str
         return hbm_bytes(shape) + sum(full_in)
     instrs = comps[callees["calls"]]
     params = _params(instrs)
+    in_kernel_fusion = _kernel_fusion_bytes(instrs, full_in, params)
+    if in_kernel_fusion is not None:
+        return in_kernel_fusion
     nbytes = _written_bytes(instrs, list(instrs)[-1]) if instrs else hbm_bytes(shape)
     for i, full in enumerate(full_in):
         if full == 0:                   # an operand off HBM (VMEM, SMEM) moves no HBM bytes

@@ -216,6 +216,39 @@ ENTRY %main (x: f32[8,128]) -> f32[8,8] {
     assert cost.flops == 2 * 8 * 8 * 128
 
 
+def test_kernel_fused_into_an_update_slice_is_charged_its_declared_bytes():
+    """The TPU compiler fuses a Mosaic kernel with the dynamic-update-slice that stores its output into a
+    loop's stacked buffer (a kCustom fusion). Hand count: the kernel declares 4096 bytes (its reads of x and
+    its write, wherever it lands); the stacked buffer [4, 8, 128] is updated in place (not read, its other
+    slices not written); y is read by a negate (4096 bytes) whose output is written (4096 bytes); the s32
+    slice index is read (4 bytes): 12292 bytes. Charging the fusion's operands and results in full would count the 16 KiB buffer too."""
+    text = """HloModule m
+
+%kernel_fusion (p.0: f32[4,8,128], p.1: s32[], p.2: f32[8,128], p.3: f32[8,128]) -> (f32[4,8,128], f32[8,128]) {
+  %p.0 = f32[4,8,128]{2,1,0} parameter(0)
+  %p.1 = s32[] parameter(1)
+  %p.2 = f32[8,128]{1,0} parameter(2)
+  %p.3 = f32[8,128]{1,0} parameter(3)
+  %k = f32[8,128]{1,0} custom-call(%p.2), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/my_kernel/pallas_call"}, backend_config={"custom_call_config": {"cost_estimate": {"bytes_accessed":4096, "flops":0, "transcendentals":0}}}
+  %b = f32[1,8,128]{2,1,0} bitcast(%k)
+  %zero = s32[] constant(0)
+  %dus = f32[4,8,128]{2,1,0} dynamic-update-slice(%p.0, %b, %p.1, %zero, %zero)
+  %neg = f32[8,128]{1,0} negate(%p.3)
+  ROOT %t = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0}) tuple(%dus, %neg)
+}
+
+ENTRY %main (buf: f32[4,8,128], i: s32[], x: f32[8,128], y: f32[8,128]) -> (f32[4,8,128], f32[8,128]) {
+  %buf = f32[4,8,128]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[8,128]{1,0} parameter(2)
+  %y = f32[8,128]{1,0} parameter(3)
+  ROOT %f = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0}) fusion(%buf, %i, %x, %y), kind=kCustom, calls=%kernel_fusion
+}
+"""
+    cost = hlo_cost(text)
+    assert cost.uncounted_custom_calls == [] and cost.bytes_accessed == 4096 + 2 * 8 * 128 * 4 + 4
+
+
 def test_top_instructions_multiply_loop_trips_and_sum_to_the_roofline():
     """Per instruction, hand-timed at 1 FLOP/s and 1 byte/s (so seconds = max(FLOPs, bytes)): the body's
     fusion runs 5 times a step, the entry dot once; together with the counter add they are the whole
