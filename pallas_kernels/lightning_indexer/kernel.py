@@ -26,24 +26,24 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.chunking import chunked_over_queries
 from pallas_kernels.masking import top_k_mask
-from pallas_kernels.tpu_utils import mxu_precision, pad_axis, round_up
+from pallas_kernels.tpu_utils import LANES, mxu_precision, pad_axis, round_up
 
 _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the block-skip bounds
 
 
 def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B * n_t], [B * n_s]
                    q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref,
-                   out_ref, *, n_heads):
+                   out_ref, *, n_heads, keys_major):
     # q_ref [1, H, bt, D]; k_ref [1, bs, D]; w_ref [1, H, bt] fp32; q_pos/q_seg [1, 1, bt];
-    # kv_pos/kv_seg [1, bs, 1]; out_ref [1, bt, bs] fp32.
+    # kv_pos/kv_seg [1, bs, 1]; out_ref [1, bt, bs] fp32, or with keys_major [1, bs, bt] holding -scores.
     b, ti, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_t, n_s = pl.num_programs(1), pl.num_programs(2)
-    block_t, block_s = out_ref.shape[1], out_ref.shape[2]
+    block_t, block_s = q_ref.shape[2], k_ref.shape[1]
     all_in_future = kv_min_pos_ref[b * n_s + si] > q_max_pos_ref[b * n_t + ti]
 
     @pl.when(all_in_future)
     def _skip():
-        out_ref[0] = jnp.full((block_t, block_s), -jnp.inf, jnp.float32)
+        out_ref[0] = jnp.full(out_ref.shape[1:], jnp.inf if keys_major else -jnp.inf, jnp.float32)
 
     @pl.when(jnp.logical_not(all_in_future))
     def _compute():
@@ -60,8 +60,10 @@ def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B 
         q_seg_1T, kv_seg_S1 = q_seg_ref[0], kv_seg_ref[0]
         visible_ST = ((kv_seg_S1 == q_seg_1T) & (q_seg_1T != 0)
                       & (kv_pos_ref[0] <= q_pos_ref[0]))
-        scores_ST = jnp.where(visible_ST, scores_ST, -jnp.inf)
-        out_ref[0] = scores_ST.T
+        if keys_major:
+            out_ref[0] = jnp.where(visible_ST, -scores_ST, jnp.inf)
+        else:
+            out_ref[0] = jnp.where(visible_ST, scores_ST, -jnp.inf).T
 
 
 def _block_bounds(pos_BN, seg_BN, block, reduce, empty):
@@ -72,8 +74,11 @@ def _block_bounds(pos_BN, seg_BN, block, reduce, empty):
 
 
 def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *,
-                 block_t=256, block_s=512, interpret=False):
-    """Masked indexer scores [B, T, S] fp32 from the Pallas kernel (-inf where not visible)."""
+                 block_t=256, block_s=512, keys_major=False, interpret=False):
+    """Masked indexer scores [B, T, S] fp32 from the Pallas kernel (-inf where not visible).
+
+    ``keys_major``: the negated scores as [B, S_pad, T_pad] instead (+inf where not visible; keys and queries
+    padded up to the blocks, padding invisible), the layout and order `select_top_k` sorts in."""
     B, T, H, D = q_BTHD.shape
     S = k_BSD.shape[1]
     block_t = min(block_t, round_up(T, 128))
@@ -103,12 +108,13 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
             pl.BlockSpec((1, block_s, 1), lambda b, i, j, *_: (b, j, 0)),
             pl.BlockSpec((1, block_s, 1), lambda b, i, j, *_: (b, j, 0)),
         ],
-        out_specs=pl.BlockSpec((1, block_t, block_s), lambda b, i, j, *_: (b, i, j)),
+        out_specs=(pl.BlockSpec((1, block_s, block_t), lambda b, i, j, *_: (b, j, i)) if keys_major else
+                   pl.BlockSpec((1, block_t, block_s), lambda b, i, j, *_: (b, i, j))),
     )
     scores = pl.pallas_call(
-        functools.partial(_scores_kernel, n_heads=H),
+        functools.partial(_scores_kernel, n_heads=H, keys_major=keys_major),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((B, T_pad, S_pad), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((B, S_pad, T_pad) if keys_major else (B, T_pad, S_pad), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="lightning_indexer_scores",
@@ -119,7 +125,49 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
             + 4 * B * T_pad * S_pad),
     )(q_max_pos, kv_min_pos, q_BHTD, k_BSD, w_BHT,
       q_pos[:, None, :], q_seg[:, None, :], kv_pos[:, :, None], kv_seg[:, :, None])
+    if keys_major:
+        return scores
     return scores if (T, S) == (T_pad, S_pad) else scores[:, :T, :S]
+
+
+def _first_rows_kernel(idx_ref, neg_ref, idx_out_ref, valid_out_ref):
+    # idx_ref / neg_ref [1, bk, T] (sorted key-major rows); outputs [1, T, bk]: the same rows transposed.
+    idx_out_ref[0] = idx_ref[0].T
+    valid_out_ref[0] = (neg_ref[0] < jnp.inf).astype(jnp.int32).T
+
+
+def _first_rows_transposed(idx_BST, neg_sorted_BST, k, interpret):
+    """(idx [B, T, k_pad] int32, valid [B, T, k_pad] int32) from the first k_pad = round_up(k, 128) rows of the
+    sorted arrays [B, S_pad, T]. A kernel and not ``idx[:, :k].swapaxes(1, 2)``: XLA's layout assignment
+    makes that transpose free by laying the whole sorted [S, T] array out transposed, a relayout copy of
+    both sorted arrays per chunk; a kernel's operands keep the row-major layout, so only k rows are read."""
+    B, S_pad, T = idx_BST.shape
+    k_pad = round_up(k, LANES)
+    block_k = next(b for b in (512, 256, 128) if k_pad % b == 0)
+    in_spec = pl.BlockSpec((1, block_k, T), lambda b, j: (b, j, 0))
+    out_spec = pl.BlockSpec((1, T, block_k), lambda b, j: (b, 0, j))
+    out = jax.ShapeDtypeStruct((B, T, k_pad), jnp.int32)
+    return pl.pallas_call(
+        _first_rows_kernel, grid=(B, k_pad // block_k), in_specs=[in_spec, in_spec], out_specs=[out_spec, out_spec],
+        out_shape=[out, out], interpret=interpret, name="indexer_first_rows",
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=4 * 4 * B * k_pad * T),
+    )(idx_BST, neg_sorted_BST)
+
+
+def select_top_k(neg_scores_BST, k, T, interpret=False):
+    """(idx [B, T, k] int32, valid [B, T, k] bool) from `index_scores(..., keys_major=True)`: what
+    ``lax.top_k`` of the scores [B, T, S] returns, as one stable ascending sort of the negated scores along
+    keys (ties keep the lower key first, as top_k does; padded keys sort after every real one).
+
+    Why not ``lax.top_k``: for k in the thousands XLA:TPU lowers it to a full sort along the last axis,
+    which it runs with the [T, S] array laid out keys-major, so the [T, S] scores and both sorted outputs
+    each took a relayout copy of the whole array. Here the kernel writes that layout directly and only the
+    first k sorted rows are read back."""
+    iota_BST = jax.lax.broadcasted_iota(jnp.int32, neg_scores_BST.shape, 1)
+    neg_sorted, idx = jax.lax.sort((neg_scores_BST, iota_BST), dimension=1, is_stable=True, num_keys=1)
+    idx_BTK, valid_BTK = _first_rows_transposed(idx, neg_sorted, k, interpret)
+    return idx_BTK[:, :T, :k], valid_BTK[:, :T, :k] != 0
 
 
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk,
@@ -130,6 +178,10 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
     k = min(topk, k_BSD.shape[1])
 
     def select(q, w, q_pos, q_seg):
+        if not with_mask:
+            neg_scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS, block_t=block_t,
+                                      block_s=block_s, keys_major=True, interpret=interpret)
+            return select_top_k(neg_scores, k, q.shape[1], interpret)
         scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
                               block_t=block_t, block_s=block_s, interpret=interpret)
         top_scores, idx = jax.lax.top_k(scores, k)

@@ -1,4 +1,5 @@
 """Lightning-indexer Pallas kernel vs the XLA reference (interpret mode on CPU)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,6 +77,31 @@ def test_selection_mask_from_scores_equals_the_top_k_with_ties():
     assert (np.asarray(valid).sum(-1) < topk).any() and np.asarray(valid).any()
     _, _, xla_mask = ops.indexer_topk(*args, topk=topk, impl="xla", with_mask=True)
     np.testing.assert_array_equal(np.asarray(xla_mask).sum(-1), np.asarray(mask).sum(-1))
+
+
+def test_sorted_selection_is_lax_top_k_exactly_with_ties():
+    """Without a mask the kernel path selects by one stable sort of the negated, keys-major scores
+    (`index_scores(keys_major=True)`: [B, S_pad, T_pad], +inf where not visible or padded) and reads back
+    only the first k rows; on small-integer inputs (exact scores, so ties everywhere: equal scores, ReLU
+    zeros, whole rows of -inf) it returns exactly what ``lax.top_k`` of the scores returns, invalid slots
+    included, over query chunks that do not divide T."""
+    rng = np.random.default_rng(5)
+    B, T, S, H, D, topk = 2, 100, 140, 2, 4, 24
+    q = jnp.asarray(rng.integers(-2, 3, (B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.integers(-2, 3, (B, S, D)), jnp.float32)
+    w = jnp.asarray(rng.integers(-2, 3, (B, T, H)) / 2, jnp.float32)
+    args = (q, k, w) + positions_and_segments(B, T, S)
+    scores = reference.index_scores(q, k, w, visible_mask(*args[3:]))
+    neg = kernel.index_scores(*args, block_t=128, block_s=128, keys_major=True, interpret=True)
+    assert neg.shape == (B, 256, 128)
+    np.testing.assert_array_equal(np.asarray(neg)[:, :S, :T], -np.swapaxes(np.asarray(scores), 1, 2))
+    assert np.isposinf(np.asarray(neg)[:, S:]).all() and np.isposinf(np.asarray(neg)[:, :, T:]).all()
+    top_scores, want_idx = jax.lax.top_k(scores, topk)
+    idx, valid = kernel.indexer_topk(*args, topk=topk, q_chunk=64, block_t=128, block_s=128, interpret=True)
+    np.testing.assert_array_equal(idx, want_idx)
+    np.testing.assert_array_equal(valid, top_scores > -jnp.inf)
+    assert (np.asarray(top_scores)[..., :-1] == np.asarray(top_scores)[..., 1:]).any()    # ties were there
+    assert (~np.asarray(valid)).any() and np.asarray(valid).any()
 
 
 def test_query_chunks_not_multiple_of_chunk():
