@@ -118,9 +118,11 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="lightning_indexer_scores",
-        # every tile's H dots of width D (causal skipping is data-dependent: about half the tiles run)
+        # each computed tile's H dots of width D. Which tiles run is data-dependent (positions); declared:
+        # the tiles a causal sequence needs, on average over its query chunks (n_s + 1) / (2 n_s) of them,
+        # as flash_attention declares its block pairs (a zig-zag context shard needs the same on average)
         cost_estimate=pl.CostEstimate(
-            flops=2 * B * T_pad * S_pad * H * D + 3 * B * T_pad * S_pad * H, transcendentals=0,
+            flops=(2 * D + 3) * H * B * T_pad * S_pad * (n_s + 1) // (2 * n_s), transcendentals=0,
             bytes_accessed=q_BHTD.size * q_BHTD.dtype.itemsize + n_t * k_BSD.size * k_BSD.dtype.itemsize
             + 4 * B * T_pad * S_pad),
     )(q_max_pos, kv_min_pos, q_BHTD, k_BSD, w_BHT,
