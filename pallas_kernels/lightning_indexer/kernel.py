@@ -33,13 +33,16 @@ _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the 
 
 def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B * n_t], [B * n_s]
                    q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref,
-                   out_ref, *, n_heads, keys_major):
+                   out_ref, *key_index_ref, n_heads, keys_major):
     # q_ref [1, H, bt, D]; k_ref [1, bs, D]; w_ref [1, H, bt] fp32; q_pos/q_seg [1, 1, bt];
-    # kv_pos/kv_seg [1, bs, 1]; out_ref [1, bt, bs] fp32, or with keys_major [1, bs, bt] holding -scores.
+    # kv_pos/kv_seg [1, bs, 1]; out_ref [1, bt, bs] fp32, or with keys_major [1, bs, bt] holding -scores and
+    # key_index_ref [1, bs, bt] int32 each row's key index (the sort's payload).
     b, ti, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_t, n_s = pl.num_programs(1), pl.num_programs(2)
     block_t, block_s = q_ref.shape[2], k_ref.shape[1]
     all_in_future = kv_min_pos_ref[b * n_s + si] > q_max_pos_ref[b * n_t + ti]
+    if keys_major:
+        key_index_ref[0][0] = si * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s, block_t), 0)
 
     @pl.when(all_in_future)
     def _skip():
@@ -77,8 +80,11 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
                  block_t=256, block_s=512, keys_major=False, interpret=False):
     """Masked indexer scores [B, T, S] fp32 from the Pallas kernel (-inf where not visible).
 
-    ``keys_major``: the negated scores as [B, S_pad, T_pad] instead (+inf where not visible; keys and queries
-    padded up to the blocks, padding invisible), the layout and order `select_top_k` sorts in."""
+    ``keys_major``: (the negated scores as [B, S_pad, T_pad], +inf where not visible; keys and queries
+    padded up to the blocks, padding invisible; each entry's key index [B, S_pad, T_pad] int32), the layout,
+    order and payload `select_top_k` sorts. The kernel writes the index array because XLA hoists a
+    loop-invariant iota out of the query-chunk loop and then copies it per chunk (the sort overwrites its
+    operands): a write instead of a read and a write."""
     B, T, H, D = q_BTHD.shape
     S = k_BSD.shape[1]
     block_t = min(block_t, round_up(T, 128))
@@ -108,13 +114,15 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
             pl.BlockSpec((1, block_s, 1), lambda b, i, j, *_: (b, j, 0)),
             pl.BlockSpec((1, block_s, 1), lambda b, i, j, *_: (b, j, 0)),
         ],
-        out_specs=(pl.BlockSpec((1, block_s, block_t), lambda b, i, j, *_: (b, j, i)) if keys_major else
+        out_specs=([pl.BlockSpec((1, block_s, block_t), lambda b, i, j, *_: (b, j, i))] * 2 if keys_major else
                    pl.BlockSpec((1, block_t, block_s), lambda b, i, j, *_: (b, i, j))),
     )
     scores = pl.pallas_call(
         functools.partial(_scores_kernel, n_heads=H, keys_major=keys_major),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((B, S_pad, T_pad) if keys_major else (B, T_pad, S_pad), jnp.float32),
+        out_shape=([jax.ShapeDtypeStruct((B, S_pad, T_pad), jnp.float32),
+                    jax.ShapeDtypeStruct((B, S_pad, T_pad), jnp.int32)] if keys_major else
+                   jax.ShapeDtypeStruct((B, T_pad, S_pad), jnp.float32)),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="lightning_indexer_scores",
@@ -124,7 +132,7 @@ def index_scores(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
         cost_estimate=pl.CostEstimate(
             flops=(2 * D + 3) * H * B * T_pad * S_pad * (n_s + 1) // (2 * n_s), transcendentals=0,
             bytes_accessed=q_BHTD.size * q_BHTD.dtype.itemsize + n_t * k_BSD.size * k_BSD.dtype.itemsize
-            + 4 * B * T_pad * S_pad),
+            + (8 if keys_major else 4) * B * T_pad * S_pad),
     )(q_max_pos, kv_min_pos, q_BHTD, k_BSD, w_BHT,
       q_pos[:, None, :], q_seg[:, None, :], kv_pos[:, :, None], kv_seg[:, :, None])
     if keys_major:
@@ -157,17 +165,17 @@ def _first_rows_transposed(idx_BST, neg_sorted_BST, k, interpret):
     )(idx_BST, neg_sorted_BST)
 
 
-def select_top_k(neg_scores_BST, k, T, interpret=False):
+def select_top_k(neg_scores_BST, key_index_BST, k, T, interpret=False):
     """(idx [B, T, k] int32, valid [B, T, k] bool) from `index_scores(..., keys_major=True)`: what
-    ``lax.top_k`` of the scores [B, T, S] returns, as one stable ascending sort of the negated scores along
-    keys (ties keep the lower key first, as top_k does; padded keys sort after every real one).
+    ``lax.top_k`` of the scores [B, T, S] returns, as one ascending sort along keys by (negated score, key
+    index): ties keep the lower key first, as top_k does, and padded keys sort after every real one. The
+    index as a second sort key instead of ``is_stable``, for which XLA:TPU adds an iota operand of its own.
 
     Why not ``lax.top_k``: for k in the thousands XLA:TPU lowers it to a full sort along the last axis,
     which it runs with the [T, S] array laid out keys-major, so the [T, S] scores and both sorted outputs
     each took a relayout copy of the whole array. Here the kernel writes that layout directly and only the
     first k sorted rows are read back."""
-    iota_BST = jax.lax.broadcasted_iota(jnp.int32, neg_scores_BST.shape, 1)
-    neg_sorted, idx = jax.lax.sort((neg_scores_BST, iota_BST), dimension=1, is_stable=True, num_keys=1)
+    neg_sorted, idx = jax.lax.sort((neg_scores_BST, key_index_BST), dimension=1, is_stable=False, num_keys=2)
     idx_BTK, valid_BTK = _first_rows_transposed(idx, neg_sorted, k, interpret)
     return idx_BTK[:, :T, :k], valid_BTK[:, :T, :k] != 0
 
@@ -181,9 +189,9 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
 
     def select(q, w, q_pos, q_seg):
         if not with_mask:
-            neg_scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS, block_t=block_t,
-                                      block_s=block_s, keys_major=True, interpret=interpret)
-            return select_top_k(neg_scores, k, q.shape[1], interpret)
+            neg_scores, key_index = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS, block_t=block_t,
+                                                 block_s=block_s, keys_major=True, interpret=interpret)
+            return select_top_k(neg_scores, key_index, k, q.shape[1], interpret)
         scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
                               block_t=block_t, block_s=block_s, interpret=interpret)
         top_scores, idx = jax.lax.top_k(scores, k)

@@ -80,8 +80,8 @@ def test_selection_mask_from_scores_equals_the_top_k_with_ties():
 
 
 def test_sorted_selection_is_lax_top_k_exactly_with_ties():
-    """Without a mask the kernel path selects by one stable sort of the negated, keys-major scores
-    (`index_scores(keys_major=True)`: [B, S_pad, T_pad], +inf where not visible or padded) and reads back
+    """Without a mask the kernel path selects by one sort of the negated, keys-major scores by (score, key
+    index) (`index_scores(keys_major=True)`: [B, S_pad, T_pad], +inf where not visible or padded) and reads back
     only the first k rows; on small-integer inputs (exact scores, so ties everywhere: equal scores, ReLU
     zeros, whole rows of -inf) it returns exactly what ``lax.top_k`` of the scores returns, invalid slots
     included, over query chunks that do not divide T."""
@@ -92,8 +92,9 @@ def test_sorted_selection_is_lax_top_k_exactly_with_ties():
     w = jnp.asarray(rng.integers(-2, 3, (B, T, H)) / 2, jnp.float32)
     args = (q, k, w) + positions_and_segments(B, T, S)
     scores = reference.index_scores(q, k, w, visible_mask(*args[3:]))
-    neg = kernel.index_scores(*args, block_t=128, block_s=128, keys_major=True, interpret=True)
-    assert neg.shape == (B, 256, 128)
+    neg, key_index = kernel.index_scores(*args, block_t=128, block_s=128, keys_major=True, interpret=True)
+    assert neg.shape == key_index.shape == (B, 256, 128)
+    np.testing.assert_array_equal(key_index, np.broadcast_to(np.arange(256)[None, :, None], (B, 256, 128)))
     np.testing.assert_array_equal(np.asarray(neg)[:, :S, :T], -np.swapaxes(np.asarray(scores), 1, 2))
     assert np.isposinf(np.asarray(neg)[:, S:]).all() and np.isposinf(np.asarray(neg)[:, :, T:]).all()
     top_scores, want_idx = jax.lax.top_k(scores, topk)
