@@ -4,7 +4,8 @@
 target row (an XLA sort of the [B, N] targets), then the windowed Pallas kernel (kernel.py), which reads and
 writes each row of d at most once instead of a whole tile per update. Masked updates (``valid`` false) are
 dropped. Gradients: d's cotangent passes through, each update's row gets the cotangent's row at its target
-(zero when masked).
+(zero when masked). Rows may also come packed (uint32 [B, N, packed_width(W)] bf16 pairs, packing.py): added
+in fp32 after unpacking, and not differentiable (integer lanes).
 """
 import functools
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.impls import PALLAS_IMPLS, PALLAS_INTERPRET, REFERENCE, XLA
 from pallas_kernels.row_scatter import kernel, reference
+from pallas_kernels.row_scatter.packing import unpack_bf16_pairs
 
 IMPLS = (REFERENCE, XLA) + PALLAS_IMPLS
 
@@ -24,6 +26,8 @@ def row_scatter_add(d_BSW, rows_BNW, target_BN, valid_BN=None, *, impl):
     S = d_BSW.shape[1]
     target = jnp.where(valid_BN, target_BN, S) if valid_BN is not None else target_BN
     target = jnp.where((target >= 0) & (target < S), target, S).astype(jnp.int32)
+    if rows_BNW.dtype == jnp.uint32:
+        return _forward(d_BSW, rows_BNW, target, impl)
     return _scatter(d_BSW, rows_BNW, target, impl)
 
 
@@ -33,6 +37,8 @@ def _forward(d, rows, target, impl):
         sorted_target = jnp.take_along_axis(target, order, axis=1)
         return kernel.sorted_row_scatter_add(d, rows[:, :, None, :], order, sorted_target,
                                              interpret=impl == PALLAS_INTERPRET)
+    if rows.dtype == jnp.uint32:
+        rows = unpack_bf16_pairs(rows, d.shape[-1])
     return reference.row_scatter_add(d, rows, target)
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.row_scatter.packing import pack_bf16_pairs, packed_width
 from pallas_kernels.tpu_utils import LANES, mxu_precision, pad_axis, round_up
 
 QUERIES_PER_BLOCK = 8  # TQ
@@ -214,7 +215,8 @@ def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
     W = dkey_KW.shape[1]
     dvalue_KW = jnp.concatenate([dvalue_KV, jnp.zeros((block_k, W - v_dim), jnp.float32)], 1) if W > v_dim \
         else dvalue_KV
-    drows_ref[0, 0, :, 0, :] = dkey_KW + dvalue_KW
+    drows_KW = dkey_KW + dvalue_KW
+    drows_ref[0, 0, :, 0, :] = pack_bf16_pairs(drows_KW) if drows_ref.dtype == jnp.uint32 else drows_KW
 
 
 class _Padded(NamedTuple):
@@ -259,7 +261,7 @@ def _grid_and_common_specs(d, sweeps=1):
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"))
 
 
-def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False):
+def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packed_rows=False):
     """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
 
     Per (query, slot, head): logits 2C; forward adds p @ V 2v (and with the KL target a second sweep:
@@ -268,10 +270,10 @@ def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False):
     the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients.
     With ``dma_rows`` it also reads the query padded to W = C rounded up to 128 lanes, the key part's
     product runs over W (2W FLOPs instead of 2C) and each row gradient is written as W fp32 lanes ((1, 128)
-    tiles)."""
+    tiles), or with ``packed_rows`` as packed_width(W) uint32 lanes."""
     B, T, H, C, K = d.B, d.T_pad, d.H, d.C, d.K_pad
     W = round_up(C, LANES) if dma_rows else C
-    row_bytes = W * 4
+    row_bytes = (packed_width(W) if packed_rows else W) * 4
     pairs = B * T * K * H
     rows = B * T * K * C * itemsize
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
@@ -326,12 +328,15 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
 
 
 def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, delta_BTH, *,
-                        scale, v_dim, block_k=512, dma_rows=False, interpret=False):
+                        scale, v_dim, block_k=512, dma_rows=False, packed_rows=False, interpret=False):
     """(dq [B, T, H, C] fp32, drows [B, T, k, C] fp32): gradients of q and of every gathered slot's row.
 
     ``delta = rowsum(dO * O) - dlse`` [B, T, H] fp32. Invalid slots get zero row gradients. With
     ``dma_rows`` drows is [B, T, k, 1, W], each row zero-padded to W = C rounded up to 128 lanes: in HBM a
     row is then its own W / 128 (1, 128) tiles, which the row scatter-add kernel fetches with one DMA.
+    ``packed_rows`` (with ``dma_rows``): each row rounded to bf16 and packed in pairs into packed_width(W)
+    uint32 lanes (pallas_kernels/row_scatter/packing.py), 40% fewer bytes at W = 640; the row scatter-add
+    unpacks and adds them in fp32.
     ``kv_BSC`` may also be given as the row view [B, S, 1, C] the kernel gathers from (made once by a
     caller that runs the kernel over several query chunks, so the relayout is not repeated per chunk).
     """
@@ -341,7 +346,10 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
     B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
     W = round_up(C, LANES) if dma_rows else C
     wide = dma_rows
-    row_tiles = (1, W) if dma_rows else (C,)
+    if packed_rows and not dma_rows:
+        raise ValueError("sparse_mla_bwd_rows: packed_rows needs dma_rows")
+    row_tiles = (1, packed_width(W) if packed_rows else W) if dma_rows else (C,)
+    row_dtype = jnp.uint32 if packed_rows else jnp.float32
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
     q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
     dout = pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
@@ -361,12 +369,13 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
                    pl.BlockSpec((1, 1, block_k, *row_tiles),
                                 lambda b, t, i, kb: (b, t * QUERIES_PER_BLOCK + i, kb) + (0,) * len(row_tiles))],
         out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, C), jnp.float32),
-                   jax.ShapeDtypeStruct((B, T_pad, K_pad, *row_tiles), jnp.float32)],
+                   jax.ShapeDtypeStruct((B, T_pad, K_pad, *row_tiles), row_dtype)],
         scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_rows.dtype), pltpu.SemaphoreType.DMA((2,))],
         compiler_params=_SEMANTICS,
         interpret=interpret,
         name="sparse_mla_bwd",
-        cost_estimate=_cost(d, v_dim, kv_rows.dtype.itemsize, backward=True, dma_rows=dma_rows),
+        cost_estimate=_cost(d, v_dim, kv_rows.dtype.itemsize, backward=True, dma_rows=dma_rows,
+                            packed_rows=packed_rows),
     )(d.idx_flat, *q_in, dout, lse, delta, d.valid, kv_rows)
     T, K = d.T, d.K
     if (T, K) != (T_pad, K_pad):

@@ -141,11 +141,16 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
                      scale, v_dim, interpret, q_chunk=None):
     """(dq [B,T,H,C] fp32, dkv [B,S,C] fp32): the backward kernel per query chunk, each chunk's row
     gradients added into d(kv) by the row scatter-add kernel (pallas_kernels/row_scatter; memory
-    O(B * T_chunk * k * C)). ``q_chunk`` (default `bwd_q_chunk`) is rounded to equal chunks."""
+    O(B * T_chunk * k * C)). ``q_chunk`` (default `bwd_q_chunk`) is rounded to equal chunks.
+
+    With bf16 kv (the model's compute dtype) each row gradient travels through HBM rounded to bf16, two per
+    uint32 lane (row_scatter/packing.py: 384 lanes instead of 640 at C = 576), and is added into the fp32
+    d(kv) in fp32: the precision of kv's own (bf16) cotangent, at 60% of the row traffic."""
     B, T = q_BTHC.shape[:2]
     S, C = kv_BSC.shape[1:]
     K = idx_BTK.shape[2]
     W = round_up(C, LANES)
+    packed = kv_BSC.dtype == jnp.bfloat16
     split = functools.partial(split_queries, q_chunk=equal_chunk(T, q_chunk or bwd_q_chunk(S, K)))
     kv_rows = kv_BSC[:, :, None, :]           # the kernel's row view, made once for every chunk
     scatter_impl = PALLAS_INTERPRET if interpret else PALLAS
@@ -156,9 +161,9 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
     def step(dkv, chunk):
         q, idx, valid, dout, lse, delta = chunk
         dq, rows = kernel.sparse_mla_bwd_rows(q, kv_rows, idx, valid, dout, lse, delta, scale=scale,
-                                              v_dim=v_dim, dma_rows=True, interpret=interpret)
+                                              v_dim=v_dim, dma_rows=True, packed_rows=packed, interpret=interpret)
         Tc = idx.shape[1]
-        dkv = row_scatter_add(dkv, rows.reshape(B, Tc * K, W), idx.reshape(B, -1), valid.reshape(B, -1),
+        dkv = row_scatter_add(dkv, rows.reshape(B, Tc * K, rows.shape[-1]), idx.reshape(B, -1), valid.reshape(B, -1),
                               impl=scatter_impl)
         return dkv, dq
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.row_scatter import kernel, ops
+from pallas_kernels.row_scatter import kernel, ops, packing
 
 
 def _updates(rng, B, S, N, W, hot=None):
@@ -53,3 +53,22 @@ def test_ops_gradients_and_impl_switch():
         ops.row_scatter_add(d, rows, target, impl="cuda")
     with pytest.raises(ValueError, match="W a multiple of 128"):
         kernel.sorted_row_scatter_add(d[..., :100], rows[:, :, None, :100], target, target)
+
+
+def test_packed_bf16_rows_are_added_as_their_bf16_roundings():
+    """Rows of 640 values packed as bf16 pairs in 384 uint32 lanes (lane j: column j high, j + 384 low; the
+    columns past 640 zero): unpacking gives exactly the bf16 roundings, and the kernel (interpreted, through
+    ops) adds them like XLA's scatter-add of the rounded rows; the XLA path takes packed rows too."""
+    d, rows, target, valid = _updates(np.random.default_rng(7), 2, 61, 150, 640)
+    packed = packing.pack_bf16_pairs(rows)
+    assert packed.shape == (2, 150, 384) and packed.dtype == jnp.uint32
+    rounded = rows.astype(jnp.bfloat16).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(rounded - rows))) > 0
+    np.testing.assert_array_equal(packing.unpack_bf16_pairs(packed, 640), rounded)
+    np.testing.assert_array_equal(packing.unpack_bf16_pairs(packed, 768)[..., 640:], 0.0)
+    want = ops.row_scatter_add(d, rounded, target, valid, impl="reference")
+    for impl in ("xla", "pallas_interpret"):
+        got = jax.jit(lambda d, p: ops.row_scatter_add(d, p, target, valid, impl=impl))(d, packed)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="packed"):
+        kernel.sorted_row_scatter_add(d, packed[:, :, None, :256], target, target)

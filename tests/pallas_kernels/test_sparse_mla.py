@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.lightning_indexer import reference as indexer_reference
 from pallas_kernels.sparse_mla import kernel, ops, reference
+from pallas_kernels.row_scatter import packing, reference as row_scatter_reference
 
 SCALE = 0.2
 
@@ -145,6 +146,31 @@ def test_backward_chunks_and_scatter_add(C, V):
     want_dq, want_dkv = vjp(dout)
     assert_close(dq, want_dq, 1e-5)
     assert_close(dkv, want_dkv, 1e-5)
+
+
+def test_bf16_row_gradients_travel_packed_and_are_added_in_fp32():
+    """With bf16 kv the backward kernel writes each row gradient rounded to bf16, packed two per uint32 lane
+    (C = 288: 384 fp32 lanes -> 256 packed): unpacked, they are exactly the bf16 roundings of the fp32 rows
+    the kernel writes otherwise, and ops.sparse_mla_grads' d(kv) is the fp32 sum of those roundings."""
+    B, T, S, H, C, V, topk = 1, 21, 24, 2, 288, 200, 12
+    q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, dtype=jnp.bfloat16, seed=6)
+    out, lse = reference.sparse_mla(q, kv, idx, valid, scale=SCALE, v_dim=V)
+    dout = normal(np.random.default_rng(7), out.shape, jnp.bfloat16)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    bwd = functools.partial(kernel.sparse_mla_bwd_rows, q, kv, idx, valid, dout, lse, delta, scale=SCALE, v_dim=V,
+                            dma_rows=True, interpret=True)
+    _, rows = bwd()
+    _, packed = bwd(packed_rows=True)
+    assert rows.shape[-1] == 384 and packed.shape[-1] == 256 and packed.dtype == jnp.uint32
+    rounded = np.asarray(rows.astype(jnp.bfloat16).astype(jnp.float32))
+    assert np.abs(rounded - np.asarray(rows)).max() > 0
+    np.testing.assert_array_equal(packing.unpack_bf16_pairs(packed, 384), rounded)
+    _, dkv = ops.sparse_mla_grads(q, kv, idx, valid, dout, lse, delta, scale=SCALE, v_dim=V, interpret=True,
+                                  q_chunk=8)
+    want = row_scatter_reference.row_scatter_add(jnp.zeros((B, S, 384), jnp.float32),
+                                                 jnp.asarray(rounded).reshape(B, -1, 384),
+                                                 jnp.where(valid, idx, S).reshape(B, -1))
+    assert_close(dkv, want[..., :C], 1e-6)
 
 
 def test_tpu_interpreter_out_of_bounds_checked():
