@@ -44,7 +44,7 @@ from glm5_jax.parallel.axes import ACT_HEADS, BATCH, EMBED, HEADS, INDEX_DIM, IN
 from glm5_jax.parallel.shard_map import logical_pmean, logical_shard_map
 from pallas_kernels.flash_attention import ops as flash_ops
 from pallas_kernels.impls import PALLAS_IMPLS
-from pallas_kernels.indexer_kl import ops as indexer_kl_ops
+from pallas_kernels.indexer_kl import ops as indexer_kl_ops, sparse_pallas as indexer_kl_sparse
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import selection_mask, visible_mask
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
@@ -53,7 +53,7 @@ SELECTION_NAME = context_attention.SELECTION_NAME   # the top-k selection, for r
 # the attention core's output and indexer KL target, and the residuals its impls name: a remat policy
 # keeping these never reruns the attention core in the backward pass
 ATTENTION_SAVED_NAMES = (("attention_core_out", context_attention.KL_TARGET_NAME) + sparse_mla_ops.SAVED_NAMES
-                         + flash_ops.SAVED_NAMES)
+                         + flash_ops.SAVED_NAMES + indexer_kl_sparse.SAVED_NAMES)
 
 
 def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.chunking import chunked_over_queries
 from pallas_kernels.masking import top_k_mask
-from pallas_kernels.tpu_utils import LANES, mxu_precision, pad_axis, round_up
+from pallas_kernels.tpu_utils import LANES, mxu_precision, pad_axis, removable_when_unused, round_up
 
 _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the block-skip bounds
 
@@ -180,6 +180,12 @@ def select_top_k(neg_scores_BST, key_index_BST, k, T, interpret=False):
     return idx_BTK[:, :T, :k], valid_BTK[:, :T, :k] != 0
 
 
+def _scores_and_selection(q, k_BSD, w, q_pos, kv_pos, q_seg, kv_seg, *, k, block_t, block_s, interpret):
+    neg_scores, key_index = index_scores(q, k_BSD, w, q_pos, kv_pos, q_seg, kv_seg, block_t=block_t,
+                                         block_s=block_s, keys_major=True, interpret=interpret)
+    return select_top_k(neg_scores, key_index, k, q.shape[1], interpret)
+
+
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk,
                  q_chunk=512, block_t=256, block_s=512, with_mask=False, interpret=False):
     """Same contract as reference.indexer_topk: (idx [B, T, k] int32, valid [B, T, k] bool); with
@@ -189,9 +195,9 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
 
     def select(q, w, q_pos, q_seg):
         if not with_mask:
-            neg_scores, key_index = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS, block_t=block_t,
-                                                 block_s=block_s, keys_major=True, interpret=interpret)
-            return select_top_k(neg_scores, key_index, k, q.shape[1], interpret)
+            # one removable call: under a remat policy that saves the selection, the backward drops all of it
+            return removable_when_unused(_scores_and_selection, q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
+                                         k=k, block_t=block_t, block_s=block_s, interpret=interpret)
         scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
                               block_t=block_t, block_s=block_s, interpret=interpret)
         top_scores, idx = jax.lax.top_k(scores, k)

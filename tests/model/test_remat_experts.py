@@ -148,26 +148,31 @@ def _named_kernels(jaxpr, name):
 def test_attention_saveable_does_not_rerun_the_attention_forward_kernel():
     """Context parallelism (context=2) with the Pallas sparse attention over gathered rows (the long-context
     path: no masked flash core) and the sparse indexer KL: "full" reruns every layer's attention forward
-    kernel (with its KL-target sweep) in the backward pass; "attention_saveable" keeps its out, lse and
-    target and the selection, so its program runs that kernel and the top-k as often as with no remat."""
+    kernel (with its KL-target sweep), the indexer KL's forward kernel and the indexer's scores + selection in
+    the backward pass; "attention_saveable" keeps the attention kernel's out, lse and target, the KL kernel's
+    lse and the selection, so its program runs each of those kernels as often as with no remat."""
     cfg = TINY.replace(attention_impl="pallas_interpret", masked_flash_factor=0, indexer_loss="sparse")
     ids = jnp.asarray(tokens(2, 32))
     variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
     mesh = build_mesh(MeshConfig(data=1, fsdp=1, context=2, expert=1, tensor=1), jax.devices()[:2])
 
     def counts(policy):
-        def loss(params):
-            return jnp.mean(Transformer(cfg.replace(remat_policy=policy)).apply(
-                {**variables, "params": params}, ids, with_mtp=True).logits)
+        def loss(params):     # the indexer KL in the loss, so its backward runs
+            out = Transformer(cfg.replace(remat_policy=policy)).apply({**variables, "params": params}, ids,
+                                                                       with_mtp=True)
+            return jnp.mean(out.logits) + jnp.sum(out.stats.indexer_kl)
 
         with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
             jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"]).jaxpr
         # full-indexer layers attend with the KL-target sweep, shared ones without
         forward_kernels = sum(_named_kernels(jaxpr, n) for n in ("sparse_mla_fwd_target", "sparse_mla_fwd"))
-        return forward_kernels, _indexer_top_ks(jaxpr, cfg.index_topk)
+        # the Pallas selection: the score kernel, then a sort (no top_k equation)
+        return forward_kernels, _named_kernels(jaxpr, "lightning_indexer_scores"), \
+            _named_kernels(jaxpr, "indexer_kl_sparse_fwd")
 
-    (none, none_topk), (full, _), (saveable, saveable_topk) = (counts(p) for p in
-                                                               ("none", "full", "attention_saveable"))
+    (none, none_sel, none_kl), (full, full_sel, full_kl), saveable = (counts(p) for p in
+                                                                      ("none", "full", "attention_saveable"))
     layers = sum(len(segment.unit) for segment in plan_segments(TINY))     # bodies of the scanned segments
     assert none >= layers >= 1 and full == none + layers
-    assert (saveable, saveable_topk) == (none, none_topk)
+    assert none_sel >= 1 and full_sel > none_sel and none_kl >= 1 and full_kl > none_kl
+    assert saveable == (none, none_sel, none_kl)
