@@ -24,9 +24,11 @@ Where the numbers come from:
   at 200K) so activation memory stays that of the 4K run; tokens per step are 8.4M (32K, 128K) and
   6.5M (200K);
 * mesh: our choice. ``context`` = T / 4096 sequence shards (the zig-zag layout, docs/training.md#context-
-  parallelism), ``expert`` = 8 as in the 4K run, ``tensor`` = 1 (the context-parallel attention runs all
-  heads per shard), ``fsdp`` takes the rest; weights are FSDP-sharded over fsdp x context = 256 chips in
-  every stage.
+  parallelism), ``expert`` = 32 as in the 4K run (fewer local experts per chip: smaller expert-weight
+  gathers and gradient reduce-scatters for a wider all-to-all; expert 8 -> 32 took the 200K step from
+  12.6 to 12.0 s and 70.0 to 53.7 GiB per chip, bench/results/compile_744b_200k.md, and the 32K step from
+  27.5% to 29.0% MFU), ``tensor`` = 1 (the context-parallel attention runs all heads per shard),
+  ``fsdp`` takes the rest; weights are FSDP-sharded over fsdp x context = 64 chips in every stage.
 """
 import dataclasses
 
@@ -36,7 +38,7 @@ from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 
 CHIPS = 2048
-EXPERT = 8
+EXPERT = 32
 # stage: (seq_len, global batch in sequences, context shards, steps)
 STAGES = {
     "32k": (32768, 256, 8, 2000),
