@@ -28,9 +28,10 @@ Backward (per query, same gather): recompute p = exp(s - lse), then
     dp = dO v^T,  ds = p (dp - delta),  delta = rowsum(dO * O) - dlse
     dq       += ds @ rows * scale                          (accumulated over k-blocks in VMEM)
     drows     = ds^T @ q * scale  (+ p^T @ dO on the first v_dim columns: the value part)
-The per-slot row gradients drows [B, T, k, C] are scatter-added into d(kv) by XLA (ops.py does it one
-query chunk at a time, so only [B, T_chunk, k, C] exists at once). An in-kernel scatter-add would race
-whenever two queries that run concurrently select the same key.
+The per-slot row gradients drows [B, T, k, C] are added into d(kv) by the row scatter-add kernel
+(pallas_kernels/row_scatter; ops.py runs one query chunk at a time, so only [B, T_chunk, k, ...] exists at
+once), as [.., 1, W] rows of (1, 128) tiles, or with bf16 kv as bf16 pairs packed into uint32 lanes. An
+in-kernel scatter-add would race whenever two queries that run concurrently select the same key.
 """
 import functools
 from typing import NamedTuple
