@@ -99,7 +99,7 @@ def _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, *, block_k, n_kb, n_s
     kernels' double-buffered gather (padded slots read row 0)."""
     if not resident:
         buf, sem = gather_scratch
-        return _RowGather(idx_ref, ik_ref, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
+        return _RowGather(idx_ref, ik_ref, buf, sem, b, block_k).rows(kb, n_kb)
     (rows_scr,) = gather_scratch
     start, n_real = kb * block_k, _slots_in_block(kb, block_k, n_slots)
 

@@ -20,10 +20,12 @@ per-query scalars) so those blocks obey the (8, 128) tiling rule without a [T, H
 
 Forward: online softmax over the k-blocks (fp32 m, l, acc in VMEM); out = acc / l, lse = m + log l.
 With ``with_target`` the forward also emits the DSA indexer's KL target, the head-mean attention
-probability of every selected slot, mean_h exp(s[h, j] - lse[h]). It needs the final lse, so the grid runs
-a second sweep over the same k-blocks (gather and logits again, no values): 2C more FLOPs per (query,
-slot, head) instead of a separate XLA pass that gathers [B, T, k, C] rows into HBM and reruns the logits.
-The [TQ, k] target block of 8 queries stays in VMEM (64 KiB at k = 2048) while they run.
+probability of every selected slot, mean_h exp(s[h, j] - lse[h]). It needs the final lse, which the sweep
+knows only at its end, so each k-block keeps its p~ = exp(s - m_b) [H, block_k] (m_b: the running max after
+block b, the same exponentials the online softmax sums) and m_b [H, 1] in VMEM ([H, k] fp32: 512 KiB at
+H = 64, k = 2048), and after the last block target[j] = mean_h p~[h, j] exp(m_b[h] - lse[h]): one gather of
+the rows and one logits product, no second sweep and no [B, T, k, C] rows in HBM. The [TQ, k] target block
+of 8 queries stays in VMEM (64 KiB at k = 2048) while they run.
 Backward (per query, same gather): recompute p = exp(s - lse), then
     dp = dO v^T,  ds = p (dp - delta),  delta = rowsum(dO * O) - dlse
     dq       += ds @ rows * scale                          (accumulated over k-blocks in VMEM)
@@ -71,11 +73,6 @@ def _column_to_row(col_H1):
     return jnp.sum(jnp.where(eye, col_H1, 0.0), axis=0, keepdims=True)
 
 
-def _block_of_step(step, n_blocks):
-    """The k-block a grid step walks when the steps sweep the blocks twice (a select, not a remainder)."""
-    return jnp.where(step >= n_blocks, step - n_blocks, step)
-
-
 class _RowGather:
     """Double-buffered DMA gather of kv rows named by the current query's SMEM index block."""
 
@@ -103,18 +100,17 @@ class _RowGather:
 
         jax.lax.fori_loop(0, self.block_k, wait_row, 0)
 
-    def rows(self, step, n_steps, n_blocks):
-        """Start the next step's gather, wait for this one's, return its rows [block_k, C]. Step s
-        gathers block s % n_blocks (n_steps = n_blocks, or 2 * n_blocks for two sweeps)."""
-        slot = step % 2
+    def rows(self, kb, n_blocks):
+        """Start the next k-block's gather, wait for this one's, return its rows [block_k, C]."""
+        slot = kb % 2
 
-        @pl.when(step == 0)
+        @pl.when(kb == 0)
         def _():
             self.start(0, 0)
 
-        @pl.when(step + 1 < n_steps)
+        @pl.when(kb + 1 < n_blocks)
         def _():
-            self.start(_block_of_step(step + 1, n_blocks), 1 - slot)
+            self.start(kb + 1, 1 - slot)
 
         self.wait(slot)
         rows_K1C = self.buf[slot]
@@ -124,17 +120,16 @@ class _RowGather:
 def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k, n_kb, with_target):
     # idx_ref (SMEM) [k_pad] this query's slots; q_ref [1, 1, H, C]; valid_ref [1, TQ, block_k] int32;
     # out_ref [1, 1, H, v_dim]; lse_ref [1, TQ, H]; target_ref [1, TQ, k_pad] fp32 (with_target);
-    # buf [2, block_k, 1, C]; m/l [H, 1]; acc [H, v_dim].
+    # buf [2, block_k, 1, C]; m/l [H, 1]; acc [H, v_dim]; with_target: p~ [n_kb, H, block_k] and the running
+    # max after each block [n_kb, H, 1].
     if with_target:
-        out_ref, lse_ref, target_ref, buf, sem, m_scr, l_scr, acc_scr = refs
+        out_ref, lse_ref, target_ref, buf, sem, m_scr, l_scr, acc_scr, p_scr, m_blocks_scr = refs
     else:
         (out_ref, lse_ref, buf, sem, m_scr, l_scr, acc_scr), target_ref = refs, None
-    b, qi, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    n_steps = 2 * n_kb if with_target else n_kb
-    kb = _block_of_step(step, n_kb)
-    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(step, n_steps, n_kb)
+    b, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
 
-    @pl.when(step == 0)
+    @pl.when(kb == 0)
     def _init():
         m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
@@ -150,31 +145,31 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
         has_keys = l > 0.0
         return jnp.where(has_keys, m_scr[...] + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
 
-    @pl.when(step < n_kb)
-    def _accumulate():
-        m_prev = m_scr[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s_HK, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-invalid so far: keep exp() finite
-        alpha = jnp.exp(m_prev - m_safe)
-        p_HK = jnp.exp(s_HK - m_safe)
-        l_scr[...] = alpha * l_scr[...] + jnp.sum(p_HK, axis=1, keepdims=True)
-        acc_scr[...] = alpha * acc_scr[...] + _mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
-        m_scr[...] = m_new
+    m_prev = m_scr[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s_HK, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-invalid so far: keep exp() finite
+    alpha = jnp.exp(m_prev - m_safe)
+    p_HK = jnp.exp(s_HK - m_safe)
+    l_scr[...] = alpha * l_scr[...] + jnp.sum(p_HK, axis=1, keepdims=True)
+    acc_scr[...] = alpha * acc_scr[...] + _mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
+    m_scr[...] = m_new
+    if with_target:
+        p_scr[kb] = p_HK
+        m_blocks_scr[kb] = m_safe
 
-    @pl.when(step == n_kb - 1)
+    @pl.when(kb == n_kb - 1)
     def _finalize():
         l = l_scr[...]
         has_keys = l > 0.0
         out_ref[0, 0] = jnp.where(has_keys, acc_scr[...] / jnp.where(has_keys, l, 1.0), 0.0).astype(out_ref.dtype)
-        lse_ref[0, pl.ds(qi, 1), :] = _column_to_row(final_lse_H1())
-
-    if with_target:
-        @pl.when(step >= n_kb)
-        def _target():
-            lse_H1 = final_lse_H1()
-            p_HK = jnp.where(valid_1K, jnp.exp(s_HK - jnp.where(lse_H1 == -jnp.inf, 0.0, lse_H1)), 0.0)
-            start = pl.multiple_of(kb * block_k, block_k)
-            target_ref[0, pl.ds(qi, 1), pl.ds(start, block_k)] = jnp.mean(p_HK, axis=0, keepdims=True)
+        lse_H1 = final_lse_H1()
+        lse_ref[0, pl.ds(qi, 1), :] = _column_to_row(lse_H1)
+        if with_target:
+            lse_safe = jnp.where(lse_H1 == -jnp.inf, 0.0, lse_H1)   # no valid slot: every p~ is 0
+            for j in range(n_kb):     # p[h, slot] = p~[h, slot] exp(m_b[h] - lse[h]), its block's max
+                p_block = p_scr[j] * jnp.exp(m_blocks_scr[j] - lse_safe)
+                target_ref[0, pl.ds(qi, 1), j * block_k:(j + 1) * block_k] = jnp.mean(p_block, axis=0,
+                                                                                      keepdims=True)
 
 
 def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
@@ -187,7 +182,7 @@ def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
     else:
         (dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref, buf, sem), qw_ref = refs, q_ref
     b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
-    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb, n_kb)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
 
     q_HC, dout_HV = q_ref[0, 0], dout_ref[0, 0]
     valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
@@ -246,15 +241,14 @@ def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k) -> _Padded:
                    idx_flat=idx.astype(jnp.int32).reshape(-1), valid=valid.astype(jnp.int32))
 
 
-def _grid_and_common_specs(d, sweeps=1):
-    """Grid (B, T/TQ, TQ, sweeps * k/block_k): the last axis walks the k-blocks ``sweeps`` times."""
+def _grid_and_common_specs(d):
+    """Grid (B, T/TQ, TQ, k/block_k): the last axis walks the k-blocks."""
     TQ, block_k, T_pad = QUERIES_PER_BLOCK, d.block_k, d.T_pad
-    n_kb = d.K_pad // block_k
-    grid = (d.B, T_pad // TQ, TQ, sweeps * n_kb)
+    grid = (d.B, T_pad // TQ, TQ, d.K_pad // block_k)
     per_query = lambda b, t, i, kb: (b, t * TQ + i, 0, 0)  # noqa: E731
     idx_spec = pl.BlockSpec((d.K_pad,), lambda b, t, i, kb: (b * T_pad + t * TQ + i,),
                             memory_space=pltpu.SMEM)
-    valid_spec = pl.BlockSpec((1, TQ, block_k), lambda b, t, i, kb: (b, t, _block_of_step(kb, n_kb)))
+    valid_spec = pl.BlockSpec((1, TQ, block_k), lambda b, t, i, kb: (b, t, kb))
     per_query_row_block = pl.BlockSpec((1, TQ, d.H), lambda b, t, i, kb: (b, t, 0))
     return grid, per_query, idx_spec, valid_spec, per_query_row_block
 
@@ -265,9 +259,9 @@ _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "
 def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packed_rows=False):
     """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
 
-    Per (query, slot, head): logits 2C; forward adds p @ V 2v (and with the KL target a second sweep:
-    logits 2C again); the backward recomputes the logits (2C), dP = dO V^T (2v), dq += dS rows (2C),
-    drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered rows (twice with the target sweep), q and
+    Per (query, slot, head): logits 2C; forward adds p @ V 2v (the KL target: a rescale and a head mean of
+    the kept exponentials, no matmul); the backward recomputes the logits (2C), dP = dO V^T (2v), dq += dS rows (2C),
+    drows = dS^T q (2C) and += p^T dO (2v). Bytes: the gathered rows, q and
     the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients.
     With ``dma_rows`` it also reads the query padded to W = C rounded up to 128 lanes, the key part's
     product runs over W (2W FLOPs instead of 2C) and each row gradient is written as W fp32 lanes ((1, 128)
@@ -280,8 +274,8 @@ def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packe
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
     if not backward:
         if with_target:
-            return pl.CostEstimate(flops=pairs * (4 * C + 2 * v_dim), transcendentals=2 * pairs,
-                                   bytes_accessed=2 * rows + per_query + B * T * K * 4)
+            return pl.CostEstimate(flops=pairs * (2 * C + 2 * v_dim), transcendentals=2 * pairs,
+                                   bytes_accessed=rows + per_query + B * T * K * 4)
         return pl.CostEstimate(flops=pairs * (2 * C + 2 * v_dim), transcendentals=pairs,
                                bytes_accessed=rows + per_query)
     wide_q = B * T * H * W * itemsize if dma_rows else 0
@@ -297,7 +291,7 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
     S = kv_BSC.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
     B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
-    grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d, sweeps=2 if with_target else 1)
+    grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
     q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
     out_specs = [pl.BlockSpec((1, 1, H, v_dim), per_query), row_block]
     out_shape = [jax.ShapeDtypeStruct((B, T_pad, H, v_dim), q_BTHC.dtype),
@@ -317,7 +311,9 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32),
-                        pltpu.VMEM((H, v_dim), jnp.float32)],
+                        pltpu.VMEM((H, v_dim), jnp.float32)]
+        + ([pltpu.VMEM((K_pad // block_k, H, block_k), jnp.float32), pltpu.VMEM((K_pad // block_k, H, 1), jnp.float32)]
+           if with_target else []),
         compiler_params=_SEMANTICS,
         interpret=interpret,
         name="sparse_mla_fwd_target" if with_target else "sparse_mla_fwd",
