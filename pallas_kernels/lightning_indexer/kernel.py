@@ -1,4 +1,4 @@
-"""Pallas TPU kernel for the lightning-indexer scores, then XLA top-k per query chunk.
+"""Pallas TPU kernel for the lightning-indexer scores, then the top-k per query chunk.
 
 Background: docs/architecture.md#lightning-indexer.
 
@@ -6,16 +6,18 @@ Background: docs/architecture.md#lightning-indexer.
 
 The kernel tiles queries (block_t) x keys (block_s) and loops over the H_I indexer heads in VMEM, so
 neither [T, S, H_I] nor [T, H_I, S] is ever written to HBM; it emits the masked score tile [block_t,
-block_s]. The caller runs it on one query chunk at a time and takes ``lax.top_k`` of that chunk, so HBM
-holds at most [B, T_chunk, S] scores.
+block_s]. The caller runs it on one query chunk at a time and selects that chunk's top k (one sort along
+keys; ``lax.top_k`` where it also needs the selection mask), so HBM holds at most [B, T_chunk, S] scores.
 
 Layout choice: a tile is computed transposed, scores^T [block_s, block_t] = k @ q_h^T, because then the
 per-query head weight w[:, h] is a lane *row* [1, block_t] (a cheap sublane broadcast) and no [T, 1]
-column of weights is needed; one 2-D transpose turns the tile back before the store.
+column of weights is needed. The selection path stores it as it is (keys-major, negated, with each entry's
+key index: the layout and payload of its sort, `select_top_k`); the [T, S] scores path (the selection
+mask at short context, tests) turns the tile back with one 2-D transpose before the store.
 
 Causal block skipping: per query block the largest visible query position and per key block the
 smallest key position are scalar-prefetched; a tile whose keys all lie after all its queries is
-written as -inf without touching the MXU (about half of the tiles of a causal sequence).
+written as -inf (+inf negated) without touching the MXU (about half of the tiles of a causal sequence).
 """
 import functools
 
