@@ -49,10 +49,11 @@ STAGES = {
 
 def stage_config(name: str) -> ExperimentConfig:
     seq_len, batch, context, steps = STAGES[name]
-    # remat "attention_saveable": the backward reruns neither the indexer's top-k over every earlier key nor
-    # the attention forward kernel; the 200K step 16.7 -> 14.0 s for 41.9 -> 70.0 GiB per chip
-    # (bench/results/compile_744b_200k.md)
-    model = model_config().replace(remat_policy="attention_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
+    # remat "attention_expert_out_saveable": the backward reruns neither the indexer's top-k over every earlier
+    # key nor the attention and KL forward kernels ("attention_saveable": the 200K step 16.7 -> 14.0 s for
+    # 41.9 -> 70.0 GiB per chip at expert 8), nor the experts' down product and combine (10.7 -> 10.2 s for
+    # 55.3 -> 74.3 GiB at expert 32; bench/results/compile_744b_200k.md)
+    model = model_config().replace(remat_policy="attention_expert_out_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    attention_impl="pallas")
     data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
     train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0)

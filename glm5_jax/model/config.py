@@ -23,7 +23,8 @@ MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
-RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "dots_saveable",
+RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "attention_expert_out_saveable",
+                      "dots_saveable",
                       "dots_with_no_batch_dims_saveable", "dots_attention_saveable", "experts_saveable", "moe_saveable",
                       "offload_dots"]
 

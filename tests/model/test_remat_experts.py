@@ -52,17 +52,20 @@ def _grouped_matmuls_in_grad(policy, variables, ids):
                              collections.Counter())["ragged_dot_general"]
 
 
-def test_experts_saveable_reruns_only_the_down_product():
+def test_experts_saveable_reruns_only_the_down_product_and_expert_out_all_but_it():
     ids = jnp.asarray(tokens(2, 32))
     variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
-    counts = {p: _grouped_matmuls_in_grad(p, variables, ids) for p in ("none", "full", "experts_saveable")}
+    counts = {p: _grouped_matmuls_in_grad(p, variables, ids)
+              for p in ("none", "full", "experts_saveable", "attention_expert_out_saveable")}
     # each scanned segment's body appears once in the program however many layers it scans over; every MoE
     # layer of a segment's repeating unit is one body (the MTP block is not rematerialised)
     moe_bodies = sum(kind.mlp == "moe" for segment in plan_segments(TINY) for kind in segment.unit)
     assert moe_bodies == 3
-    # "full" reruns gate, up and down in the backward; "experts_saveable" only the down product
+    # "full" reruns gate, up and down in the backward; "experts_saveable" only the down product;
+    # "attention_expert_out_saveable" (the experts' outputs kept) gate and up but not the down product
     assert counts["full"] - counts["none"] == 3 * moe_bodies
     assert counts["experts_saveable"] - counts["none"] == moe_bodies
+    assert counts["attention_expert_out_saveable"] - counts["none"] == 2 * moe_bodies
 
 
 def test_experts_saveable_reaches_into_the_expert_parallel_shard_map():
