@@ -1,11 +1,12 @@
 """GLM-5 (744B) context extension with DSA, 4K -> 32K -> 128K -> 200K, on 2048 v5p chips (v5p:8x16x16).
 
 The 4K stage is configs/glm5_744b.py. `get_config()` is the last stage, 202,752 tokens; the earlier
-stages are the same config with the overrides `STAGES` lists, e.g. the 32K stage:
+stages are the same config with the overrides `stage_overrides(name)` gives (`STAGES`, `STAGE_REMAT`),
+e.g. the 32K stage:
 
     python train.py --config=configs/glm5_744b_long.py --workdir=DIR_32K \
-        --set=data.seq_len=32768 --set=data.batch_size=256 --set=mesh.context=8 --set=mesh.fsdp=32 \
-        --set=train.steps=2000 --set=train.init_from=DIR_4K
+        --set=model.remat_policy=attention_saveable --set=data.seq_len=32768 --set=data.batch_size=256 \
+        --set=mesh.context=8 --set=mesh.fsdp=8 --set=train.steps=2000 --set=train.init_from=DIR_4K
 
 and each stage starts from the previous one with ``--set=train.init_from=<previous workdir>``.
 AOT check of the 200K step:
@@ -46,14 +47,18 @@ STAGES = {
     "200k": (202752, 32, 64, 500),
 }
 
+# remat "attention_saveable": the backward reruns neither the indexer's top-k over every earlier key nor the
+# attention and KL forward kernels (the 200K step 16.7 -> 14.0 s for 41.9 -> 70.0 GiB per chip at expert 8).
+# At 200K "attention_expert_out_saveable" also keeps the routed experts' outputs: no down product or combine
+# in the backward, 10.7 -> 10.1 s for 55.3 -> 76.5 GiB per chip (bench/results/compile_744b_200k.md); at 128K
+# (4,096 tokens per chip) it would take 93.0 of 95 GiB, too close to the limit.
+STAGE_REMAT = {"200k": "attention_expert_out_saveable"}
+
 
 def stage_config(name: str) -> ExperimentConfig:
     seq_len, batch, context, steps = STAGES[name]
-    # remat "attention_expert_out_saveable": the backward reruns neither the indexer's top-k over every earlier
-    # key nor the attention and KL forward kernels ("attention_saveable": the 200K step 16.7 -> 14.0 s for
-    # 41.9 -> 70.0 GiB per chip at expert 8), nor the experts' down product and combine (10.7 -> 10.2 s for
-    # 55.3 -> 74.3 GiB at expert 32; bench/results/compile_744b_200k.md)
-    model = model_config().replace(remat_policy="attention_expert_out_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
+    model = model_config().replace(remat_policy=STAGE_REMAT.get(name, "attention_saveable"), moe_ep="a2a",
+                                   moe_capacity_factor=1.25,
                                    attention_impl="pallas")
     data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
     train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0)
@@ -64,7 +69,8 @@ def stage_config(name: str) -> ExperimentConfig:
 def stage_overrides(name: str) -> list[str]:
     """The ``--set`` items that turn `get_config()` into stage ``name``."""
     final, cfg = get_config(), stage_config(name)
-    out = []
+    out = [] if final.model.runtime.remat_policy == cfg.model.runtime.remat_policy else \
+        [f"model.remat_policy={cfg.model.runtime.remat_policy}"]
     for group in ("data", "train", "mesh"):
         a, b = getattr(final, group), getattr(cfg, group)
         out += [f"{group}.{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b)
