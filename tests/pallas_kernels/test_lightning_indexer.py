@@ -57,16 +57,21 @@ def test_topk_matches_reference():
     assert_same_selection(args, idx, valid, ref_idx, ref_valid)
 
 
+def integer_inputs(rng, B, T, S, H=2, D=4):
+    """Small-integer q, k and half-integer w: exact fp32 scores, so ties (equal scores, ReLU zeros) are common."""
+    q = jnp.asarray(rng.integers(-2, 3, (B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.integers(-2, 3, (B, S, D)), jnp.float32)
+    w = jnp.asarray(rng.integers(-2, 3, (B, T, H)) / 2, jnp.float32)
+    return (q, k, w) + positions_and_segments(B, T, S)
+
+
 def test_selection_mask_from_scores_equals_the_top_k_with_ties():
     """The mask the kernel path makes from each chunk's scores (masking.top_k_mask) is exactly the set of
     (idx, valid) it returns: small-integer inputs make exact ties (equal scores, ReLU zeros) common, at
     the k-th value too; rows with fewer visible keys than k and padded rows included."""
-    rng = np.random.default_rng(3)
-    B, T, S, H, D, topk = 2, 100, 140, 2, 4, 24
-    q = jnp.asarray(rng.integers(-2, 3, (B, T, H, D)), jnp.float32)
-    k = jnp.asarray(rng.integers(-2, 3, (B, S, D)), jnp.float32)
-    w = jnp.asarray(rng.integers(-2, 3, (B, T, H)) / 2, jnp.float32)
-    args = (q, k, w) + positions_and_segments(B, T, S)
+    B, T, S, topk = 2, 100, 140, 24
+    args = integer_inputs(np.random.default_rng(3), B, T, S)
+    q, k, w = args[:3]
     idx, valid, mask = ops.indexer_topk(*args, topk=topk, impl="pallas_interpret", with_mask=True)
     np.testing.assert_array_equal(mask, selection_mask(idx, valid, S))
     scores = np.asarray(reference.index_scores(q, k, w, visible_mask(*args[3:])))
@@ -85,12 +90,9 @@ def test_sorted_selection_is_lax_top_k_exactly_with_ties():
     only the first k rows; on small-integer inputs (exact scores, so ties everywhere: equal scores, ReLU
     zeros, whole rows of -inf) it returns exactly what ``lax.top_k`` of the scores returns, invalid slots
     included, over query chunks that do not divide T."""
-    rng = np.random.default_rng(5)
-    B, T, S, H, D, topk = 2, 100, 140, 2, 4, 24
-    q = jnp.asarray(rng.integers(-2, 3, (B, T, H, D)), jnp.float32)
-    k = jnp.asarray(rng.integers(-2, 3, (B, S, D)), jnp.float32)
-    w = jnp.asarray(rng.integers(-2, 3, (B, T, H)) / 2, jnp.float32)
-    args = (q, k, w) + positions_and_segments(B, T, S)
+    B, T, S, topk = 2, 100, 140, 24
+    args = integer_inputs(np.random.default_rng(5), B, T, S)
+    q, k, w = args[:3]
     scores = reference.index_scores(q, k, w, visible_mask(*args[3:]))
     neg, key_index = kernel.index_scores(*args, block_t=128, block_s=128, keys_major=True, interpret=True)
     assert neg.shape == key_index.shape == (B, 256, 128)
