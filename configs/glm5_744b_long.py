@@ -58,8 +58,7 @@ STAGE_REMAT = {"200k": "attention_expert_out_saveable"}
 def stage_config(name: str) -> ExperimentConfig:
     seq_len, batch, context, steps = STAGES[name]
     model = model_config().replace(remat_policy=STAGE_REMAT.get(name, "attention_saveable"), moe_ep="a2a",
-                                   moe_capacity_factor=1.25,
-                                   attention_impl="pallas")
+                                   moe_capacity_factor=1.25, attention_impl="pallas")
     data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
     train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0)
     mesh = MeshConfig(data=1, fsdp=CHIPS // (context * EXPERT), context=context, expert=EXPERT, tensor=1)

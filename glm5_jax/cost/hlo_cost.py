@@ -480,7 +480,7 @@ def _kernel_fusion_bytes(instrs: dict, full_in: list[int], params: dict[int, str
     def from_kernel(name, depth=0):             # a kernel's output, passed through bitcasts / tuple picks
         if name in kernels:
             return True
-        shape, op, operands, _, _ = instrs.get(name, ("", "", [], "", ""))
+        _, op, operands, _, _ = instrs.get(name, ("", "", [], "", ""))
         return op in _PASS_THROUGH and depth < 8 and bool(operands) and from_kernel(operands[0], depth + 1)
 
     def only_aliased(name, depth=0):            # every use: a kernel operand, or the buffer updated in place
@@ -499,7 +499,7 @@ def _kernel_fusion_bytes(instrs: dict, full_in: list[int], params: dict[int, str
     root = list(instrs)[-1]
     _, op, operands, _, _ = instrs[root]
     for out in (operands if op == "tuple" else [root]):
-        o_shape, o_op, o_operands, _, _ = instrs[out]
+        _, o_op, o_operands, _, _ = instrs[out]
         if from_kernel(out) or (o_op == "dynamic-update-slice" and len(o_operands) > 1 and from_kernel(o_operands[1])):
             continue
         nbytes += _written_bytes(instrs, out)

@@ -35,7 +35,7 @@ _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the 
 
 def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B * n_t], [B * n_s]
                    q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref,
-                   out_ref, *key_index_ref, n_heads, keys_major):
+                   out_ref, *key_index_out, n_heads, keys_major):
     # q_ref [1, H, bt, D]; k_ref [1, bs, D]; w_ref [1, H, bt] fp32; q_pos/q_seg [1, 1, bt];
     # kv_pos/kv_seg [1, bs, 1]; out_ref [1, bt, bs] fp32, or with keys_major [1, bs, bt] holding -scores and
     # key_index_ref [1, bs, bt] int32 each row's key index (the sort's payload).
@@ -44,7 +44,8 @@ def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B 
     block_t, block_s = q_ref.shape[2], k_ref.shape[1]
     all_in_future = kv_min_pos_ref[b * n_s + si] > q_max_pos_ref[b * n_t + ti]
     if keys_major:
-        key_index_ref[0][0] = si * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s, block_t), 0)
+        (key_index_ref,) = key_index_out
+        key_index_ref[0] = si * block_s + jax.lax.broadcasted_iota(jnp.int32, (block_s, block_t), 0)
 
     @pl.when(all_in_future)
     def _skip():
@@ -204,6 +205,6 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
                               block_t=block_t, block_s=block_s, interpret=interpret)
         top_scores, idx = jax.lax.top_k(scores, k)
         picked = (idx.astype(jnp.int32), top_scores > -jnp.inf)
-        return picked + (top_k_mask(scores, top_scores, picked[0]).astype(jnp.int8),) if with_mask else picked
+        return picked + (top_k_mask(scores, top_scores, picked[0]).astype(jnp.int8),)
 
     return chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)
