@@ -48,6 +48,10 @@ _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 # instructions that move no data of their own
 _FREE = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "while", "conditional", "call", "iota"}
+# an asynchronous call (e.g. a collective the TPU compiler offloads to the SparseCores: call-start on the
+# "sparsecore" execution thread, then call-done) moves nothing itself: its computation's instructions are
+# charged, once; its result tuple only aliases its operands and the callee's result
+_ASYNC_CALLS = {"call-start", "async-start"}
 
 
 @dataclasses.dataclass
@@ -803,7 +807,7 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                         async_s += seconds
                     else:
                         sync_s += seconds
-            if not fused and opcode not in _FREE and not opcode.endswith("-done"):
+            if not fused and opcode not in _FREE and opcode not in _ASYNC_CALLS and not opcode.endswith("-done"):
                 nbytes = kernel_bytes if kernel_bytes is not None else \
                     _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs)
                 own.add(("bytes", cat), nbytes)

@@ -192,3 +192,49 @@ def test_async_collective_fusion_hides_behind_compute_and_fused_sync_collectives
     assert cost.comm_seconds == 8.0
     # the fused all-reduce (sync) in full + the fused all-gather (async) less the 2 s of the dot beside it
     assert cost.exposed_comm_seconds == 3.0 + (5.0 - 2.0)
+
+
+# A reduce-scatter the TPU compiler offloads to the SparseCores (libtpu flag
+# --xla_tpu_enable_sparse_core_collective_offload_reduce_scatter), as it compiles one: an async call on the
+# "sparsecore" thread whose computation is the collective, its groups in the mesh form; the call's
+# result tuple aliases the operand.
+SPARSECORE_STEP = """HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%called_computation.1 (param_0: f32[4096,128], param_1: token[]) -> f32[1024,128] {
+  %param_1 = token[] parameter(1)
+  %param_0 = f32[4096,128]{1,0:T(8,128)} parameter(0)
+  ROOT %reduce-scatter.1 = f32[1024,128]{1,0:T(8,128)} reduce-scatter(%param_0), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+}, execution_thread="sparsecore"
+
+ENTRY %main (x: f32[64,128], w: f32[128,128], g: f32[4096,128]) -> (f32[64,128], f32[1024,128]) {
+  %x = f32[64,128]{1,0:T(8,128)} parameter(0)
+  %w = f32[128,128]{1,0:T(8,128)} parameter(1)
+  %g = f32[4096,128]{1,0:T(8,128)} parameter(2)
+  %token = token[] after-all()
+  %rs-start = ((f32[4096,128]{1,0:T(8,128)}, token[]), f32[1024,128]{1,0:T(8,128)}) call-start(%g, %token), async_execution_thread="sparsecore", to_apply=%called_computation.1
+  %dot = f32[64,128]{1,0:T(8,128)} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="c"}
+  %rs-done = f32[1024,128]{1,0:T(8,128)} call-done(%rs-start)
+  ROOT %t = (f32[64,128]{1,0:T(8,128)}, f32[1024,128]{1,0:T(8,128)}) tuple(%dot, %rs-done)
+}
+"""
+
+
+def test_sparsecore_offloaded_reduce_scatter_is_async_and_charged_once():
+    timing = StepTiming(peak_flops=2 * 64 * 128 * 128 / 2.0, hbm_bandwidth=1e30,     # the dot takes 2 s
+                        collective_seconds=lambda op: 5.0)
+    cost = hlo_cost(SPARSECORE_STEP, categorize=lambda name: name, timing=timing)
+    (op, n), = cost.collectives.items()
+    assert n == 1 and op.kind == "reduce-scatter" and op.is_async
+    assert op.groups == ((0, 1, 2, 3),) and op.nbytes == 4 * 4096 * 128
+    # 5 s in flight beside the 2 s dot scheduled between the call's start and done
+    assert cost.comm_seconds == 5.0 and cost.exposed_comm_seconds == 5.0 - 2.0
+    # HBM: the dot reads x, w and writes its result; the SparseCores read the operand and write the
+    # scattered result once (the call's aliasing result tuple moves nothing)
+    f32 = 4
+    assert cost.bytes_accessed == f32 * (2 * 64 * 128 + 128 * 128) + f32 * (4096 + 1024) * 128
