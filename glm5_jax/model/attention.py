@@ -54,6 +54,8 @@ SELECTION_NAME = context_attention.SELECTION_NAME   # the top-k selection, for r
 # keeping these never reruns the attention core in the backward pass
 ATTENTION_SAVED_NAMES = (("attention_core_out", context_attention.KL_TARGET_NAME) + sparse_mla_ops.SAVED_NAMES
                          + flash_ops.SAVED_NAMES + indexer_kl_sparse.SAVED_NAMES)
+# the warm-up KL kernel's gradients for the indexer (computed with its loss in one forward kernel)
+INDEXER_KL_GRAD_NAMES = indexer_kl_ops.SAVED_NAMES
 
 
 def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from glm5_jax.model.attention import ATTENTION_SAVED_NAMES, SELECTION_NAME, MLAttention
+from glm5_jax.model.attention import ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAMES, SELECTION_NAME, MLAttention
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
@@ -25,8 +25,11 @@ from glm5_jax.parallel.axes import EMBED, LAYERS
 _cp = jax.checkpoint_policies
 # The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
 # mask, [B, T, k] per full layer): recomputing it costs the indexer scores and a top-k in the backward;
-# and the blocked MoE's matmul results (moe.BLOCKED_MOE_NAMES, the dots of its block loop).
-_keep_selection = _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES)
+# the blocked MoE's matmul results (moe.BLOCKED_MOE_NAMES, the dots of its block loop); and the warm-up
+# KL kernel's indexer gradients (attention.INDEXER_KL_GRAD_NAMES, the size of the indexer's q, k, w per
+# layer): the kernel computes them with the loss, and recomputing them reruns it in the backward.
+_ALWAYS_KEPT = (SELECTION_NAME, *BLOCKED_MOE_NAMES, *INDEXER_KL_GRAD_NAMES)
+_keep_selection = _cp.save_only_these_names(*_ALWAYS_KEPT)
 _offload_dots = _cp.offload_dot_with_no_batch_dims("device", "pinned_host")
 
 
@@ -48,11 +51,11 @@ REMAT_POLICIES = {
     # ATTENTION_SAVED_NAMES but the layer-level "attention_core_out", which is the kernel's out passed through:
     # the kernels' out and lse, the indexer KL target): the backward does not rerun the attention core's
     # forward either (the long-context step: B*T*H*d_c + B*T*k values per layer)
-    "attention_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES[1:]),
+    "attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:]),
     # "attention_saveable" + the routed experts' outputs per (token, choice) (moe.experts.EXPERT_OUT_NAME,
     # [N, K, D] in the compute dtype per MoE layer): the backward reruns the dispatch and the gate / up products
     # (their gradients need the rows) but not the down product and the combine (its all-to-all back)
-    "attention_expert_out_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES,
+    "attention_expert_out_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT,
                                                                *ATTENTION_SAVED_NAMES[1:], EXPERT_OUT_NAME),
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
@@ -63,16 +66,16 @@ REMAT_POLICIES = {
     # B*T*H*d_c (+ B*T*k, + B*T*H, + B*T*k*H for the gather form) values per layer
     "dots_attention_saveable": _cp.save_from_both_policies(
         _cp.dots_with_no_batch_dims_saveable,
-        _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *ATTENTION_SAVED_NAMES)),
+        _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES)),
     # "full" except the selection and the routed experts' gate / up products (moe.experts.EXPERT_SAVED_NAMES,
     # 2 x [rows, F] fp32 per MoE layer): the backward reruns only the experts' down product, so the routed
     # experts cost 10/3 of a forward instead of 4 (a2a, routing and everything else are still recomputed)
-    "experts_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *EXPERT_SAVED_NAMES),
+    "experts_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES),
     # "experts_saveable" + the rows the experts multiply and their outputs per (token, choice)
     # (moe.experts.EXPERT_ROWS_NAME, EXPERT_OUT_NAME; [rows, D] and [N, K, D] in the compute dtype per MoE layer):
     # the backward reruns no expert product and no transport (gathers, all-to-alls, the expert weights'
     # all-gather for the forward), only the routing; attention and the rest are recomputed
-    "moe_saveable": _cp.save_only_these_names(SELECTION_NAME, *BLOCKED_MOE_NAMES, *EXPERT_SAVED_NAMES,
+    "moe_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES,
                                               EXPERT_ROWS_NAME, EXPERT_OUT_NAME),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _offload_dots_keeping_selection,

@@ -25,17 +25,22 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.impls import PALLAS_IMPLS, PALLAS_INTERPRET
 from pallas_kernels.indexer_kl import kernel, sparse_pallas
 # the public entry points: the loss, and its per-token parts for callers holding a share of the queries
 from pallas_kernels.indexer_kl.reference import indexer_kl_loss, indexer_kl_per_token, mean_over_tokens  # noqa: F401
-from pallas_kernels.tpu_utils import pad_axis, round_up
+from pallas_kernels.tpu_utils import pad_axis, removable_when_unused, round_up
 
 # queries / keys per kernel block: a [bq, H*D] and a [bk, H*D] block of 8 and 4 MiB at GLM-5's 64 x 256
 # in bf16, double-buffered, with the fp32 gradient blocks and the dots scratch fit the scoped VMEM (a Mosaic
 # compile at 256 x 256 runs out of v5p's 64 MiB). The larger query block halves the key blocks' re-reads.
 BLOCK_Q, BLOCK_K = 256, 128
+# the warm-up kernel's gradients with respect to the indexer's q, k, w (its VJP residuals, the size of the
+# indexer's q + k + w) and its per-row sums: a remat policy keeping them runs the kernel once, in the forward
+# pass; otherwise the backward pass reruns it
+SAVED_NAMES = ("indexer_kl_warmup_grads",)
 
 
 def mean_of_sums(kl_sum, count):
@@ -97,7 +102,11 @@ def _kernel_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, s
 
 
 def _kernel_sums_fwd(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, static):
-    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed), static, with_grads=True)
+    # a removable call: when a policy keeps the gradients, the rematerialised backward drops the kernel
+    sums, grads = removable_when_unused(_run, (q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed),
+                                        static=static, with_grads=True)
+    # the sums are named too: the loss's backward needs the token count (the mean's denominator)
+    return checkpoint_name((sums, grads), SAVED_NAMES[0])
 
 
 def _kernel_sums_bwd(static, grads, cotangents):

@@ -189,6 +189,16 @@ def _scores_and_selection(q, k_BSD, w, q_pos, kv_pos, q_seg, kv_seg, *, k, block
     return select_top_k(neg_scores, key_index, k, q.shape[1], interpret)
 
 
+def _masked_selection(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS, *, k, block_t, block_s, interpret):
+    """(idx, valid, mask int8 [B, T, S]) of one query chunk: `lax.top_k` of the scores and the same
+    selection as a mask, made from the scores while they are at hand."""
+    scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
+                          block_t=block_t, block_s=block_s, interpret=interpret)
+    top_scores, idx = jax.lax.top_k(scores, k)
+    picked = (idx.astype(jnp.int32), top_scores > -jnp.inf)
+    return picked + (top_k_mask(scores, top_scores, picked[0]).astype(jnp.int8),)
+
+
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk,
                  q_chunk=512, block_t=256, block_s=512, with_mask=False, interpret=False):
     """Same contract as reference.indexer_topk: (idx [B, T, k] int32, valid [B, T, k] bool); with
@@ -197,14 +207,9 @@ def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
     k = min(topk, k_BSD.shape[1])
 
     def select(q, w, q_pos, q_seg):
-        if not with_mask:
-            # one removable call: under a remat policy that saves the selection, the backward drops all of it
-            return removable_when_unused(_scores_and_selection, q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
-                                         k=k, block_t=block_t, block_s=block_s, interpret=interpret)
-        scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
-                              block_t=block_t, block_s=block_s, interpret=interpret)
-        top_scores, idx = jax.lax.top_k(scores, k)
-        picked = (idx.astype(jnp.int32), top_scores > -jnp.inf)
-        return picked + (top_k_mask(scores, top_scores, picked[0]).astype(jnp.int8),)
+        # one removable call: under a remat policy that saves the selection, the backward drops all of it
+        return removable_when_unused(_masked_selection if with_mask else _scores_and_selection, q, k_BSD, w, q_pos,
+                                     kv_pos_BS, q_seg, kv_seg_BS, k=k, block_t=block_t, block_s=block_s,
+                                     interpret=interpret)
 
     return chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)

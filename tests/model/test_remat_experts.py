@@ -179,3 +179,32 @@ def test_attention_saveable_does_not_rerun_the_attention_forward_kernel():
     assert none >= layers >= 1 and full == none + layers
     assert none_sel >= 1 and full_sel > none_sel and none_kl >= 1 and full_kl > none_kl
     assert saveable == (none, none_sel, none_kl)
+
+
+def test_partial_policies_run_the_masked_selection_and_warmup_kl_kernels_once():
+    """The short-context sparse stage on Pallas (context=2): the attention is the flash kernel over the
+    top-k as a mask and the indexer KL the warm-up kernel over the same mask, which computes the loss and the
+    indexer's gradients in one forward. "full" reruns the KL kernel and the indexer's score kernel in the
+    backward pass; every partial policy keeps the KL's gradients and sums (indexer_kl.ops.SAVED_NAMES) and
+    the selection with its mask, so its program runs each kernel as often as with no remat."""
+    cfg = TINY.replace(attention_impl="pallas_interpret", indexer_loss="sparse")
+    ids = jnp.asarray(tokens(2, 32))
+    variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, context=2, expert=1, tensor=1), jax.devices()[:2])
+
+    def kl_kernels(policy):
+        def loss(params):
+            out = Transformer(cfg.replace(remat_policy=policy)).apply({**variables, "params": params}, ids)
+            return jnp.mean(out.logits) + jnp.sum(out.stats.indexer_kl)
+
+        with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+            jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"]).jaxpr
+        return tuple(_named_kernels(jaxpr, n) for n in ("indexer_kl_warmup_grads", "lightning_indexer_scores",
+                                                         "flash_attention_fwd_masked"))
+
+    (none, none_scores, none_flash), (full, full_scores, full_flash) = kl_kernels("none"), kl_kernels("full")
+    full_layers = sum(kind.indexer == "full" for segment in plan_segments(TINY) for kind in segment.unit)
+    assert none_flash >= 1 and full_flash > none_flash         # the masked flash core ran (and reruns)
+    assert none == none_scores == full_layers >= 1 and full == full_scores == 2 * none
+    for policy in ("moe_saveable", "selection_saveable"):
+        assert kl_kernels(policy)[:2] == (none, none_scores)
