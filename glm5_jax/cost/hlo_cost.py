@@ -510,10 +510,12 @@ def _kernel_fusion_bytes(instrs: dict, full_in: list[int], params: dict[int, str
     return nbytes
 
 
-def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str = "") -> float:
+def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str = "",
+                       collective_part: str | None = None) -> float:
     """HBM bytes one top-level instruction reads and writes: operands and result at their tiled sizes,
     nothing for arrays in VMEM; windows (slices, gathers, scatters, in-place updates) by the tiles they
-    touch; an async copy once (its source and its destination, not the aliased tuple)."""
+    touch; an async copy once (its source and its destination, not the aliased tuple); an async collective
+    fusion's data once (``collective_part``: which of its fusions this is, `_collective_fusion_bytes`)."""
     arrays = [_first(t) for t in operand_shapes]
     if opcode == "custom-call" and 'custom_call_target="AllocateBuffer"' in attrs:
         return 0                        # reserves a buffer (a loop's output stack); moves nothing
@@ -533,16 +535,55 @@ def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str
         return hbm_bytes(shape) + sum(full_in)
     instrs = comps[callees["calls"]]
     params = _params(instrs)
+    if collective_part in ("start", "done"):
+        return _collective_fusion_bytes(instrs, collective_part)
     in_kernel_fusion = _kernel_fusion_bytes(instrs, full_in, params)
     if in_kernel_fusion is not None:
         return in_kernel_fusion
-    nbytes = _written_bytes(instrs, list(instrs)[-1]) if instrs else hbm_bytes(shape)
+    buffer_params, buffer_outputs = _collective_buffers(instrs) if collective_part == "compute" else (set(), set())
+    if buffer_outputs:
+        root = list(instrs)[-1]
+        nbytes = sum(_written_bytes(instrs, o) for o in instrs[root][2] if o not in buffer_outputs)
+    else:
+        nbytes = _written_bytes(instrs, list(instrs)[-1]) if instrs else hbm_bytes(shape)
     for i, full in enumerate(full_in):
-        if full == 0:                   # an operand off HBM (VMEM, SMEM) moves no HBM bytes
+        if full == 0 or params.get(i) in buffer_params:   # off HBM (VMEM, SMEM), or the collective's buffer
             continue
         touched = _slice_users(comps, instrs, params[i]) if i in params else None
         nbytes += full if touched is None else touched
     return nbytes
+
+
+def _collective_fusion_bytes(instrs: dict, part: str) -> int:
+    """HBM bytes of the start or done fusion of an asynchronous collective as the TPU compiler writes it (its
+    async collective fusion: a start fusion, a compute fusion the collective runs beside, a done fusion):
+    the collective's data moves once, charged at the ``"start"`` fusion (its operands read, its result
+    written); the ``"done"`` fusion only waits. The compute fusion: `_collective_buffers`."""
+    if part == "done":
+        return 0
+    collectives = _collectives_in(instrs)
+    return sum(hbm_bytes(instrs[o][0]) for n in collectives for o in instrs[n][2] if o in instrs) + \
+        sum(hbm_bytes(instrs[n][0]) for n in collectives)
+
+
+def _collectives_in(instrs: dict) -> set[str]:
+    return {n for n, (_, op, _, _, _) in instrs.items() if op.removesuffix("-start") in _COLLECTIVES}
+
+
+def _collective_buffers(instrs: dict) -> tuple[set[str], set[str]]:
+    """(parameters, results) of an async collective's compute fusion that are the collective's buffers, not
+    the compute's traffic: a parameter whose every use is the collective or the fusion's result tuple (its
+    operand and result buffers, passed through), and the results that are the collective's or a parameter."""
+    collectives = _collectives_in(instrs)
+    root = list(instrs)[-1]
+    _, root_op, root_operands, _, _ = instrs[root]
+    outputs = root_operands if root_op == "tuple" else [root]
+    params = set()
+    for name, (_, op, _, _, _) in instrs.items():
+        users = [u for u, i in instrs.items() if name in i[2]]
+        if op == "parameter" and users and all(u in collectives or (u == root and root_op == "tuple") for u in users):
+            params.add(name)
+    return params, {o for o in outputs if o in collectives or instrs[o][1] == "parameter"}
 
 
 # what `categorize` is given for a fusion without metadata: this prefix + the fused computation's name
@@ -660,6 +701,17 @@ def _reduce_scatter_fusion(instrs: dict) -> bool:
     root = list(instrs.values())[-1] if instrs else None
     return bool(root and root[1] == "dynamic-slice" and root[2] and root[2][0] in instrs
                 and instrs[root[2][0]][1] == "all-reduce")
+
+
+def _collective_fusion_part(name: str, opcode: str, callees: dict) -> str | None:
+    """Which fusion of an async collective fusion an instruction is ("start", "compute", "done"), or None."""
+    if opcode != "fusion":
+        return None
+    if name.startswith(ASYNC_COLLECTIVE_START):
+        return "start"
+    if name.startswith(ASYNC_COLLECTIVE_DONE):
+        return "done"
+    return "compute" if callees.get("calls", "").startswith(ASYNC_COLLECTIVE_FUSION) else None
 
 
 def _async_start_of(name: str, opcode: str, operands: list[str]) -> str | None:
@@ -809,7 +861,8 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                         sync_s += seconds
             if not fused and opcode not in _FREE and opcode not in _ASYNC_CALLS and not opcode.endswith("-done"):
                 nbytes = kernel_bytes if kernel_bytes is not None else \
-                    _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs)
+                    _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs,
+                                       _collective_fusion_part(iname, opcode, callees))
                 own.add(("bytes", cat), nbytes)
             if opcode == "fusion" and "calls" in callees:
                 if not _OP_NAME.search(attrs):          # no metadata: the computation's name may tell

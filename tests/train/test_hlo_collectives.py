@@ -192,6 +192,11 @@ def test_async_collective_fusion_hides_behind_compute_and_fused_sync_collectives
     assert cost.comm_seconds == 8.0
     # the fused all-reduce (sync) in full + the fused all-gather (async) less the 2 s of the dot beside it
     assert cost.exposed_comm_seconds == 3.0 + (5.0 - 2.0)
+    # HBM: the all-reduce fusion reads g and writes s; the all-gather's data once, at its start (reads s,
+    # writes the gathered 4000); the compute fusion reads x and w and writes the dot (s, the collective's
+    # operand, and its result in the tuple are the collective's buffers); the done fusion only waits
+    f32 = 4
+    assert cost.bytes_accessed == f32 * (2 * 1000 + (1000 + 4000) + (2 * 64 * 128 + 128 * 128))
 
 
 # A reduce-scatter the TPU compiler offloads to the SparseCores (libtpu flag
