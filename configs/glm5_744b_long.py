@@ -60,7 +60,8 @@ def stage_config(name: str) -> ExperimentConfig:
     model = model_config().replace(remat_policy=STAGE_REMAT.get(name, "attention_saveable"), moe_ep="a2a",
                                    moe_capacity_factor=1.25, attention_impl="pallas")
     data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
-    train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0)
+    train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0,
+                        tpu_flags="sparsecore_offload")    # FSDP collectives on the SparseCores, as glm5_744b.py
     mesh = MeshConfig(data=1, fsdp=CHIPS // (context * EXPERT), context=context, expert=EXPERT, tensor=1)
     return ExperimentConfig(model=model, data=data, train=train, mesh=mesh)
 

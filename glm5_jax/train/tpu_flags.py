@@ -15,12 +15,13 @@ compile). `train.py` applies the config's set right after reading the config.
   matmuls. And the latency-hiding scheduler told to prefer keeping more collectives in flight over avoiding
   a stall (``--xla_lhs_prioritize_async_depth_over_stall``): with the all-to-alls async, the scheduler
   otherwise leaves most of the experts' FSDP weight all-gathers synchronous.
-* ``"sparsecore_offload"``: ``"collective_overlap"`` + the gradient reduce-scatters and all-reduces offloaded
-  to the SparseCores (v5p has four per chip, v6e two; ``--xla_tpu_enable_sparse_core_collective_offload_
-  reduce_scatter`` / ``_all_reduce``, with the SparseCore settings the public v5p / v6e training recipes
-  pair them with). In the compiled program each becomes an asynchronous call on the ``sparsecore`` thread,
-  so it runs beside the TensorCore's compute; without it the TPU compiler leaves reduce-scatters synchronous
-  (its async reduce-scatter fusion does not compile for these programs). For chips with SparseCores only.
+* ``"sparsecore_offload"``: ``"collective_overlap"`` with the FSDP weight all-gathers, gradient
+  reduce-scatters and all-reduces offloaded to the SparseCores (v5p has four per chip, v6e two;
+  ``--xla_tpu_enable_sparse_core_collective_offload_{reduce_scatter,all_reduce,all_gather}`` with the
+  SparseCore settings the public v5p / v6e training recipes pair them with). In the compiled program each
+  becomes an asynchronous call on the ``sparsecore`` thread, so it runs beside the TensorCore's compute;
+  without it the TPU compiler leaves reduce-scatters synchronous (its async reduce-scatter fusion does not
+  compile for these programs) and some all-gathers too. For chips with SparseCores only.
 
 Flags the user already put in ``LIBTPU_INIT_ARGS`` win over the set's value for the same flag.
 """
@@ -45,10 +46,20 @@ FLAG_SETS: dict[str, tuple[str, ...]] = {
         "--xla_lhs_prioritize_async_depth_over_stall=ENABLED",
     ),
 }
-FLAG_SETS["sparsecore_offload"] = FLAG_SETS["collective_overlap"] + (
+# the all-gathers leave the TensorCore's async collective fusion for the SparseCores
+FLAG_SETS["sparsecore_offload"] = tuple(
+    f for f in FLAG_SETS["collective_overlap"] if not f.startswith("--xla_tpu_enable_async_collective_fusion_fuse_all_gather")
+) + (
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false",
     "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
     "--xla_tpu_enable_sparse_core_reduce_scatter_v2=true",
     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true",
+    "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true",
+    "--xla_tpu_enable_concurrent_sparse_core_offloading=true",
+    "--xla_tpu_enable_sparse_core_collective_aggregator=true",
     "--xla_tpu_use_tc_device_shape_on_sc=true",
     "--xla_sc_disable_megacore_partitioning=true",
 )
