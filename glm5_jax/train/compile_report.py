@@ -96,6 +96,7 @@ def compile_train_step(exp_cfg, topology: str, hlo_path: str | None = None) -> d
             raise
         # the TPU compiler refuses programs that cannot fit HBM: report that instead of failing
         return {**header, "fits": False, "compile_error": str(e).splitlines()[0],
+                "compile_error_detail": str(e)[:8000],      # the compiler's whole message (which buffer, where)
                 "compile_seconds": round(time.perf_counter() - t0 - t_lower, 1)}
     t_compile = time.perf_counter() - t0 - t_lower
     mem = compiled.memory_analysis()

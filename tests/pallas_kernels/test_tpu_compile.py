@@ -233,3 +233,36 @@ def test_indexer_kl_sparse_kernels_compile(KL_T, KL_S, kl_dtype):
     cost = hlo_cost(text)
     print(f"kernel FLOPs {cost.kernel_flops:.4g} (declared {declared:.4g}), HBM bytes {cost.bytes_accessed:.4g}")
     assert cost.kernel_flops == declared
+
+
+def test_warmup_indexer_kl_compiles_with_its_gradients_kept_by_remat(mesh):
+    """The masked warm-up KL inside a remat'd scan over three layers whose policy keeps the kernel's gradients,
+    at the 744B sparse step's per-chip shapes (context 2: 2048 queries of a 4096-token sequence against all
+    4096 keys): the kept gradients land in the scan's stacked residuals. Without the optimization barrier in
+    ops.py the TPU compiler fuses the kernel with that write, and the fused kernel gets the default 16 MiB of
+    scoped VMEM instead of its own limit: 36 MiB needed, no compile."""
+    n, T, S = len(mesh.devices), 2048, 4096
+    policy = jax.checkpoint_policies.save_only_these_names(*indexer_kl_ops.SAVED_NAMES)
+
+    def layers(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed):
+        def kl(iq, ik, iw):
+            s, c = indexer_kl_ops.warmup_kl_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed,
+                                                 scale=192**-0.5, impl="pallas")
+            return jnp.sum(s) / jnp.maximum(jnp.sum(c), 1.0)
+
+        def loss(iq, ik, iw):
+            layer = lambda carry, _: (carry + jax.checkpoint(kl, policy=policy)(iq * (1 + carry), ik, iw), None)  # noqa: E731
+            return jax.lax.scan(layer, jnp.zeros((), jnp.float32), None, length=3)[0]
+
+        return jax.grad(loss, argnums=(0, 1, 2))(iq, ik, iw)
+
+    args = (abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
+            abstract(mesh, (n, S, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
+            abstract(mesh, (n, T, FLASH_H), jnp.float32, BATCH),
+            abstract(mesh, (n, T, HI, DI), jnp.float32, BATCH), abstract(mesh, (n, S, DI), jnp.float32, BATCH),
+            abstract(mesh, (n, T, HI), jnp.float32, BATCH),
+            abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH),
+            abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH),
+            abstract(mesh, (n, T, S), jnp.int8, BATCH))
+    text = compile_and_check(mesh, layers, args, (BATCH,) * len(args), (BATCH,) * 3).as_text()
+    assert "indexer_kl_warmup_grads" in text
