@@ -530,6 +530,10 @@ def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str
     if opcode == "copy-start":
         destination = laid_out(shape)[:1]
         return sum(a.hbm_bytes() for a in destination) + sum(hbm_bytes(t) for t in operand_shapes)
+    if opcode == "slice-start" and arrays and arrays[0] is not None and len(laid_out(shape)) > 1:
+        # an async slice (v6e: a window copied into VMEM): the window read, the destination written
+        destination = laid_out(shape)[1]        # ((operand), destination, s32)
+        return arrays[0].hbm_bytes(destination.shape, "dma") + destination.hbm_bytes()
     full_in = [hbm_bytes(t) for t in operand_shapes]
     if opcode != "fusion" or callees.get("calls") not in comps:
         return hbm_bytes(shape) + sum(full_in)

@@ -123,3 +123,20 @@ def test_loop_once_counts_match_xla_cost_analysis():
     assert once.flops == pytest.approx(xla["flops"], rel=0.02)
     assert once.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.15)
     assert full.flops == pytest.approx(6 * 3 * 2 * 256 * 512 * 512, rel=0.01)   # fwd + 2 grads per layer
+
+
+def test_async_slice_into_vmem_reads_its_window():
+    """v6e's async slice (slice-start / slice-done, as libtpu compiles an FSDP step's weight windows into
+    VMEM): the 4 MiB window is read from HBM once; its VMEM destination and the operand aliased in the
+    start's tuple move nothing."""
+    text = """HloModule m, entry_computation_layout={(s8[33554432]{0})->s8[4194304]{0}}
+
+ENTRY %main (p: s8[33554432]) -> s8[4194304] {
+  %p = s8[33554432]{0:T(1024)(128)(4,1)} parameter(0)
+  %slice-start = ((s8[33554432]{0:T(1024)(128)(4,1)}), s8[4194304]{0:T(1024)(128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[29360128:33554432]}
+  %slice-done = s8[4194304]{0:T(1024)(128)(4,1)S(1)} slice-done(%slice-start)
+  ROOT %copy = s8[4194304]{0:T(1024)(128)(4,1)} copy(%slice-done)
+}
+"""
+    # the window read + the copy writing it back to HBM (its VMEM source moves nothing)
+    assert hlo_cost(text).bytes_accessed == 4194304 + 4194304
