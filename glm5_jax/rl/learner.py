@@ -145,7 +145,7 @@ class Learner:
         self.abstract_opt_state = self.policy.abstract_opt_state(self.tx)
         self._opt_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_opt_state)
         self.profiler = StepProfiler(storage.join(self.workdir, "tb"), self.rl.profile_start, self.rl.profile_steps,
-                                     name="rl_update")
+                                     name="rl_update", before_stop=self.writer.wait)
         self._committed_next_ordinal = 0     # next_ordinal of the newest version known to be committed
         self._published_next_ordinal = 0     # ... of the newest version whose save was started
 

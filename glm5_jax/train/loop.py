@@ -110,7 +110,8 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     last = {}
     end = exp_cfg.train.steps if max_steps is None else min(exp_cfg.train.steps, start + max_steps)
     t_last, steps_since = time.perf_counter(), 0
-    profiler = StepProfiler(storage.join(workdir, "tb"), train.profile_start, train.profile_steps)
+    profiler = StepProfiler(storage.join(workdir, "tb"), train.profile_start, train.profile_steps,
+                            before_stop=ckpt.wait)     # no checkpoint writer threads while the trace stops
     for step in range(start, end):
         batch = trainer.put_batch(next(train_iter))
         with profiler.step(step):

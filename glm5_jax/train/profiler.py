@@ -10,6 +10,10 @@ shows it beside the scalars. The HLO ops on the timeline carry the model's `jax.
 glm5_jax.cost.categories files the compile report's categories by.
 
 With ``num_steps == 0`` nothing is traced and no profiler function is called.
+
+``before_stop``: called before the trace stops (the training loop waits there for an async checkpoint save in
+flight: `jax.profiler.stop_trace` collecting events while orbax's writer threads run has crashed the process
+with a segmentation fault on CPU).
 """
 from __future__ import annotations
 
@@ -22,10 +26,11 @@ log = logging.getLogger("glm5_jax.train")
 
 
 class StepProfiler:
-    def __init__(self, log_dir: str, start: int = 0, num_steps: int = 0, name: str = "train"):
+    def __init__(self, log_dir: str, start: int = 0, num_steps: int = 0, name: str = "train", before_stop=None):
         if start < 0 or num_steps < 0:
             raise ValueError(f"profile start={start}, steps={num_steps}: must be >= 0")
         self.log_dir, self.start, self.end, self.name = log_dir, start, start + num_steps, name
+        self.before_stop = before_stop
         self.active = False
 
     @property
@@ -51,6 +56,8 @@ class StepProfiler:
 
     def stop(self) -> None:
         if self.active:
+            if self.before_stop is not None:
+                self.before_stop()
             jax.profiler.stop_trace()
             self.active = False
             log.info("profile written under %s/plugins/profile", self.log_dir)

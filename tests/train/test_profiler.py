@@ -67,3 +67,21 @@ def test_profiling_off_calls_no_profiler(tmp_path, monkeypatch):
     assert not profiler.enabled and os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="must be >= 0"):
         StepProfiler(str(tmp_path), start=-1, num_steps=2)
+
+
+def test_the_trace_stops_after_before_stop(tmp_path, monkeypatch):
+    """`before_stop` (the loop's wait for an async checkpoint save) runs once, right before stop_trace,
+    after the last traced step."""
+    calls = []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: calls.append("start"))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
+    profiler = StepProfiler(str(tmp_path), start=1, num_steps=2, before_stop=lambda: calls.append("wait"))
+    double = jax.jit(lambda x: 2 * x)
+    x = np.ones(3)
+    for step in range(4):
+        with profiler.step(step):
+            x = double(x)
+        profiler.after_step(step, x)
+        calls.append(f"step {step}")
+    profiler.stop()
+    assert calls == ["step 0", "start", "step 1", "wait", "stop", "step 2", "step 3"]
