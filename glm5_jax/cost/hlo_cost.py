@@ -467,6 +467,13 @@ def _written_bytes(instrs: dict, name: str, depth: int = 0) -> int:
 _PASS_THROUGH = ("bitcast", "reshape", "get-tuple-element")
 
 
+def _fusion_outputs(instrs: dict) -> tuple[str, list[str]]:
+    """(root, the values a fused computation returns): the root tuple's operands, or the root itself."""
+    root = list(instrs)[-1]
+    _, op, operands, _, _ = instrs[root]
+    return root, (operands if op == "tuple" else [root])
+
+
 def _kernel_fusion_bytes(instrs: dict, full_in: list[int], params: dict[int, str]) -> int | None:
     """HBM bytes of a fusion the TPU compiler built around Mosaic kernels (kind=kCustom; e.g. a kernel whose
     output goes straight into a loop's stacked buffer through a dynamic-update-slice), when every kernel in
@@ -500,9 +507,7 @@ def _kernel_fusion_bytes(instrs: dict, full_in: list[int], params: dict[int, str
     for i, full in enumerate(full_in):
         if full and i in params and not only_aliased(params[i]):
             nbytes += full
-    root = list(instrs)[-1]
-    _, op, operands, _, _ = instrs[root]
-    for out in (operands if op == "tuple" else [root]):
+    for out in _fusion_outputs(instrs)[1]:
         _, o_op, o_operands, _, _ = instrs[out]
         if from_kernel(out) or (o_op == "dynamic-update-slice" and len(o_operands) > 1 and from_kernel(o_operands[1])):
             continue
@@ -546,8 +551,7 @@ def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str
         return in_kernel_fusion
     buffer_params, buffer_outputs = _collective_buffers(instrs) if collective_part == "compute" else (set(), set())
     if buffer_outputs:
-        root = list(instrs)[-1]
-        nbytes = sum(_written_bytes(instrs, o) for o in instrs[root][2] if o not in buffer_outputs)
+        nbytes = sum(_written_bytes(instrs, o) for o in _fusion_outputs(instrs)[1] if o not in buffer_outputs)
     else:
         nbytes = _written_bytes(instrs, list(instrs)[-1]) if instrs else hbm_bytes(shape)
     for i, full in enumerate(full_in):
@@ -579,13 +583,12 @@ def _collective_buffers(instrs: dict) -> tuple[set[str], set[str]]:
     the compute's traffic: a parameter whose every use is the collective or the fusion's result tuple (its
     operand and result buffers, passed through), and the results that are the collective's or a parameter."""
     collectives = _collectives_in(instrs)
-    root = list(instrs)[-1]
-    _, root_op, root_operands, _, _ = instrs[root]
-    outputs = root_operands if root_op == "tuple" else [root]
+    root, outputs = _fusion_outputs(instrs)
+    passed_through = outputs if instrs[root][1] == "tuple" else []
     params = set()
-    for name, (_, op, _, _, _) in instrs.items():
+    for name in _params(instrs).values():
         users = [u for u, i in instrs.items() if name in i[2]]
-        if op == "parameter" and users and all(u in collectives or (u == root and root_op == "tuple") for u in users):
+        if users and all(u in collectives or (u == root and name in passed_through) for u in users):
             params.add(name)
     return params, {o for o in outputs if o in collectives or instrs[o][1] == "parameter"}
 
