@@ -35,6 +35,18 @@ def _train(profiler: StepProfiler, steps: int):
     profiler.stop()
 
 
+def _double_steps(profiler: StepProfiler, steps: int, after_each=lambda step: None):
+    """`steps` jitted doublings through the profiler's step / after_step hooks, then its stop."""
+    double = jax.jit(lambda x: 2 * x)
+    x = np.ones(3)
+    for step in range(steps):
+        with profiler.step(step):
+            x = double(x)
+        profiler.after_step(step, x)
+        after_each(step)
+    profiler.stop()
+
+
 def test_a_trace_of_two_steps_holds_the_models_scopes(tmp_path):
     _train(StepProfiler(str(tmp_path), start=1, num_steps=2), steps=3)
     traces = glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))
@@ -57,13 +69,7 @@ def test_profiling_off_calls_no_profiler(tmp_path, monkeypatch):
     for name in ("start_trace", "stop_trace", "StepTraceAnnotation"):
         monkeypatch.setattr(jax.profiler, name, refuse)
     profiler = StepProfiler(str(tmp_path), start=0, num_steps=0)
-    double = jax.jit(lambda x: 2 * x)
-    x = np.ones(3)
-    for step in range(3):
-        with profiler.step(step):
-            x = double(x)
-        profiler.after_step(step, x)
-    profiler.stop()
+    _double_steps(profiler, 3)
     assert not profiler.enabled and os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="must be >= 0"):
         StepProfiler(str(tmp_path), start=-1, num_steps=2)
@@ -76,12 +82,5 @@ def test_the_trace_stops_after_before_stop(tmp_path, monkeypatch):
     monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: calls.append("start"))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
     profiler = StepProfiler(str(tmp_path), start=1, num_steps=2, before_stop=lambda: calls.append("wait"))
-    double = jax.jit(lambda x: 2 * x)
-    x = np.ones(3)
-    for step in range(4):
-        with profiler.step(step):
-            x = double(x)
-        profiler.after_step(step, x)
-        calls.append(f"step {step}")
-    profiler.stop()
+    _double_steps(profiler, 4, after_each=lambda step: calls.append(f"step {step}"))
     assert calls == ["step 0", "start", "step 1", "wait", "stop", "step 2", "step 3"]
