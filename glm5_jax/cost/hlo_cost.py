@@ -539,6 +539,11 @@ def _instruction_bytes(comps, shape, opcode, operand_shapes, callees, attrs: str
         # an async slice (v6e: a window copied into VMEM): the window read, the destination written
         destination = laid_out(shape)[1]        # ((operand), destination, s32)
         return arrays[0].hbm_bytes(destination.shape, "dma") + destination.hbm_bytes()
+    if opcode.removesuffix("-start") in _ASYNC_TUPLE_COLLECTIVES and opcode.endswith("-start") \
+            and shape.startswith("("):
+        # its result tuple holds its operands (the buffers it reads: aliased, not copies), its results and
+        # sync flags (SMEM): each buffer once, the operands read and the results written
+        return hbm_bytes(shape)
     full_in = [hbm_bytes(t) for t in operand_shapes]
     if opcode != "fusion" or callees.get("calls") not in comps:
         return hbm_bytes(shape) + sum(full_in)
@@ -597,6 +602,8 @@ def _collective_buffers(instrs: dict) -> tuple[set[str], set[str]]:
 HLO_COMPUTATION_PREFIX = "hlo-computation:"
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COST_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{([^}]*)\}')
+# collectives whose async start returns ((operands), results, ...): all-reduce-start returns its result only
+_ASYNC_TUPLE_COLLECTIVES = {"all-gather", "all-to-all", "collective-permute", "ragged-all-to-all"}
 _COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                 "collective-permute"}
 

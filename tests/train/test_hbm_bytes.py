@@ -140,3 +140,23 @@ ENTRY %main (p: s8[33554432]) -> s8[4194304] {
 """
     # the window read + the copy writing it back to HBM (its VMEM source moves nothing)
     assert hlo_cost(text).bytes_accessed == 4194304 + 4194304
+
+
+def test_async_collective_start_reads_its_operand_and_writes_its_result_once():
+    """An async all-to-all's / all-gather's start returns ((its operand), its result, sync flags): the operand
+    in the tuple is the buffer it reads, not a copy. 10240 bf16 rows of (48, 128) are 120 MiB each way; the
+    all-gather reads a 1 MiB shard and writes the 64 MiB gathered array; the done moves nothing."""
+    text = """HloModule m, entry_computation_layout={(bf16[10240,48,128]{2,1,0}, f32[64,4096]{1,0})->(bf16[10240,48,128]{2,1,0}, f32[4096,4096]{1,0})}
+
+ENTRY %main (p: bf16[10240,48,128], w: f32[64,4096]) -> (bf16[10240,48,128], f32[4096,4096]) {
+  %p = bf16[10240,48,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %w = f32[64,4096]{1,0:T(8,128)} parameter(1)
+  %a2a-start = ((bf16[10240,48,128]{2,1,0:T(8,128)(2,1)}), bf16[10240,48,128]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}, u32[]{:S(2)}) all-to-all-start(%p), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %a2a-done = bf16[10240,48,128]{2,1,0:T(8,128)(2,1)} all-to-all-done(%a2a-start)
+  %ag-start = (f32[64,4096]{1,0:T(8,128)}, f32[4096,4096]{1,0:T(8,128)}) all-gather-start(%w), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+  %ag-done = f32[4096,4096]{1,0:T(8,128)} all-gather-done(%ag-start)
+  ROOT %t = (bf16[10240,48,128]{2,1,0:T(8,128)(2,1)}, f32[4096,4096]{1,0:T(8,128)}) tuple(%a2a-done, %ag-done)
+}
+"""
+    rows = 10240 * 48 * 128 * BF16
+    assert hlo_cost(text).bytes_accessed == 2 * rows + 64 * 4096 * F32 + 4096 * 4096 * F32
