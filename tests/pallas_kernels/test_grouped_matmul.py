@@ -172,12 +172,13 @@ def _compiled_swiglu_gradients(impl, gate_up_transposed=False) -> str:
 @pytest.mark.parametrize("impl,gate_up_transposed", [("gmm", False), ("auto", True)], ids=["gmm", "auto_EFD"])
 def test_gmm_swiglu_forward_and_backward_compile_for_v5p(impl, gate_up_transposed):
     hlo = _compiled_swiglu_gradients(impl, gate_up_transposed)
-    # forward gmm for gate and up (the down projection's output is not needed for these gradients),
-    # 3 gmm for the input gradients, 3 tgmm for the weight gradients (each in its weight's layout)
+    # forward gmm for gate and up (the down projection's output is not needed for these gradients; they
+    # come out in the compute dtype), 3 gmm for the input gradients, 3 tgmm for the weight gradients (each
+    # in its weight's layout)
     assert hlo.count('custom_call_target="tpu_custom_call"') == 8
     gate_up = f"bf16[{E_LOCAL},{F},{D}]" if gate_up_transposed else f"bf16[{E_LOCAL},{D},{F}]"
     assert sorted(_kernel_result_shapes(hlo)) == sorted(
-        [gate_up] * 2 + [f"bf16[{E_LOCAL},{F},{D}]"] + [f"f32[{ROWS},{F}]"] * 2
+        [gate_up] * 2 + [f"bf16[{E_LOCAL},{F},{D}]"] + [f"bf16[{ROWS},{F}]"] * 2
         + [f"bf16[{ROWS},{D}]"] * 2 + [f"bf16[{ROWS},{F}]"])
     assert _weight_grad_products(hlo) == []
     assert " ragged-dot(" not in hlo and " conditional(" not in hlo

@@ -17,8 +17,9 @@ from pallas_kernels.grouped_matmul.ops import grouped_matmul
 from pallas_kernels.impls import GMM_IMPLS
 
 KERNEL_IMPLS = GMM_IMPLS   # Pallas calls: must run per shard on a multi-device mesh
-# the gate and up products of `swiglu_rows` ([M, F] fp32 each), named for remat policies: a policy that keeps
-# them (decoder.REMAT_POLICIES "experts_saveable") reruns only the down product of the experts' forward
+# the gate and up products of `swiglu_rows` ([M, F] each in the compute dtype), named for remat policies: a
+# policy that keeps them (decoder.REMAT_POLICIES "experts_saveable") reruns only the down product of the
+# experts' forward
 EXPERT_SAVED_NAMES = ("moe_gate_out", "moe_up_out")
 # the rows the experts multiply ([M, D], sorted by expert): a policy that keeps them and the gate / up products
 # and the experts' outputs (decoder.REMAT_POLICIES "moe_saveable") reruns neither the transport (gathers,
@@ -34,19 +35,24 @@ def sort_by_expert(expert_idx_NK, n_experts):
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=n_experts).astype(jnp.int32)
 
 
-def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl, gate_up_transposed=False):
-    """SwiGLU of rows sorted by expert -> [M, D] fp32; rows past sum(group_sizes) come out zero. With
-    ``gate_up_transposed`` the gate and up weights come as [E, F, D] (their gradients too)."""
-    def gmm(lhs, rhs, transpose_rhs=False):
+def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl, gate_up_transposed=False,
+                out_dtype=jnp.float32):
+    """SwiGLU of rows sorted by expert -> [M, D] in ``out_dtype``; rows past sum(group_sizes) come out zero.
+    With ``gate_up_transposed`` the gate and up weights come as [E, F, D] (their gradients too).
+
+    Every product accumulates in fp32; the gate and up products leave the grouped matmul in ``dtype`` (the
+    compute dtype: in bf16 they and what a remat policy keeps of them are half the bytes of fp32, and the
+    SwiGLU's result is rounded to it anyway before the down product)."""
+    def gmm(lhs, rhs, transpose_rhs=False, out=dtype):
         return grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes_E, impl=impl,
-                              transpose_rhs=transpose_rhs)
+                              transpose_rhs=transpose_rhs, out_dtype=out)
 
     x_MD = checkpoint_name(x_MD.astype(dtype), EXPERT_ROWS_NAME)
 
     gate, up = (checkpoint_name(gmm(x_MD, w, gate_up_transposed), name)
                 for w, name in zip((w_gate_EDF, w_up_EDF), EXPERT_SAVED_NAMES))
-    h = (jax.nn.silu(gate) * up).astype(dtype)
-    return gmm(h, w_down_EFD)
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    return gmm(h, w_down_EFD, out=out_dtype)
 
 
 def sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl):
