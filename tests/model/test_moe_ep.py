@@ -7,7 +7,7 @@ import pytest
 from flax.core import meta
 
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
-from glm5_jax.model.moe.expert_parallel import capacity, tile_rows
+from glm5_jax.model.moe.expert_parallel import capacity, take_token_rows, take_unique_rows, tile_rows
 from glm5_jax.model.moe.layer import MoE, grouped_swiglu, route
 from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 
@@ -138,3 +138,35 @@ def test_expert_weight_gradients_are_reduce_scattered_to_their_fsdp_shards():
     assert sorted(scattered) == [f"{E},{F},{D // 2}"] * 3
     whole = re.findall(r"= f32\[([0-9,]+)\]\S* all-reduce\(", text)
     assert not {f"{E},{D},{F}", f"{E},{F},{D}"} & set(whole)
+
+
+def test_transport_gathers_have_gather_gradients_equal_to_autodiff_on_the_rows_read():
+    """The transport's gathers differentiate by a gather (the inverse map), not a scatter-add: equal to JAX's
+    own gradient of a zero-filling gather on every row some output took; a dropped (token, choice) gets
+    nothing."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (6, 2, 4))
+    rows = jnp.array([4, 0, 9, 2, 5, 9, 1], jnp.int32)            # 9: out of range (padding); x row 3 untaken
+    inverse = jnp.full((6,), 7, jnp.int32).at[rows].set(jnp.arange(7, dtype=jnp.int32), mode="drop")
+    dy = jax.random.normal(jax.random.PRNGKey(1), (7, 2, 4))
+
+    def autodiff(x):
+        return jnp.sum(x.at[rows].get(mode="fill", fill_value=0) * dy)
+
+    want = jax.grad(autodiff)(x)
+    got = jax.grad(lambda x: jnp.sum(take_unique_rows(x, rows, inverse, True) * dy))(x)
+    taken = np.array([0, 1, 2, 4, 5])                             # row 3's gradient is left unspecified
+    np.testing.assert_array_equal(got[taken], want[taken])
+    np.testing.assert_array_equal(got[taken], dy[np.array([1, 6, 3, 0, 4])])
+    filled = take_unique_rows(x, rows, inverse, True)
+    np.testing.assert_array_equal(filled[2], 0)
+    np.testing.assert_array_equal(filled[:2], x[jnp.array([4, 0])])
+
+    # 3 tokens x 2 choices into 5 slots; token 2's second choice is dropped (slot 5 is out of range)
+    slot_NK = jnp.array([[0, 3], [1, 4], [2, 5]], jnp.int32)
+    token_of_slot = jnp.array([0, 1, 2, 0, 1], jnp.int32)
+    xt = x[:3]
+    ds = jax.random.normal(jax.random.PRNGKey(2), (5, 2, 4))
+    want = jax.grad(lambda xt: jnp.sum(xt[token_of_slot] * ds))(xt)
+    got = jax.grad(lambda xt: jnp.sum(take_token_rows(xt, token_of_slot, slot_NK) * ds))(xt)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got[2], ds[2], rtol=1e-6)      # its dropped choice adds nothing

@@ -28,6 +28,7 @@ all-reducing the whole local expert gradient and slicing it afterwards.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -74,6 +75,58 @@ def tile_rows(x_RD):
     return x_RD.reshape(R, D // LANES, LANES) if D % LANES == 0 else x_RD
 
 
+# The transport's row gathers, each with the gather its gradient is: JAX's transpose of a gather is a
+# scatter-add into a zero-filled buffer (the buffer written, then read and written back at every update).
+# Rows no one reads are left unspecified (a clipped index: a copy of some real row, finite when the data
+# is): a padding slot of the send buffer (the receiver packs only filled slots), a packed row past the
+# local experts' rows (the grouped matmuls never multiply those and zero their output), a returned
+# padding slot. Zero-filling them costs a select pass over the rows.
+
+
+def _take(x, rows, zero_fill):
+    return x.at[rows].get(mode="fill", fill_value=0) if zero_fill else x.at[rows].get(mode="clip")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_unique_rows(x_R, rows_M, inverse_R, zero_fill=False):
+    """x[rows] -> [M, ...], where ``rows`` names each row of x at most once and ``inverse[r]`` is the
+    output row that took x row r (out of range: none). A row out of range comes out zero with
+    ``zero_fill``, else unspecified. Gradient: dy[inverse], unspecified at rows of x no output took."""
+    return _take(x_R, rows_M, zero_fill)
+
+
+def _take_unique_rows_fwd(x_R, rows_M, inverse_R, zero_fill):
+    return _take(x_R, rows_M, zero_fill), inverse_R
+
+
+def _take_unique_rows_bwd(zero_fill, inverse_R, dy_M):
+    return _take(dy_M, inverse_R, False), None, None
+
+
+take_unique_rows.defvjp(_take_unique_rows_fwd, _take_unique_rows_bwd)
+
+
+@jax.custom_vjp
+def take_token_rows(x_N, token_of_slot_S, slot_NK):
+    """x[token_of_slot] -> [S, ...], where each slot holds one (token, choice) assignment and ``slot_NK[n,
+    k]`` is the slot of token n's k-th (out of range: dropped); a slot out of range is unspecified.
+    Gradient: each token's kept slots gathered and summed in fp32."""
+    return _take(x_N, token_of_slot_S, False)
+
+
+def _take_token_rows_fwd(x_N, token_of_slot_S, slot_NK):
+    return _take(x_N, token_of_slot_S, False), slot_NK
+
+
+def _take_token_rows_bwd(slot_NK, dy_S):
+    d_NK = _take(dy_S, slot_NK, False)
+    kept = (slot_NK < dy_S.shape[0]).reshape(slot_NK.shape + (1,) * (dy_S.ndim - 1))
+    return jnp.where(kept, d_NK.astype(jnp.float32), 0).sum(axis=1).astype(dy_S.dtype), None, None
+
+
+take_token_rows.defvjp(_take_token_rows_fwd, _take_token_rows_bwd)
+
+
 def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     """Capacity-padded all_to_all transport. Shapes are per shard."""
     n, K = idx.shape
@@ -88,7 +141,7 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     # copy of the tokens and no zero-filled buffer scattered into (whose bytes a scatter reads and writes)
     token_of_slot = jnp.full((E * cap,), n, jnp.int32).at[slot].set(
         jnp.arange(n * K, dtype=jnp.int32) // K, mode="drop")
-    send = tile_rows(x.astype(dtype)).at[token_of_slot].get(mode="fill", fill_value=0)   # [dest, El, C] rows
+    send = take_token_rows(tile_rows(x.astype(dtype)), token_of_slot, slot.reshape(n, K))   # [dest, El, C] rows
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
     recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
@@ -98,12 +151,14 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     # the received row each packed row takes (R: a padding row), then a gather, as for `send`
     recv_row_of_packed = jnp.full((R,), R, jnp.int32).at[packed_slot.reshape(-1)].set(
         jnp.arange(R, dtype=jnp.int32), mode="drop")
-    packed = recv.at[recv_row_of_packed].get(mode="fill", fill_value=0)
+    packed = take_unique_rows(recv, recv_row_of_packed, packed_slot.reshape(-1))
     y = _reduce_partial_widths(swiglu_rows(packed.reshape(R, D), recv_counts.sum(0), w_gate, w_up, w_down, dtype,
-                                           impl, gate_up_transposed=True), mlp, dtype)
-    back = tile_rows(y).at[packed_slot.reshape(-1)].get(mode="fill", fill_value=0)   # [src, El, C] rows
+                                           impl, gate_up_transposed=True, out_dtype=dtype), mlp, dtype)
+    back = take_unique_rows(tile_rows(y), packed_slot.reshape(-1), recv_row_of_packed)   # [src, El, C] rows
     returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
-    y_assign = returned.at[slot].get(mode="fill", fill_value=0)
+    assignment_of_slot = jnp.full((E * cap,), n * K, jnp.int32).at[slot].set(jnp.arange(n * K, dtype=jnp.int32),
+                                                                            mode="drop")
+    y_assign = take_unique_rows(returned, slot, assignment_of_slot, True)   # a dropped assignment: zero
     return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
 
 
@@ -161,7 +216,7 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
     by_expert_order = jnp.argsort(local_e, stable=True)
     y = _reduce_partial_widths(
         swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl,
-                    gate_up_transposed=True), mlp, dtype)
+                    gate_up_transposed=True, out_dtype=dtype), mlp, dtype)
     y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y)
     recv_offsets = _exclusive_cumsum(recv_sizes)
     back_offsets = _exclusive_cumsum(sent, axis=1)[:, me]                 # my rows' offsets in each source
