@@ -36,12 +36,13 @@ def get_config() -> ExperimentConfig:
     (bench/results/compile_744b.md). Under the stricter start-to-done overlap rule of docs/cost_model.md
     those are 5.13 and 5.45 s, and with the async all-to-all in two token chunks (below) 4.72 s dense and
     5.04 s sparse."""
-    # remat: "moe_saveable" keeps each MoE layer's expert input rows, gate / up products and outputs (~0.55 GB per
-    # layer per chip) so the backward reruns no expert product and moves no rows; 83-85 GiB per chip in the
-    # dense and sparse steps (bench/results/compile_744b_dense.md, compile_744b.md)
+    # remat: "moe_attention_saveable" keeps each MoE layer's expert input rows, gate / up products and outputs
+    # (the backward reruns no expert product and moves no rows) and each layer's attention core residuals,
+    # query and block output (the backward reruns only the key / value up-projection); 84-87 GiB per chip in
+    # the dense and sparse steps (bench/results/compile_744b_dense.md, compile_744b.md)
     # moe_a2a_chunks=2: each chip's tokens cross the (async) all-to-all in two halves, so one half's transport
     # runs beside the other half's expert matmuls
-    model = model_config().replace(remat_policy="moe_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
+    model = model_config().replace(remat_policy="moe_attention_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    moe_a2a_chunks=2)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     # tpu_flags "sparsecore_offload": the FSDP weight all-gathers and gradient reduce-scatters / all-reduces run

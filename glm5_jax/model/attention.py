@@ -54,6 +54,9 @@ SELECTION_NAME = context_attention.SELECTION_NAME   # the top-k selection, for r
 # keeping these never reruns the attention core in the backward pass
 ATTENTION_SAVED_NAMES = (("attention_core_out", context_attention.KL_TARGET_NAME) + sparse_mla_ops.SAVED_NAMES
                          + flash_ops.SAVED_NAMES + indexer_kl_sparse.SAVED_NAMES)
+# the query's low-rank latent before its norm ([B, T, q_lora_rank]), for remat policies: kept with the MHA query
+# (mha_form.QUERY_NAME), the backward reruns no query projection
+Q_LATENT_NAME = "attention_q_latent"
 # the warm-up KL kernel's gradients for the indexer (computed with its loss in one forward kernel)
 INDEXER_KL_GRAD_NAMES = indexer_kl_ops.SAVED_NAMES
 
@@ -145,7 +148,7 @@ class MLAttention(nn.Module):
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
         qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, name="q_a_norm")(
-            einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj))
+            checkpoint_name(einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj), Q_LATENT_NAME))
         q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), (BATCH, SEQ, ACT_HEADS, None))
         q_nope = q[..., :dn]
         q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True)

@@ -26,6 +26,7 @@ QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: p
 RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "attention_expert_out_saveable",
                       "dots_saveable",
                       "dots_with_no_batch_dims_saveable", "dots_attention_saveable", "experts_saveable", "moe_saveable",
+                      "moe_attention_saveable",
                       "offload_dots"]
 
 DTYPES = typing.get_args(Dtype)

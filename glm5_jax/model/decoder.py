@@ -12,17 +12,23 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.model.attention import ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAMES, SELECTION_NAME, MLAttention
+from glm5_jax.model.attention import (ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAMES, Q_LATENT_NAME, SELECTION_NAME,
+                                      MLAttention)
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
+from glm5_jax.model.mha_form import QUERY_NAME
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, EXPERT_ROWS_NAME, EXPERT_SAVED_NAMES
 from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 from glm5_jax.parallel.axes import EMBED, LAYERS
 
 _cp = jax.checkpoint_policies
+# each layer's attention block output (after the output projection, before the residual add), for remat
+# policies: keeping it, the backward does not rerun the output projection's forward
+ATTENTION_OUT_NAME = "attention_block_out"
 # The partial policies also keep the DSA top-k selection (attention.SELECTION_NAME: int32 indices and a
 # mask, [B, T, k] per full layer): recomputing it costs the indexer scores and a top-k in the backward;
 # the blocked MoE's matmul results (moe.BLOCKED_MOE_NAMES, the dots of its block loop); and the warm-up
@@ -68,8 +74,9 @@ REMAT_POLICIES = {
         _cp.dots_with_no_batch_dims_saveable,
         _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES)),
     # "full" except the selection and the routed experts' gate / up products (moe.experts.EXPERT_SAVED_NAMES,
-    # 2 x [rows, F] fp32 per MoE layer): the backward reruns only the experts' down product, so the routed
-    # experts cost 10/3 of a forward instead of 4 (a2a, routing and everything else are still recomputed)
+    # 2 x [rows, F] in the compute dtype per MoE layer): the backward reruns only the experts' down product, so
+    # the routed experts cost 10/3 of a forward instead of 4 (a2a, routing and everything else are still
+    # recomputed)
     "experts_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES),
     # "experts_saveable" + the rows the experts multiply and their outputs per (token, choice)
     # (moe.experts.EXPERT_ROWS_NAME, EXPERT_OUT_NAME; [rows, D] and [N, K, D] in the compute dtype per MoE layer):
@@ -77,6 +84,14 @@ REMAT_POLICIES = {
     # all-gather for the forward), only the routing; attention and the rest are recomputed
     "moe_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES,
                                               EXPERT_ROWS_NAME, EXPERT_OUT_NAME),
+    # "moe_saveable" + the attention core's residuals (as "attention_saveable": the kernels' out and lse, the
+    # KL target), the attention block's output ([B, T, D] in the compute dtype, ATTENTION_OUT_NAME) and, in
+    # the MHA form, the query and its latent (mha_form.QUERY_NAME [B, T, H, d_qk], attention.Q_LATENT_NAME):
+    # the backward reruns only the key / value up-projection the attention backward reads, neither the
+    # attention core's forward, nor the query or output projections
+    "moe_attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES, EXPERT_ROWS_NAME,
+                                                        EXPERT_OUT_NAME, *ATTENTION_SAVED_NAMES[1:],
+                                                        ATTENTION_OUT_NAME, QUERY_NAME, Q_LATENT_NAME),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _offload_dots_keeping_selection,
 }
@@ -106,7 +121,7 @@ class DecoderLayer(nn.Module):
         a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="input_norm")(h_BTD)
         attn = MLAttention(cfg, self.kind.indexer, name="attention")(a, positions_BT, segment_ids_BT, selection,
                                                                     cache)
-        h_BTD = constrain(h_BTD + attn.out, ACT_BTD)
+        h_BTD = constrain(h_BTD + checkpoint_name(attn.out, ATTENTION_OUT_NAME), ACT_BTD)
         m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(h_BTD)
         moe_aux = None
         if self.kind.mlp == "dense":

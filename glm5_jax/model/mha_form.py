@@ -9,22 +9,32 @@ W_UV. Per (query, key, head) pair that costs 2 (d_nope + d_rope) + 2 d_v FLOPs (
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import einsum
 from pallas_kernels.flash_attention import ops as flash_ops
 
 
+# the MHA query, named for remat policies (decoder.REMAT_POLICIES "moe_attention_saveable"): kept, the backward
+# does not rerun the query's up-projection and rope
+QUERY_NAME = "attention_mha_query"
+
+
 def mha_query(q_nope_BTHn, q_rot_BTHr, dt):
     """[q_nope; q_rot] per head [B, T, H, d_nope + d_rope]."""
-    return jnp.concatenate([q_nope_BTHn.astype(dt), q_rot_BTHr.astype(dt)], axis=-1)
+    return checkpoint_name(jnp.concatenate([q_nope_BTHn.astype(dt), q_rot_BTHr.astype(dt)], axis=-1), QUERY_NAME)
 
 
 def mha_keys_values(cfg: ModelConfig, c_BSR, k_rot_BSr, w_kvb_RHK):
     """(k [B, S, H, d_nope + d_rope], v [B, S, H, d_v]) per head from the latent rows."""
     dt, dn = cfg.jnp_dtype, cfg.qk_nope_head_dim
-    kv = einsum("bsr,rhk->bshk", c_BSR, w_kvb_RHK, dt)
-    k_nope, v = kv[..., :dn], kv[..., dn:]
+    (B, S, R), H = c_BSR.shape, w_kvb_RHK.shape[1]
+    # two plain matmuls against [R, H * width] weights: each result [B, S, H * width] is already the row
+    # layout the flash kernel reads (one product against [R, H, d_nope + d_v] and two slices of it cost the
+    # TPU compiler a relayout of each slice)
+    k_nope, v = (einsum("bsr,rn->bsn", c_BSR, w.reshape(R, -1), dt).reshape(B, S, H, -1)
+                 for w in (w_kvb_RHK[..., :dn], w_kvb_RHK[..., dn:]))
     k_rot = jnp.broadcast_to(k_rot_BSr.astype(dt)[:, :, None, :], k_nope.shape[:3] + k_rot_BSr.shape[-1:])
     return jnp.concatenate([k_nope, k_rot], axis=-1), v
 
