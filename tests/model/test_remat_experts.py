@@ -208,3 +208,37 @@ def test_partial_policies_run_the_masked_selection_and_warmup_kl_kernels_once():
     assert none == none_scores == full_layers >= 1 and full == full_scores == 2 * none
     for policy in ("moe_saveable", "selection_saveable"):
         assert kl_kernels(policy)[:2] == (none, none_scores)
+
+
+def test_moe_attention_saveable_reruns_only_the_key_value_projection():
+    """The dense stage's flash core (Pallas, interpreted) under context parallelism: "moe_saveable" reruns
+    each layer's attention forward kernel and the query, key / value and output projections in the backward
+    pass; "moe_attention_saveable" keeps the kernel's out and lse, the MHA query and its latent and the
+    attention block's output, so its program has the forward kernels of no remat and none of those
+    projections rerun (the key / value up-projection is, as the attention backward reads its results)."""
+    cfg = TINY.replace(attention_impl="pallas_interpret", attention_mode="dense", indexer_loss="none")
+    ids = jnp.asarray(tokens(2, 32))
+    variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, context=2, expert=1, tensor=1), jax.devices()[:2])
+
+    def counts(policy):
+        def loss(params):
+            return jnp.mean(Transformer(cfg.replace(remat_policy=policy)).apply(
+                {**variables, "params": params}, ids).logits)
+
+        with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+            jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"]).jaxpr
+        eqns = list(_all_eqns(jaxpr))
+        flash = sum(e.primitive.name == "pallas_call" and "flash_attention_fwd" in str(e.params.get("name"))
+                    for e in eqns)
+        return flash, sum(e.primitive.name == "dot_general" for e in eqns)
+
+    (none_fwd, none_dots), (moe_fwd, moe_dots), (kept_fwd, kept_dots) = (
+        counts(p) for p in ("none", "moe_saveable", "moe_attention_saveable"))
+    layers = sum(len(segment.unit) for segment in plan_segments(TINY))    # bodies of the scanned segments
+    assert none_fwd >= layers >= 1 and moe_fwd == none_fwd + layers
+    assert kept_fwd == none_fwd
+    # moe_saveable reruns q_a, q_b, kv_a, k, v and o per layer; the new policy only k and v
+    # what moe_saveable reruns and the new policy does not, per layer: the query's two projections, the
+    # output projection and the forward kernel's two products (its interpreted body is in the jaxpr)
+    assert moe_dots - kept_dots == 5 * layers and kept_dots > none_dots
