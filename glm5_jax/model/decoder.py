@@ -59,10 +59,11 @@ REMAT_POLICIES = {
     # forward either (the long-context step: B*T*H*d_c + B*T*k values per layer)
     "attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:]),
     # "attention_saveable" + the routed experts' outputs per (token, choice) (moe.experts.EXPERT_OUT_NAME,
-    # [N, K, D] in the compute dtype per MoE layer): the backward reruns the dispatch and the gate / up products
-    # (their gradients need the rows) but not the down product and the combine (its all-to-all back)
-    "attention_expert_out_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT,
-                                                               *ATTENTION_SAVED_NAMES[1:], EXPERT_OUT_NAME),
+    # [N, K, D] in the compute dtype per MoE layer) and the attention block's output (ATTENTION_OUT_NAME,
+    # [B, T, D]): the backward reruns the dispatch and the gate / up products (their gradients need the rows)
+    # but not the down product and the combine (its all-to-all back), nor the output projection
+    "attention_expert_out_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:],
+                                                               EXPERT_OUT_NAME, ATTENTION_OUT_NAME),
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),
