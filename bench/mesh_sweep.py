@@ -61,7 +61,7 @@ _SMALL = ["data.batch_size=256"]
 _BF16_STATE = _SMALL + _BF16
 _BF16_STATE_256 = ["data.batch_size=512"] + _BF16
 _DENSE = ["train.stage=dense"]
-_MOE = "moe_saveable"     # configs/glm5_744b.py's policy
+_MOE = "moe_saveable"     # the committed sweeps' policy (configs/glm5_744b.py: now moe_attention_saveable)
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
