@@ -24,6 +24,7 @@ ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
 RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "attention_expert_out_saveable",
+                      "attention_expert_out_mlp_saveable",
                       "dots_saveable",
                       "dots_with_no_batch_dims_saveable", "dots_attention_saveable", "experts_saveable", "moe_saveable",
                       "moe_attention_saveable",

@@ -19,7 +19,7 @@ from glm5_jax.model.attention import (ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAM
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
-from glm5_jax.model.layers import ACT_BTD, RMSNorm, SwiGLU, constrain
+from glm5_jax.model.layers import ACT_BTD, SWIGLU_SAVED_NAMES, RMSNorm, SwiGLU, constrain
 from glm5_jax.model.mha_form import QUERY_NAME
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, EXPERT_ROWS_NAME, EXPERT_SAVED_NAMES
 from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
@@ -64,6 +64,12 @@ REMAT_POLICIES = {
     # but not the down product and the combine (its all-to-all back), nor the output projection
     "attention_expert_out_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:],
                                                                EXPERT_OUT_NAME, ATTENTION_OUT_NAME),
+    # "attention_expert_out_saveable" + the query's low-rank latent (attention.Q_LATENT_NAME) and the dense /
+    # shared SwiGLU's gate and up products (layers.SWIGLU_SAVED_NAMES, [B, T, width] fp32 each): the backward
+    # does not rerun the query's down-projection or the shared expert's products either
+    "attention_expert_out_mlp_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:],
+                                                                   EXPERT_OUT_NAME, ATTENTION_OUT_NAME,
+                                                                   Q_LATENT_NAME, *SWIGLU_SAVED_NAMES),
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),
@@ -87,12 +93,14 @@ REMAT_POLICIES = {
                                               EXPERT_ROWS_NAME, EXPERT_OUT_NAME),
     # "moe_saveable" + the attention core's residuals (as "attention_saveable": the kernels' out and lse, the
     # KL target), the attention block's output ([B, T, D] in the compute dtype, ATTENTION_OUT_NAME) and, in
-    # the MHA form, the query and its latent (mha_form.QUERY_NAME [B, T, H, d_qk], attention.Q_LATENT_NAME):
-    # the backward reruns only the key / value up-projection the attention backward reads, neither the
-    # attention core's forward, nor the query or output projections
+    # the MHA form, the query and its latent (mha_form.QUERY_NAME [B, T, H, d_qk], attention.Q_LATENT_NAME),
+    # and the dense / shared SwiGLU's gate and up products (layers.SWIGLU_SAVED_NAMES): the backward reruns
+    # only the key / value up-projection the attention backward reads, neither the attention core's forward,
+    # nor the query, output or shared-expert projections
     "moe_attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES, EXPERT_ROWS_NAME,
                                                         EXPERT_OUT_NAME, *ATTENTION_SAVED_NAMES[1:],
-                                                        ATTENTION_OUT_NAME, QUERY_NAME, Q_LATENT_NAME),
+                                                        ATTENTION_OUT_NAME, QUERY_NAME, Q_LATENT_NAME,
+                                                        *SWIGLU_SAVED_NAMES),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _offload_dots_keeping_selection,
 }

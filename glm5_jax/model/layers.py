@@ -12,6 +12,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.config import PROJECTION_IMPLS, ModelConfig
 from glm5_jax.parallel.axes import ACT_EMBED, ACT_MLP, BATCH, EMBED, MLP, SEQ
@@ -127,6 +128,11 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
+# the gate and up products of `SwiGLU` ([B, T, width] fp32 each), named for remat policies: kept, the backward
+# reruns neither product (decoder.REMAT_POLICIES "moe_attention_saveable", "attention_expert_out_saveable")
+SWIGLU_SAVED_NAMES = ("mlp_gate_out", "mlp_up_out")
+
+
 class SwiGLU(nn.Module):
     """(silu(x Wg) * (x Wu)) Wd — the dense FFN of the first layers and the shared expert."""
     cfg: ModelConfig
@@ -140,7 +146,7 @@ class SwiGLU(nn.Module):
         w_up = logical_param(self, "up_proj", (d, self.width), (EMBED, MLP), init, pdt)
         w_down = logical_param(self, "down_proj", (self.width, d), (MLP, EMBED), init, pdt)
         impl = cfg.runtime.projection_impl
-        gate = einsum("btd,df->btf", x_BTD, w_gate, dt, jnp.float32, impl)
-        up = einsum("btd,df->btf", x_BTD, w_up, dt, jnp.float32, impl)
+        gate, up = (checkpoint_name(einsum("btd,df->btf", x_BTD, w, dt, jnp.float32, impl), name)
+                    for w, name in zip((w_gate, w_up), SWIGLU_SAVED_NAMES))
         h = constrain((jax.nn.silu(gate) * up).astype(dt), (BATCH, SEQ, ACT_MLP))
         return einsum("btf,fd->btd", h, w_down, dt, impl=impl)

@@ -213,9 +213,10 @@ def test_partial_policies_run_the_masked_selection_and_warmup_kl_kernels_once():
 def test_moe_attention_saveable_reruns_only_the_key_value_projection():
     """The dense stage's flash core (Pallas, interpreted) under context parallelism: "moe_saveable" reruns
     each layer's attention forward kernel and the query, key / value and output projections in the backward
-    pass; "moe_attention_saveable" keeps the kernel's out and lse, the MHA query and its latent and the
-    attention block's output, so its program has the forward kernels of no remat and none of those
-    projections rerun (the key / value up-projection is, as the attention backward reads its results)."""
+    pass; "moe_attention_saveable" keeps the kernel's out and lse, the MHA query and its latent, the
+    attention block's output and the SwiGLU's gate / up products, so its program has the forward kernels of
+    no remat and none of those projections rerun (the key / value up-projection is, as the attention
+    backward reads its results)."""
     cfg = TINY.replace(attention_impl="pallas_interpret", attention_mode="dense", indexer_loss="none")
     ids = jnp.asarray(tokens(2, 32))
     variables = meta.unbox(jax.jit(Transformer(TINY).init)(jax.random.PRNGKey(0), ids))
@@ -240,5 +241,6 @@ def test_moe_attention_saveable_reruns_only_the_key_value_projection():
     assert kept_fwd == none_fwd
     # moe_saveable reruns q_a, q_b, kv_a, k, v and o per layer; the new policy only k and v
     # what moe_saveable reruns and the new policy does not, per layer: the query's two projections, the
-    # output projection and the forward kernel's two products (its interpreted body is in the jaxpr)
-    assert moe_dots - kept_dots == 5 * layers and kept_dots > none_dots
+    # output projection, the forward kernel's two products (its interpreted body is in the jaxpr) and the
+    # dense / shared SwiGLU's gate and up products
+    assert moe_dots - kept_dots == 7 * layers and kept_dots > none_dots
