@@ -137,10 +137,12 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     _, rank, counts = _rank_within_expert(flat_e, E)
     kept = rank < cap
     slot = jnp.where(kept, flat_e * cap + rank, E * cap)                 # E * cap: out of range -> dropped
-    # the token each send slot carries (n: an empty slot), then one gather fills the buffer: no [n * K, D]
-    # copy of the tokens and no zero-filled buffer scattered into (whose bytes a scatter reads and writes)
-    token_of_slot = jnp.full((E * cap,), n, jnp.int32).at[slot].set(
-        jnp.arange(n * K, dtype=jnp.int32) // K, mode="drop")
+    # the (token, choice) assignment each send slot carries (n * K: an empty slot) and so its token (n: none),
+    # then one gather fills the buffer: no [n * K, D] copy of the tokens and no zero-filled buffer scattered
+    # into (whose bytes a scatter reads and writes)
+    assignment_of_slot = jnp.full((E * cap,), n * K, jnp.int32).at[slot].set(jnp.arange(n * K, dtype=jnp.int32),
+                                                                            mode="drop")
+    token_of_slot = assignment_of_slot // K
     send = take_token_rows(tile_rows(x.astype(dtype)), token_of_slot, slot.reshape(n, K))   # [dest, El, C] rows
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
@@ -156,8 +158,6 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
                                            impl, gate_up_transposed=True, out_dtype=dtype), mlp, dtype)
     back = take_unique_rows(tile_rows(y), packed_slot.reshape(-1), recv_row_of_packed)   # [src, El, C] rows
     returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
-    assignment_of_slot = jnp.full((E * cap,), n * K, jnp.int32).at[slot].set(jnp.arange(n * K, dtype=jnp.int32),
-                                                                            mode="drop")
     y_assign = take_unique_rows(returned, slot, assignment_of_slot, True)   # a dropped assignment: zero
     return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
 
