@@ -129,7 +129,7 @@ class LayerNorm(nn.Module):
 
 
 # the gate and up products of `SwiGLU` ([B, T, width] fp32 each), named for remat policies: kept, the backward
-# reruns neither product (decoder.REMAT_POLICIES "moe_attention_saveable", "attention_expert_out_saveable")
+# reruns neither product (decoder.REMAT_POLICIES "moe_attention_saveable", "attention_expert_out_mlp_saveable")
 SWIGLU_SAVED_NAMES = ("mlp_gate_out", "mlp_up_out")
 
 

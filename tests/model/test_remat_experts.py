@@ -239,7 +239,6 @@ def test_moe_attention_saveable_reruns_only_the_key_value_projection():
     layers = sum(len(segment.unit) for segment in plan_segments(TINY))    # bodies of the scanned segments
     assert none_fwd >= layers >= 1 and moe_fwd == none_fwd + layers
     assert kept_fwd == none_fwd
-    # moe_saveable reruns q_a, q_b, kv_a, k, v and o per layer; the new policy only k and v
     # what moe_saveable reruns and the new policy does not, per layer: the query's two projections, the
     # output projection, the forward kernel's two products (its interpreted body is in the jaxpr) and the
     # dense / shared SwiGLU's gate and up products
