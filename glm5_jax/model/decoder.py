@@ -35,6 +35,13 @@ ATTENTION_OUT_NAME = "attention_block_out"
 # KL kernel's indexer gradients (attention.INDEXER_KL_GRAD_NAMES, the size of the indexer's q, k, w per
 # layer): the kernel computes them with the loss, and recomputing them reruns it in the backward.
 _ALWAYS_KEPT = (SELECTION_NAME, *BLOCKED_MOE_NAMES, *INDEXER_KL_GRAD_NAMES)
+# name groups the policies below combine: the attention core's results the attention impls name (ATTENTION_SAVED_NAMES
+# but the layer-level "attention_core_out", which is the kernel's out passed through); what the routed experts
+# need in the backward without rerunning a product or the transport; the projections' results whose recompute
+# a backward can skip (the attention block's output, the query's latent, the dense / shared SwiGLU's products)
+_ATTENTION_CORE_KEPT = ATTENTION_SAVED_NAMES[1:]
+_MOE_KEPT = (*EXPERT_SAVED_NAMES, EXPERT_ROWS_NAME, EXPERT_OUT_NAME)
+_PROJECTIONS_KEPT = (ATTENTION_OUT_NAME, Q_LATENT_NAME, *SWIGLU_SAVED_NAMES)
 _keep_selection = _cp.save_only_these_names(*_ALWAYS_KEPT)
 _offload_dots = _cp.offload_dot_with_no_batch_dims("device", "pinned_host")
 
@@ -57,19 +64,18 @@ REMAT_POLICIES = {
     # ATTENTION_SAVED_NAMES but the layer-level "attention_core_out", which is the kernel's out passed through:
     # the kernels' out and lse, the indexer KL target): the backward does not rerun the attention core's
     # forward either (the long-context step: B*T*H*d_c + B*T*k values per layer)
-    "attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:]),
+    "attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *_ATTENTION_CORE_KEPT),
     # "attention_saveable" + the routed experts' outputs per (token, choice) (moe.experts.EXPERT_OUT_NAME,
     # [N, K, D] in the compute dtype per MoE layer) and the attention block's output (ATTENTION_OUT_NAME,
     # [B, T, D]): the backward reruns the dispatch and the gate / up products (their gradients need the rows)
     # but not the down product and the combine (its all-to-all back), nor the output projection
-    "attention_expert_out_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:],
+    "attention_expert_out_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *_ATTENTION_CORE_KEPT,
                                                                EXPERT_OUT_NAME, ATTENTION_OUT_NAME),
     # "attention_expert_out_saveable" + the query's low-rank latent (attention.Q_LATENT_NAME) and the dense /
     # shared SwiGLU's gate and up products (layers.SWIGLU_SAVED_NAMES, [B, T, width] fp32 each): the backward
     # does not rerun the query's down-projection or the shared expert's products either
-    "attention_expert_out_mlp_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *ATTENTION_SAVED_NAMES[1:],
-                                                                   EXPERT_OUT_NAME, ATTENTION_OUT_NAME,
-                                                                   Q_LATENT_NAME, *SWIGLU_SAVED_NAMES),
+    "attention_expert_out_mlp_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *_ATTENTION_CORE_KEPT,
+                                                                   EXPERT_OUT_NAME, *_PROJECTIONS_KEPT),
     "dots_saveable": _cp.save_from_both_policies(_cp.dots_saveable, _keep_selection),
     "dots_with_no_batch_dims_saveable": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
                                                                     _keep_selection),
@@ -89,18 +95,15 @@ REMAT_POLICIES = {
     # (moe.experts.EXPERT_ROWS_NAME, EXPERT_OUT_NAME; [rows, D] and [N, K, D] in the compute dtype per MoE layer):
     # the backward reruns no expert product and no transport (gathers, all-to-alls, the expert weights'
     # all-gather for the forward), only the routing; attention and the rest are recomputed
-    "moe_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES,
-                                              EXPERT_ROWS_NAME, EXPERT_OUT_NAME),
+    "moe_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *_MOE_KEPT),
     # "moe_saveable" + the attention core's residuals (as "attention_saveable": the kernels' out and lse, the
     # KL target), the attention block's output ([B, T, D] in the compute dtype, ATTENTION_OUT_NAME) and, in
     # the MHA form, the query and its latent (mha_form.QUERY_NAME [B, T, H, d_qk], attention.Q_LATENT_NAME),
     # and the dense / shared SwiGLU's gate and up products (layers.SWIGLU_SAVED_NAMES): the backward reruns
     # only the key / value up-projection the attention backward reads, neither the attention core's forward,
     # nor the query, output or shared-expert projections
-    "moe_attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *EXPERT_SAVED_NAMES, EXPERT_ROWS_NAME,
-                                                        EXPERT_OUT_NAME, *ATTENTION_SAVED_NAMES[1:],
-                                                        ATTENTION_OUT_NAME, QUERY_NAME, Q_LATENT_NAME,
-                                                        *SWIGLU_SAVED_NAMES),
+    "moe_attention_saveable": _cp.save_only_these_names(*_ALWAYS_KEPT, *_MOE_KEPT, *_ATTENTION_CORE_KEPT,
+                                                        *_PROJECTIONS_KEPT, QUERY_NAME),
     # keep weight-stationary matmul outputs, but in host memory (TPU/GPU: pinned_host) instead of HBM
     "offload_dots": _offload_dots_keeping_selection,
 }
