@@ -4,8 +4,9 @@ Training FLOPs per token = 6 x (matmul parameters one token uses) + 3 x forward 
 the keys it actually attends (DSA: min(k, visible); dense: all visible keys) + the indexer: its scores
 over every visible key (forward only) and 2 x the forward of the keys its KL loss covers (sparse stage:
 the selected min(k, visible); otherwise every visible key). Given the stage's ``indexer_loss``, a step
-that runs no KL ("none") counts none, and a dense-stage step without it runs no indexer at all; the warm-up
-trains only the indexer, so the frozen model counts its forward alone (2 x parameters, 1 x attention). The
+that runs no KL ("none") counts none, and a dense-stage step without it runs no indexer at all (nor its
+projections); the warm-up trains only the indexer, so the frozen model counts its forward alone (2 x
+parameters, 1 x attention) and the indexer's projections their forward and weight gradient (4 x). The
 embedding lookup is not a matmul and is excluded; the LM head is included.
 """
 from __future__ import annotations
@@ -16,8 +17,10 @@ import time
 import jax
 import jax.numpy as jnp
 
+from flax.core import meta
+
 from glm5_jax.cost.categories import CATEGORIES, categorize_param
-from glm5_jax.model.param_count import count_params
+from glm5_jax.model.param_count import ROUTED_EXPERT_LEAVES, abstract_variables, count_params
 
 
 def mean_visible_keys(seq_len: int, topk: int | None) -> float:
@@ -26,10 +29,36 @@ def mean_visible_keys(seq_len: int, topk: int | None) -> float:
     return sum(keys) / seq_len
 
 
+def indexer_weight_passes(sparse: bool, indexer_loss: str | None) -> float:
+    """Matmul passes over the lightning indexer's projection weights per token, as multiples of its
+    forward: 0 when the stage runs no indexer (dense attention without its KL loss), 2 in the warm-up
+    (forward + weight gradient: its inputs are detached from the frozen model, so no input gradient),
+    3 otherwise (forward + both gradients)."""
+    if not sparse and indexer_loss == "none":
+        return 0.0
+    return 2.0 if indexer_loss == "warmup" else 3.0
+
+
+def _is_indexer_weight(names: list[str]) -> bool:
+    return "indexer" in names and names[-1] not in ("scale", "bias")
+
+
+def _indexer_weights(cfg, params) -> int:
+    """The main stack's indexer projection weights (the MTP's are its own category)."""
+    params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)
+    return sum(math.prod(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if (names := [getattr(k, "key", str(k)) for k in path])[0] != "mtp" and _is_indexer_weight(names))
+
+
 def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None,
                           indexer_loss: str | None = None) -> dict[str, float]:
     counts = count_params(cfg, params)
-    matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size   # drop the embedding table
+    passes = 1.0 if indexer_loss == "warmup" else 3.0      # the warm-up's frozen model: forward only
+    # the indexer's projections run as the stage says (`indexer_weight_passes`), not as the frozen or
+    # trained model around them
+    indexer_weights = _indexer_weights(cfg, params) if cfg.use_indexer else 0
+    matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size - indexer_weights   # no embedding table
+    indexer_weight_flops = 2 * indexer_weight_passes(sparse, indexer_loss) * indexer_weights
     H, L = cfg.num_attention_heads, cfg.num_hidden_layers
     attended = mean_visible_keys(seq_len, cfg.index_topk if (sparse and cfg.use_indexer) else None)
     attention_fwd = 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * attended * L
@@ -43,10 +72,10 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None,
         kl_fwd = per_key * mean_visible_keys(seq_len, cfg.index_topk if sparse else None) \
             if indexer_loss != "none" else 0.0
     indexer = scores_fwd + 2.0 * kl_fwd
-    passes = 1.0 if indexer_loss == "warmup" else 3.0      # the warm-up's frozen model: forward only
-    return {"matmul": 2 * passes * matmul_params, "attention": passes * attention_fwd, "indexer": indexer,
+    matmul = 2 * passes * matmul_params + indexer_weight_flops
+    return {"matmul": matmul, "attention": passes * attention_fwd, "indexer": indexer,
             "indexer_scores": scores_fwd, "indexer_kl": 2.0 * kl_fwd,
-            "total": 2 * passes * matmul_params + passes * attention_fwd + indexer}
+            "total": matmul + passes * attention_fwd + indexer}
 
 
 def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None,
@@ -58,10 +87,6 @@ def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None,
     layer of attention and indexer) and the MTP's second use of the shared LM head (in "lm_head_loss",
     where the compiled head's FLOPs land too) are not part of `train_flops_per_token`'s total; without
     them the categories sum to that total up to the norm weights it counts."""
-    from flax.core import meta
-
-    from glm5_jax.model.param_count import ROUTED_EXPERT_LEAVES, abstract_variables
-
     params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)
     active = cfg.num_experts_per_tok / max(cfg.n_routed_experts, 1)
     out = dict.fromkeys(CATEGORIES, 0.0)
@@ -73,7 +98,10 @@ def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None,
         n = math.prod(leaf.shape)
         if len(names) >= 2 and names[-2] == "moe" and names[-1] in ROUTED_EXPERT_LEAVES:
             n *= active
-        out[cat] += (2.0 if indexer_loss == "warmup" else 6.0) * n
+        if _is_indexer_weight(names):
+            out[cat] += 2 * indexer_weight_passes(sparse, indexer_loss) * n
+        else:
+            out[cat] += (2.0 if indexer_loss == "warmup" else 6.0) * n
     per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params, indexer_loss=indexer_loss)
     L = cfg.num_hidden_layers
     out["attention_core"] = per_token["attention"]

@@ -99,7 +99,18 @@ def test_model_flops_of_each_stage_count_only_the_indexer_work_it_runs():
     sparse = train_flops_per_token(cfg, T, sparse=True, indexer_loss="sparse")
     assert dense["indexer"] == 0 and dense["total"] == dense["matmul"] + dense["attention"]
     assert warmup["indexer"] == pytest.approx(3 * per_key * every)
+    # the indexer's projections per layer (q from the query latent, k and the head weights from the hidden
+    # state): the dense stage runs none of them, the warm-up their forward and weight gradient (inputs
+    # detached), the sparse stage all three passes
+    D = cfg.hidden_size
+    indexer_weights = cfg.num_hidden_layers * (cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim
+                                               + D * cfg.index_head_dim + D * cfg.index_n_heads)
+    assert sparse["matmul"] - dense["matmul"] == 6 * indexer_weights
     # the warm-up trains only the indexer: the rest of the model runs forward only
-    assert warmup["matmul"] == dense["matmul"] / 3 and warmup["attention"] == dense["attention"] / 3
+    assert warmup["matmul"] == dense["matmul"] / 3 + 4 * indexer_weights
+    assert warmup["attention"] == dense["attention"] / 3
     assert sparse["indexer"] == pytest.approx(per_key * every + 2 * per_key * selected)
+    dense_cat = train_flops_by_category(cfg, T, sparse=False, indexer_loss="none")
+    sparse_cat = train_flops_by_category(cfg, T, sparse=True, indexer_loss="sparse")
+    assert sparse_cat["projections"] - dense_cat["projections"] == 6 * indexer_weights
     assert train_flops_by_category(cfg, T, sparse=False, indexer_loss="none")["indexer_kl"] == 0
