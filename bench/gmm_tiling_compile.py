@@ -1,14 +1,13 @@
 """Sweep the grouped-matmul tiles at GLM-5's per-chip routed-expert shapes: compile the megablox kernels
 (`pallas_kernels/grouped_matmul/kernel.py`: `gmm` forward / input gradient, `tgmm` weight gradient) for a
 TPU topology from this host with each (rows, contraction, output) tiling, and print per tiling the cost
-model's HBM bytes of the kernels (their declared `pl.CostEstimate`, which counts the lhs re-read once per
-output-column tile and each weight tile once per active row tile), the MXU FLOPs including the row tiles
-the kernels visit but only partly fill (a group that starts or ends inside a row tile costs the whole
-tile: E - 1 boundaries, half a tile each on average, which the kernels' static estimate leaves out), and
+model's HBM bytes and MXU FLOPs of the kernels at the row tiles they visit for the routed rows
+(`glm5_jax.cost.hlo_cost`: the tiles the rows cover plus one per group boundary, which both groups compute
+in full; the kernels' static estimate counts every row of the buffer once and no boundary), and
 each product at its own roofline at the chip's achievable rates, for `gmm` and `tgmm` apart (kernel.py takes
 the best of each).
 
-    python bench/gmm_tiling_compile.py [--topology v5p:2x2x1] [--rows 10240 --filled 8192 --experts 8]
+    python bench/gmm_tiling_compile.py [--topology v5p:2x2x1] [--rows 10240 --filled 8192 --experts 8] [--aligned]
 
 Defaults: the 744B config's per-chip shapes (fsdp 32 x context 2 x expert 32, two token chunks through the
 expert all-to-all): 10,240 received rows per chunk (the 1.25 capacity buffer; 8,192 of them routed rows on
@@ -32,7 +31,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from glm5_jax.cost.chips import chip_of_topology  # noqa: E402
-from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost  # noqa: E402
+from glm5_jax.cost.hlo_cost import GroupedMatmulLoad, StepTiming, grouped_matmul_tiles, hlo_cost  # noqa: E402
 from pallas_kernels.grouped_matmul import kernel  # noqa: E402
 
 D, F = 6144, 2048
@@ -69,6 +68,8 @@ def main():
     parser.add_argument("--rows", type=int, default=10240, help="rows per chip per kernel call (buffer)")
     parser.add_argument("--filled", type=int, default=8192, help="of which routed rows (sum of group sizes)")
     parser.add_argument("--experts", type=int, default=8, help="local experts per chip")
+    parser.add_argument("--aligned", action="store_true",
+                        help="each expert's rows start on a row tile (the a2a transport's moe_group_align)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
@@ -76,8 +77,9 @@ def main():
     chip = chip_of_topology(args.topology)
     timing = StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, lambda op: 0.0)
     M, E, filled = args.rows, args.experts, args.filled
-    print(f"{args.topology} per chip: {M} rows ({filled} routed) over {E} experts, D={D}, F={F}, bf16; "
-          f"one SwiGLU expert pass forward + backward: 7 gmm + 3 tgmm products")
+    packing = "each expert's rows from a row tile" if args.aligned else "back to back"
+    print(f"{args.topology} per chip: {M} rows ({filled} routed) over {E} experts ({packing}), D={D}, F={F}, "
+          f"bf16; one SwiGLU expert pass forward + backward: 7 gmm + 3 tgmm products")
     print(f"{'tiling (rows, K, N)':>20s} | {'kernel':6s} | {'HBM GB':>7s} | {'MXU TFLOP':>9s} | "
           f"{'partial tiles':>13s} | {'roofline ms':>11s}")
     rows = []
@@ -92,26 +94,27 @@ def main():
             except Exception as e:          # a tiling Mosaic rejects (scoped VMEM) is reported, not fatal
                 entry["error"] = str(e).splitlines()[0][:160]
                 continue
-            kernel_bytes = hlo_cost(compiled.as_text(), timing=timing).bytes_accessed
-            # MXU work over the row tiles visited: the routed rows plus, per group boundary inside a tile,
-            # half a row tile on average (megablox's estimate counts 2 M K N over the whole buffer)
-            mxu = 2.0 * (filled + (E - 1) * tiling[0] / 2) * K * N
-            entry["hbm_bytes"] += times * kernel_bytes
-            entry["mxu_flops"] += times * mxu
-            entry["roofline_seconds"] += times * max(mxu / chip.achievable_flops,
-                                                     kernel_bytes / chip.achievable_hbm_bandwidth)
-        waste = (E - 1) * tiling[0] / 2 / filled
+            # the row tiles the kernel visits for `filled` routed rows (glm5_jax.cost.hlo_cost: the rows' tiles
+            # plus one per group boundary; megablox's own estimate counts 2 M K N over the whole buffer)
+            cost = hlo_cost(compiled.as_text(), timing=timing,
+                            grouped_matmul_load=GroupedMatmulLoad(filled, args.aligned))
+            entry["hbm_bytes"] += times * cost.bytes_accessed
+            entry["mxu_flops"] += times * cost.kernel_flops
+            entry["roofline_seconds"] += times * cost.roofline_seconds
+            entry["tiles"] = grouped_matmul_tiles(filled, kernel.row_tile(M, tiling[0]), E, args.aligned)
+        waste = {kind: e.get("tiles", 0) * kernel.row_tile(M, tiling[0]) / filled - 1 for kind, e in per_kernel.items()}
         for kind, entry in per_kernel.items():
-            rows.append(dict(tiling=tiling, kernel=kind, partial_tile_fraction=waste, **entry))
+            rows.append(dict(tiling=tiling, kernel=kind, partial_tile_fraction=waste[kind], **entry))
             if entry.get("error"):
                 print(f"{str(tiling):>20s} | {kind:6s} | does not compile: {entry['error'][:90]}")
             else:
                 print(f"{str(tiling):>20s} | {kind:6s} | {entry['hbm_bytes'] / 1e9:7.2f} | "
-                      f"{entry['mxu_flops'] / 1e12:9.3f} | {100 * waste:12.1f}% | "
+                      f"{entry['mxu_flops'] / 1e12:9.3f} | {100 * waste[kind]:12.1f}% | "
                       f"{entry['roofline_seconds'] * 1e3:11.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(topology=args.topology, rows=M, filled=filled, experts=E, D=D, F=F, tilings=rows), f,
+            json.dump(dict(topology=args.topology, rows=M, filled=filled, experts=E, aligned=args.aligned, D=D, F=F,
+                           tilings=rows), f,
                       indent=1)
 
 

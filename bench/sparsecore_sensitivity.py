@@ -36,8 +36,9 @@ def sensitivity(config: str, workdir: str, overrides: list[str], factors: list[f
     report = json.load(open(os.path.join(workdir, "compile_report.json")))
     topology = report["topology"]
     cfg = apply_overrides(load_config_file(config), overrides)
-    _, mesh, _ = compile_report._setup(cfg, topology)
+    trainer, mesh, _ = compile_report._setup(cfg, topology)
     timing, model = compile_report.step_timing(topology, mesh)
+    load = compile_report.grouped_matmul_load(cfg, trainer)
     if model is None:
         raise ValueError(f"{topology}: no ICI link facts, so no communication time to scale")
     text = gzip.open(os.path.join(workdir, "compiled_step.hlo.gz"), "rt").read()
@@ -47,7 +48,8 @@ def sensitivity(config: str, workdir: str, overrides: list[str], factors: list[f
             def seconds(op, slowed=slowed, factor=factor):
                 return model.seconds(op) * (factor if op.kind in slowed else 1.0)
             cost = hlo_cost(text, categorize=categorize, num_partitions=report["num_devices"],
-                            timing=StepTiming(timing.peak_flops, timing.hbm_bandwidth, seconds))
+                            timing=StepTiming(timing.peak_flops, timing.hbm_bandwidth, seconds),
+                            grouped_matmul_load=load)
             rows.append({"slowed": "+".join(slowed), "factor": factor, "comm_seconds": cost.comm_seconds,
                          "exposed_seconds": cost.exposed_comm_seconds, "roofline_seconds": cost.roofline_seconds,
                          "step_seconds": cost.roofline_seconds + cost.exposed_comm_seconds})

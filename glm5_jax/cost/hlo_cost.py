@@ -10,6 +10,7 @@ optimized HLO text instead and counts, per computation:
 * kernel FLOPs of Mosaic custom calls (`tpu_custom_call`): the `pl.CostEstimate` a Pallas kernel
   declares, which the TPU lowering writes into the call's backend config
   (``custom_call_config.cost_estimate``), else for the ragged-dot lowering 2 x m x k x n from its shapes;
+  megablox grouped matmuls, given the rows their groups hold, by the row tiles they visit;
 * bytes accessed by each top-level instruction (operands + result, or a kernel's declared bytes; a
   fusion counts at its call site, never inside), roughly what XLA's own cost analysis counts;
 * every collective (`CollectiveOp`: kind, per-chip buffer bytes, replica groups, async or not), an
@@ -631,6 +632,61 @@ def _kernel_cost(shape: str, operand_shapes: list[str], attrs: str):
     return None
 
 
+# JAX's megablox grouped matmuls (jax.experimental.pallas.ops.tpu.megablox.gmm: `gmm`, and `tgmm` for the
+# weight gradient) run a grid whose row-tile count is an operand: they visit only the row tiles their
+# groups cover, and a tile that a group boundary cuts is visited once per group, in full. Their declared
+# estimate is 2 x m x k x n over all m rows of the buffer, whatever the groups hold.
+_GROUPED_MATMUL = re.compile(r"jit\((t?gmm)\)/pallas_call")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulLoad:
+    """What the routed experts' grouped matmuls hold, on average: ``rows`` routed rows per call (None: every
+    row of the call's buffer), and whether each group starts on a row tile (``aligned``: the groups' sizes
+    are padded to whole tiles, so no tile is cut)."""
+    rows: float | None = None
+    aligned: bool = False
+
+
+def grouped_matmul_tiles(rows: float, tile: int, groups: int, aligned: bool = False) -> float:
+    """Row tiles a megablox grouped matmul visits for ``rows`` rows in ``groups`` contiguous groups. Groups
+    packed back to back: the tiles the rows cover plus one for each of the G - 1 boundaries, which falls
+    inside a tile unless the sizes happen to be tile multiples (megablox's make_group_metadata runs a
+    group's tiles from its first row rounded down to its last rounded up, so a cut tile is computed by
+    both groups). Groups padded to whole tiles: the rows' tiles plus half a tile of padding per group, on
+    average (within a tile of megablox's count for random sizes)."""
+    if aligned:
+        return rows / tile + groups / 2
+    return float(math.ceil(rows / tile) + groups - 1)
+
+
+def _grouped_matmul_cost(kind: str, shape: str, operand_shapes: list[str], flops: float, nbytes: int | None,
+                         load: GroupedMatmulLoad):
+    """(FLOPs, bytes) a megablox `gmm` / `tgmm` call executes under ``load``, from the declared (FLOPs,
+    bytes). The operands say the tiling: (tile count, group offsets [G + 1], group ids [L], row-tile ids
+    [L], group offset, lhs [m, k], rhs, ...), L = m / tm + G - 1 the most tiles the grid may visit. FLOPs
+    and the row-proportional bytes scale by T / (m / tm) for the T = `grouped_matmul_tiles` visited; `gmm`
+    reads one group's weights [k, n] per visited tile (declared for all L), `tgmm` writes each group's
+    [k, n] gradient once."""
+    arrays = [a for t in operand_shapes for a in _arrays(t)]
+    if len(arrays) < 7 or arrays[1][0] != "s32" or len(arrays[5][1]) != 2:
+        return flops, nbytes
+    groups, most_tiles, m = math.prod(arrays[1][1]) - 1, math.prod(arrays[2][1]), arrays[5][1][0]
+    tiles_m = most_tiles - groups + 1
+    if groups < 1 or tiles_m < 1 or m % tiles_m:
+        return flops, nbytes
+    rows = m if load.rows is None else min(load.rows, m)
+    visited = min(most_tiles, grouped_matmul_tiles(rows, m // tiles_m, groups, load.aligned))
+    scale = visited / tiles_m
+    if nbytes is None:
+        return flops * scale, None
+    if kind == "gmm":
+        weight_tile = _nbytes(arrays[6:7]) / groups
+        return flops * scale, int((nbytes - weight_tile * most_tiles) * scale + weight_tile * visited)
+    out = _nbytes(_arrays(shape))
+    return flops * scale, int((nbytes - out) * scale + out)
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveOp:
     """One collective instruction as compiled: `nbytes` is its per-chip buffer (all-gather: the gathered
@@ -796,7 +852,8 @@ def _top(own_instrs: dict, runs: dict, entry: str, n: int) -> list[TopInstructio
 
 
 def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
-             num_partitions: int | None = None, loop_trips: bool = True, top: int = 0) -> HloCost:
+             num_partitions: int | None = None, loop_trips: bool = True, top: int = 0,
+             grouped_matmul_load: GroupedMatmulLoad | None = None) -> HloCost:
     """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
     instruction under a category from its metadata (instructions without one take their caller's);
     `timing` adds communication seconds with this overlap rule: an asynchronous collective (a start/done
@@ -806,7 +863,10 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
     its own roofline time, max(its FLOPs / timing.peak_flops, its HBM bytes / timing.hbm_bandwidth)
     (``roofline_seconds``, and per category under "seconds"). ``loop_trips=False`` counts every loop
     body once, as XLA's own ``cost_analysis()`` does (to compare the two). ``top = n`` (with `timing`) lists
-    the n top-level instructions with the most roofline seconds per step (`TopInstruction`)."""
+    the n top-level instructions with the most roofline seconds per step (`TopInstruction`).
+    ``grouped_matmul_load``: what the megablox grouped matmuls' groups hold (`GroupedMatmulLoad`); each
+    such call is then charged the row tiles it visits (`_grouped_matmul_cost`), not its declared estimate
+    over the whole buffer (None: as declared)."""
     comps, entry = parse_computations(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -855,6 +915,9 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
                 own.add(("flops", cat), _matmul_flops(shape, opcode, operand_shapes, attrs))
             elif opcode == "custom-call" and "tpu_custom_call" in attrs:
                 kc = _kernel_cost(shape, operand_shapes, attrs)
+                grouped = _GROUPED_MATMUL.search(attrs) if grouped_matmul_load is not None else None
+                if kc is not None and grouped:
+                    kc = _grouped_matmul_cost(grouped.group(1), shape, operand_shapes, *kc, grouped_matmul_load)
                 if kc is None:
                     m = _OP_NAME.search(attrs)
                     uncounted.append(m.group(1) if m else name)

@@ -11,8 +11,10 @@ body times its trip count; XLA's own ``cost_analysis()`` visits each loop body o
 
 * ``flops``: compiler-visible matmuls (dot / convolution / ragged-dot; elementwise work not counted);
   ``kernel_flops``: Mosaic custom calls (Pallas kernels by their declared ``pl.CostEstimate``, the
-  ragged-dot lowering); ``hlo_flops`` their sum; ``bytes_accessed`` HBM bytes per instruction: arrays at
-  their tiled sizes, nothing for arrays in VMEM, gathers / scatters / slices by the tiles they touch.
+  ragged-dot lowering; the routed experts' grouped matmuls by the row tiles they visit for the mean routed
+  rows of the step's token shards, ``grouped_matmul_load``); ``hlo_flops`` their sum; ``bytes_accessed``
+  HBM bytes per instruction: arrays at their tiled sizes, nothing for arrays in VMEM, gathers / scatters /
+  slices by the tiles they touch.
 * ``breakdown``: those per category of the step (glm5_jax.cost.categories, from each instruction's
   op_name metadata) next to the model FLOPs of that category (glm5_jax.cost.flops.train_flops_by_category),
   with each category's roofline seconds.
@@ -39,6 +41,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import math
 import os
 import time
 
@@ -50,8 +53,9 @@ from glm5_jax import storage
 from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
 from glm5_jax.cost.chips import chip_of_topology
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
-from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
+from glm5_jax.cost.hlo_cost import GroupedMatmulLoad, StepTiming, hlo_cost
 from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
+from glm5_jax.model.moe.expert_parallel import expected_routed_rows
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.train.step import Trainer
 
@@ -149,7 +153,10 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
     chip = chip_of_topology(topology)
     devices = list(mesh.devices.flat)
     timing, comm_model = step_timing(topology, mesh)
-    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=len(devices), top=TOP_INSTRUCTIONS)
+    load = grouped_matmul_load(exp_cfg, trainer)
+    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=len(devices), top=TOP_INSTRUCTIONS,
+                   grouped_matmul_load=load)
+    # as XLA's cost analysis counts: loop bodies once, each kernel as it declares itself
     once = hlo_cost(hlo_text, num_partitions=len(devices), loop_trips=False)
     n = len(devices)
     tokens = exp_cfg.data.batch_size * exp_cfg.data.seq_len
@@ -176,7 +183,8 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
         # ours with every loop body counted once, the way XLA's cost_analysis() counts: the two side by side
         "loop_once": {"flops": once.total_flops, "bytes_accessed": once.bytes_accessed},
         "breakdown": breakdown(hlo, by_cat, tokens, n),
-        "routed_expert_passes": expert_passes(hlo_text, by_cat["routed_experts"] * tokens / n, len(devices)),
+        "grouped_matmul_load": dataclasses.asdict(load),
+        "routed_expert_passes": expert_passes(hlo_text, by_cat["routed_experts"] * tokens / n, len(devices), load),
         "communication": {
             "model": (f"glm5_jax.cost.ici ({topology.split(':')[0]} torus, link-load model: "
                       f"{chip.ici_link_bandwidth / 1e9:.0f} GB/s per link per direction x {chip.ici_fraction} "
@@ -250,11 +258,20 @@ def breakdown(hlo, model_per_token: dict, tokens: int, n: int) -> dict:
     return out
 
 
-def expert_passes(hlo_text: str, model_flops: float, n: int) -> dict:
+def grouped_matmul_load(exp_cfg, trainer) -> GroupedMatmulLoad:
+    """What the routed experts' grouped matmuls hold on average for the step's micro-batch on its token
+    shards (glm5_jax.model.moe.expert_parallel.expected_routed_rows) and whether their groups are aligned."""
+    micro = (exp_cfg.data.batch_size // exp_cfg.train.grad_accum, exp_cfg.data.seq_len)
+    rt = trainer.model_cfg.runtime
+    return GroupedMatmulLoad(expected_routed_rows(math.prod(trainer.batch_sharding.shard_shape(micro)),
+                                                  trainer.model_cfg), rt.moe_group_align > 1)
+
+
+def expert_passes(hlo_text: str, model_flops: float, n: int, load: GroupedMatmulLoad | None = None) -> dict:
     """The routed experts' HLO FLOPs per chip by pass (step_categories.expert_pass) next to the model's:
     a third of the category's model FLOPs each for the forward, input and weight gradients, none for
     the remat recompute."""
-    hlo = hlo_cost(hlo_text, categorize=expert_pass, num_partitions=n)
+    hlo = hlo_cost(hlo_text, categorize=expert_pass, num_partitions=n, grouped_matmul_load=load)
     out = {}
     for p in EXPERT_PASSES:
         flops = hlo.by_category["flops"].get(p, 0.0) + hlo.by_category["kernel_flops"].get(p, 0.0)

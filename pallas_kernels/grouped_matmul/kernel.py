@@ -60,7 +60,7 @@ def _tile(dim: int, preferred: int, what: str) -> int:
     raise ValueError(f"grouped_matmul: {what}={dim} has no multiple-of-128 tile <= {preferred} dividing it")
 
 
-def _row_tile(m: int, preferred: int) -> int:
+def row_tile(m: int, preferred: int) -> int:
     return min(preferred, round_up(m, 8))
 
 
@@ -75,7 +75,7 @@ def gmm(lhs_MK, rhs_EKN, group_sizes_E, *, transpose_rhs=False, out_dtype=jnp.fl
     sum(group_sizes) are zero."""
     M, K = lhs_MK.shape
     N = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
-    tm = _row_tile(M, tiling[0])
+    tm = row_tile(M, tiling[0])
     tiles = (tm, _tile(K, tiling[1], "contraction"), _tile(N, tiling[2], "output width"))
     y = megablox_gmm(pad_axis(lhs_MK, 0, round_up(M, tm)), rhs_EKN, group_sizes_E.astype(jnp.int32),
                      preferred_element_type=out_dtype, tiling=tiles, transpose_rhs=transpose_rhs,
@@ -88,7 +88,7 @@ def tgmm(lhs_MK, dy_MN, group_sizes_E, *, out_dtype, interpret=False, tiling=TGM
     sum(group_sizes) are ignored."""
     M, K = lhs_MK.shape
     N = dy_MN.shape[1]
-    tm = _row_tile(M, tiling[0])
+    tm = row_tile(M, tiling[0])
     tiles = (tm, _tile(K, tiling[1], "lhs width"), _tile(N, tiling[2], "d out width"))
     Mp = round_up(M, tm)
     return megablox_tgmm(pad_axis(lhs_MK, 0, Mp).T, pad_axis(dy_MN, 0, Mp), group_sizes_E.astype(jnp.int32),

@@ -54,6 +54,17 @@ def capacity(tokens_local: int, top_k: int, n_experts: int, factor: float) -> in
     return max(1, math.ceil(factor * tokens_local * top_k / n_experts))
 
 
+def expected_routed_rows(tokens_per_shard: int, cfg: ModelConfig) -> float | None:
+    """The routed rows each grouped matmul holds on average, per token shard of ``tokens_per_shard``
+    tokens: on the all-to-all transports a shard receives its chunk's tokens x K rows on average (every
+    assignment lands on one shard) in a buffer with room for the capacity; None without them (the rows
+    are the N x K assignments themselves, the whole buffer). The cost model's `GroupedMatmulLoad.rows`."""
+    if cfg.runtime.moe_ep not in TRANSPORTS:
+        return None
+    chunks = cfg.runtime.moe_a2a_chunks if tokens_per_shard % cfg.runtime.moe_a2a_chunks == 0 else 1
+    return float(tokens_per_shard // chunks * cfg.num_experts_per_tok)
+
+
 def _rank_within_expert(flat_e, n_experts):
     """order (assignments sorted by expert, stable), each assignment's rank among its expert's, counts [E]."""
     counts = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
