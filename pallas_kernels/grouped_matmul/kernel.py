@@ -21,18 +21,19 @@ at the 744B config's per-chip shapes: 10,240-row buffers with ~8,192 routed rows
 Mosaic's default scoped limit is 16 MiB; each kernel double-buffers its input and output blocks and keeps
 one fp32 accumulator:
 
-* `gmm` (512, 1024, 1024): lhs 512x1024 (1 MiB), rhs 1024x1024 (2 MiB), fp32 out 512x1024 (2 MiB), each x2,
-  + accumulator 2 MiB = 12 MiB. megablox reads the lhs once per output-column tile and each weight tile once
-  per active row tile, so the row tile sets the weight traffic: at 256 rows both gmm shapes are
-  memory-bound (1.56 and 1.81 GB, 0.66 and 0.77 ms against 0.58 ms of MXU work), at 512 they are
-  compute-bound (1.06 and 1.31 GB, 0.64 ms, which includes the larger partial tiles: a group that starts or
-  ends inside a row tile costs the whole tile, ~11% of the MXU work at 256 rows, ~22% at 512).
+* `gmm` (256, 1024, 2048): lhs 256x1024 (0.5 MiB), rhs 1024x2048 (4 MiB), fp32 out 256x2048 (2 MiB), each x2,
+  + accumulator 2 MiB = 15 MiB. megablox visits only the row tiles its groups cover, and a group boundary
+  inside a row tile costs that whole tile twice (glm5_jax.cost.hlo_cost `grouped_matmul_tiles`): with 8
+  groups the boundaries add 7 tiles, 22% of the routed rows' work at 256 rows, 44% at 512. It reads the lhs
+  once per output-column tile and one group's weights per visited row tile. One SwiGLU pass (7 gmm
+  products) at the 744B shapes: 4.93 ms at its roofline, compute-bound (9.4 GB), against 5.73 ms at
+  (512, 1024, 1024) (7.8 GB, 1.44x the routed rows' MXU work); 128 rows is memory-bound (15.7 GB, 6.66 ms).
+  The 2048-wide output tile reads the lhs once for the gate / up products (9.4 against 10.2 GB at 1024).
 * `tgmm` (256, 1024, 1024): lhs^T and d out 256x1024 (0.5 MiB each), out 1024x1024 in the weight dtype
-  (2 MiB bf16), each x2, + fp32 accumulator 4 MiB = 10 MiB. Compute-bound at 256 rows already (0.71 GB,
-  0.30 ms of traffic against 0.58 ms of MXU work), so smaller partial tiles win over 512 rows (0.58 ms
-  against 0.64). 128 rows would win again on paper (0.55 ms), but a grid step of 128 x 1024 x 1024 is
-  0.7 us of MXU work, about twice the fixed cost of a Pallas grid step, which the cost model does not
-  count. Larger column tiles (2048) run out of scoped VMEM.
+  (2 MiB bf16), each x2, + fp32 accumulator 4 MiB = 10 MiB. Compute-bound at 256 rows (3 products: 2.1 GB,
+  1.92 ms against 2.26 at 512 rows). 128 rows would win again on paper (1.74 ms), but a grid step of
+  128 x 1024 x 1024 is 0.7 us of MXU work, about twice the fixed cost of a Pallas grid step, which the
+  cost model does not count. Larger column tiles (2048) run out of scoped VMEM.
 GLM-5's widths D = 6144 and F = 2048 are multiples of 1024; a dimension at most the preferred tile is taken
 whole.
 """
@@ -45,7 +46,7 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, tg
 
 from pallas_kernels.tpu_utils import pad_axis, round_up
 
-GMM_TILING = (512, 1024, 1024)      # (rows, contraction, output columns) of the forward and input gradient
+GMM_TILING = (256, 1024, 2048)      # (rows, contraction, output columns) of the forward and input gradient
 TGMM_TILING = (256, 1024, 1024)     # (rows, lhs columns, d out columns) of the weight gradient
 
 
