@@ -48,9 +48,13 @@ def _is_measuring(relpath: str) -> bool:
 def _mesh(fsdp: int, expert: int, tensor: int, context: int = 1, remat: str = "full") -> list[str]:
     # every point compiles the TPU path (the Pallas DSA kernels; the config file's default is the XLA form) and
     # names its remat policy (a later override in the point wins): the sweeps committed before the config
-    # moved to "moe_saveable" were measured under "full"
+    # moved to "moe_saveable" were measured under "full". Expert groups aligned to the grouped matmul's row tile
+    # (the config's moe_group_align) only where the expert all-to-all spans 32 chips or more: there each local
+    # expert's room (sources x capacity slots) is a whole number of 256-row tiles; with fewer, more experts per
+    # chip share the buffer and aligning each would need up to 60% more rows
+    align = [] if expert >= 32 else ["model.moe_group_align=1"]
     return [f"mesh.fsdp={fsdp}", f"mesh.expert={expert}", f"mesh.tensor={tensor}", "mesh.data=1",
-            f"mesh.context={context}", "model.attention_impl=pallas", f"model.remat_policy={remat}"]
+            f"mesh.context={context}", "model.attention_impl=pallas", f"model.remat_policy={remat}"] + align
 
 
 # 128 chips: 744B parameters with float32 weights, float32 Adam moments and float32 gradients are 12 TB,
@@ -61,7 +65,7 @@ _SMALL = ["data.batch_size=256"]
 _BF16_STATE = _SMALL + _BF16
 _BF16_STATE_256 = ["data.batch_size=512"] + _BF16
 _DENSE = ["train.stage=dense"]
-_MOE = "moe_saveable"     # the committed sweeps' policy (configs/glm5_744b.py: now moe_attention_saveable)
+_MOE = "moe_attention_saveable"     # configs/glm5_744b.py's policy (the sweeps before 2026-12-05: moe_saveable)
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
@@ -101,7 +105,7 @@ SWEEPS = {
         # under full remat, the layouts whose moe_saveable step does not fit
         "dense_fsdp64_cp4_ep8_full": _mesh(64, 8, 1, context=4) + _DENSE,
         "dense_fsdp128_ep8_tp2_full": _mesh(128, 8, 2) + _DENSE,
-        "warmup_fsdp128_cp2_ep8": _mesh(128, 8, 1, context=2, remat=_MOE) + ["train.stage=warmup"],
+        "warmup_fsdp32_cp2_ep32": _mesh(32, 32, 1, context=2, remat=_MOE) + ["train.stage=warmup"],
     },
     "v5p:4x8x8/dense": {      # 256 chips, 512 x 4096, bf16 weights and first moment
         "dense_bf16_fsdp32_ep8_accum2": _mesh(32, 8, 1) + _BF16_STATE_256 + ["train.grad_accum=2"] + _DENSE,
@@ -109,12 +113,13 @@ SWEEPS = {
         + ["train.grad_accum=2"] + _DENSE,
     },
     "v5p:8x16x16/tokens": {   # tokens per chip: 1024 ... 8192 sequences of 4096 over 2048 chips, the config's layout
-        # (fsdp 32 x context 2 x expert 32). moe_saveable's saved MoE rows take 58 GiB per chip more than full remat
-        # at 1024 sequences, so a larger batch either runs in micro-batches of 1024 (the weights gathered again per micro-batch, the same work
-        # per token) or in one batch under full remat (the weight gathers and gradient reductions paid once)
+        # (fsdp 32 x context 2 x expert 32). The config's policy keeps ~60 GiB per chip more than full remat at 1024
+        # sequences, so a larger batch either runs in micro-batches of 1024 (the weights gathered again per
+        # micro-batch, the same work per token) or in one batch under full remat (the weight gathers and gradient
+        # reductions paid once)
         **{f"{stage}_b{b}_saveable": _mesh(32, 32, 1, context=2, remat=_MOE) + [
             f"train.stage={stage}", f"data.batch_size={b}", f"train.grad_accum={b // 1024}"]
-           for stage in ("dense", "sparse") for b in (1024, 2048)},
+           for stage in ("dense", "sparse") for b in (1024, 2048, 4096)},
         **{f"{stage}_b{b}_full": _mesh(32, 32, 1, context=2) + [
             f"train.stage={stage}", f"data.batch_size={b}", "train.grad_accum=1"]
            for stage, batches in (("dense", (1024, 2048, 4096, 8192)), ("sparse", (2048, 4096))) for b in batches},

@@ -73,6 +73,10 @@ class RuntimeConfig:
     # expert parallelism: a shard's tokens cross the all_to_all in this many chunks, each with its own
     # capacity, so one chunk's transport can overlap another's expert matmuls (expert_parallel.py)
     moe_a2a_chunks: int = 1
+    # a2a: the receiver packs each local expert's rows starting at a multiple of this many rows (the grouped
+    # matmul's row tile: no row tile is then shared by two experts, which the kernel computes once per expert);
+    # 1 packs them back to back
+    moe_group_align: int = 1
     remat_policy: RematPolicy = "full"       # glm5_jax/model/decoder.py REMAT_POLICIES
     # weight projections' gradient (glm5_jax.model.layers.einsum): "xla" (as JAX derives it; TPU/GPU) or
     # "cpu_transposed_grad" (the weight gradient from a materialised x^T: faster on XLA:CPU)
@@ -106,6 +110,11 @@ class RuntimeConfig:
             raise ConfigError(f"RuntimeConfig.masked_flash_factor={self.masked_flash_factor!r}: must be >= 0")
         if not (isinstance(self.moe_a2a_chunks, int) and self.moe_a2a_chunks >= 1):
             raise ConfigError(f"RuntimeConfig.moe_a2a_chunks={self.moe_a2a_chunks!r}: must be an int >= 1")
+        if not (isinstance(self.moe_group_align, int) and self.moe_group_align >= 1):
+            raise ConfigError(f"RuntimeConfig.moe_group_align={self.moe_group_align!r}: must be an int >= 1")
+        if self.moe_group_align > 1 and self.moe_ep != "a2a":
+            raise ConfigError(f"RuntimeConfig.moe_group_align={self.moe_group_align}: aligned expert groups are "
+                              f"built by the a2a transport (moe_ep='a2a'), not moe_ep={self.moe_ep!r}")
         if not self.moe_capacity_factor > 0:
             raise ConfigError(f"RuntimeConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
         if self.indexer_loss == "sparse" and self.attention_mode != "sparse":

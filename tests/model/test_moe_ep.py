@@ -48,12 +48,16 @@ def _loss_and_grads(cfg, variables, mesh=None, tensor_rules=DEFAULT_RULES):
         return fn(variables["params"], x)
 
 
-@pytest.mark.parametrize("mesh_cfg,hidden,chunks", [(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 1),
-                                                    (MeshConfig(data=1, fsdp=1, expert=4, tensor=2), 16, 1),
-                                                    (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 256, 1),
-                                                    (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2)],
-                         ids=["fsdp2_expert4", "expert4_tensor2", "fsdp2_expert4_tile_rows", "fsdp2_expert4_chunks2"])
-def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks):
+@pytest.mark.parametrize("mesh_cfg,hidden,chunks,align",
+                         [(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 1, 1),
+                          (MeshConfig(data=1, fsdp=1, expert=4, tensor=2), 16, 1, 1),
+                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 256, 1, 1),
+                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2, 1),
+                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2, 8)],
+                         ids=["fsdp2_expert4", "expert4_tensor2", "fsdp2_expert4_tile_rows", "fsdp2_expert4_chunks2",
+                              "fsdp2_expert4_chunks2_groups_aligned"])
+def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks, align):
+    # align 8: each local expert's rows start at a multiple of 8 rows, the zero rows between are multiplied
     # hidden 256: the transport moves rows in the [rows, D / 128, 128] view (expert_parallel.tile_rows)
     # (init scaled with the width, so that outputs keep the magnitude the tolerances were set for)
     cfg = CFG.replace(hidden_size=hidden, initializer_range=CFG.initializer_range * (16 / hidden) ** 0.5)
@@ -62,7 +66,7 @@ def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks):
     (ref_loss, (ref_out, ref_aux)), ref_grads = _loss_and_grads(cfg, variables)
     # capacity factor E / K: every (shard, expert) pair can hold all of a shard's tokens -> nothing dropped
     ep_cfg = cfg.replace(moe_ep="a2a", moe_capacity_factor=CFG.n_routed_experts / CFG.num_experts_per_tok,
-                         moe_a2a_chunks=chunks)
+                         moe_a2a_chunks=chunks, moe_group_align=align)
     mesh = build_mesh(mesh_cfg, jax.devices()[:8])
     (loss, (out, aux)), grads = _loss_and_grads(ep_cfg, variables, mesh)
     assert float(aux["dropped"]) == 0.0
@@ -73,13 +77,14 @@ def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks):
         np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_all_to_all_ep_reports_and_zeroes_dropped_assignments(chunks):
+@pytest.mark.parametrize("chunks,align", [(1, 1), (2, 1), (2, 8)])
+def test_all_to_all_ep_reports_and_zeroes_dropped_assignments(chunks, align):
     variables = _params()
     mesh = build_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), jax.devices()[:8])
     x, mask = _inputs()
     factor = 0.5
-    ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=factor, n_shared_experts=0, moe_a2a_chunks=chunks)
+    ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=factor, n_shared_experts=0, moe_a2a_chunks=chunks,
+                         moe_group_align=align)
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
         out, aux = jax.jit(lambda v, x: MoE(ep_cfg).apply(v, x, mask))(variables, x)
     # expected drops: per token chunk (16 tokens per shard, in `chunks` chunks), assignments past `cap` for each

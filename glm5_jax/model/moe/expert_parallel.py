@@ -16,7 +16,10 @@ transports keep exactly the same assignments, so they compute the same function:
 
 * ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU); the
   receiver packs each local expert's received rows together (the per-source counts travel with them), so
-  the grouped matmul never multiplies a padding slot;
+  the grouped matmul never multiplies a padding slot. With ``RuntimeConfig.moe_group_align = a > 1`` each
+  expert's rows start at a multiple of a rows, zero rows between: a grouped matmul with a-row tiles then
+  computes no tile twice (megablox computes a tile two groups share once per group) for the cost of
+  multiplying the zero rows, half a tile per expert on average;
 * ``"ragged_a2a"``: only the kept rows travel, with `jax.lax.ragged_all_to_all` (TPU/GPU only).
 
 The grouped matmul is ``ModelConfig.moe_impl``'s (glm5_jax/model/moe/experts.py; "blocked", a whole-batch CPU
@@ -138,7 +141,7 @@ def _take_token_rows_bwd(slot_NK, dy_S):
 take_token_rows.defvjp(_take_token_rows_fwd, _take_token_rows_bwd)
 
 
-def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
+def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align=1):
     """Capacity-padded all_to_all transport. Shapes are per shard."""
     n, K = idx.shape
     El, D = w_gate.shape[0], x.shape[-1]
@@ -158,14 +161,17 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
     recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
-    # pack: local expert e's filled slots from every source, contiguous; padding slots go nowhere
-    packed_slot = _packed_slots(recv_counts, cap)                        # [src, El, C]; R = padding
+    # pack: local expert e's filled slots from every source, contiguous (from a multiple of `align`);
+    # padding slots go nowhere
+    packed_slot, group_sizes, Rp = _packed_slots(recv_counts, cap, align)   # [src, El, C]; Rp = padding
     R = n_ep * El * cap
-    # the received row each packed row takes (R: a padding row), then a gather, as for `send`
-    recv_row_of_packed = jnp.full((R,), R, jnp.int32).at[packed_slot.reshape(-1)].set(
+    # the received row each packed row takes (R: none), then a gather, as for `send`. With aligned groups the
+    # rows between an expert's last row and the next tile are multiplied: they must be zero (their gate / up
+    # products, SwiGLU and weight-gradient terms are then exactly zero)
+    recv_row_of_packed = jnp.full((Rp,), R, jnp.int32).at[packed_slot.reshape(-1)].set(
         jnp.arange(R, dtype=jnp.int32), mode="drop")
-    packed = take_unique_rows(recv, recv_row_of_packed, packed_slot.reshape(-1))
-    y = _reduce_partial_widths(swiglu_rows(packed.reshape(R, D), recv_counts.sum(0), w_gate, w_up, w_down, dtype,
+    packed = take_unique_rows(recv, recv_row_of_packed, packed_slot.reshape(-1), align > 1)
+    y = _reduce_partial_widths(swiglu_rows(packed.reshape(Rp, D), group_sizes, w_gate, w_up, w_down, dtype,
                                            impl, gate_up_transposed=True, out_dtype=dtype), mlp, dtype)
     back = take_unique_rows(tile_rows(y), packed_slot.reshape(-1), recv_row_of_packed)   # [src, El, C] rows
     returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
@@ -185,17 +191,23 @@ def _exclusive_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _packed_slots(counts_SE, cap):
-    """Row of each received slot [S, E, C] once every local expert's filled slots are packed together
-    (expert-major, then source, then slot); S * E * C for a padding slot (c >= counts[s, e])."""
+def _packed_slots(counts_SE, cap, align=1):
+    """Where each received slot [S, E, C] goes once every local expert's filled slots are packed together
+    (expert-major, then source, then slot), each expert's rows starting at a multiple of ``align`` ->
+    (row of each slot, the buffer's row count for a padding slot (c >= counts[s, e]); each expert's rows
+    rounded up to ``align`` [E] (the grouped matmul's group sizes); the buffer's rows: an expert receives at
+    most S x C rows, so E x (S x C rounded up to ``align``) hold every expert's rows and padding -- no more
+    than S x E x C when S x C is a multiple of ``align``)."""
     S, El = counts_SE.shape
-    start_ES = _exclusive_cumsum(counts_SE.T.reshape(-1)).reshape(El, S)   # where expert e's rows from s start
+    padded_E = -(-counts_SE.sum(0) // align) * align
+    start_SE = _exclusive_cumsum(padded_E)[None, :] + _exclusive_cumsum(counts_SE, axis=0)
+    rows = El * (-(-(S * cap) // align) * align)
     c = jnp.arange(cap, dtype=jnp.int32)
-    slot = start_ES.T[:, :, None] + c
-    return jnp.where(c < counts_SE[:, :, None], slot, S * El * cap).astype(jnp.int32)
+    slot = start_SE[:, :, None] + c
+    return jnp.where(c < counts_SE[:, :, None], slot, rows).astype(jnp.int32), padded_E.astype(jnp.int32), rows
 
 
-def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl):
+def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align=1):
     """ragged_all_to_all transport of the kept rows only (same kept set as `_a2a_experts`)."""
     n, K = idx.shape
     El, D = w_gate.shape[0], x.shape[-1]
@@ -293,7 +305,7 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
         # token chunks, each its own dispatch -> experts -> combine: they share no data, so the compiler can
         # run one chunk's all_to_all beside another chunk's expert matmuls
         ys, drops = zip(*(body(x_c, idx_c, wg_EFD, wu_EFD, wd_EFD, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype,
-                               impl=impl)
+                               impl=impl, align=cfg.runtime.moe_group_align)
                           for x_c, idx_c in zip(jnp.split(x, chunks), jnp.split(idx, chunks))))
         y, dropped = jnp.concatenate(ys), sum(drops)
         return y, jax.lax.psum(dropped, batch) if batch else dropped
