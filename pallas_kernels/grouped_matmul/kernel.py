@@ -24,7 +24,8 @@ one fp32 accumulator:
 * `gmm` (256, 1024, 2048): lhs 256x1024 (0.5 MiB), rhs 1024x2048 (4 MiB), fp32 out 256x2048 (2 MiB), each x2,
   + accumulator 2 MiB = 15 MiB. megablox visits only the row tiles its groups cover, and a group boundary
   inside a row tile costs that whole tile twice (glm5_jax.cost.hlo_cost `grouped_matmul_tiles`): with 8
-  groups the boundaries add 7 tiles, 22% of the routed rows' work at 256 rows, 44% at 512. It reads the lhs
+  groups the boundaries add 7 tiles, 22% of the routed rows' work at 256 rows, 44% at 512 (the a2a transport
+  can start each group on a tile instead, `moe_group_align`: half a tile of padding per group). It reads the lhs
   once per output-column tile and one group's weights per visited row tile. One SwiGLU pass (7 gmm
   products) at the 744B shapes: 4.93 ms at its roofline, compute-bound (9.4 GB), against 5.73 ms at
   (512, 1024, 1024) (7.8 GB, 1.44x the routed rows' MXU work); 128 rows is memory-bound (15.7 GB, 6.66 ms).
