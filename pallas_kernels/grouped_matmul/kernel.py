@@ -40,7 +40,6 @@ whole.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 # the module, not the package's re-exported custom_vjp of the same name
 from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, tgmm as megablox_tgmm
