@@ -108,7 +108,9 @@ SWEEPS = {
         "warmup_fsdp32_cp2_ep32": _mesh(32, 32, 1, context=2, remat=_MOE) + ["train.stage=warmup"],
     },
     "v5p:4x8x8/dense": {      # 256 chips, 512 x 4096, bf16 weights and first moment
-        "dense_bf16_fsdp32_ep8_accum2": _mesh(32, 8, 1) + _BF16_STATE_256 + ["train.grad_accum=2"] + _DENSE,
+        # (with bf16 weights the gradient all-reduce is bf16, which libtpu does not compile on the SparseCores)
+        "dense_bf16_fsdp32_ep8_accum2": _mesh(32, 8, 1) + _BF16_STATE_256 + ["train.grad_accum=2"] + _DENSE
+        + ["train.tpu_flags=sparsecore_offload_tc_all_reduce"],
         "dense_bf16_fsdp16_cp2_ep8_accum2": _mesh(16, 8, 1, context=2) + _BF16_STATE_256
         + ["train.grad_accum=2"] + _DENSE,
     },

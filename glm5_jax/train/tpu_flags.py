@@ -63,6 +63,13 @@ FLAG_SETS["sparsecore_offload"] = tuple(
     "--xla_tpu_use_tc_device_shape_on_sc=true",
     "--xla_sc_disable_megacore_partitioning=true",
 )
+# the same, the all-reduces left to the TensorCore's async collective fusion: libtpu 0.0.42 fails to compile a
+# bf16 all-reduce offloaded to the SparseCores ("'sc_tpu.vector_store' op Value element type 'f32' does not
+# match base element type 'bf16'"), which a step with bf16 weights (model.param_dtype=bfloat16) has
+_OFFLOAD_ALL_REDUCE = "--xla_tpu_enable_sparse_core_collective_offload_all_reduce"
+FLAG_SETS["sparsecore_offload_tc_all_reduce"] = tuple(
+    f for f in FLAG_SETS["sparsecore_offload"] if not f.startswith(_OFFLOAD_ALL_REDUCE)
+) + ("--xla_tpu_enable_sparse_core_collective_offload_all_reduce=false",)
 
 
 def _flag_name(arg: str) -> str:

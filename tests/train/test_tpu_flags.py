@@ -95,3 +95,11 @@ def test_sparsecore_offload_runs_the_fsdp_collectives_on_the_sparsecores():
     assert offload["comm"] == pytest.approx(overlap["comm"])
     assert offload["exposed"] < 0.5 * overlap["exposed"]        # nothing synchronous left
     assert offload["bytes"] == pytest.approx(overlap["bytes"], rel=0.02)
+
+
+def test_sparsecore_offload_can_leave_the_all_reduces_to_the_tensorcore():
+    offload, tc_all_reduce = _compile("sparsecore_offload"), _compile("sparsecore_offload_tc_all_reduce")
+    # the weight all-gathers stay on the SparseCores; the gradient all-reduce is the TensorCore's async one
+    assert tc_all_reduce["on_sparsecores"] == ["all-gather"]
+    assert ["all-reduce", True] in tc_all_reduce["collectives"]
+    assert tc_all_reduce["comm"] == pytest.approx(offload["comm"])
