@@ -101,21 +101,20 @@ def main():
             entry["hbm_bytes"] += times * cost.bytes_accessed
             entry["mxu_flops"] += times * cost.kernel_flops
             entry["roofline_seconds"] += times * cost.roofline_seconds
-            entry["tiles"] = grouped_matmul_tiles(filled, kernel.row_tile(M, tiling[0]), E, args.aligned)
-        waste = {kind: e.get("tiles", 0) * kernel.row_tile(M, tiling[0]) / filled - 1 for kind, e in per_kernel.items()}
+        tm = kernel.row_tile(M, tiling[0])      # both kernels' row tile: the work past the routed rows
+        waste = grouped_matmul_tiles(filled, tm, E, args.aligned) * tm / filled - 1
         for kind, entry in per_kernel.items():
-            rows.append(dict(tiling=tiling, kernel=kind, partial_tile_fraction=waste[kind], **entry))
+            rows.append(dict(tiling=tiling, kernel=kind, partial_tile_fraction=waste, **entry))
             if entry.get("error"):
                 print(f"{str(tiling):>20s} | {kind:6s} | does not compile: {entry['error'][:90]}")
             else:
                 print(f"{str(tiling):>20s} | {kind:6s} | {entry['hbm_bytes'] / 1e9:7.2f} | "
-                      f"{entry['mxu_flops'] / 1e12:9.3f} | {100 * waste[kind]:12.1f}% | "
+                      f"{entry['mxu_flops'] / 1e12:9.3f} | {100 * waste:12.1f}% | "
                       f"{entry['roofline_seconds'] * 1e3:11.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(topology=args.topology, rows=M, filled=filled, experts=E, aligned=args.aligned, D=D, F=F,
-                           tilings=rows), f,
-                      indent=1)
+                           tilings=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 from pallas_kernels.grouped_matmul.kernel import GMM_TILING, TGMM_TILING
 
+# the a2a transport starts each local expert's rows on this many rows: the grouped matmul's row tile, which the
+# forward and weight-gradient kernels must share for no tile to be computed twice
+assert GMM_TILING[0] == TGMM_TILING[0], "aligned expert groups need one row tile for both kernels"
+EXPERT_GROUP_ALIGN = GMM_TILING[0]
+
 
 def model_config() -> ModelConfig:
     return ModelConfig(
@@ -47,9 +52,8 @@ def get_config() -> ExperimentConfig:
     # weight-gradient kernels: 256 rows), so no tile is computed twice by two experts (1.22x -> ~1.13x the
     # routed rows' MXU work at 8 experts per chip; the buffer stays 10,240 rows: 32 sources x 40 slots per
     # expert is a whole number of tiles)
-    assert GMM_TILING[0] == TGMM_TILING[0], "aligned expert groups need one row tile for both kernels"
     model = model_config().replace(remat_policy="moe_attention_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
-                                   moe_a2a_chunks=2, moe_group_align=GMM_TILING[0])
+                                   moe_a2a_chunks=2, moe_group_align=EXPERT_GROUP_ALIGN)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     # tpu_flags "sparsecore_offload": the FSDP weight all-gathers and gradient reduce-scatters / all-reduces run
     # on the v5p SparseCores, asynchronously beside the TensorCore's compute (glm5_jax/train/tpu_flags.py)

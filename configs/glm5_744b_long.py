@@ -33,8 +33,7 @@ Where the numbers come from:
 """
 import dataclasses
 
-from configs import glm5_744b
-from configs.glm5_744b import model_config
+from configs.glm5_744b import EXPERT_GROUP_ALIGN, model_config
 from glm5_jax.data import DataConfig
 from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
@@ -63,7 +62,7 @@ def stage_config(name: str) -> ExperimentConfig:
     seq_len, batch, context, steps = STAGES[name]
     model = model_config().replace(remat_policy=STAGE_REMAT.get(name, "attention_saveable"), moe_ep="a2a",
                                    moe_capacity_factor=1.25, attention_impl="pallas",
-                                   moe_group_align=glm5_744b.get_config().model.runtime.moe_group_align)
+                                   moe_group_align=EXPERT_GROUP_ALIGN)
     data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
     train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0,
                         tpu_flags="sparsecore_offload")    # FSDP collectives on the SparseCores, as glm5_744b.py

@@ -43,20 +43,20 @@ def _is_indexer_weight(names: list[str]) -> bool:
     return "indexer" in names and names[-1] not in ("scale", "bias")
 
 
-def _indexer_weights(cfg, params) -> int:
+def _indexer_weights(params) -> int:
     """The main stack's indexer projection weights (the MTP's are its own category)."""
-    params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)
     return sum(math.prod(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
                if (names := [getattr(k, "key", str(k)) for k in path])[0] != "mtp" and _is_indexer_weight(names))
 
 
 def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None,
                           indexer_loss: str | None = None) -> dict[str, float]:
+    params = meta.unbox(abstract_variables(cfg)["params"] if params is None else params)   # traced once
     counts = count_params(cfg, params)
     passes = 1.0 if indexer_loss == "warmup" else 3.0      # the warm-up's frozen model: forward only
     # the indexer's projections run as the stage says (`indexer_weight_passes`), not as the frozen or
     # trained model around them
-    indexer_weights = _indexer_weights(cfg, params) if cfg.use_indexer else 0
+    indexer_weights = _indexer_weights(params) if cfg.use_indexer else 0
     matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size - indexer_weights   # no embedding table
     indexer_weight_flops = 2 * indexer_weight_passes(sparse, indexer_loss) * indexer_weights
     H, L = cfg.num_attention_heads, cfg.num_hidden_layers

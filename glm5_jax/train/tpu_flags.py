@@ -69,7 +69,7 @@ FLAG_SETS["sparsecore_offload"] = tuple(
 _OFFLOAD_ALL_REDUCE = "--xla_tpu_enable_sparse_core_collective_offload_all_reduce"
 FLAG_SETS["sparsecore_offload_tc_all_reduce"] = tuple(
     f for f in FLAG_SETS["sparsecore_offload"] if not f.startswith(_OFFLOAD_ALL_REDUCE)
-) + ("--xla_tpu_enable_sparse_core_collective_offload_all_reduce=false",)
+) + (f"{_OFFLOAD_ALL_REDUCE}=false",)
 
 
 def _flag_name(arg: str) -> str:
