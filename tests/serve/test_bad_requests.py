@@ -86,7 +86,10 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream):
     body = {"prompt_ids": [5], "max_tokens": MAX_SEQ_LEN - 1, "ignore_eos": True}
     with httpx2.Client(base_url=url, timeout=0.5) as http:
         if stream:
-            with http.stream("POST", C, json={"prompt": [5], "max_tokens": MAX_SEQ_LEN - 1, "stream": True}) as r:
+            # greedy: a sampled completion could draw an EOS id and finish before the hang-up is seen (the
+            # completions API has no ignore_eos; the tiny model's greedy continuation of [5] has no EOS)
+            with http.stream("POST", C, json={"prompt": [5], "max_tokens": MAX_SEQ_LEN - 1, "stream": True,
+                                              "temperature": 0}) as r:
                 next(r.iter_lines())                       # the first token arrived; then hang up
         else:
             with pytest.raises(httpx2.TimeoutException):
