@@ -66,6 +66,8 @@ _BF16_STATE = _SMALL + _BF16
 _BF16_STATE_256 = ["data.batch_size=512"] + _BF16
 _DENSE = ["train.stage=dense"]
 _MOE = "moe_attention_saveable"     # configs/glm5_744b.py's policy (the sweeps before 2026-12-05: moe_saveable)
+# the ragged transport chunks tokens only (the config's expert chunks are the a2a transport's)
+_RAGGED = ["model.moe_ep=ragged_a2a", "model.moe_a2a_chunk_by=tokens"]
 
 # name -> overrides; every point names its mesh so a point means the same thing whatever the config's mesh
 SWEEPS = {
@@ -75,7 +77,7 @@ SWEEPS = {
         "fsdp64_ep16_tp2": _mesh(64, 16, 2),
         "fsdp64_ep8_tp4": _mesh(64, 8, 4),
         "fsdp32_ep16_tp4": _mesh(32, 16, 4),
-        "ragged_a2a": _mesh(128, 8, 2) + ["model.moe_ep=ragged_a2a"],
+        "ragged_a2a": _mesh(128, 8, 2) + _RAGGED,
         "remat_offload_dots": _mesh(128, 8, 2) + ["model.remat_policy=offload_dots"],
         "grad_accum2": _mesh(64, 8, 4) + ["train.grad_accum=2"],
         "remat_dots_attention_saveable": _mesh(128, 8, 2) + ["model.remat_policy=dots_attention_saveable"],
@@ -90,7 +92,7 @@ SWEEPS = {
         "bf16_fsdp8_ep8_tp2_accum4_selection": _mesh(8, 8, 2) + _BF16_STATE + [
             "train.grad_accum=4", "model.remat_policy=selection_saveable"],
         "bf16_fsdp8_ep8_tp2_accum4_ragged": _mesh(8, 8, 2) + _BF16_STATE + [
-            "train.grad_accum=4", "model.moe_ep=ragged_a2a"],
+            "train.grad_accum=4"] + _RAGGED,
         "bf16_fsdp8_ep8_tp2_accum2": _mesh(8, 8, 2) + _BF16_STATE + ["train.grad_accum=2"],
         "bf16_fsdp8_ep8_tp2_accum4_offload": _mesh(8, 8, 2) + _BF16_STATE + [
             "train.grad_accum=4", "model.remat_policy=offload_dots"],

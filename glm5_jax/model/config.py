@@ -22,6 +22,7 @@ IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
 MoeEp = Literal["none", "a2a", "ragged_a2a"]
+MoeChunkBy = Literal["tokens", "experts"]   # how moe_a2a_chunks splits a shard's expert work
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
 RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "attention_expert_out_saveable",
                       "attention_expert_out_mlp_saveable",
@@ -73,6 +74,11 @@ class RuntimeConfig:
     # expert parallelism: a shard's tokens cross the all_to_all in this many chunks, each with its own
     # capacity, so one chunk's transport can overlap another's expert matmuls (expert_parallel.py)
     moe_a2a_chunks: int = 1
+    # what the chunks split: "tokens" (each chunk a share of the shard's tokens with all its local experts) or
+    # "experts" (a2a: each chunk every token's assignments to a share of every shard's local experts, one
+    # capacity over the whole shard): a grouped matmul then holds as many rows over fewer experts, so it
+    # computes fewer partial row tiles and reads each expert's weights in one call
+    moe_a2a_chunk_by: MoeChunkBy = "tokens"
     # a2a: the receiver packs each local expert's rows starting at a multiple of this many rows (the grouped
     # matmul's row tile: no row tile is then shared by two experts, which the kernel computes once per expert);
     # 1 packs them back to back
@@ -87,6 +93,10 @@ class RuntimeConfig:
     # selection as a [T, S] mask while the keys number at most this x index_topk (glm5_jax/model/attention.py
     # `masked_flash_core`); longer sequences gather each query's rows. 0 always gathers.
     masked_flash_factor: float = 4.0
+    # Pallas impls: the flash kernel's query and key block (a power of two >= 128). A causal sweep computes
+    # about block / 2 masked keys per query on the diagonal, block / T of the work; smaller blocks re-read
+    # the key / value blocks more often
+    attention_block: int = 512
     attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
@@ -106,6 +116,9 @@ class RuntimeConfig:
                 raise ConfigError(f"RuntimeConfig.{f.name}={getattr(self, f.name)!r}: must be one of {allowed}")
         if not (isinstance(self.attention_q_chunk, int) and self.attention_q_chunk > 0):
             raise ConfigError(f"RuntimeConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
+        if not (isinstance(self.attention_block, int) and self.attention_block >= 128
+                and self.attention_block & (self.attention_block - 1) == 0):
+            raise ConfigError(f"RuntimeConfig.attention_block={self.attention_block!r}: must be a power of two >= 128")
         if not self.masked_flash_factor >= 0:
             raise ConfigError(f"RuntimeConfig.masked_flash_factor={self.masked_flash_factor!r}: must be >= 0")
         if not (isinstance(self.moe_a2a_chunks, int) and self.moe_a2a_chunks >= 1):
@@ -115,6 +128,9 @@ class RuntimeConfig:
         if self.moe_group_align > 1 and self.moe_ep != "a2a":
             raise ConfigError(f"RuntimeConfig.moe_group_align={self.moe_group_align}: aligned expert groups are "
                               f"built by the a2a transport (moe_ep='a2a'), not moe_ep={self.moe_ep!r}")
+        if self.moe_a2a_chunk_by == "experts" and self.moe_ep != "a2a":
+            raise ConfigError(f"RuntimeConfig.moe_a2a_chunk_by='experts': expert chunks are built by the a2a "
+                              f"transport (moe_ep='a2a'), not moe_ep={self.moe_ep!r}")
         if not self.moe_capacity_factor > 0:
             raise ConfigError(f"RuntimeConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
         if self.indexer_loss == "sparse" and self.attention_mode != "sparse":

@@ -40,21 +40,20 @@ def mha_keys_values(cfg: ModelConfig, c_BSR, k_rot_BSr, w_kvb_RHK):
 
 
 def flash_core(cfg: ModelConfig, q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
-               block=flash_ops.BLOCK, allowed_BTS=None):
+               block=None, allowed_BTS=None):
     """(out [B, T, H, d_v], lse [B, T, H] fp32): causal attention over the visible keys (and only the
     allowed ones: the sparse stage's top-k selection as a mask) by ``cfg.attention_impl`` (called per shard
-    by the caller when the impl is a Pallas kernel)."""
+    by the caller when the impl is a Pallas kernel); ``block``: the kernel's, by default the config's."""
     r = flash_ops.flash_attention(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
-                                  scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl, block=block,
-                                  allowed_BTS=allowed_BTS)
+                                  scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl,
+                                  block=block or cfg.runtime.attention_block, allowed_BTS=allowed_BTS)
     return r.out, r.lse
 
 
-def chunk_block(chunk):
+def chunk_block(chunk, block=flash_ops.BLOCK):
     """The kernel block for a context shard whose queries are two zig-zag chunks of ``chunk`` tokens: the
-    largest power-of-two block (128 to flash_ops.BLOCK) dividing the chunk, so no query block mixes the two
+    largest power-of-two block (128 to ``block``) dividing the chunk, so no query block mixes the two
     chunks' positions (which would make it need the key blocks of both)."""
-    block = flash_ops.BLOCK
     while block > 128 and chunk % block:
         block //= 2
     return block

@@ -64,7 +64,8 @@ def test_index_sharing_schedule_follows_hf():
     (dict(n_group=3), "n_group"), (dict(topk_group=0), "topk_group"), (dict(num_experts_per_tok=300), "num_experts_per_tok"),
     (dict(indexer_types=("shared",) * 78), "indexer_types"), (dict(indexer_types=("full",) * 5), "indexer_types"),
     (dict(attention_impl="cuda"), "attention_impl"), (dict(index_head_dim=32), "index_head_dim"),
-    (dict(projection_impl="tpu"), "projection_impl"),
+    (dict(projection_impl="tpu"), "projection_impl"), (dict(attention_block=384), "attention_block"),
+    (dict(moe_a2a_chunk_by="rows"), "moe_a2a_chunk_by"),
     (dict(qk_rope_head_dim=63), "qk_rope_head_dim"), (dict(first_k_dense_replace=99), "first_k_dense_replace"),
 ])
 def test_validation_names_the_field(change, field):

@@ -7,7 +7,8 @@ import pytest
 from flax.core import meta
 
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
-from glm5_jax.model.moe.expert_parallel import capacity, take_token_rows, take_unique_rows, tile_rows
+from glm5_jax.model.moe.expert_parallel import (capacity, take_rows_of_chunks, take_token_rows, take_unique_rows,
+                                                tile_rows)
 from glm5_jax.model.moe.layer import MoE, grouped_swiglu, route
 from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 
@@ -48,15 +49,16 @@ def _loss_and_grads(cfg, variables, mesh=None, tensor_rules=DEFAULT_RULES):
         return fn(variables["params"], x)
 
 
-@pytest.mark.parametrize("mesh_cfg,hidden,chunks,align",
-                         [(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 1, 1),
-                          (MeshConfig(data=1, fsdp=1, expert=4, tensor=2), 16, 1, 1),
-                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 256, 1, 1),
-                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2, 1),
-                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2, 8)],
+@pytest.mark.parametrize("mesh_cfg,hidden,chunks,align,chunk_by",
+                         [(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 1, 1, "tokens"),
+                          (MeshConfig(data=1, fsdp=1, expert=4, tensor=2), 16, 1, 1, "tokens"),
+                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 256, 1, 1, "tokens"),
+                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2, 1, "tokens"),
+                          (MeshConfig(data=1, fsdp=2, expert=4, tensor=1), 16, 2, 8, "tokens"),
+                          (MeshConfig(data=1, fsdp=2, expert=2, tensor=2), 16, 2, 8, "experts")],
                          ids=["fsdp2_expert4", "expert4_tensor2", "fsdp2_expert4_tile_rows", "fsdp2_expert4_chunks2",
-                              "fsdp2_expert4_chunks2_groups_aligned"])
-def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks, align):
+                              "fsdp2_expert4_chunks2_groups_aligned", "fsdp2_expert2_tensor2_expert_chunks2_aligned"])
+def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks, align, chunk_by):
     # align 8: each local expert's rows start at a multiple of 8 rows, the zero rows between are multiplied
     # hidden 256: the transport moves rows in the [rows, D / 128, 128] view (expert_parallel.tile_rows)
     # (init scaled with the width, so that outputs keep the magnitude the tolerances were set for)
@@ -65,8 +67,9 @@ def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks, align):
     variables = _params(cfg)
     (ref_loss, (ref_out, ref_aux)), ref_grads = _loss_and_grads(cfg, variables)
     # capacity factor E / K: every (shard, expert) pair can hold all of a shard's tokens -> nothing dropped
+    # expert chunks: 4 local experts per shard in 2 chunks of 2, each grouped matmul over its chunk's weights
     ep_cfg = cfg.replace(moe_ep="a2a", moe_capacity_factor=CFG.n_routed_experts / CFG.num_experts_per_tok,
-                         moe_a2a_chunks=chunks, moe_group_align=align)
+                         moe_a2a_chunks=chunks, moe_group_align=align, moe_a2a_chunk_by=chunk_by)
     mesh = build_mesh(mesh_cfg, jax.devices()[:8])
     (loss, (out, aux)), grads = _loss_and_grads(ep_cfg, variables, mesh)
     assert float(aux["dropped"]) == 0.0
@@ -77,24 +80,26 @@ def test_all_to_all_ep_equals_single_device(mesh_cfg, hidden, chunks, align):
         np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("chunks,align", [(1, 1), (2, 1), (2, 8)])
-def test_all_to_all_ep_reports_and_zeroes_dropped_assignments(chunks, align):
+@pytest.mark.parametrize("chunks,align,chunk_by", [(1, 1, "tokens"), (2, 1, "tokens"), (2, 8, "tokens"),
+                                                   (2, 8, "experts")])
+def test_all_to_all_ep_reports_and_zeroes_dropped_assignments(chunks, align, chunk_by):
     variables = _params()
     mesh = build_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), jax.devices()[:8])
     x, mask = _inputs()
     factor = 0.5
     ep_cfg = CFG.replace(moe_ep="a2a", moe_capacity_factor=factor, n_shared_experts=0, moe_a2a_chunks=chunks,
-                         moe_group_align=align)
+                         moe_group_align=align, moe_a2a_chunk_by=chunk_by)
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
         out, aux = jax.jit(lambda v, x: MoE(ep_cfg).apply(v, x, mask))(variables, x)
-    # expected drops: per token chunk (16 tokens per shard, in `chunks` chunks), assignments past `cap` for each
-    # expert, in token order
+    # expected drops: per token chunk (16 tokens per shard, in `chunks` chunks; expert chunks: the whole shard),
+    # assignments past `cap` for each expert, in token order
     x_ND = x.reshape(-1, CFG.hidden_size)
     scores = jax.nn.sigmoid(x_ND @ variables["params"]["router"])
     idx, gates = route(scores, variables["moe_bias"]["e_score_correction_bias"], CFG)
-    n_chunk = B * T // 8 // chunks
+    token_chunks = chunks if chunk_by == "tokens" else 1
+    n_chunk = B * T // 8 // token_chunks
     cap = capacity(n_chunk, CFG.num_experts_per_tok, CFG.n_routed_experts, factor)
-    assert cap == {1: 2, 2: 1}[chunks]
+    assert cap == {1: 2, 2: 1}[token_chunks]
     kept = np.zeros(idx.shape, bool)
     for s in range(B * T // n_chunk):
         seen = {}
@@ -175,3 +180,30 @@ def test_transport_gathers_have_gather_gradients_equal_to_autodiff_on_the_rows_r
     got = jax.grad(lambda xt: jnp.sum(take_token_rows(xt, token_of_slot, slot_NK) * ds))(xt)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(got[2], ds[2], rtol=1e-6)      # its dropped choice adds nothing
+
+    # the expert chunks' combine: 6 outputs from two chunks of 4 rows; output 5 is dropped (in neither)
+    xs = [jax.random.normal(jax.random.PRNGKey(3 + j), (4, 2, 4)) for j in range(2)]
+    rows_list = [jnp.array([1, 4, 0, 4, 4, 4], jnp.int32), jnp.array([4, 2, 4, 0, 3, 4], jnp.int32)]
+    inverse_list = [jnp.full((4,), 6, jnp.int32).at[r].set(jnp.arange(6, dtype=jnp.int32), mode="drop")
+                    for r in rows_list]
+    dy = jax.random.normal(jax.random.PRNGKey(5), (6, 2, 4))
+    combine = lambda xs: sum(x.at[r].get(mode="fill", fill_value=0) for x, r in zip(xs, rows_list))  # noqa: E731
+    np.testing.assert_array_equal(take_rows_of_chunks(xs, rows_list, inverse_list), combine(xs))
+    np.testing.assert_array_equal(take_rows_of_chunks(xs, rows_list, inverse_list)[5], 0)
+    want = jax.grad(lambda xs: jnp.sum(combine(xs) * dy))(xs)
+    got = jax.grad(lambda xs: jnp.sum(take_rows_of_chunks(xs, rows_list, inverse_list) * dy))(xs)
+    for j, taken in enumerate([np.array([0, 1]), np.array([0, 2, 3])]):   # chunk 0's rows 2, 3: untaken
+        np.testing.assert_array_equal(got[j][taken], want[j][taken])
+
+
+def test_expert_chunks_must_split_the_local_experts():
+    from glm5_jax.model.config import ConfigError
+    variables = _params()
+    x, mask = _inputs()
+    mesh = build_mesh(MeshConfig(data=1, fsdp=2, expert=4, tensor=1), jax.devices()[:8])
+    cfg = CFG.replace(moe_ep="a2a", moe_a2a_chunks=4, moe_a2a_chunk_by="experts")   # 2 local experts, 4 chunks
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
+        with pytest.raises(ValueError, match="2 local experts per shard do not split into moe_a2a_chunks=4"):
+            MoE(cfg).apply(variables, x, mask)
+    with pytest.raises(ConfigError, match="expert chunks are built by the a2a transport"):
+        RuntimeConfig(moe_ep="ragged_a2a", moe_a2a_chunks=2, moe_a2a_chunk_by="experts")

@@ -110,20 +110,21 @@ FLASH_H, FLASH_D = 64, 256
 BATCH = P("q")
 
 
-def flash_fwd_bwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed=None):
+def flash_fwd_bwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed=None, *, block=flash_ops.BLOCK):
     def attend(q, k, v):
         return tuple(flash_ops.flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, scale=192**-0.5,
-                                               impl="pallas", allowed_BTS=allowed))
+                                               impl="pallas", allowed_BTS=allowed, block=block))
 
     (out, lse), vjp = jax.vjp(attend, q, k, v)
     return (out, lse, *vjp((out, lse)))
 
 
 # (2048, 4096) masked: the sparse stage at 4K, attending densely over a context shard's keys restricted to
-# the top-k selection (an int8 [T, S] mask)
-@pytest.mark.parametrize("T, S, masked", [(4096, 4096, False), (2048, 4096, False), (2048, 4096, True),
-                                          (16384, 32768, False)])
-def test_flash_attention_forward_and_backward_compile(mesh, T, S, masked):
+# the top-k selection (an int8 [T, S] mask), in 512- and 256-blocks (the 744B sparse config's)
+@pytest.mark.parametrize("T, S, masked, block", [(4096, 4096, False, 512), (2048, 4096, False, 512),
+                                                 (2048, 4096, True, 512), (2048, 4096, True, 256),
+                                                 (16384, 32768, False, 512)])
+def test_flash_attention_forward_and_backward_compile(mesh, T, S, masked, block):
     n = len(mesh.devices)
     args = (abstract(mesh, (n, T, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
             abstract(mesh, (n, S, FLASH_H, FLASH_D), jnp.bfloat16, BATCH),
@@ -131,7 +132,10 @@ def test_flash_attention_forward_and_backward_compile(mesh, T, S, masked):
             abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH),
             abstract(mesh, (n, T), jnp.int32, BATCH), abstract(mesh, (n, S), jnp.int32, BATCH))
     args += (abstract(mesh, (n, T, S), jnp.bool_, BATCH),) if masked else ()
-    compiled = compile_and_check(mesh, flash_fwd_bwd, args, (BATCH,) * len(args), (BATCH,) * 5)
+    def fwd_bwd(*a):
+        return flash_fwd_bwd(*a, block=block)
+
+    compiled = compile_and_check(mesh, fwd_bwd, args, (BATCH,) * len(args), (BATCH,) * 5)
     fused = T * FLASH_D * 4 <= flash_kernel.FUSED_DQ_BYTES
     backward = ("flash_attention_bwd_fused",) if fused else ("flash_attention_bwd_dkv", "flash_attention_bwd_dq")
     text = compiled.as_text()
@@ -139,7 +143,7 @@ def test_flash_attention_forward_and_backward_compile(mesh, T, S, masked):
                + backward)
     # XLA's cost analysis counts the kernels' declared FLOPs: the causal blocks' pairs x heads, forward
     # 2(D + Dv) and backward 6D + 4Dv fused, 8D + 6Dv split, per pair (D = Dv: 14 D or 18 D)
-    n_k = S // flash_ops.BLOCK
+    n_k = S // block
     declared = FLASH_H * T * S * (n_k + 1) // (2 * n_k) * (14 if fused else 18) * FLASH_D
     cost = compiled.cost_analysis()
     print(f"flops per chip {cost['flops']:.4g} (kernels declare {declared:.4g}), bytes accessed "

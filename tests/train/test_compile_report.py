@@ -31,8 +31,9 @@ SMALL = ["model.vocab_size=4096", "data.vocab_size=4096", "model.hidden_size=128
          "model.eos_token_id=(1,)", "model.pad_token_id=0", "model.first_k_dense_replace=1",
          "model.num_hidden_layers=3", "data.batch_size=4", "data.seq_len=128",
          # expert groups back to back: the hand counts below are over the capacity buffer (aligned to 256-row
-         # tiles, each of these 4 experts' 160 slots per chunk would take 256 rows)
-         "model.moe_group_align=1"] + MESH
+         # tiles, each of these 4 experts' 160 slots per chunk would take 256 rows); the config's chunks split
+         # tokens, as the hand counts assume (expert chunks: tests/model/test_moe_ep.py)
+         "model.moe_group_align=1", "model.moe_a2a_chunk_by=tokens"] + MESH
 # production widths; 2 layers (1 dense + 1 MoE) + MTP, 8 experts, short sequences
 REDUCED = ["model.first_k_dense_replace=1", "model.num_hidden_layers=2", "model.n_routed_experts=8",
            "model.index_topk=64", "data.batch_size=4", "data.seq_len=128"] + MESH

@@ -54,6 +54,11 @@ def test_expected_routed_rows_of_the_all_to_all():
     assert expected_routed_rows(2048, a2a) == 8192
     # 2 chunks do not divide 1001 tokens: one chunk
     assert expected_routed_rows(1001, a2a) == 1001 * 8
+    # expert chunks: every token's assignments to half of the experts, 2048 x 8 / 2 rows per call on average
+    # (and the 1001 tokens split too: the chunks do not split them)
+    by_experts = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, moe_a2a_chunk_by="experts"))
+    assert expected_routed_rows(2048, by_experts) == 8192
+    assert expected_routed_rows(1001, by_experts) == 1001 * 8 / 2
     # without the all-to-all the grouped matmul's rows are the N x K assignments themselves: the whole buffer
     assert expected_routed_rows(2048, cfg) is None
 

@@ -38,7 +38,7 @@ def test_cache_key_follows_the_resolved_config():
     base = mesh_sweep.SWEEPS["v5p:8x16x16"]["baseline"]
     key = mesh_sweep.point_key(CONFIG, base, "v5p:8x16x16", "src")
     assert key == mesh_sweep.point_key(CONFIG, list(base), "v5p:8x16x16", "src")
-    assert key != mesh_sweep.point_key(CONFIG, base + ["model.moe_ep=ragged_a2a"], "v5p:8x16x16", "src")
+    assert key != mesh_sweep.point_key(CONFIG, base + mesh_sweep._RAGGED, "v5p:8x16x16", "src")
     assert key != mesh_sweep.point_key(CONFIG, base, "v5p:8x16x16", "other sources")
     # stating one of the point's own axes again resolves to the same config
     assert key == mesh_sweep.point_key(CONFIG, base + ["mesh.tensor=2"], "v5p:8x16x16", "src")

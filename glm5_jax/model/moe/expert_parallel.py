@@ -11,7 +11,11 @@ Each (source shard, expert) pair carries at most ``C = ceil(capacity_factor * N_
 assignments; later ones (in token order) are dropped: their expert output is zero and they are counted
 in ``dropped``. With ``RuntimeConfig.moe_a2a_chunks = c > 1`` a shard's tokens go as c chunks of N_local / c
 tokens, one after another, each with its own capacity (of N_local / c tokens) and its own transports: one
-chunk's all_to_all has the other chunks' expert matmuls to overlap (an async all_to_all on TPU). Both
+chunk's all_to_all has the other chunks' expert matmuls to overlap (an async all_to_all on TPU). With
+``RuntimeConfig.moe_a2a_chunk_by = "experts"`` (a2a) the chunks split the experts instead: chunk j carries
+every token's assignments to the j-th share of each shard's local experts, one capacity over the whole
+shard. A grouped matmul then holds as many rows over c times fewer experts: fewer row tiles cut by a group
+boundary, each expert's weights read in one call, and capacity bins of all the shard's tokens. Both
 transports keep exactly the same assignments, so they compute the same function:
 
 * ``"a2a"``: the capacity-padded [E * C, D] buffer goes through `jax.lax.all_to_all` (runs on CPU); the
@@ -60,11 +64,16 @@ def capacity(tokens_local: int, top_k: int, n_experts: int, factor: float) -> in
 def expected_routed_rows(tokens_per_shard: int, cfg: ModelConfig) -> float | None:
     """The routed rows each grouped matmul holds on average, per token shard of ``tokens_per_shard``
     tokens: on the all-to-all transports a shard receives its chunk's tokens x K rows on average (every
-    assignment lands on one shard) in a buffer with room for the capacity; None without them (the rows
-    are the N x K assignments themselves, the whole buffer). The cost model's `GroupedMatmulLoad.rows`."""
+    assignment lands on one shard; an expert chunk holds the shard's tokens x K / chunks: its share of the
+    experts) in a buffer with room for the capacity; None without them (the rows are the N x K assignments
+    themselves, the whole buffer). The cost model's `GroupedMatmulLoad.rows`."""
     if cfg.runtime.moe_ep not in TRANSPORTS:
         return None
-    chunks = cfg.runtime.moe_a2a_chunks if tokens_per_shard % cfg.runtime.moe_a2a_chunks == 0 else 1
+    chunks = cfg.runtime.moe_a2a_chunks
+    if cfg.runtime.moe_a2a_chunk_by == "experts":
+        return tokens_per_shard * cfg.num_experts_per_tok / chunks
+    if tokens_per_shard % chunks:
+        chunks = 1
     return float(tokens_per_shard // chunks * cfg.num_experts_per_tok)
 
 
@@ -142,28 +151,83 @@ take_token_rows.defvjp(_take_token_rows_fwd, _take_token_rows_bwd)
 
 
 def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align=1):
-    """Capacity-padded all_to_all transport. Shapes are per shard."""
+    """Capacity-padded all_to_all transport. Shapes are per shard. The weights are [El, F, D] each, or
+    (expert chunks) tuples of c chunks of [El / c, F, D], chunk j every shard's j-th share of its local experts:
+    each chunk then has its own send buffer, dispatch -> grouped SwiGLU -> combine, so one chunk's all_to_all
+    runs beside another chunk's matmuls."""
+    chunked = isinstance(w_gate, tuple)
+    weights = list(zip(w_gate, w_up, w_down)) if chunked else [(w_gate, w_up, w_down)]
     n, K = idx.shape
-    El, D = w_gate.shape[0], x.shape[-1]
+    c, Ec, D = len(weights), weights[0][0].shape[0], x.shape[-1]
+    El = c * Ec
     n_ep = jax.lax.axis_size(ep) if ep else 1
     E = El * n_ep
     flat_e = idx.reshape(-1)
     _, rank, counts = _rank_within_expert(flat_e, E)
     kept = rank < cap
-    slot = jnp.where(kept, flat_e * cap + rank, E * cap)                 # E * cap: out of range -> dropped
-    # the (token, choice) assignment each send slot carries (n * K: an empty slot) and so its token (n: none),
-    # then one gather fills the buffer: no [n * K, D] copy of the tokens and no zero-filled buffer scattered
-    # into (whose bytes a scatter reads and writes)
-    assignment_of_slot = jnp.full((E * cap,), n * K, jnp.int32).at[slot].set(jnp.arange(n * K, dtype=jnp.int32),
-                                                                            mode="drop")
-    token_of_slot = assignment_of_slot // K
-    send = take_token_rows(tile_rows(x.astype(dtype)), token_of_slot, slot.reshape(n, K))   # [dest, El, C] rows
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
-    recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
     recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
+    rows = tile_rows(x.astype(dtype))
+    if c == 1:
+        slot = jnp.where(kept, flat_e * cap + rank, E * cap)             # E * cap: out of range -> dropped
+        # the (token, choice) assignment each send slot carries (n * K: an empty slot) and so its token (n:
+        # none), then one gather fills the buffer: no [n * K, D] copy of the tokens and no zero-filled buffer
+        # scattered into (whose bytes a scatter reads and writes)
+        assignment_of_slot = jnp.full((E * cap,), n * K, jnp.int32).at[slot].set(
+            jnp.arange(n * K, dtype=jnp.int32), mode="drop")
+        send = take_token_rows(rows, assignment_of_slot // K, slot.reshape(n, K))   # [dest, El, C] rows
+        returned = _a2a_expert_chunk(send, recv_counts, *weights[0], ep=ep, mlp=mlp, cap=cap, dtype=dtype, impl=impl,
+                                     align=align)                        # my slots again
+        y_assign = take_unique_rows(returned, slot, assignment_of_slot, True)   # a dropped assignment: zero
+        return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
+    # expert chunks: chunk j's send buffer is [dest, Ec, C] rows, expert e = dest * El + local in chunk
+    # local // Ec at block dest * Ec + local % Ec; an assignment of another chunk is out of range
+    dest, local = flat_e // El, flat_e % El
+    in_chunk = jnp.where(kept, (dest * Ec + local % Ec) * cap + rank, 0)
+    chunk_of = jnp.where(kept, local // Ec, c)                           # c: dropped
+    slots, assignments, returned = [], [], []
+    for j, w_j in enumerate(weights):
+        slot = jnp.where(chunk_of == j, in_chunk, n_ep * Ec * cap)
+        assignment_of_slot = jnp.full((n_ep * Ec * cap,), n * K, jnp.int32).at[slot].set(
+            jnp.arange(n * K, dtype=jnp.int32), mode="drop")
+        send = take_token_rows(rows, assignment_of_slot // K, slot.reshape(n, K))
+        returned.append(_a2a_expert_chunk(send, recv_counts[:, j * Ec:(j + 1) * Ec], *w_j, ep=ep, mlp=mlp, cap=cap,
+                                          dtype=dtype, impl=impl, align=align))
+        slots.append(slot)
+        assignments.append(assignment_of_slot)
+    y_assign = take_rows_of_chunks(returned, slots, assignments)
+    return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
+
+
+@jax.custom_vjp
+def take_rows_of_chunks(xs, rows_list, inverse_list):
+    """Sum over chunks j of xs[j][rows[j]], each row out of range read as zero: every output row names a row
+    of at most one chunk (the combine of the expert chunks: each assignment is in one chunk). Gradient: for
+    each chunk dy[inverse[j]], unspecified at rows no output took -- no concatenation of the chunks' buffers
+    and no zero-filled cotangent per chunk."""
+    return sum(_take(x, rows, True) for x, rows in zip(xs, rows_list))
+
+
+def _take_rows_of_chunks_fwd(xs, rows_list, inverse_list):
+    return take_rows_of_chunks(xs, rows_list, inverse_list), inverse_list
+
+
+def _take_rows_of_chunks_bwd(inverse_list, dy):
+    return [_take(dy, inverse, False) for inverse in inverse_list], None, None
+
+
+take_rows_of_chunks.defvjp(_take_rows_of_chunks_fwd, _take_rows_of_chunks_bwd)
+
+
+def _a2a_expert_chunk(send, recv_counts_SE, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align):
+    """One chunk's dispatch -> grouped SwiGLU -> combine: ``send`` [dest, El, C] rows (El: this chunk's local
+    experts) -> the rows returned to their slots."""
+    n_ep, El = recv_counts_SE.shape
+    D = math.prod(send.shape[1:])                                        # rows may come as [D / 128, 128]
+    recv = jax.lax.all_to_all(send, ep, 0, 0, tiled=True) if ep else send        # [src, El, C] rows
     # pack: local expert e's filled slots from every source, contiguous (from a multiple of `align`);
     # padding slots go nowhere
-    packed_slot, group_sizes, Rp = _packed_slots(recv_counts, cap, align)   # [src, El, C]; Rp = padding
+    packed_slot, group_sizes, Rp = _packed_slots(recv_counts_SE, cap, align)   # [src, El, C]; Rp = padding
     R = n_ep * El * cap
     # the received row each packed row takes (R: none), then a gather, as for `send`. With aligned groups the
     # rows between an expert's last row and the next tile are multiplied: they must be zero (their gate / up
@@ -174,9 +238,7 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, ali
     y = _reduce_partial_widths(swiglu_rows(packed.reshape(Rp, D), group_sizes, w_gate, w_up, w_down, dtype,
                                            impl, gate_up_transposed=True, out_dtype=dtype), mlp, dtype)
     back = take_unique_rows(tile_rows(y), packed_slot.reshape(-1), recv_row_of_packed)   # [src, El, C] rows
-    returned = jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back     # my slots again
-    y_assign = take_unique_rows(returned, slot, assignment_of_slot, True)   # a dropped assignment: zero
-    return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
+    return jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back
 
 
 def _reduce_partial_widths(y_RD, mlp, dtype):
@@ -254,6 +316,28 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
 TRANSPORTS = {"a2a": _a2a_experts, "ragged_a2a": _ragged_a2a_experts}
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_minor_width(w_EFd, axes):
+    """all_gather of [E, F, D / n] over ``axes`` along the minor dim -> [E, F, D], whose gradient reduce-scatters
+    the [E * F, D] view: the TPU compiler turns the transpose of the 3-D gather into an all-reduce of the whole
+    gradient when E is under a sublane tile (an expert chunk of 4 experts), twice the bytes of a reduce-scatter
+    and the whole gradient in memory."""
+    return jax.lax.all_gather(w_EFd, axes, axis=2, tiled=True)
+
+
+def _gather_minor_width_fwd(w_EFd, axes):
+    return gather_minor_width(w_EFd, axes), None
+
+
+def _gather_minor_width_bwd(axes, _, g_EFD):
+    E, F, D = g_EFD.shape
+    g = jax.lax.psum_scatter(g_EFD.reshape(E * F, D), axes, scatter_dimension=1, tiled=True)
+    return (g.reshape(E, F, -1),)
+
+
+gather_minor_width.defvjp(_gather_minor_width_fwd, _gather_minor_width_bwd)
+
+
 def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, cfg: ModelConfig):
     """Routed-expert outputs y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, K, D] in the compute dtype
     (the rows cross the all_to_all in it), dropped count).
@@ -285,9 +369,15 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     if N % shards:
         raise ValueError(f"{N} tokens do not split over the {shards} token shards {batch}")
     chunks = cfg.runtime.moe_a2a_chunks
-    if (N // shards) % chunks:
+    by_experts = cfg.runtime.moe_a2a_chunk_by == "experts"
+    n_ep = mesh.shape[ep] if ep else 1
+    if by_experts and (cfg.n_routed_experts // n_ep) % chunks:
+        raise ValueError(f"moe_a2a_chunk_by='experts': {cfg.n_routed_experts // n_ep} local experts per shard do "
+                         f"not split into moe_a2a_chunks={chunks} chunks")
+    if not by_experts and (N // shards) % chunks:
         chunks = 1                 # a short step (decode) whose tokens per shard do not split: one chunk
-    cap = capacity(N // shards // chunks, K, cfg.n_routed_experts, cfg.runtime.moe_capacity_factor)
+    token_chunks = 1 if by_experts else chunks
+    cap = capacity(N // shards // token_chunks, K, cfg.n_routed_experts, cfg.runtime.moe_capacity_factor)
     body = TRANSPORTS[cfg.runtime.moe_ep]
     impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
     tok = P(batch or None, None)
@@ -298,14 +388,22 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
         fsdp = ()
 
     def gather_width(w, axis):
-        return jax.lax.all_gather(w, fsdp, axis=axis, tiled=True) if fsdp else w
+        if not fsdp:
+            return w
+        return gather_minor_width(w, fsdp) if by_experts else jax.lax.all_gather(w, fsdp, axis=axis, tiled=True)
 
-    def local(x, idx, wg_EFD, wu_EFD, wd_EFD):
-        wg_EFD, wu_EFD, wd_EFD = (gather_width(w, 2) for w in (wg_EFD, wu_EFD, wd_EFD))
+    def local(x, idx, *w_EFD):
+        # (gate, up, down) per chunk -> per weight, a tuple over the chunks, each gathered from its FSDP shards
+        per_chunk = zip(*(iter(w_EFD),) * 3)
+        wg_EFD, wu_EFD, wd_EFD = (tuple(gather_width(w, 2) for w in ws) for ws in zip(*per_chunk))
+        common = dict(ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl, align=cfg.runtime.moe_group_align)
+        if by_experts:   # the chunks are inside the transport
+            y, dropped = body(x, idx, wg_EFD, wu_EFD, wd_EFD, **common)
+            return y, jax.lax.psum(dropped, batch) if batch else dropped
+        (wg_EFD,), (wu_EFD,), (wd_EFD,) = wg_EFD, wu_EFD, wd_EFD
         # token chunks, each its own dispatch -> experts -> combine: they share no data, so the compiler can
         # run one chunk's all_to_all beside another chunk's expert matmuls
-        ys, drops = zip(*(body(x_c, idx_c, wg_EFD, wu_EFD, wd_EFD, ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype,
-                               impl=impl, align=cfg.runtime.moe_group_align)
+        ys, drops = zip(*(body(x_c, idx_c, wg_EFD, wu_EFD, wd_EFD, **common)
                           for x_c, idx_c in zip(jnp.split(x, chunks), jnp.split(idx, chunks))))
         y, dropped = jnp.concatenate(ys), sum(drops)
         return y, jax.lax.psum(dropped, batch) if batch else dropped
@@ -316,7 +414,19 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     # compiled as an all-reduce of the whole local gradient and a slice.
     w_spec = P(ep, mlp, fsdp or None)
     dt = cfg.jnp_dtype            # weights cast before the shard_map: FSDP gathers them in the compute dtype
-    return jax.shard_map(local, in_specs=(tok, tok, w_spec, w_spec, w_spec),
+    weights = (jnp.swapaxes(w_gate_EDF, 1, 2).astype(dt), jnp.swapaxes(w_up_EDF, 1, 2).astype(dt),
+               w_down_EFD.astype(dt))
+
+    def expert_chunks(w):
+        """[E, F, D] -> its chunks [E / c, F, D], chunk j every expert shard's j-th share of its local experts:
+        each enters the shard_map as its own operand, gathered and reduce-scattered there on its own (the
+        slices fuse into the cast above; a slice of the gathered weights inside would be a copy)."""
+        if not by_experts:
+            return (w,)
+        w = w.reshape(n_ep, chunks, w.shape[0] // (n_ep * chunks), *w.shape[1:])
+        return tuple(w[:, j].reshape(-1, *w.shape[3:]) for j in range(chunks))
+
+    operands = [w_j for chunked in zip(*map(expert_chunks, weights)) for w_j in chunked]   # gate, up, down per chunk
+    return jax.shard_map(local, in_specs=(tok, tok) + (w_spec,) * len(operands),
                          out_specs=(P(batch or None, None, None), P()), check_vma=False)(
-        x_ND, expert_idx_NK, jnp.swapaxes(w_gate_EDF, 1, 2).astype(dt), jnp.swapaxes(w_up_EDF, 1, 2).astype(dt),
-        w_down_EFD.astype(dt))
+        x_ND, expert_idx_NK, *operands)
