@@ -279,12 +279,17 @@ class MLAttention(nn.Module):
             cache = dict(cache, index_key=write_rows(cache["index_key"], k_i, positions_BT))
             k_i = cache["index_key"].astype(jnp.float32)
             kv_positions_BS, kv_segments_BS = cache_slots(k_i)
-        selection = prev_selection
+        selection, index_lse = prev_selection, None
+        # the masked core's KL kernels take the indexer's log-sum-exp over the selection from the top-k
+        with_lse = masked and cache is None and cfg.runtime.indexer_loss == "sparse" \
+            and cfg.runtime.attention_impl in PALLAS_IMPLS
         if cfg.runtime.attention_mode == "sparse":
             selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, kv_positions_BS, segment_ids_BT,
-                                           kv_segments_BS, with_mask=masked)
+                                           kv_segments_BS, with_mask=masked, with_lse=with_lse)
             if cache is None:
                 selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
+            if with_lse:
+                selection, index_lse = selection[:3], selection[3]
         if cfg.runtime.indexer_loss == "none" or cache is not None:
             return selection, None, cache
         idx, valid = selection[:2] if cfg.runtime.indexer_loss == "sparse" else (None, None)
@@ -298,7 +303,7 @@ class MLAttention(nn.Module):
             if mha is not None and cfg.runtime.attention_impl in PALLAS_IMPLS and (
                     cfg.runtime.indexer_loss == "warmup" or allowed is not None):
                 return indexer_kl_ops.mean_of_sums(*self._warmup_kl_kernel(mha, q_i, k_i, w_i, positions_BT,
-                                                                           segment_ids_BT, allowed))
+                                                                           segment_ids_BT, allowed, index_lse))
             q_att, kv_att, lse = (q_abs, latent_BSC, None) if mha is None else mha
             return indexer_kl_ops.indexer_kl_loss(
                 jax.lax.stop_gradient(q_att), jax.lax.stop_gradient(kv_att), q_i, k_i, w_i,
@@ -306,21 +311,24 @@ class MLAttention(nn.Module):
                 stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK, lse_BTH=lse)
         return selection, kl, cache
 
-    def _warmup_kl_kernel(self, mha, q_i, k_i, w_i, positions_BT, segment_ids_BT, allowed_BTS=None):
+    def _warmup_kl_kernel(self, mha, q_i, k_i, w_i, positions_BT, segment_ids_BT, allowed_BTS=None,
+                          index_lse_BT=None):
         """The warm-up KL kernel per batch shard (every head of a query is needed for its target), over the
-        visible keys or only the ``allowed`` ones (the sparse stage's selection mask) -> (sum of KL_t per
-        batch row [B], tokens with a non-empty key set per row [B])."""
+        visible keys or only the ``allowed`` ones (the sparse stage's selection mask, with the top-k's
+        ``index_lse_BT`` when given) -> (sum of KL_t per batch row [B], tokens with a non-empty key set per row
+        [B])."""
         cfg = self.cfg
 
-        def sums(q, k, lse, iq, ik, iw, pos, seg, *allowed):
+        def sums(q, k, lse, iq, ik, iw, pos, seg, *extra):
+            allowed, index_lse = (extra + (None, None))[:2]
             return indexer_kl_ops.warmup_kl_sums(q, k, lse, iq, ik, iw, pos, pos, seg, seg, scale=cfg.softmax_scale,
-                                                 impl=cfg.runtime.attention_impl,
-                                                 allowed_BTS=allowed[0] if allowed else None)
+                                                 impl=cfg.runtime.attention_impl, allowed_BTS=allowed,
+                                                 index_lse_BT=index_lse)
 
         b4, b3, bt = (BATCH, None, None, None), (BATCH, None, None), (BATCH, None)
         q_m, k_m, lse = (jax.lax.stop_gradient(x) for x in mha)   # the main model gets no KL gradient
-        extra = () if allowed_BTS is None else (allowed_BTS,)
-        return logical_shard_map(sums, in_axes=(b4, b4, b3, b4, b3, b3, bt, bt) + (b3,) * len(extra),
+        extra = () if allowed_BTS is None else (allowed_BTS,) + (() if index_lse_BT is None else (index_lse_BT,))
+        return logical_shard_map(sums, in_axes=(b4, b4, b3, b4, b3, b3, bt, bt) + (b3, bt)[:len(extra)],
                                  out_axes=((BATCH,), (BATCH,)))(
             q_m, k_m, lse, q_i, k_i, w_i, positions_BT, segment_ids_BT, *extra)
 
@@ -336,21 +344,22 @@ class MLAttention(nn.Module):
         return logical_shard_map(per_token, in_axes=((BATCH, None, None, None), btx, btx, btx, btx, btx),
                                  out_axes=(bt, bt))(q_i, k_i, w_i, idx, valid, target_BTK)
 
-    def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, with_mask=False):
-        """Top-k selection (lightning_indexer.ops), with ``with_mask`` also as a mask [B, T, S]; a Pallas
-        impl runs per batch shard."""
+    def _indexer_topk(self, q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, with_mask=False,
+                      with_lse=False):
+        """Top-k selection (lightning_indexer.ops), with ``with_mask`` also as a mask [B, T, S] (and with
+        ``with_lse`` the log-sum-exp of the selected scores [B, T]); a Pallas impl runs per batch shard."""
         cfg = self.cfg
 
         def topk(q, k, w, q_pos, kv_pos, q_seg, kv_seg):
             return indexer_ops.indexer_topk(q, k, w, q_pos, kv_pos, q_seg, kv_seg, topk=cfg.index_topk,
-                                            impl=cfg.runtime.attention_impl, with_mask=with_mask)
+                                            impl=cfg.runtime.attention_impl, with_mask=with_mask, with_lse=with_lse)
 
         args = (q_i, k_i, w_i, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
         if cfg.runtime.attention_impl not in PALLAS_IMPLS:
             return topk(*args)
         bt, btx = (BATCH, None), (BATCH, None, None)
         return logical_shard_map(topk, in_axes=((BATCH, None, None, None), btx, btx, bt, bt, bt, bt),
-                                 out_axes=(btx,) * (3 if with_mask else 2))(*args)
+                                 out_axes=(btx,) * (3 if with_mask else 2) + ((bt,) if with_lse else ()))(*args)
 
     def _sparse_core(self, q_abs, latent_BSC, idx, valid, *, decoding, with_target):
         """Absorbed sparse attention -> (o_lat [B,T,H,R], indexer KL target or None); a Pallas impl runs

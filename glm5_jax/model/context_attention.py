@@ -99,19 +99,24 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
         a = dict(zip(names, values))
         kv, kv_pos, kv_seg = (gather_sequence(a[x], n_shards) for x in ("kv", "pos", "seg"))
         ik = gather_sequence(a["ik"], n_shards) if "ik" in a else None
-        idx, valid, allowed = a["idx"], a["valid"], a.get("allowed")
+        idx, valid, allowed, index_lse = a["idx"], a["valid"], a.get("allowed"), None
         if select:
+            # the masked core's KL kernels take the indexer's log-sum-exp over the selection from the top-k
+            with_lse = masked and kl_stage == "sparse" and cfg.runtime.attention_impl in PALLAS_IMPLS
             with jax.named_scope("lightning_indexer"):      # scope names: glm5_jax.cost.categories
                 picked = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                                                   topk=cfg.index_topk, impl=cfg.runtime.attention_impl,
-                                                  with_mask=masked)
+                                                  with_mask=masked, with_lse=with_lse)
             picked = tuple(checkpoint_name(x, SELECTION_NAME) for x in picked)
+            if with_lse:
+                picked, index_lse = picked[:3], picked[3]
             idx, valid, allowed = picked if masked else picked + (None,)
         if mha is not None:
             k_m, v_m = mha_form.mha_keys_values(cfg, kv[..., :R], kv[..., R:], a["w_kvb"])
             with jax.named_scope("attention_core"):
                 o, lse = mha_form.flash_core(cfg, a["q_mha"], k_m, v_m, a["pos"], kv_pos, a["seg"], kv_seg,
-                                             block=mha_form.chunk_block(a["pos"].shape[1] // 2),
+                                             block=mha_form.chunk_block(a["pos"].shape[1] // 2,
+                                                                        cfg.runtime.attention_block),
                                              allowed_BTS=allowed)
             target, kl_q, kl_kv, kl_lse = None, a["q_mha"], k_m, lse   # the KL target from the lse
         else:
@@ -129,7 +134,7 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                     sg(kl_q), sg(kl_kv), sg(kl_lse), a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                     scale=cfg.softmax_scale, impl=cfg.runtime.attention_impl,
                     block_q=min(indexer_kl_ops.BLOCK_Q, mha_form.chunk_block(a["pos"].shape[1] // 2)),
-                    allowed_BTS=allowed)
+                    allowed_BTS=allowed, index_lse_BT=index_lse)
             kl, has_set = kl[:, None], has_set[:, None]
         elif kl_stage == "sparse" and target is not None and cfg.runtime.attention_impl in PALLAS_IMPLS:
             with jax.named_scope("indexer_kl"):

@@ -22,7 +22,8 @@ Kernels 1 and 2 have the grid (B, groups, T/bq/groups, S/bk) -- query block i * 
 innermost; every block is computed key-major ([bk, bq], so per-query quantities are lane rows [1, bq]
 like the flash kernel's lse):
   1. `_lse_kernel`: online log-sum-exp of I over the key set -> lseI [B, T] (only the indexer's
-     HI x DI product per pair).
+     HI x DI product per pair). Not run when the caller hands lseI: the sparse stage's top-k has the
+     selected keys' scores at hand (lightning_indexer ``with_lse``).
   2. `_kl_kernel`: recomputes all H heads' logits of the pair of blocks in VMEM (the H x D product), the
      target p, I (its per-head dots kept in a VMEM scratch for the gradient), the per-token KL and, with
      ``with_grads``, d iq [bq, HI*DI] and d w [HI, bq] accumulated over the key blocks and d ik [S, DI]
@@ -353,14 +354,16 @@ def cost(d: Shapes, q_itemsize, index_itemsize, *, with_grads, resident=True, ma
 
 
 def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS,
-                      allowed_BTS=None, *, scale, block_q=128, block_k=128, with_grads=True, interpret=False,
-                      resident_dk_bytes=RESIDENT_DK_BYTES) -> WarmupKL:
+                      allowed_BTS=None, index_lse_BT=None, *, scale, block_q=128, block_k=128, with_grads=True,
+                      interpret=False, resident_dk_bytes=RESIDENT_DK_BYTES) -> WarmupKL:
     """Per-token warm-up KL and (``with_grads``) the gradients of sum_t KL_t. q [B, T, H, D], k [B, S, H, D]
     (the attention's MHA query and per-head keys), lse [B, H, T] fp32 (the attention's log-sum-exp of the
     scaled logits over the key set), iq [B, T, HI, DI], ik [B, S, DI], iw [B, HI, T]; ``allowed_BTS``
     (optional, bool or int8 [B, T, S]): the key set of query t is its visible keys s with allowed[t, s] != 0
     (without it, all of them). T, S multiples of the blocks; D, DI multiples of 128. d ik stays resident in
-    the KL kernel while its fp32 [S, DI] fits ``resident_dk_bytes``, else a separate kernel computes it."""
+    the KL kernel while its fp32 [S, DI] fits ``resident_dk_bytes``, else a separate kernel computes it.
+    ``index_lse_BT`` (optional, fp32 [B, T], -inf for an empty key set): lseI when the caller already has
+    it -- the top-k that chose the selection holds the selected scores -- and the lse pass does not run."""
     d = check_shapes(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, block_q, block_k)
     masked = allowed_BTS is not None
     mask_operands = (mask_operand("warmup_indexer_kl", allowed_BTS, (d.B, d.T, d.S)),) if masked else ()
@@ -385,21 +388,25 @@ def warmup_indexer_kl(q_BTHD, k_BSHD, lse_BHT, iq_BTHD, ik_BSD, iw_BHT, q_pos_BT
 
     finite = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)   # noqa: E731  (queries without keys are masked)
 
-    # ---- pass 1: lseI
-    maps = _IndexMaps(1, n_q, n_k)
-    lse_i = pl.pallas_call(
-        functools.partial(_lse_kernel, n_q=n_q, n_k=n_k, groups=1, masked=masked, index_heads=HI,
-                          index_dim=DI),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, 1, n_q, n_k),
-            in_specs=[maps.spec(kind, shape) for kind, shape in lse_blocks],
-            out_specs=pl.BlockSpec((None, 1, bq), maps.own_row),
-            scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32), pltpu.VMEM((1, bq), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((B, 1, T), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                                             vmem_limit_bytes=VMEM_LIMIT),
-        interpret=interpret, name="indexer_kl_warmup_lse", cost_estimate=costs[0],
-    )(*tables, iq, ik_BSD, iw, q_pos, q_seg, kv_pos, kv_seg, *mask_operands)
+    # ---- pass 1: lseI (unless given)
+    if index_lse_BT is not None:
+        lse_i = index_lse_BT.astype(jnp.float32)[:, None, :]
+    else:
+        maps = _IndexMaps(1, n_q, n_k)
+        lse_i = pl.pallas_call(
+            functools.partial(_lse_kernel, n_q=n_q, n_k=n_k, groups=1, masked=masked, index_heads=HI,
+                              index_dim=DI),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=(B, 1, n_q, n_k),
+                in_specs=[maps.spec(kind, shape) for kind, shape in lse_blocks],
+                out_specs=pl.BlockSpec((None, 1, bq), maps.own_row),
+                scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32), pltpu.VMEM((1, bq), jnp.float32)]),
+            out_shape=jax.ShapeDtypeStruct((B, 1, T), jnp.float32),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel",
+                                                                      "arbitrary"),
+                                                 vmem_limit_bytes=VMEM_LIMIT),
+            interpret=interpret, name="indexer_kl_warmup_lse", cost_estimate=costs[0],
+        )(*tables, iq, ik_BSD, iw, q_pos, q_seg, kv_pos, kv_seg, *mask_operands)
     has_set = jnp.isfinite(lse_i[:, 0, :])
 
     # ---- pass 2: target, KL and gradients. A resident d ik accumulates over the query blocks, so they run

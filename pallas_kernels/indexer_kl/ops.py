@@ -50,13 +50,16 @@ def mean_of_sums(kl_sum, count):
 
 def warmup_kl_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
                    q_seg_BT, kv_seg_BS, allowed_BTS=None, *, scale, impl, block_q=BLOCK_Q, block_k=BLOCK_K,
-                   q_chunk=128):
+                   q_chunk=128, index_lse_BT=None):
     """Warm-up indexer KL from the MHA attention (q [B,T,H,D], per-head keys k [B,S,H,D], fp32 lse [B,T,H])
     -> (sum over each batch row's tokens of KL_t [B], count of tokens with a non-empty set [B]), fp32.
     Each query's key set is its visible keys, with ``allowed_BTS`` (bool or int8 [B, T, S]) only those with
     allowed != 0 -- lse must be the attention's over the same set. Gradients reach only index_q / index_k /
     index_w (none reach the mask). ``block_q`` / ``block_k``: the kernels' blocks (a sequence shorter than a
-    block uses one block of its length rounded up to 128); ``q_chunk``: the XLA impls' query chunk."""
+    block uses one block of its length rounded up to 128); ``q_chunk``: the XLA impls' query chunk.
+    ``index_lse_BT`` (fp32 [B, T], no gradient; used by the kernels): the log-sum-exp of the indexer's scores
+    over each query's key set when the caller has it (the top-k that chose the selection), so the kernels'
+    lse pass does not run. It must be that function of index_q / k / w: the kernels' gradients assume it."""
     sg = jax.lax.stop_gradient
     q_BTHD, k_BSHD, lse_BTH = sg(q_BTHD), sg(k_BSHD), sg(lse_BTH)
     if impl not in PALLAS_IMPLS:
@@ -67,15 +70,16 @@ def warmup_kl_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_B
     T, S = q_BTHD.shape[1], k_BSHD.shape[1]
     static = (float(scale), min(block_q, round_up(T, kernel.LANES)), min(block_k, round_up(S, kernel.LANES)),
               impl == PALLAS_INTERPRET)
+    index_lse = None if index_lse_BT is None else sg(index_lse_BT)
     return _kernel_sums(q_BTHD, k_BSHD, lse_BTH, index_q_BTHD, index_k_BSD, index_w_BTH, q_pos_BT, kv_pos_BS,
-                        q_seg_BT, kv_seg_BS, allowed_BTS, static)
+                        q_seg_BT, kv_seg_BS, allowed_BTS, index_lse, static)
 
 
 def _run(args, static, with_grads):
     """The kernels on operands padded to the blocks (padded tokens: segment 0, seen by nobody, seeing
     nothing; the mask padded with 0) and head dims padded to 128 with zeros (dot products unchanged); padding
     cut off again."""
-    q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed = args
+    q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, index_lse = args
     scale, bq, bk, interpret = static
     T, S, DI = q.shape[1], k.shape[1], iq.shape[3]
     Tp, Sp = round_up(T, bq), round_up(S, bk)
@@ -87,6 +91,7 @@ def _run(args, static, with_grads):
         pad_axis(t_pad(iq), 3, DIp), pad_axis(s_pad(ik), 2, DIp), jnp.swapaxes(t_pad(iw), 1, 2),
         t_pad(q_pos), s_pad(kv_pos), t_pad(q_seg), s_pad(kv_seg),
         None if allowed is None else pad_axis(t_pad(allowed), 2, Sp),
+        None if index_lse is None else t_pad(index_lse.astype(jnp.float32)),
         scale=scale, block_q=bq, block_k=bk, with_grads=with_grads, interpret=interpret)
     sums = (jnp.sum(r.kl_BT[:, :T], axis=1), jnp.sum(r.has_set_BT[:, :T].astype(jnp.float32), axis=1))
     if not with_grads:
@@ -103,16 +108,18 @@ def _run_behind_barrier(args, static):
     return jax.lax.optimization_barrier(_run(args, static, with_grads=True))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11,))
-def _kernel_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, static):
-    """Not differentiated: the loss-only kernel. ``allowed``: bool / int8 [B, T, S] (no cotangent) or None."""
-    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed), static, with_grads=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
+def _kernel_sums(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, index_lse, static):
+    """Not differentiated: the loss-only kernel. ``allowed``: bool / int8 [B, T, S] (no cotangent) or None;
+    ``index_lse``: [B, T] (no cotangent) or None."""
+    return _run((q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, index_lse), static,
+                with_grads=False)[0]
 
 
-def _kernel_sums_fwd(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, static):
+def _kernel_sums_fwd(q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg, allowed, index_lse, static):
     # a removable call: when a policy keeps the gradients, the rematerialised backward drops the kernel
     sums, grads = removable_when_unused(_run_behind_barrier, (q, k, lse, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg,
-                                                              allowed), static=static)
+                                                              allowed, index_lse), static=static)
     # the sums are named too: the loss's backward needs the token count (the mean's denominator)
     return checkpoint_name((sums, grads), SAVED_NAMES[0])
 
@@ -122,7 +129,7 @@ def _kernel_sums_bwd(static, grads, cotangents):
     d_kl_B, _ = cotangents
     d_iq, d_ik, d_iw = grads
     row = lambda g: (g.astype(jnp.float32) * d_kl_B.reshape((-1,) + (1,) * (g.ndim - 1))).astype(g.dtype)  # noqa: E731
-    return (None, None, None, row(d_iq), row(d_ik), row(d_iw), None, None, None, None, None)
+    return (None, None, None, row(d_iq), row(d_ik), row(d_iw), None, None, None, None, None, None)
 
 
 _kernel_sums.defvjp(_kernel_sums_fwd, _kernel_sums_bwd)

@@ -189,27 +189,33 @@ def _scores_and_selection(q, k_BSD, w, q_pos, kv_pos, q_seg, kv_seg, *, k, block
     return select_top_k(neg_scores, key_index, k, q.shape[1], interpret)
 
 
-def _masked_selection(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS, *, k, block_t, block_s, interpret):
-    """(idx, valid, mask int8 [B, T, S]) of one query chunk: `lax.top_k` of the scores and the same
-    selection as a mask, made from the scores while they are at hand."""
+def _masked_selection(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS, *, k, block_t, block_s, interpret,
+                      with_lse=False):
+    """(idx, valid, mask int8 [B, T, S][, lse [B, T]]) of one query chunk: `lax.top_k` of the scores and the
+    same selection as a mask, made from the scores while they are at hand; with ``with_lse`` also the
+    log-sum-exp of the selected scores (-inf with none), the indexer KL's normaliser over the selection."""
     scores = index_scores(q, k_BSD, w, q_pos, kv_pos_BS, q_seg, kv_seg_BS,
                           block_t=block_t, block_s=block_s, interpret=interpret)
     top_scores, idx = jax.lax.top_k(scores, k)
-    picked = (idx.astype(jnp.int32), top_scores > -jnp.inf)
-    return picked + (top_k_mask(scores, top_scores, picked[0]).astype(jnp.int8),)
+    picked = (idx.astype(jnp.int32), top_scores > -jnp.inf, top_k_mask(scores, top_scores, idx).astype(jnp.int8))
+    return picked + (jax.nn.logsumexp(top_scores, axis=-1),) if with_lse else picked
 
 
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk,
-                 q_chunk=512, block_t=256, block_s=512, with_mask=False, interpret=False):
+                 q_chunk=512, block_t=256, block_s=512, with_mask=False, with_lse=False, interpret=False):
     """Same contract as reference.indexer_topk: (idx [B, T, k] int32, valid [B, T, k] bool); with
     ``with_mask`` also the selection as a mask [B, T, S] int8 (1 = selected), made from each chunk's scores
-    while they are at hand (masking.top_k_mask); int8 is what the masked kernels read."""
+    while they are at hand (masking.top_k_mask); int8 is what the masked kernels read. ``with_lse`` (with the
+    mask): also the log-sum-exp of each query's selected scores [B, T] fp32."""
     k = min(topk, k_BSD.shape[1])
+    if with_lse and not with_mask:
+        raise ValueError("indexer_topk: with_lse comes with the selection mask (with_mask=True)")
+    extra = dict(with_lse=True) if with_lse else {}
 
     def select(q, w, q_pos, q_seg):
         # one removable call: under a remat policy that saves the selection, the backward drops all of it
         return removable_when_unused(_masked_selection if with_mask else _scores_and_selection, q, k_BSD, w, q_pos,
                                      kv_pos_BS, q_seg, kv_seg_BS, k=k, block_t=block_t, block_s=block_s,
-                                     interpret=interpret)
+                                     interpret=interpret, **extra)
 
     return chunked_over_queries(select, q_chunk, q_BTHD.shape[1], q_BTHD, w_BTH, q_pos_BT, q_seg_BT)

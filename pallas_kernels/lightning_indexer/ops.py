@@ -24,13 +24,25 @@ def check_impl(impl):
 
 
 def indexer_topk(q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, topk, impl="xla",
-                 with_mask=False):
+                 with_mask=False, with_lse=False):
     """(idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S): the top-k visible keys per query; with
-    ``with_mask`` also the same selection as a mask [B, T, S] int8, 1 = selected (for attending densely over it)."""
+    ``with_mask`` also the same selection as a mask [B, T, S] int8, 1 = selected (for attending densely over it),
+    and with ``with_lse`` (with the mask) the log-sum-exp of each query's selected scores [B, T] fp32 (-inf
+    with none): the normaliser of the indexer's distribution in the sparse stage's KL, which the Pallas top-k
+    has at hand."""
     check_impl(impl)
+    if with_lse and not with_mask:
+        raise ValueError("indexer_topk: with_lse comes with the selection mask (with_mask=True)")
     q_BTHD, k_BSD, w_BTH = (jax.lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
     args = (q_BTHD, k_BSD, w_BTH, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
     if impl in ("reference", "xla"):
         idx, valid = reference.indexer_topk(*args, topk=topk)
-        return (idx, valid, selection_mask(idx, valid, k_BSD.shape[1]).astype(jnp.int8)) if with_mask else (idx, valid)
-    return kernel.indexer_topk(*args, topk=topk, with_mask=with_mask, interpret=impl == PALLAS_INTERPRET)
+        if not with_mask:
+            return idx, valid
+        mask = selection_mask(idx, valid, k_BSD.shape[1])
+        if not with_lse:
+            return idx, valid, mask.astype(jnp.int8)
+        scores = reference.index_scores(q_BTHD, k_BSD, w_BTH, mask)   # -inf off the selection
+        return idx, valid, mask.astype(jnp.int8), jax.nn.logsumexp(scores, axis=-1)
+    return kernel.indexer_topk(*args, topk=topk, with_mask=with_mask, with_lse=with_lse,
+                               interpret=impl == PALLAS_INTERPRET)

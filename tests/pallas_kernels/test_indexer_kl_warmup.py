@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import masking
 from pallas_kernels.indexer_kl import kernel, ops, reference
+from pallas_kernels.lightning_indexer import reference as indexer_reference
 from dsa_inputs import packed
 
 SCALE = 0.25
@@ -33,10 +34,11 @@ def inputs(T, seed=0):
     return (q, k, lse, iq, ik, iw, pos, pos, seg, seg)
 
 
-def loss_and_grads(args, impl, weights, allowed=None):
+def loss_and_grads(args, impl, weights, allowed=None, index_lse=None):
     """sum_b weights[b] * sum_t KL_t (an uneven cotangent per row) + the count, and d/d(iq, ik, iw)."""
     def objective(iq, ik, iw):
-        kl_B, count_B = ops.warmup_kl_sums(*args[:3], iq, ik, iw, *args[6:], allowed, scale=SCALE, impl=impl)
+        kl_B, count_B = ops.warmup_kl_sums(*args[:3], iq, ik, iw, *args[6:], allowed, scale=SCALE, impl=impl,
+                                           index_lse_BT=index_lse)
         return jnp.sum(kl_B * weights), (kl_B, count_B)
 
     return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(*args[3:6])
@@ -104,7 +106,7 @@ def test_gradient_formula_through_the_relu():
     held fixed: dKL/dI = softmax(I) - p, then dI/d(iq_h . ik) = w_h [iq_h . ik > 0]."""
     args = inputs(200, seed=1)
     q, k, lse, iq, ik, iw, pos, _, seg, _ = args
-    r = ops._run((*args, None), (SCALE, 128, 128, True), with_grads=True)[1]
+    r = ops._run((*args, None, None), (SCALE, 128, 128, True), with_grads=True)[1]
     b, t = 0, 150
     visible = (seg[b] == seg[b, t]) & (pos[b] <= pos[b, t])
     logits = jnp.einsum("hd,shd->hs", q[b, t], k[b], precision="highest") * SCALE
@@ -190,18 +192,25 @@ def sparse_stage(args, idx, valid, target, weights):
     return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(*args[3:6])
 
 
-@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
-def test_selection_mask_gives_the_sparse_stage_kl(impl):
+@pytest.mark.parametrize("impl,given_lse", [("pallas_interpret", False), ("xla", False), ("pallas_interpret", True)])
+def test_selection_mask_gives_the_sparse_stage_kl(impl, given_lse):
     """384 packed tokens with padding, TOPK random visible keys per query (about half of a long document's
     keys), one query with an empty selection: loss sums and gradients of the op with the selection's mask
-    equal the sparse stage's KL of the same selection with the target computed by hand."""
+    equal the sparse stage's KL of the same selection with the target computed by hand. ``given_lse``: the
+    indexer's log-sum-exp over the selection handed in (as the top-k does), and the kernels' lse pass skipped."""
     args = inputs(384)
     idx, valid, allowed = selected(args)
     visible = masking.visible_mask(args[6], args[6], args[8], args[8])
     assert bool(jnp.any(jnp.sum(visible, -1) > 2 * TOPK)) and bool(jnp.any(visible[EMPTY_QUERY]))
     args, logits, lse = with_masked_lse(args, allowed)
     weights = jnp.asarray([1.0, -0.5])
-    (_, (kl, count)), grads = loss_and_grads(args, impl, weights, allowed)
+    index_lse = None
+    if given_lse:
+        index_lse = jax.nn.logsumexp(indexer_reference.index_scores(*args[3:6], allowed), axis=-1)
+        assert not bool(jnp.isfinite(index_lse[EMPTY_QUERY]))
+        program = str(jax.make_jaxpr(lambda *a: loss_and_grads(args, impl, weights, allowed, a[0]))(index_lse))
+        assert "indexer_kl_warmup_grads" in program and "indexer_kl_warmup_lse" not in program
+    (_, (kl, count)), grads = loss_and_grads(args, impl, weights, allowed, index_lse)
     (_, (want_kl, want_count)), want_grads = sparse_stage(args, idx, valid, hand_target(logits, lse, idx, valid),
                                                           weights)
     np.testing.assert_array_equal(count, want_count)

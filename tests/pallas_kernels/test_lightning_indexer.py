@@ -82,6 +82,20 @@ def test_selection_mask_from_scores_equals_the_top_k_with_ties():
     assert (np.asarray(valid).sum(-1) < topk).any() and np.asarray(valid).any()
     _, _, xla_mask = ops.indexer_topk(*args, topk=topk, impl="xla", with_mask=True)
     np.testing.assert_array_equal(np.asarray(xla_mask).sum(-1), np.asarray(mask).sum(-1))
+    # with_lse: the log-sum-exp of the selected scores (the sparse KL's normaliser), -inf for a padded row
+    *picked, lse = ops.indexer_topk(*args, topk=topk, impl="pallas_interpret", with_mask=True, with_lse=True)
+    for got, want in zip(picked, (idx, valid, mask)):
+        np.testing.assert_array_equal(got, want)
+    on_mask = np.where(np.asarray(mask) != 0, scores, -np.inf)
+    top = np.max(on_mask, -1, keepdims=True)
+    with np.errstate(divide="ignore"):   # log(0) = -inf for a row with nothing selected
+        want_lse = (top + np.log(np.sum(np.exp(on_mask - np.where(np.isfinite(top), top, 0)), -1, keepdims=True)))[..., 0]
+    assert np.isinf(want_lse).any() and np.isfinite(want_lse).any()
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    *_, xla_lse = ops.indexer_topk(*args, topk=topk, impl="xla", with_mask=True, with_lse=True)
+    np.testing.assert_allclose(xla_lse, want_lse, rtol=1e-6)
+    with pytest.raises(ValueError, match="with_lse comes with the selection mask"):
+        ops.indexer_topk(*args, topk=topk, impl="xla", with_lse=True)
 
 
 def test_sorted_selection_is_lax_top_k_exactly_with_ties():
