@@ -280,9 +280,7 @@ class MLAttention(nn.Module):
             k_i = cache["index_key"].astype(jnp.float32)
             kv_positions_BS, kv_segments_BS = cache_slots(k_i)
         selection, index_lse = prev_selection, None
-        # the masked core's KL kernels take the indexer's log-sum-exp over the selection from the top-k
-        with_lse = masked and cache is None and cfg.runtime.indexer_loss == "sparse" \
-            and cfg.runtime.attention_impl in PALLAS_IMPLS
+        with_lse = context_attention.indexer_lse_from_topk(cfg, masked)   # masked: training, no cache
         if cfg.runtime.attention_mode == "sparse":
             selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, kv_positions_BS, segment_ids_BT,
                                            kv_segments_BS, with_mask=masked, with_lse=with_lse)

@@ -53,6 +53,12 @@ _AXES = {  # logical axes of each per-token operand: split over batch and sequen
     "q_mha": _BT + (None, None), "w_kvb": (None, None, None), "allowed": _BT + (None,)}
 
 
+def indexer_lse_from_topk(cfg: ModelConfig, masked: bool) -> bool:
+    """Whether the top-k also returns the log-sum-exp of its selected scores for the indexer KL: the sparse
+    stage's KL on the masked flash core (Pallas impls), whose kernels then skip their own lse pass."""
+    return masked and cfg.runtime.indexer_loss == "sparse" and cfg.runtime.attention_impl in PALLAS_IMPLS
+
+
 def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BTC, positions_BT, segment_ids_BT,
                                selection, indexer_qkw=None, *, select, sparse, kl_stage, mha=None, masked=False):
     """(o_lat [B,T,H,R], selection (idx, valid) [B,T,k] (+ allowed [B,T,S] when ``masked``), (kl, has_set)
@@ -101,8 +107,7 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
         ik = gather_sequence(a["ik"], n_shards) if "ik" in a else None
         idx, valid, allowed, index_lse = a["idx"], a["valid"], a.get("allowed"), None
         if select:
-            # the masked core's KL kernels take the indexer's log-sum-exp over the selection from the top-k
-            with_lse = masked and kl_stage == "sparse" and cfg.runtime.attention_impl in PALLAS_IMPLS
+            with_lse = indexer_lse_from_topk(cfg, masked)
             with jax.named_scope("lightning_indexer"):      # scope names: glm5_jax.cost.categories
                 picked = indexer_ops.indexer_topk(a["iq"], ik, a["iw"], a["pos"], kv_pos, a["seg"], kv_seg,
                                                   topk=cfg.index_topk, impl=cfg.runtime.attention_impl,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -168,31 +169,23 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, ali
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
     rows = tile_rows(x.astype(dtype))
-    if c == 1:
-        slot = jnp.where(kept, flat_e * cap + rank, E * cap)             # E * cap: out of range -> dropped
-        # the (token, choice) assignment each send slot carries (n * K: an empty slot) and so its token (n:
-        # none), then one gather fills the buffer: no [n * K, D] copy of the tokens and no zero-filled buffer
-        # scattered into (whose bytes a scatter reads and writes)
-        assignment_of_slot = jnp.full((E * cap,), n * K, jnp.int32).at[slot].set(
-            jnp.arange(n * K, dtype=jnp.int32), mode="drop")
-        send = take_token_rows(rows, assignment_of_slot // K, slot.reshape(n, K))   # [dest, El, C] rows
-        returned = _a2a_expert_chunk(send, recv_counts, *weights[0], ep=ep, mlp=mlp, cap=cap, dtype=dtype, impl=impl,
-                                     align=align)                        # my slots again
-        y_assign = take_unique_rows(returned, slot, assignment_of_slot, True)   # a dropped assignment: zero
-        return y_assign.reshape(n, K, D), jnp.sum(~kept).astype(jnp.int32)
-    # expert chunks: chunk j's send buffer is [dest, Ec, C] rows, expert e = dest * El + local in chunk
-    # local // Ec at block dest * Ec + local % Ec; an assignment of another chunk is out of range
+    # chunk j's send buffer is [dest, Ec, C] rows (one chunk: [dest, El, C], expert-major): expert e = dest * El +
+    # local is in chunk local // Ec, at block dest * Ec + local % Ec; an assignment of another chunk, or a
+    # dropped one, is out of range there
     dest, local = flat_e // El, flat_e % El
     in_chunk = jnp.where(kept, (dest * Ec + local % Ec) * cap + rank, 0)
     chunk_of = jnp.where(kept, local // Ec, c)                           # c: dropped
     slots, assignments, returned = [], [], []
     for j, w_j in enumerate(weights):
         slot = jnp.where(chunk_of == j, in_chunk, n_ep * Ec * cap)
+        # the (token, choice) assignment each send slot carries (n * K: an empty slot) and so its token (n:
+        # none), then one gather fills the buffer: no [n * K, D] copy of the tokens and no zero-filled buffer
+        # scattered into (whose bytes a scatter reads and writes)
         assignment_of_slot = jnp.full((n_ep * Ec * cap,), n * K, jnp.int32).at[slot].set(
             jnp.arange(n * K, dtype=jnp.int32), mode="drop")
         send = take_token_rows(rows, assignment_of_slot // K, slot.reshape(n, K))
         returned.append(_a2a_expert_chunk(send, recv_counts[:, j * Ec:(j + 1) * Ec], *w_j, ep=ep, mlp=mlp, cap=cap,
-                                          dtype=dtype, impl=impl, align=align))
+                                          dtype=dtype, impl=impl, align=align))   # my slots again
         slots.append(slot)
         assignments.append(assignment_of_slot)
     y_assign = take_rows_of_chunks(returned, slots, assignments)
@@ -205,7 +198,7 @@ def take_rows_of_chunks(xs, rows_list, inverse_list):
     of at most one chunk (the combine of the expert chunks: each assignment is in one chunk). Gradient: for
     each chunk dy[inverse[j]], unspecified at rows no output took -- no concatenation of the chunks' buffers
     and no zero-filled cotangent per chunk."""
-    return sum(_take(x, rows, True) for x, rows in zip(xs, rows_list))
+    return functools.reduce(operator.add, (_take(x, rows, True) for x, rows in zip(xs, rows_list)))
 
 
 def _take_rows_of_chunks_fwd(xs, rows_list, inverse_list):
@@ -387,15 +380,15 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
     if fsdp and (w_gate_EDF.shape[1] % math.prod(mesh.shape[a] for a in fsdp)):
         fsdp = ()
 
-    def gather_width(w, axis):
+    def gather_width(w_EFd):
         if not fsdp:
-            return w
-        return gather_minor_width(w, fsdp) if by_experts else jax.lax.all_gather(w, fsdp, axis=axis, tiled=True)
+            return w_EFd
+        return gather_minor_width(w_EFd, fsdp) if by_experts else jax.lax.all_gather(w_EFd, fsdp, axis=2, tiled=True)
 
     def local(x, idx, *w_EFD):
         # (gate, up, down) per chunk -> per weight, a tuple over the chunks, each gathered from its FSDP shards
         per_chunk = zip(*(iter(w_EFD),) * 3)
-        wg_EFD, wu_EFD, wd_EFD = (tuple(gather_width(w, 2) for w in ws) for ws in zip(*per_chunk))
+        wg_EFD, wu_EFD, wd_EFD = (tuple(map(gather_width, ws)) for ws in zip(*per_chunk))
         common = dict(ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl, align=cfg.runtime.moe_group_align)
         if by_experts:   # the chunks are inside the transport
             y, dropped = body(x, idx, wg_EFD, wu_EFD, wd_EFD, **common)
