@@ -132,7 +132,7 @@ def main():
 
 
 def print_table(rows):
-    """The README table (markdown)."""
+    """The table in bench/README.md (markdown)."""
     print("| T | dense fwd s | sparse fwd s | dense / sparse | dense fwd+bwd s | sparse fwd+bwd s | dense / sparse | "
           "dense fwd+bwd peak MiB | sparse fwd+bwd peak MiB |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -33,7 +33,7 @@ def model_config() -> ModelConfig:
 
 def get_config() -> ExperimentConfig:
     """2048 v5p chips: FSDP 32 x context 2 x expert-parallel 32, no tensor split; 1024 sequences of 4096
-    tokens (4.2M) per step, each sequence over 2 chips. The mesh sweeps (bench/mesh_sweep.py, README: Scale)
+    tokens (4.2M) per step, each sequence over 2 chips. The mesh sweeps (bench/mesh_sweep.py, docs/scaling.md)
     chose it: no tensor split (against fsdp 128 x expert 8 x tensor 2 it drops the tensor all-reduces and the
     per-chip copies of tensor-replicated activations: 9.1 s vs 18.7 s then), and 32 experts' worth of chips
     per expert group, so each chip holds 8 routed experts instead of 32: the experts' weight gathers,
@@ -45,7 +45,7 @@ def get_config() -> ExperimentConfig:
     # remat: "moe_attention_saveable" keeps each MoE layer's expert input rows, gate / up products and outputs
     # (the backward reruns no expert product and moves no rows) and each layer's attention core residuals,
     # query and block output (the backward reruns only the key / value up-projection); 84-87 GiB per chip in
-    # the dense and sparse steps (bench/results/compile_744b_dense.md, compile_744b.md)
+    # the dense and sparse steps (bench/results/compile_744b_pretrain.md, compile_744b.md)
     # moe_a2a_chunks=2, moe_a2a_chunk_by="experts": the (async) all-to-all runs in two chunks, each every token's
     # assignments to half of each chip's local experts, so one chunk's transport runs beside the other chunk's
     # expert matmuls; each grouped matmul holds ~8,192 rows over 4 experts instead of 8 (token halves): fewer
