@@ -15,7 +15,7 @@ Vendor facts (Google Cloud TPU documentation, each version's "System architectur
 Achievable fractions: what a well-formed op reaches, not the vendor peak. They are read from libtpu's own
 TPU cost model (``compiled.cost_analysis()``: ``flops`` or ``bytes accessed`` over ``optimal_seconds``)
 on an 8192 x 8192 bf16 matmul and an elementwise pass over the same array, compiled for each chip with
-libtpu 0.0.42 (``bench/chip_rates.py`` reprints them; tests/train/test_chip_facts.py checks them):
+libtpu 0.0.42 (``bench/chip_rates.py`` reprints them; tests/cost/test_chip_facts.py checks them):
 
     chip   matmul FLOP/s   = peak x   HBM bytes/s   = peak x
     v5p    3.94e14           0.858    2.35e12         0.850

@@ -175,7 +175,7 @@ def check_hand_counted_parts(report, hlo_path):
     # (9 masked convolutions), the router's two gradients per layer in "input_grad". XLA's TPU lowering of
     # ragged_dot gives its input-gradient kernels op_names without the transpose, so on this path the 15
     # forward + input-gradient ragged dots all read as "forward" (the megablox kernels, the TPU default, carry
-    # exact names: tests/train/test_step_categories.py)
+    # exact names: tests/cost/test_step_categories.py)
     passes = {p: c["hlo_flops"] for p, c in report["routed_expert_passes"].items()}
     assert passes == {"forward": 15 * u + 2 * router, "remat": 6 * u + 2 * router, "input_grad": 4 * router,
                       "weight_grad": 9 * E * u}

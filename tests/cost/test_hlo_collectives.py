@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.cost.collectives import collective_groups, moved_bytes, spanned_axes
-from glm5_jax.cost.hlo_cost import CollectiveOp, StepTiming, _exposed_async, hlo_cost
+from glm5_jax.cost.hlo_cost import CollectiveOp, StepTiming, exposed_async_seconds, hlo_cost
 from glm5_jax.cost.ici import V5P_LINK_BYTES_PER_S, CollectiveModel
 
 
@@ -124,15 +124,15 @@ def test_overlap_rule_exposes_sync_collectives_and_hides_async_ones_behind_compu
 def test_async_windows_share_the_compute_between_start_and_done():
     seconds = [1.0, 2.0, 4.0, 8.0, 16.0]         # roofline seconds of five scheduled instructions
     # one collective of 5 s from 0 to 3 runs beside instructions 1 and 2 (6 s): hidden
-    assert _exposed_async([(0, 3, 5.0)], seconds) == 0.0
+    assert exposed_async_seconds([(0, 3, 5.0)], seconds) == 0.0
     # two overlapping windows (0..3, 2..4: union 1..3, 14 s) in flight together with 20 s: 6 s exposed
-    assert _exposed_async([(0, 3, 10.0), (2, 4, 10.0)], seconds) == 20.0 - (2 + 4 + 8)
+    assert exposed_async_seconds([(0, 3, 10.0), (2, 4, 10.0)], seconds) == 20.0 - (2 + 4 + 8)
     # disjoint windows each hide behind their own compute only: 0..2 (2 s) and 2..4 (8 s)
-    assert _exposed_async([(0, 2, 3.0), (2, 4, 3.0)], seconds) == 1.0
+    assert exposed_async_seconds([(0, 2, 3.0), (2, 4, 3.0)], seconds) == 1.0
     # a done scheduled before its start wraps round a loop body: 3..(next trip)1 runs beside 4 and 0
-    assert _exposed_async([(3, 1, 20.0)], seconds) == 20.0 - (16 + 1)
+    assert exposed_async_seconds([(3, 1, 20.0)], seconds) == 20.0 - (16 + 1)
     # no done: to the end of the computation
-    assert _exposed_async([(2, 5, 30.0)], seconds) == 30.0 - (8 + 16)
+    assert exposed_async_seconds([(2, 5, 30.0)], seconds) == 30.0 - (8 + 16)
 
 
 # The TPU compiler's async collective fusion (libtpu flag --xla_tpu_enable_async_collective_fusion): one

@@ -1,0 +1,100 @@
+"""What Mosaic custom calls (Pallas kernels) cost: the `pl.CostEstimate` a kernel declares, the ragged-dot
+lowering's matmul from its shapes, and megablox grouped matmuls by the row tiles their groups visit
+(`GroupedMatmulLoad`, `grouped_matmul_tiles`)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from glm5_jax.cost.hlo_cost.parsing import arrays_of, dense_bytes
+
+_COST_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{([^}]*)\}')
+
+
+def kernel_cost(shape: str, operand_shapes: list[str], attrs: str):
+    """(FLOPs, bytes or None) of a Mosaic custom call: the kernel's declared `pl.CostEstimate` (written
+    into the backend config's custom_call_config.cost_estimate), else for the ragged-dot lowering
+    2 x m x k x n from its shapes (lhs [m, k], rhs [groups, k, n]); a kernel with integer results only
+    (e.g. the ragged dot's group metadata) does no matmul; None when none of these applies."""
+    m = _COST_ESTIMATE.search(attrs)
+    if m:
+        fields = dict(re.findall(r'"(\w+)"\s*:\s*"?(\d+)', m.group(1)))
+        if "flops" in fields:
+            nbytes = int(fields["bytes_accessed"]) if "bytes_accessed" in fields else None
+            return float(fields["flops"]), nbytes
+    if all(dt[0] in "sup" for dt, _ in arrays_of(shape)):
+        return 0.0, None                            # integer/bool results only: index bookkeeping, no matmul
+    if "ragged_dot" in attrs or "ragged-dot" in attrs:
+        arrays = [a for t in operand_shapes for a in arrays_of(t)]
+        out = arrays_of(shape)
+        mats = [s for _, s in arrays if len(s) >= 2]
+        if out and len(mats) >= 2 and len(mats[-2]) == 2 and len(mats[-1]) == 3:
+            (m_, k), n = mats[-2], out[0][1][-1]
+            return 2.0 * m_ * k * n, None
+    return None
+
+
+# JAX's megablox grouped matmuls (jax.experimental.pallas.ops.tpu.megablox.gmm: `gmm`, and `tgmm` for the
+# weight gradient) run a grid whose row-tile count is an operand: they visit only the row tiles their
+# groups cover, and a tile that a group boundary cuts is visited once per group, in full. Their declared
+# estimate is 2 x m x k x n over all m rows of the buffer, whatever the groups hold.
+_GROUPED_MATMUL = re.compile(r"jit\((t?gmm)\)/pallas_call")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulLoad:
+    """What the routed experts' grouped matmuls hold, on average: ``rows`` routed rows per call (None: every
+    row of the call's buffer), and whether each group starts on a row tile (``aligned``: the groups' sizes
+    are padded to whole tiles, so no tile is cut)."""
+    rows: float | None = None
+    aligned: bool = False
+
+
+def grouped_matmul_tiles(rows: float, tile: int, groups: int, aligned: bool = False) -> float:
+    """Row tiles a megablox grouped matmul visits for ``rows`` rows in ``groups`` contiguous groups. Groups
+    packed back to back: the tiles the rows cover plus one for each of the G - 1 boundaries, which falls
+    inside a tile unless the sizes happen to be tile multiples (megablox's make_group_metadata runs a
+    group's tiles from its first row rounded down to its last rounded up, so a cut tile is computed by
+    both groups). Groups padded to whole tiles: the rows' tiles plus half a tile of padding per group, on
+    average (within a tile of megablox's count for random sizes)."""
+    if aligned:
+        return rows / tile + groups / 2
+    return float(math.ceil(rows / tile) + groups - 1)
+
+
+def _grouped_matmul_cost(kind: str, shape: str, operand_shapes: list[str], flops: float, nbytes: int | None,
+                         load: GroupedMatmulLoad):
+    """(FLOPs, bytes) a megablox `gmm` / `tgmm` call executes under ``load``, from the declared (FLOPs,
+    bytes). The operands say the tiling: (tile count, group offsets [G + 1], group ids [L], row-tile ids
+    [L], group offset, lhs [m, k], rhs, ...), L = m / tm + G - 1 the most tiles the grid may visit. FLOPs
+    and the row-proportional bytes scale by T / (m / tm) for the T = `grouped_matmul_tiles` visited; `gmm`
+    reads one group's weights [k, n] per visited tile (declared for all L), `tgmm` writes each group's
+    [k, n] gradient once."""
+    arrays = [a for t in operand_shapes for a in arrays_of(t)]
+    if len(arrays) < 7 or arrays[1][0] != "s32" or len(arrays[5][1]) != 2:
+        return flops, nbytes
+    groups, most_tiles, m = math.prod(arrays[1][1]) - 1, math.prod(arrays[2][1]), arrays[5][1][0]
+    tiles_m = most_tiles - groups + 1
+    if groups < 1 or tiles_m < 1 or m % tiles_m:
+        return flops, nbytes
+    rows = m if load.rows is None else min(load.rows, m)
+    visited = min(most_tiles, grouped_matmul_tiles(rows, m // tiles_m, groups, load.aligned))
+    scale = visited / tiles_m
+    if nbytes is None:
+        return flops * scale, None
+    if kind == "gmm":
+        weight_tile = dense_bytes(arrays[6:7]) / groups
+        return flops * scale, int((nbytes - weight_tile * most_tiles) * scale + weight_tile * visited)
+    out = dense_bytes(arrays_of(shape))
+    return flops * scale, int((nbytes - out) * scale + out)
+
+
+def custom_call_cost(shape: str, operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None):
+    """(FLOPs, bytes or None) of a Mosaic custom call (`kernel_cost`); a megablox grouped matmul, given
+    ``load``, charged the row tiles it visits (`_grouped_matmul_cost`). None: no known cost."""
+    cost = kernel_cost(shape, operand_shapes, attrs)
+    grouped = _GROUPED_MATMUL.search(attrs) if load is not None else None
+    if cost is not None and grouped:
+        cost = _grouped_matmul_cost(grouped.group(1), shape, operand_shapes, *cost, load)
+    return cost
