@@ -37,7 +37,7 @@ from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.loss import group_advantages, policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, rl_model_config
 from glm5_jax.rl.tasks import make_task
-from glm5_jax.train.profiler import StepProfiler
+from glm5_jax.telemetry import StepProfiler
 
 log = logging.getLogger("glm5_jax.rl")
 METRICS = "rl_metrics.jsonl"
