@@ -47,8 +47,9 @@ class StoredCheckpoint:
         return storage.join(self.step_dir, self.item)
 
 
-def _json_meta(step_dir: str, key: str) -> dict | None:
-    """The JSON object holding `key` in a step's ``meta`` item, None when there is none."""
+def step_json_meta(step_dir: str, key: str) -> dict | None:
+    """The JSON object holding `key` in a step's ``meta`` item (a train.py run's experiment config under
+    "config", an RL policy version's ModelConfig under "model_config"), None when there is none."""
     meta_dir = storage.join(step_dir, "meta")
     for name in sorted(storage.listdir(meta_dir)) if storage.isdir(meta_dir) else ():
         try:
@@ -84,7 +85,7 @@ def find_checkpoint(path: str, step: int | None = None) -> StoredCheckpoint:
         raise CheckpointError(f"{path}: no step {step}; committed steps are {sorted(steps)}")
     step_dir = storage.join(path, str(step))
     if storage.isdir(storage.join(step_dir, "state")):
-        config = (_json_meta(step_dir, "config") or {}).get("config")
+        config = (step_json_meta(step_dir, "config") or {}).get("config")
         if isinstance(config, dict) and "model" in config:            # train.py run
             return StoredCheckpoint("train", path, step, "state", config_from_json(config["model"], step_dir), {})
         # the step's own metadata file: manager.metadata(step) would also ask every item for its metadata and
@@ -98,7 +99,7 @@ def find_checkpoint(path: str, step: int | None = None) -> StoredCheckpoint:
     if storage.isdir(storage.join(step_dir, "params")):                # RL policy version
         if not storage.isfile(storage.join(step_dir, COMMIT_MARKER)):
             raise CheckpointError(f"{step_dir}: policy version is not committed (no {COMMIT_MARKER})")
-        meta = _json_meta(step_dir, "model_config") or {}
+        meta = step_json_meta(step_dir, "model_config") or {}
         if "model_config" not in meta:
             raise CheckpointError(f"{step_dir}: the policy's 'meta' item has no model_config (written by a "
                                   f"learner that did not store it)")

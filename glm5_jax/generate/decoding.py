@@ -56,6 +56,41 @@ class GenerationResult(NamedTuple):
         return float(self.accepted) / drafted if drafted else float("nan")
 
 
+def sampling_log_probs(logits, temperature, top_p, top_k):
+    """Log-probabilities over the last axis of the distribution sampled from (-inf outside its support), fp32:
+    ``log_softmax(logits / temperature)`` restricted and renormalised to the top-k, then the top-p set;
+    for ``temperature == 0`` (greedy) the untempered ``log_softmax(logits)``.
+
+    The settings are Python numbers (`Sampler`: static under jit, a step they switch off is not traced) or
+    arrays of the logits' leading shape, one value per row (the server's slots: every step is traced and
+    applied where the row's settings ask for it)."""
+    logits = logits.astype(jnp.float32)
+    static = all(isinstance(s, (int, float)) for s in (temperature, top_p, top_k))
+    if static and temperature == 0:
+        return jax.nn.log_softmax(logits, axis=-1)
+    if not static:                       # one value per row, against the vocabulary axis
+        temperature, top_p, top_k = (jnp.asarray(s)[..., None] for s in (temperature, top_p, top_k))
+    greedy = temperature == 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    if not static or top_k:
+        if static:
+            kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
+        else:
+            kth = jnp.take_along_axis(-jnp.sort(-scaled, axis=-1), jnp.clip(top_k - 1, 0, scaled.shape[-1] - 1),
+                                      axis=-1)
+        scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
+    if not static or top_p < 1:
+        # keep the smallest set of most likely tokens whose mass reaches top_p (nucleus): a token stays
+        # if the mass strictly before it (in descending order) is below top_p
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where((top_p < 1) & (scaled < cutoff), -jnp.inf, scaled)
+    log_p = jax.nn.log_softmax(scaled, axis=-1)
+    return log_p if static else jnp.where(greedy, jax.nn.log_softmax(logits, axis=-1), log_p)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampler:
     temperature: float = 1.0
@@ -76,22 +111,7 @@ class Sampler:
 
     def log_probs(self, logits_BV):
         """Log-probabilities of the sampling distribution (-inf outside its support), fp32."""
-        logits = logits_BV.astype(jnp.float32)
-        if self.greedy:
-            return jax.nn.log_softmax(logits, axis=-1)
-        logits = logits / self.temperature
-        if self.top_k:
-            kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]
-            logits = jnp.where(logits >= kth, logits, -jnp.inf)
-        if self.top_p < 1:
-            # keep the smallest set of most likely tokens whose mass reaches top_p (nucleus): a token stays
-            # if the mass strictly before it (in descending order) is below top_p
-            sorted_desc = -jnp.sort(-logits, axis=-1)
-            probs = jax.nn.softmax(sorted_desc, axis=-1)
-            mass_before = jnp.cumsum(probs, axis=-1) - probs
-            cutoff = jnp.min(jnp.where(mass_before < self.top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-            logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
-        return jax.nn.log_softmax(logits, axis=-1)
+        return sampling_log_probs(logits_BV, self.temperature, self.top_p, self.top_k)
 
     def sample(self, logits_BV, rng):
         """(tokens [B], their log-probs [B]) under the sampling distribution."""

@@ -27,6 +27,7 @@ from glm5_jax.rl.agentic import make_env, sft_seed, stop_token_ids
 from glm5_jax.rl.env import Sampled, episodes_to_batch, run_episode
 from glm5_jax.rl.number_guess import teacher_guess
 from glm5_jax.rl.policy import Policy, completion_logprobs, rl_model_config
+from glm5_jax.train.optim import clipped
 
 log = logging.getLogger("glm5_jax.rl")
 SFT_SOURCE = "number_guess"          # DataConfig.source of an SFT config for the number_guess environment
@@ -82,7 +83,7 @@ def train_teacher_sft(sft_cfg, sft_workdir: str, env_name: str, agentic) -> int:
     variables = jax.device_put({"params": unboxed["params"], BIAS_COLLECTION: unboxed.get(BIAS_COLLECTION, {})},
                                policy.shardings)
     schedule = optax.linear_schedule(0.0, train.learning_rate, max(train.warmup_steps, 1))
-    tx = optax.chain(optax.clip_by_global_norm(train.clip_norm), optax.adam(schedule, b1=train.b1, b2=train.b2))
+    tx = clipped(optax.adam(schedule, b1=train.b1, b2=train.b2), train.clip_norm)
     opt_state = jax.jit(tx.init)(variables["params"])
     opt_shardings = jax.tree.map(lambda a: a.sharding, policy.abstract_opt_state(tx))
     step_fn = _sft_step_fn(policy, tx)

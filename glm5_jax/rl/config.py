@@ -60,7 +60,7 @@ class RLConfig:
     max_ready: int = 4                  # unconsumed rollout files a generator may have in ready/
     poll_seconds: float = 0.02
     # jax.profiler trace of updates [profile_start, profile_start + profile_steps) (0-based update indices)
-    # into <workdir>/tb/plugins/profile/ (glm5_jax.train.profiler); profile_steps=0: no trace
+    # into <workdir>/tb/plugins/profile/ (glm5_jax.telemetry.profiler); profile_steps=0: no trace
     profile_start: int = 2
     profile_steps: int = 0
 

@@ -37,7 +37,8 @@ from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.loss import group_advantages, policy_loss
 from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, rl_model_config
 from glm5_jax.rl.tasks import make_task
-from glm5_jax.train.profiler import StepProfiler
+from glm5_jax.telemetry import StepProfiler
+from glm5_jax.train.optim import clipped
 
 log = logging.getLogger("glm5_jax.rl")
 METRICS = "rl_metrics.jsonl"
@@ -46,8 +47,9 @@ EVAL_SALT = 0x5EED
 
 
 def make_optimizer(rl) -> optax.GradientTransformation:
-    """Adam without weight decay (the frozen indexer and routing bias get zero updates), clipped."""
-    return optax.chain(optax.clip_by_global_norm(rl.clip_norm), optax.adam(rl.learning_rate, b1=rl.b1, b2=rl.b2))
+    """Adam at a constant learning rate without weight decay (the frozen indexer and routing bias get zero
+    updates), clipped; unlike training's `make_optimizer` no schedule, decay mask or stage labels."""
+    return clipped(optax.adam(rl.learning_rate, b1=rl.b1, b2=rl.b2), rl.clip_norm)
 
 
 def ordinal_of(generator: int, seq: int, num_generators: int) -> int:

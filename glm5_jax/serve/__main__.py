@@ -51,7 +51,7 @@ def main(argv):
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
     from glm5_jax.serve.text import ChatTemplate
-    from glm5_jax.train.profiler import StepProfiler
+    from glm5_jax.telemetry import StepProfiler
 
     tokenizer_path = FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint)
     tokenizer = load_tokenizer(tokenizer_path)

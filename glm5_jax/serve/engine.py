@@ -42,7 +42,7 @@ from glm5_jax.model.transformer import Transformer
 from glm5_jax.serve import cache_rows
 from glm5_jax.serve.model_step import decode_logits
 from glm5_jax.serve.sampling import sample_rows
-from glm5_jax.train.profiler import StepProfiler
+from glm5_jax.telemetry import StepProfiler
 
 NUM_TOP_LOGPROBS = 20          # alternatives computed per token (OpenAI allows up to 20)
 MIN_PREFILL_BUCKET = 16

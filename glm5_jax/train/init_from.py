@@ -16,7 +16,6 @@ source run's optimizer state / step where its trees match this run's.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from glm5_jax import storage
-from glm5_jax.checkpoint.inference import find_checkpoint
+from glm5_jax.checkpoint.inference import find_checkpoint, step_json_meta
 
 log = logging.getLogger("glm5_jax.train")
 WEIGHTS = ("params", "moe_bias")
@@ -63,20 +62,8 @@ def find_source(path: str) -> Source:
     found = find_checkpoint(path, None)
     if found.kind != "train":
         return Source(found.kind, found.directory, found.step, item=found.item)
-    meta = _train_meta(found.directory, found.step)
+    meta = step_json_meta(found.step_dir, "config")
     return Source("train", found.directory, found.step, meta["config"].get("train", {}).get("stage"))
-
-
-def _train_meta(directory: str, step: int) -> dict | None:
-    meta_dir = storage.join(directory, str(step), "meta")
-    for name in sorted(storage.listdir(meta_dir)) if storage.isdir(meta_dir) else ():
-        try:
-            meta = json.loads(storage.read_text(storage.join(meta_dir, name)))
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict) and "config" in meta:
-            return meta
-    return None
 
 
 # ---------------------------------------------------------------------------------------- shape check

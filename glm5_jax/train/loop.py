@@ -13,39 +13,11 @@ from glm5_jax.checkpoint.run import RunCheckpoints, config_as_json
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
 from glm5_jax.data import build_data_pipeline
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
+from glm5_jax.telemetry import MetricsWriter, StepProfiler
 from glm5_jax.train.init_from import initial_state, reuse_tokenizer
-from glm5_jax.train.profiler import StepProfiler
 from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.train")
-
-
-class MetricsWriter:
-    """metrics.jsonl (one object per logged step; resumed runs drop entries past the restored step; on
-    object storage kept as parts, see storage.JsonlLog) and TensorBoard event files under <workdir>/tb."""
-
-    def __init__(self, workdir: str, resume_step: int, enabled: bool):
-        self.enabled = enabled
-        self.path = storage.join(workdir, "metrics.jsonl")
-        if not enabled:
-            return
-        # a killed run may have logged steps past its last checkpoint
-        self.log = storage.JsonlLog(self.path, keep=lambda record: record.get("step", 0) <= resume_step)
-        from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(storage.join(workdir, "tb"))
-
-    def write(self, record: dict):
-        if not self.enabled:
-            return
-        self.log.append(record)
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)):
-                self.tb.add_scalar(k, v, record["step"])
-        self.tb.flush()
-
-    def close(self):
-        if self.enabled:
-            self.tb.close()
 
 
 def _to_python(metrics) -> dict:

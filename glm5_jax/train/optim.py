@@ -74,6 +74,12 @@ def trainable_labels(params, stage: str):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
+def clipped(base: optax.GradientTransformation, clip_norm: float) -> optax.GradientTransformation:
+    """`base` applied to the gradients scaled down to global norm at most `clip_norm` (the training run's
+    and the RL learner's optimizers both clip first)."""
+    return optax.chain(optax.clip_by_global_norm(clip_norm), base)
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(train_cfg)
     if train_cfg.optimizer == "adamw":
@@ -84,6 +90,6 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
                     adam_b1=train_cfg.b1, adam_b2=train_cfg.b2, adam_weight_decay=train_cfg.weight_decay,
                     adam_eps_root=0.0, eps=train_cfg.eps, mu_dtype=train_cfg.mu_dtype,
                     muon_weight_dimension_numbers=muon_dimension_numbers)
-    train = optax.chain(optax.clip_by_global_norm(train_cfg.clip_norm), base)
+    train = clipped(base, train_cfg.clip_norm)
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()},
                                  lambda p: trainable_labels(p, train_cfg.stage))

@@ -157,7 +157,7 @@ def test_profile_option_traces_the_chosen_update(setup, tmp_path):
     """rl.profile_start=1, rl.profile_steps=1: only the second update is traced, into <workdir>/tb."""
     import glob
 
-    from tests.train.test_profiler import traced_steps
+    from tests.telemetry.test_profiler import traced_steps
 
     exp, variables, batches = setup
     learner = _start_run(tmp_path, exp, variables, {o: batches[o] for o in (0, 1)}, num_versions=2,

@@ -7,23 +7,32 @@ import pytest
 
 from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.checkpoint.stored_config import config_to_json
-from glm5_jax.generate.decoding import Sampler
 from glm5_jax.serve.engine import Engine, Request
 from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
-from glm5_jax.serve.sampling import row_log_probs
+from glm5_jax.serve.sampling import sample_rows
+from tests.generate.test_generate import reference_log_probs
 from tests.generate.tiny_models import init_variables
 from tests.serve.conftest import MAX_SEQ_LEN, SERVE_CFG, eos_ids, greedy_reference, make_engine, variables
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 1.0, 5), (1.3, 0.8, 0),
-                                                     (0.9, 0.6, 7)])
-def test_row_log_probs_equal_generates_sampler(temperature, top_p, top_k):
-    logits = jax.random.normal(jax.random.key(1), (3, 50)) * 3
-    want = Sampler(temperature, top_p, top_k).log_probs(logits)
-    got = jax.vmap(row_log_probs, (0, None, None, None))(logits, jnp.float32(temperature), jnp.float32(top_p),
-                                                         jnp.int32(top_k))
-    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
-    np.testing.assert_allclose(np.where(np.isinf(want), 0, got), np.where(np.isinf(want), 0, want), atol=1e-5)
+def test_each_row_samples_under_its_own_settings():
+    """One batch, one temperature / top-p / top-k per row: each row's log-probs (all of them, read back as
+    its top-V) are those of the sampling distribution computed by hand for that row."""
+    settings = [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 1.0, 5), (1.3, 0.8, 0), (0.9, 0.6, 7)]
+    B, V = len(settings), 50
+    logits = jax.random.normal(jax.random.key(1), (B, V)) * 3
+    temperature, top_p, top_k = (jnp.asarray(column, dtype) for column, dtype in
+                                 zip(zip(*settings), (jnp.float32, jnp.float32, jnp.int32)))
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(0), B))
+    _, _, top_ids, top_logp = sample_rows(logits, temperature, top_p, top_k, key_data, jnp.zeros(B, jnp.int32), V)
+    got = np.full((B, V), -np.inf, np.float32)
+    np.put_along_axis(got, np.asarray(top_ids), np.asarray(top_logp), axis=-1)
+    rows = np.asarray(logits)
+    for b, (t, p, k) in enumerate(settings):
+        z = rows[b].astype(np.float64)
+        want = z - z.max() - np.log(np.exp(z - z.max()).sum()) if t == 0 else reference_log_probs(rows[b], t, k, p)
+        np.testing.assert_array_equal(np.isinf(got[b]), np.isinf(want))
+        np.testing.assert_allclose(np.where(np.isinf(want), 0, got[b]), np.where(np.isinf(want), 0, want), atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +151,8 @@ def test_a_profiled_engine_traces_the_chosen_steps(tmp_path):
     import glob
 
     from glm5_jax.cost.trace_categories import hlo_op_names, op_events
-    from glm5_jax.train.profiler import StepProfiler
-    from tests.train.test_profiler import traced_steps
+    from glm5_jax.telemetry import StepProfiler
+    from tests.telemetry.test_profiler import traced_steps
 
     engine = Engine(SERVE_CFG, variables(), max_batch=2, max_seq_len=MAX_SEQ_LEN, eos_ids=eos_ids(),
                     prefill_buckets=(32,), profiler=StepProfiler(str(tmp_path), 1, 2, name="serve_step")).start()

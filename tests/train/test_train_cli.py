@@ -12,7 +12,7 @@ from glm5_jax import storage
 from glm5_jax.checkpoint.inference import checkpoint_tokenizer, latest_step
 from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.train.experiment import apply_overrides, load_config_file
-from tests.train.test_profiler import traced_steps
+from tests.telemetry.test_profiler import traced_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")

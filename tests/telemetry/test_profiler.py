@@ -9,7 +9,7 @@ import pytest
 
 from glm5_jax.cost.trace_categories import hlo_op_names, time_by_category
 from glm5_jax.parallel.mesh import build_mesh
-from glm5_jax.train.profiler import StepProfiler
+from glm5_jax.telemetry import StepProfiler
 from glm5_jax.train.step import Trainer
 from tests.train.test_train_step import batch, experiment
 

@@ -5,7 +5,8 @@ of the steps a loop runs, counted across resumes); each traced step is wrapped i
 `jax.profiler.StepTraceAnnotation`, so XProf's step views split the timeline per step. The trace lands in
 ``<log_dir>/plugins/profile/<timestamp>/`` (``*.xplane.pb``, and ``*.trace.json.gz`` for Perfetto): with
 log_dir = a train.py workdir's ``tb/``, ``tensorboard --logdir=<workdir>/tb`` (or ``xprof --logdir=...``)
-shows it beside the scalars. The HLO ops on the timeline carry the model's `jax.named_scope` paths
+shows it beside the scalars. The training loop, the RL learner and the serving engine each trace their own
+steps with it. The HLO ops on the timeline carry the model's `jax.named_scope` paths
 (``attention_core``, ``indexer_kl``, ``lightning_indexer``, ``moe/...``), the names
 glm5_jax.cost.categories files the compile report's categories by.
 
@@ -22,7 +23,7 @@ import logging
 
 import jax
 
-log = logging.getLogger("glm5_jax.train")
+log = logging.getLogger("glm5_jax.telemetry")
 
 
 class StepProfiler:
