@@ -50,7 +50,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand, mxu_precision
+from pallas_kernels.kernel_math import column_to_row, mm, mm_nt, row_to_column
+from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand
 
 # The backward computes dQ inside the dK/dV kernel while one head's fp32 dQ [T, D] fits this many bytes of
 # VMEM (T = 8192 at D = 256), else in a separate dQ kernel. The pipeline double-buffers the dQ block, so the
@@ -59,30 +60,6 @@ from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand, mxu_prec
 FUSED_DQ_BYTES = 8 << 20
 FUSED_DQ_VMEM_LIMIT = 40 << 20
 _INT_MIN, _INT_MAX = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
-
-
-def _mm(a, b):
-    """a @ b with fp32 accumulation."""
-    return jnp.dot(a, b, precision=mxu_precision(a, b), preferred_element_type=jnp.float32)
-
-
-def _mm_nt(a, b):
-    """a @ b^T with fp32 accumulation (contract the last dims)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=mxu_precision(a, b),
-                               preferred_element_type=jnp.float32)
-
-
-def _eye(n):
-    return jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-
-
-def _row_to_column(row_1N):
-    """[1, N] -> [N, 1] with a diagonal select and a lane reduction (no small-shape transpose)."""
-    return jnp.sum(jnp.where(_eye(row_1N.shape[1]), row_1N, 0.0), axis=1, keepdims=True)
-
-
-def _column_to_row(col_N1):
-    return jnp.sum(jnp.where(_eye(col_N1.shape[0]), col_N1, 0.0), axis=0, keepdims=True)
 
 
 def _visible(q_pos, q_seg, kv_pos, kv_seg, allowed_ref=None):
@@ -165,14 +142,14 @@ def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref
     @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
     def _accumulate():
         visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...], allowed_ref)
-        s = jnp.where(visible, _mm_nt(q_ref[...], k_ref[...]) * scale, -jnp.inf)
+        s = jnp.where(visible, mm_nt(q_ref[...], k_ref[...]) * scale, -jnp.inf)
         m_prev = m_scr[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # nothing visible yet: keep exp() finite
         alpha = jnp.exp(m_prev - m_safe)
         p = jnp.exp(s - m_safe)
         l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_scr[...] = alpha * acc_scr[...] + _mm(p.astype(v_ref.dtype), v_ref[...])
+        acc_scr[...] = alpha * acc_scr[...] + mm(p.astype(v_ref.dtype), v_ref[...])
         m_scr[...] = m_new
 
     @pl.when(j == n_k - 1)
@@ -181,7 +158,7 @@ def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref
         has_keys = l > 0.0
         l_safe = jnp.where(has_keys, l, 1.0)
         out_ref[...] = jnp.where(has_keys, acc_scr[...] / l_safe, 0.0).astype(out_ref.dtype)
-        lse_ref[...] = _column_to_row(jnp.where(has_keys, m_scr[...] + jnp.log(l_safe), -jnp.inf))
+        lse_ref[...] = column_to_row(jnp.where(has_keys, m_scr[...] + jnp.log(l_safe), -jnp.inf))
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -214,14 +191,14 @@ def _dkv_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, d
         lse = lse_ref[...]
         lse = jnp.where(lse == -jnp.inf, 0.0, lse)   # queries without keys: every p is masked to 0
         q, dout = q_ref[...], dout_ref[...]
-        p_t = jnp.where(visible, jnp.exp(_mm_nt(k_ref[...], q) * scale - lse), 0.0)
-        dv_scr[...] += _mm(p_t.astype(dout.dtype), dout)
-        dp_t = _mm_nt(v_ref[...], dout)
+        p_t = jnp.where(visible, jnp.exp(mm_nt(k_ref[...], q) * scale - lse), 0.0)
+        dv_scr[...] += mm(p_t.astype(dout.dtype), dout)
+        dp_t = mm_nt(v_ref[...], dout)
         ds_t = jnp.where(visible, p_t * (dp_t - delta_ref[...]), 0.0)
-        dk_scr[...] += _mm(ds_t.astype(q.dtype), q) * scale
+        dk_scr[...] += mm(ds_t.astype(q.dtype), q) * scale
         if fused_dq:   # a needed step loads its own query block qb
             rows = pl.ds(pl.multiple_of(qb * q.shape[0], q.shape[0]), q.shape[0])
-            dq_ref[rows, :] += _mm(ds_t.T.astype(k_ref.dtype), k_ref[...]) * scale
+            dq_ref[rows, :] += mm(ds_t.T.astype(k_ref.dtype), k_ref[...]) * scale
 
     @pl.when(qb == n_q - 1)
     def _finalize():
@@ -238,18 +215,18 @@ def _dq_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, de
     @pl.when(j == 0)
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
-        lse = _row_to_column(lse_ref[...])
+        lse = row_to_column(lse_ref[...])
         lse_scr[...] = jnp.where(lse == -jnp.inf, 0.0, lse)
-        delta_scr[...] = _row_to_column(delta_ref[...])
+        delta_scr[...] = row_to_column(delta_ref[...])
 
     @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
     def _accumulate():
         visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...], allowed_ref)  # [bq, bk]
         k = k_ref[...]
-        p = jnp.where(visible, jnp.exp(_mm_nt(q_ref[...], k) * scale - lse_scr[...]), 0.0)
-        dp = _mm_nt(dout_ref[...], v_ref[...])
+        p = jnp.where(visible, jnp.exp(mm_nt(q_ref[...], k) * scale - lse_scr[...]), 0.0)
+        dp = mm_nt(dout_ref[...], v_ref[...])
         ds = jnp.where(visible, p * (dp - delta_scr[...]), 0.0)
-        dq_scr[...] += _mm(ds.astype(k.dtype), k) * scale
+        dq_scr[...] += mm(ds.astype(k.dtype), k) * scale
 
     @pl.when(j == n_k - 1)
     def _finalize():
