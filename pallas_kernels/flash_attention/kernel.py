@@ -292,7 +292,7 @@ class _Side:
         self.n_outer, self.n_inner = n_outer, n_inner
 
     def index(self, b, o, i, fetch):
-        """This side's block index at grid step (b, ., o, i)."""
+        """This side's block index at grid step (b, h, o, i), the same for every head h."""
         return o if self.outer else fetch[_table_index(b, o, i, self.n_outer, self.n_inner)]
 
     def heads(self, width):
