@@ -1,5 +1,5 @@
 """Numerics against transformers that the tests do not pin down, on a tiny HF-saved GLM-5 (5 layers, DSA
-top-8 over 48 tokens, norms and routing bias perturbed; tests/model/hf_fixtures.py "shared_index"):
+top-8 over 48 tokens, norms and routing bias perturbed; hf_reference.py "shared_index"):
 
     python bench/hf_bf16_fp8.py
 
@@ -35,7 +35,7 @@ def main():
     from glm5_jax import load_hf
     from glm5_jax.convert import hf_to_orbax, orbax_to_hf
     from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
-    from tests.model.hf_fixtures import build_hf_model
+    from hf_reference import build_hf_model
 
     work = tempfile.mkdtemp()
     model = build_hf_model("shared_index")

@@ -50,7 +50,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand, mxu_precision
+from pallas_kernels.kernel_math import column_to_row, mm, mm_nt, row_to_column
+from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand
 
 # The backward computes dQ inside the dK/dV kernel while one head's fp32 dQ [T, D] fits this many bytes of
 # VMEM (T = 8192 at D = 256), else in a separate dQ kernel. The pipeline double-buffers the dQ block, so the
@@ -59,30 +60,6 @@ from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand, mxu_prec
 FUSED_DQ_BYTES = 8 << 20
 FUSED_DQ_VMEM_LIMIT = 40 << 20
 _INT_MIN, _INT_MAX = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
-
-
-def _mm(a, b):
-    """a @ b with fp32 accumulation."""
-    return jnp.dot(a, b, precision=mxu_precision(a, b), preferred_element_type=jnp.float32)
-
-
-def _mm_nt(a, b):
-    """a @ b^T with fp32 accumulation (contract the last dims)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=mxu_precision(a, b),
-                               preferred_element_type=jnp.float32)
-
-
-def _eye(n):
-    return jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-
-
-def _row_to_column(row_1N):
-    """[1, N] -> [N, 1] with a diagonal select and a lane reduction (no small-shape transpose)."""
-    return jnp.sum(jnp.where(_eye(row_1N.shape[1]), row_1N, 0.0), axis=1, keepdims=True)
-
-
-def _column_to_row(col_N1):
-    return jnp.sum(jnp.where(_eye(col_N1.shape[0]), col_N1, 0.0), axis=0, keepdims=True)
 
 
 def _visible(q_pos, q_seg, kv_pos, kv_seg, allowed_ref=None):
@@ -165,14 +142,14 @@ def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref
     @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
     def _accumulate():
         visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...], allowed_ref)
-        s = jnp.where(visible, _mm_nt(q_ref[...], k_ref[...]) * scale, -jnp.inf)
+        s = jnp.where(visible, mm_nt(q_ref[...], k_ref[...]) * scale, -jnp.inf)
         m_prev = m_scr[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # nothing visible yet: keep exp() finite
         alpha = jnp.exp(m_prev - m_safe)
         p = jnp.exp(s - m_safe)
         l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_scr[...] = alpha * acc_scr[...] + _mm(p.astype(v_ref.dtype), v_ref[...])
+        acc_scr[...] = alpha * acc_scr[...] + mm(p.astype(v_ref.dtype), v_ref[...])
         m_scr[...] = m_new
 
     @pl.when(j == n_k - 1)
@@ -181,7 +158,7 @@ def _fwd_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref
         has_keys = l > 0.0
         l_safe = jnp.where(has_keys, l, 1.0)
         out_ref[...] = jnp.where(has_keys, acc_scr[...] / l_safe, 0.0).astype(out_ref.dtype)
-        lse_ref[...] = _column_to_row(jnp.where(has_keys, m_scr[...] + jnp.log(l_safe), -jnp.inf))
+        lse_ref[...] = column_to_row(jnp.where(has_keys, m_scr[...] + jnp.log(l_safe), -jnp.inf))
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -214,14 +191,14 @@ def _dkv_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, d
         lse = lse_ref[...]
         lse = jnp.where(lse == -jnp.inf, 0.0, lse)   # queries without keys: every p is masked to 0
         q, dout = q_ref[...], dout_ref[...]
-        p_t = jnp.where(visible, jnp.exp(_mm_nt(k_ref[...], q) * scale - lse), 0.0)
-        dv_scr[...] += _mm(p_t.astype(dout.dtype), dout)
-        dp_t = _mm_nt(v_ref[...], dout)
+        p_t = jnp.where(visible, jnp.exp(mm_nt(k_ref[...], q) * scale - lse), 0.0)
+        dv_scr[...] += mm(p_t.astype(dout.dtype), dout)
+        dp_t = mm_nt(v_ref[...], dout)
         ds_t = jnp.where(visible, p_t * (dp_t - delta_ref[...]), 0.0)
-        dk_scr[...] += _mm(ds_t.astype(q.dtype), q) * scale
+        dk_scr[...] += mm(ds_t.astype(q.dtype), q) * scale
         if fused_dq:   # a needed step loads its own query block qb
             rows = pl.ds(pl.multiple_of(qb * q.shape[0], q.shape[0]), q.shape[0])
-            dq_ref[rows, :] += _mm(ds_t.T.astype(k_ref.dtype), k_ref[...]) * scale
+            dq_ref[rows, :] += mm(ds_t.T.astype(k_ref.dtype), k_ref[...]) * scale
 
     @pl.when(qb == n_q - 1)
     def _finalize():
@@ -238,18 +215,18 @@ def _dq_kernel(needed_ref, fetch_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, de
     @pl.when(j == 0)
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
-        lse = _row_to_column(lse_ref[...])
+        lse = row_to_column(lse_ref[...])
         lse_scr[...] = jnp.where(lse == -jnp.inf, 0.0, lse)
-        delta_scr[...] = _row_to_column(delta_ref[...])
+        delta_scr[...] = row_to_column(delta_ref[...])
 
     @pl.when(needed_ref[_table_index(b, i, j, n_q, n_k)] != 0)
     def _accumulate():
         visible = _visible(q_pos_ref[...], q_seg_ref[...], kv_pos_ref[...], kv_seg_ref[...], allowed_ref)  # [bq, bk]
         k = k_ref[...]
-        p = jnp.where(visible, jnp.exp(_mm_nt(q_ref[...], k) * scale - lse_scr[...]), 0.0)
-        dp = _mm_nt(dout_ref[...], v_ref[...])
+        p = jnp.where(visible, jnp.exp(mm_nt(q_ref[...], k) * scale - lse_scr[...]), 0.0)
+        dp = mm_nt(dout_ref[...], v_ref[...])
         ds = jnp.where(visible, p * (dp - delta_scr[...]), 0.0)
-        dq_scr[...] += _mm(ds.astype(k.dtype), k) * scale
+        dq_scr[...] += mm(ds.astype(k.dtype), k) * scale
 
     @pl.when(j == n_k - 1)
     def _finalize():
@@ -305,6 +282,77 @@ def _rows(x_BT):
     return x_BT.astype(jnp.int32)[:, None, :]
 
 
+class _Side:
+    """One side (queries or keys) of a grid (B, H, n_outer, n_inner) whose scalar-prefetch tables walk the
+    inner block axis: BlockSpecs of that side's operands. The outer side's blocks follow the grid's outer
+    index; the inner side's are the tables' fetched index (the last needed one again on a skipped step)."""
+
+    def __init__(self, size, outer, n_outer, n_inner):
+        self.size, self.outer = size, outer
+        self.n_outer, self.n_inner = n_outer, n_inner
+
+    def index(self, b, o, i, fetch):
+        """This side's block index at grid step (b, h, o, i), the same for every head h."""
+        return o if self.outer else fetch[_table_index(b, o, i, self.n_outer, self.n_inner)]
+
+    def heads(self, width):
+        """Head h's (size, width) block of a [B, n, H * width] operand (q, k, v, dO and their gradients)."""
+        return pl.BlockSpec((None, self.size, width),
+                            lambda b, h, o, i, needed, fetch: (b, self.index(b, o, i, fetch), h))
+
+    def per_head_row(self):
+        """Head h's [1, size] block of a [B, H, 1, n] per-query row (lse, delta)."""
+        return pl.BlockSpec((None, None, 1, self.size),
+                            lambda b, h, o, i, needed, fetch: (b, h, 0, self.index(b, o, i, fetch)))
+
+    def meta(self):
+        """The block's positions or segment ids: a column [size, 1] on the outer side, a row [1, size] on the
+        inner (so the two broadcast against each other)."""
+        if self.outer:
+            return pl.BlockSpec((None, self.size, 1), lambda b, h, o, i, *_: (b, o, 0))
+        return pl.BlockSpec((None, 1, self.size), lambda b, h, o, i, needed, fetch: (b, 0, self.index(b, o, i, fetch)))
+
+    def meta_operand(self, x_BN):
+        """Positions or segment ids [B, n] in the form ``meta`` blocks."""
+        return _columns(x_BN) if self.outer else _rows(x_BN)
+
+
+class _Grid:
+    """The grid of one of the three kernels: query blocks outer and key blocks inner (``query_major``: the
+    forward and the dQ kernel) or the other way round (the dK/dV kernel)."""
+
+    def __init__(self, d: _Shapes, query_major):
+        n_q, n_k = d.T // d.bq, d.S // d.bk
+        n_outer, n_inner = (n_q, n_k) if query_major else (n_k, n_q)
+        self.shape = (d.B, d.H, n_outer, n_inner)
+        self.q = _Side(d.bq, query_major, n_outer, n_inner)
+        self.kv = _Side(d.bk, not query_major, n_outer, n_inner)
+        self.d = d
+
+    def in_specs(self, masked, backward):
+        """The kernels' operands in order: q, k, v, (``backward``: dO, lse, delta), q_pos, q_seg, kv_pos,
+        kv_seg, (``masked``: the selection mask's [outer, inner] block, of its transpose when key-major)."""
+        d, q, kv = self.d, self.q, self.kv
+        specs = [q.heads(d.D), kv.heads(d.D), kv.heads(d.Dv)]
+        if backward:
+            specs += [q.heads(d.Dv), q.per_head_row(), q.per_head_row()]
+        specs += [q.meta(), q.meta(), kv.meta(), kv.meta()]
+        if masked:
+            outer, inner = (q, kv) if q.outer else (kv, q)
+            specs.append(pl.BlockSpec((None, outer.size, inner.size),
+                                      lambda b, h, o, i, needed, fetch: (b, o, inner.index(b, o, i, fetch))))
+        return specs
+
+    def meta_operands(self, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS):
+        return (self.q.meta_operand(q_pos_BT), self.q.meta_operand(q_seg_BT), self.kv.meta_operand(kv_pos_BS),
+                self.kv.meta_operand(kv_seg_BS))
+
+    def spec(self, masked, backward, out_specs, scratch_shapes):
+        return pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=self.shape,
+                                            in_specs=self.in_specs(masked, backward), out_specs=out_specs,
+                                            scratch_shapes=scratch_shapes)
+
+
 def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, *, scale, block_q=512,
               block_k=512, allowed_BTS=None, interpret=False):
     """(out [B, T, H, Dv] in q's dtype, lse [B, H, T] fp32). T and S must be multiples of the blocks.
@@ -314,35 +362,13 @@ def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
     B, T, S, H, D, Dv, bq, bk = d
     n_q, n_k = T // bq, S // bk
     tables = block_tables(needed_blocks(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, bq, bk))
-
-    def kv_block(b, h, i, j, needed, fetch):
-        return b, fetch[_table_index(b, i, j, n_q, n_k)], h
-
-    def kv_meta(b, h, i, j, needed, fetch):
-        return b, 0, fetch[_table_index(b, i, j, n_q, n_k)]
-
-    def mask_block(b, h, i, j, needed, fetch):
-        return b, i, fetch[_table_index(b, i, j, n_q, n_k)]
-
-    mask_spec = [pl.BlockSpec((None, bq, bk), mask_block)] if masked else []
+    grid = _Grid(d, query_major=True)
     mask_arg = [mask_operand("flash_attention", allowed_BTS, (B, T, S))] if masked else []
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(B, H, n_q, n_k),
-        in_specs=[pl.BlockSpec((None, bq, D), lambda b, h, i, j, *_: (b, i, h)),
-                  pl.BlockSpec((None, bk, D), kv_block),
-                  pl.BlockSpec((None, bk, Dv), kv_block),
-                  pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)),
-                  pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)),
-                  pl.BlockSpec((None, 1, bk), kv_meta),
-                  pl.BlockSpec((None, 1, bk), kv_meta),
-                  *mask_spec],
-        out_specs=[pl.BlockSpec((None, bq, Dv), lambda b, h, i, j, *_: (b, i, h)),
-                   pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))],
-        scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-                        pltpu.VMEM((bq, Dv), jnp.float32)])
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, n_q=n_q, n_k=n_k, masked=masked),
-        grid_spec=grid_spec,
+        grid_spec=grid.spec(masked, backward=False, out_specs=[grid.q.heads(Dv), grid.q.per_head_row()],
+                            scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                                            pltpu.VMEM((bq, Dv), jnp.float32)]),
         out_shape=[jax.ShapeDtypeStruct((B, T, H * Dv), q_BTHD.dtype),
                    jax.ShapeDtypeStruct((B, H, 1, T), jnp.float32)],
         compiler_params=_params(),
@@ -350,8 +376,7 @@ def flash_fwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
         name="flash_attention_fwd_masked" if masked else "flash_attention_fwd",
         cost_estimate=_cost(d, q_BTHD.dtype.itemsize, 2 * (D + Dv), passes=1, mask_reads=int(masked)),
     )(tables.needed, tables.fetch, q_BTHD.reshape(B, T, H * D), k_BSHD.reshape(B, S, H * D),
-      v_BSHV.reshape(B, S, H * Dv), _columns(q_pos_BT), _columns(q_seg_BT), _rows(kv_pos_BS), _rows(kv_seg_BS),
-      *mask_arg)
+      v_BSHV.reshape(B, S, H * Dv), *grid.meta_operands(q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS), *mask_arg)
     return out.reshape(B, T, H, Dv), lse[:, :, 0, :]
 
 
@@ -371,45 +396,17 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
     itemsize = q.dtype.itemsize
 
     # ---- dK, dV: key blocks outer, query blocks inner (fetched through the transposed tables)
-    t_tables = block_tables(jnp.swapaxes(needed, 1, 2))
-
-    def q_block(b, h, kb, qb, needed, fetch):
-        return b, fetch[_table_index(b, kb, qb, n_k, n_q)], h
-
-    def q_row(b, h, kb, qb, needed, fetch):
-        return b, h, 0, fetch[_table_index(b, kb, qb, n_k, n_q)]
-
-    def q_meta(b, h, kb, qb, needed, fetch):
-        return b, 0, fetch[_table_index(b, kb, qb, n_k, n_q)]
-
-    def mask_t_block(b, h, kb, qb, needed, fetch):
-        return b, kb, fetch[_table_index(b, kb, qb, n_k, n_q)]
-
-    own_kv = lambda b, h, kb, qb, *_: (b, kb, h)  # noqa: E731
-    own_kv_meta = lambda b, h, kb, qb, *_: (b, kb, 0)  # noqa: E731
+    grid = _Grid(d, query_major=False)
     fused_dq = T * D * 4 <= FUSED_DQ_BYTES
-    out_specs = [pl.BlockSpec((None, bk, D), own_kv), pl.BlockSpec((None, bk, Dv), own_kv)]
+    out_specs = [grid.kv.heads(D), grid.kv.heads(Dv)]
     out_shape = [jax.ShapeDtypeStruct((B, S, H * D), k.dtype), jax.ShapeDtypeStruct((B, S, H * Dv), v.dtype)]
     if fused_dq:   # one head's dQ accumulates in VMEM over all its (key block, query block) steps
         out_specs.append(pl.BlockSpec((None, T, D), lambda b, h, kb, qb, *_: (b, 0, h)))
         out_shape.append(jax.ShapeDtypeStruct((B, T, H * D), jnp.float32))
     grads = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, n_q=n_q, n_k=n_k, fused_dq=fused_dq, masked=masked),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, H, n_k, n_q),
-            in_specs=[pl.BlockSpec((None, bq, D), q_block),
-                      pl.BlockSpec((None, bk, D), own_kv),
-                      pl.BlockSpec((None, bk, Dv), own_kv),
-                      pl.BlockSpec((None, bq, Dv), q_block),
-                      pl.BlockSpec((None, None, 1, bq), q_row),
-                      pl.BlockSpec((None, None, 1, bq), q_row),
-                      pl.BlockSpec((None, 1, bq), q_meta),
-                      pl.BlockSpec((None, 1, bq), q_meta),
-                      pl.BlockSpec((None, bk, 1), own_kv_meta),
-                      pl.BlockSpec((None, bk, 1), own_kv_meta),
-                      *([pl.BlockSpec((None, bk, bq), mask_t_block)] if masked else [])],
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)]),
+        grid_spec=grid.spec(masked, backward=True, out_specs=out_specs,
+                            scratch_shapes=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, Dv), jnp.float32)]),
         out_shape=out_shape,
         compiler_params=(_params("arbitrary", outer="arbitrary", vmem_limit_bytes=FUSED_DQ_VMEM_LIMIT) if fused_dq
                          else _params()),
@@ -417,51 +414,25 @@ def flash_bwd(q_BTHD, k_BSHD, v_BSHV, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, 
         name="flash_attention_bwd_fused" if fused_dq else "flash_attention_bwd_dkv",
         cost_estimate=_cost(d, itemsize, 6 * D + 4 * Dv if fused_dq else 4 * D + 4 * Dv, passes=2,
                             mask_reads=int(masked)),
-    )(*t_tables, q, k, v, dout, lse, delta, _rows(q_pos_BT), _rows(q_seg_BT), _columns(kv_pos_BS),
-      _columns(kv_seg_BS), *([jnp.swapaxes(allowed, 1, 2)] if masked else []))
+    )(*block_tables(jnp.swapaxes(needed, 1, 2)), q, k, v, dout, lse, delta,
+      *grid.meta_operands(q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS), *([jnp.swapaxes(allowed, 1, 2)] if masked else []))
     if fused_dq:
         dk, dv, dq = grads
         return (dq.astype(q.dtype).reshape(B, T, H, D), dk.reshape(B, S, H, D), dv.reshape(B, S, H, Dv))
     dk, dv = grads
 
     # ---- dQ: query blocks outer, key blocks inner (like the forward)
-    tables = block_tables(needed)
-
-    def kv_block(b, h, i, j, needed, fetch):
-        return b, fetch[_table_index(b, i, j, n_q, n_k)], h
-
-    def kv_meta(b, h, i, j, needed, fetch):
-        return b, 0, fetch[_table_index(b, i, j, n_q, n_k)]
-
-    def mask_block(b, h, i, j, needed, fetch):
-        return b, i, fetch[_table_index(b, i, j, n_q, n_k)]
-
-    own_q = lambda b, h, i, j, *_: (b, i, h)  # noqa: E731
-    own_row = lambda b, h, i, j, *_: (b, h, 0, i)  # noqa: E731
-    own_q_meta = lambda b, h, i, j, *_: (b, i, 0)  # noqa: E731
+    grid = _Grid(d, query_major=True)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, n_q=n_q, n_k=n_k, masked=masked),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, H, n_q, n_k),
-            in_specs=[pl.BlockSpec((None, bq, D), own_q),
-                      pl.BlockSpec((None, bk, D), kv_block),
-                      pl.BlockSpec((None, bk, Dv), kv_block),
-                      pl.BlockSpec((None, bq, Dv), own_q),
-                      pl.BlockSpec((None, None, 1, bq), own_row),
-                      pl.BlockSpec((None, None, 1, bq), own_row),
-                      pl.BlockSpec((None, bq, 1), own_q_meta),
-                      pl.BlockSpec((None, bq, 1), own_q_meta),
-                      pl.BlockSpec((None, 1, bk), kv_meta),
-                      pl.BlockSpec((None, 1, bk), kv_meta),
-                      *([pl.BlockSpec((None, bq, bk), mask_block)] if masked else [])],
-            out_specs=pl.BlockSpec((None, bq, D), own_q),
-            scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-                            pltpu.VMEM((bq, 1), jnp.float32)]),
+        grid_spec=grid.spec(masked, backward=True, out_specs=grid.q.heads(D),
+                            scratch_shapes=[pltpu.VMEM((bq, D), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                                            pltpu.VMEM((bq, 1), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((B, T, H * D), q.dtype),
         compiler_params=_params(),
         interpret=interpret,
         name="flash_attention_bwd_dq",
         cost_estimate=_cost(d, itemsize, 4 * D + 2 * Dv, passes=2, mask_reads=int(masked)),
-    )(*tables, q, k, v, dout, lse, delta, _columns(q_pos_BT), _columns(q_seg_BT), _rows(kv_pos_BS),
-      _rows(kv_seg_BS), *([allowed] if masked else []))
+    )(*block_tables(needed), q, k, v, dout, lse, delta, *grid.meta_operands(q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS),
+      *([allowed] if masked else []))
     return dq.reshape(B, T, H, D), dk.reshape(B, S, H, D), dv.reshape(B, S, H, Dv)

@@ -54,8 +54,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_attention.kernel import (_columns, _mm, _mm_nt, _rows, _split_mask, _table_index, _visible,
-                                                   block_tables, needed_blocks)
+from pallas_kernels.flash_attention.kernel import (_columns, _rows, _split_mask, _table_index, _visible, block_tables,
+                                                   needed_blocks)
+from pallas_kernels.kernel_math import mm, mm_nt
 from pallas_kernels.tpu_utils import LANES, check_blocks, mask_operand
 
 # d ik of one batch row stays resident in VMEM (fp32 [S, DI], double-buffered by the pipeline) while the
@@ -110,7 +111,7 @@ def _key_set(q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, allowed_ref):
 
 def _index_dots_t(ik, iq_ref, n_heads, dim):
     """Per indexer head h: ik iq_h^T [bk, bq] fp32."""
-    return [_mm_nt(ik, iq_ref[:, h * dim:(h + 1) * dim]) for h in range(n_heads)]
+    return [mm_nt(ik, iq_ref[:, h * dim:(h + 1) * dim]) for h in range(n_heads)]
 
 
 def _scores_t(dots, iw_ref):
@@ -161,7 +162,7 @@ def _block_terms(q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_ref, q_pos_ref, q_seg
     probs = jnp.zeros(visible.shape, jnp.float32)
     for h in range(heads):
         cols = slice(h * head_dim, (h + 1) * head_dim)
-        logits = _mm_nt(k_ref[:, cols], q_ref[:, cols]) * scale
+        logits = mm_nt(k_ref[:, cols], q_ref[:, cols]) * scale
         probs = probs + jnp.exp(logits - lse_ref[h:h + 1, :])
     p = jnp.where(visible, probs * (1.0 / heads), 0.0)
     dots = _index_dots_t(ik_ref[...], iq_ref, index_heads, index_dim)
@@ -217,9 +218,9 @@ def _kl_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
                 d = dots_scr[h]
                 diw_ref[h:h + 1, :] += jnp.sum(d_scores * jnp.maximum(d, 0.0), axis=0, keepdims=True)
                 g = jnp.where(d > 0.0, d_scores * iw_ref[h:h + 1, :], 0.0).astype(ik.dtype)   # [bk, bq]
-                diq_ref[:, cols] += _mm(g.T, ik)
+                diq_ref[:, cols] += mm(g.T, ik)
                 if dik_ref is not None:
-                    dk = dk + _mm(g, iq_ref[:, cols])
+                    dk = dk + mm(g, iq_ref[:, cols])
             if dik_ref is not None:
                 rows = pl.ds(pl.multiple_of(j * ik.shape[0], ik.shape[0]), ik.shape[0])   # this step's own block
                 dik_ref[rows, :] += dk
@@ -250,7 +251,7 @@ def _dk_kernel(needed_ref, fetch_ref, q_ref, k_ref, lse_ref, iq_ref, ik_ref, iw_
         dk = jnp.zeros(dik_ref.shape, jnp.float32)
         for h, d in enumerate(dots):
             g = jnp.where(d > 0.0, d_scores * iw_ref[h:h + 1, :], 0.0).astype(dtype)
-            dk = dk + _mm(g, iq_ref[:, h * index_dim:(h + 1) * index_dim])
+            dk = dk + mm(g, iq_ref[:, h * index_dim:(h + 1) * index_dim])
         dik_ref[...] += dk
 
 

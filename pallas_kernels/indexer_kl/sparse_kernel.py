@@ -48,8 +48,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.sparse_mla.kernel import (QUERIES_PER_BLOCK, _column_to_row, _mm, _mm_nt, _prepare,
-                                              _row_to_column, _RowGather)
+from pallas_kernels.kernel_math import column_to_row, mm, mm_nt, row_to_column
+from pallas_kernels.sparse_mla.kernel import QUERIES_PER_BLOCK, _prepare, _RowGather
 from pallas_kernels.tpu_utils import LANES, pad_axis, round_up
 
 # The backward's resident dk block, double-buffered, must leave room in VMEM (64 MiB per v5p TensorCore, as
@@ -72,7 +72,7 @@ def _lane(row_1L, i):
 
 def _scores(iq_HD, rows_KD, w_H1):
     """(dots [H, block_k] fp32, I [1, block_k] fp32) of the query's heads against a block of key rows."""
-    dots_HK = _mm_nt(iq_HD, rows_KD)
+    dots_HK = mm_nt(iq_HD, rows_KD)
     return dots_HK, jnp.sum(w_H1 * jnp.maximum(dots_HK, 0.0), axis=0, keepdims=True)
 
 
@@ -120,7 +120,7 @@ def _fwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, ik_ref, stats_ref, *s
     b, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, n_slots=n_slots,
                              resident=resident, dtype=iq_ref.dtype)
-    _, scores_1K = _scores(iq_ref[0, 0], rows_KD, _row_to_column(iw_ref[0, pl.ds(qi, 1), :]))
+    _, scores_1K = _scores(iq_ref[0, 0], rows_KD, row_to_column(iw_ref[0, pl.ds(qi, 1), :]))
     scores_scr[:, pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)] = scores_1K
 
     @pl.when(kb == n_kb - 1)
@@ -150,7 +150,7 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
     rows_KD = _gathered_rows(idx_ref, ik_ref, gather_scratch, b, kb, block_k=block_k, n_kb=n_kb, n_slots=n_slots,
                              resident=resident, dtype=iq_ref.dtype)
     iq_HD = iq_ref[0, 0]
-    w_H1 = _row_to_column(iw_ref[0, pl.ds(qi, 1), :])
+    w_H1 = row_to_column(iw_ref[0, pl.ds(qi, 1), :])
     dots_HK, scores_1K = _scores(iq_HD, rows_KD, w_H1)
 
     start = pl.multiple_of(kb * block_k, block_k)
@@ -176,8 +176,8 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
     dw_scr[...] += jnp.sum(d_scores_1K * jnp.maximum(dots_HK, 0.0), axis=1, keepdims=True)
     g_HK = jnp.where(dots_HK > 0.0, d_scores_1K * w_H1, 0.0)
     # MXU operands in the keys' dtype with fp32 accumulation (as selected_scores._product_grads)
-    diq_ref[0, 0] += _mm(g_HK.astype(rows_KD.dtype), rows_KD)
-    drows_KD = _mm(g_HK.T.astype(iq_HD.dtype), iq_HD)
+    diq_ref[0, 0] += mm(g_HK.astype(rows_KD.dtype), rows_KD)
+    drows_KD = mm(g_HK.T.astype(iq_HD.dtype), iq_HD)
     if dk_rows:   # the rows the row scatter-add kernel fetches with one DMA each
         W = dik_ref.shape[4]
         if W > drows_KD.shape[1]:
@@ -195,7 +195,7 @@ def _bwd_kernel(idx_ref, iq_ref, iw_ref, valid_ref, p_ref, scal_ref, ik_ref, diq
 
     @pl.when(kb == n_kb - 1)
     def _store_dw():
-        diw_ref[0, pl.ds(qi, 1), :] = _column_to_row(dw_scr[...])
+        diw_ref[0, pl.ds(qi, 1), :] = column_to_row(dw_scr[...])
 
 
 class _Call(NamedTuple):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu_utils import mxu_precision
+from pallas_kernels.kernel_math import mm
 
 PER_WORD = 8
 
@@ -50,7 +50,7 @@ def _kernel(block_expert_ref, n_used_ref, x_ref, packed_ref, scale_ref, y_ref, a
                 groups.append(q.astype(jnp.float32) * scale_ref[c, j:j + 1, :].astype(jnp.float32))
             w = jnp.concatenate(groups, axis=0).astype(x.dtype)          # [8G, tn]
             xc = x[:, c * PER_WORD * G:(c + 1) * PER_WORD * G]
-            acc_ref[...] += jnp.dot(xc, w, preferred_element_type=jnp.float32, precision=mxu_precision(xc, w))
+            acc_ref[...] += mm(xc, w)
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():

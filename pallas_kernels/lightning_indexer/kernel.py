@@ -27,8 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.chunking import chunked_over_queries
+from pallas_kernels.kernel_math import mm_nt
 from pallas_kernels.masking import top_k_mask
-from pallas_kernels.tpu_utils import LANES, mxu_precision, pad_axis, removable_when_unused, round_up
+from pallas_kernels.tpu_utils import LANES, pad_axis, removable_when_unused, round_up
 
 _NO_POS = jnp.iinfo(jnp.int32).max // 2  # position sentinel for padding in the block-skip bounds
 
@@ -57,8 +58,7 @@ def _scores_kernel(q_max_pos_ref, kv_min_pos_ref,  # scalar prefetch (SMEM): [B 
 
         def add_head(h, acc_ST):
             q_TD = q_ref[0, h]
-            dots_ST = jax.lax.dot_general(k_SD, q_TD, (((1,), (1,)), ((), ())),
-                                          precision=mxu_precision(k_SD, q_TD), preferred_element_type=jnp.float32)
+            dots_ST = mm_nt(k_SD, q_TD)
             w_1T = w_ref[0, pl.ds(h, 1), :]
             return acc_ST + w_1T * jnp.maximum(dots_ST, 0.0)
 

@@ -43,34 +43,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kernel_math import column_to_row, mm, mm_nt, row_to_column
 from pallas_kernels.row_scatter.packing import pack_bf16_pairs, packed_width
-from pallas_kernels.tpu_utils import LANES, mxu_precision, pad_axis, round_up
+from pallas_kernels.tpu_utils import LANES, pad_axis, round_up
 
 QUERIES_PER_BLOCK = 8  # TQ
-
-
-def _mm(a, b):
-    """a @ b with fp32 accumulation."""
-    return jnp.dot(a, b, precision=mxu_precision(a, b), preferred_element_type=jnp.float32)
-
-
-def _mm_nt(a, b):
-    """a @ b^T with fp32 accumulation (contract the last dims; the MXU's native transposed form)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=mxu_precision(a, b),
-                               preferred_element_type=jnp.float32)
-
-
-def _row_to_column(row_1H):
-    """[1, H] -> [H, 1] with a diagonal select and a lane reduction (no small-shape transpose)."""
-    H = row_1H.shape[1]
-    eye = jax.lax.broadcasted_iota(jnp.int32, (H, H), 0) == jax.lax.broadcasted_iota(jnp.int32, (H, H), 1)
-    return jnp.sum(jnp.where(eye, row_1H, 0.0), axis=1, keepdims=True)
-
-
-def _column_to_row(col_H1):
-    H = col_H1.shape[0]
-    eye = jax.lax.broadcasted_iota(jnp.int32, (H, H), 0) == jax.lax.broadcasted_iota(jnp.int32, (H, H), 1)
-    return jnp.sum(jnp.where(eye, col_H1, 0.0), axis=0, keepdims=True)
 
 
 class _RowGather:
@@ -137,7 +114,7 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
 
     q_HC = q_ref[0, 0]
     valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
-    s_HK = _mm_nt(q_HC, rows_KC) * scale
+    s_HK = mm_nt(q_HC, rows_KC) * scale
     s_HK = jnp.where(valid_1K, s_HK, -jnp.inf)
 
     def final_lse_H1():
@@ -151,7 +128,7 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
     alpha = jnp.exp(m_prev - m_safe)
     p_HK = jnp.exp(s_HK - m_safe)
     l_scr[...] = alpha * l_scr[...] + jnp.sum(p_HK, axis=1, keepdims=True)
-    acc_scr[...] = alpha * acc_scr[...] + _mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
+    acc_scr[...] = alpha * acc_scr[...] + mm(p_HK.astype(rows_KC.dtype), rows_KC[:, :v_dim])
     m_scr[...] = m_new
     if with_target:
         p_scr[kb] = p_HK
@@ -163,7 +140,7 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
         has_keys = l > 0.0
         out_ref[0, 0] = jnp.where(has_keys, acc_scr[...] / jnp.where(has_keys, l, 1.0), 0.0).astype(out_ref.dtype)
         lse_H1 = final_lse_H1()
-        lse_ref[0, pl.ds(qi, 1), :] = _column_to_row(lse_H1)
+        lse_ref[0, pl.ds(qi, 1), :] = column_to_row(lse_H1)
         if with_target:
             lse_safe = jnp.where(lse_H1 == -jnp.inf, 0.0, lse_H1)   # no valid slot: every p~ is 0
             for j in range(n_kb):     # p[h, slot] = p~[h, slot] exp(m_b[h] - lse[h]), its block's max
@@ -186,28 +163,28 @@ def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
 
     q_HC, dout_HV = q_ref[0, 0], dout_ref[0, 0]
     valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
-    lse_H1 = _row_to_column(lse_ref[0, pl.ds(qi, 1), :])
-    delta_H1 = _row_to_column(delta_ref[0, pl.ds(qi, 1), :])
+    lse_H1 = row_to_column(lse_ref[0, pl.ds(qi, 1), :])
+    delta_H1 = row_to_column(delta_ref[0, pl.ds(qi, 1), :])
     lse_H1 = jnp.where(lse_H1 == -jnp.inf, 0.0, lse_H1)  # rows without keys: every p is masked to 0
 
-    s_HK = _mm_nt(q_HC, rows_KC) * scale
+    s_HK = mm_nt(q_HC, rows_KC) * scale
     p_HK = jnp.where(valid_1K, jnp.exp(s_HK - lse_H1), 0.0)
-    dp_HK = _mm_nt(dout_HV, rows_KC[:, :v_dim])
+    dp_HK = mm_nt(dout_HV, rows_KC[:, :v_dim])
     ds_HK = jnp.where(valid_1K, p_HK * (dp_HK - delta_H1), 0.0)  # masked: delta may be non-finite there
 
     @pl.when(kb == 0)
     def _init():
         dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    dq_ref[0, 0] += _mm(ds_HK.astype(rows_KC.dtype), rows_KC) * scale
-    dvalue_KV = _mm(p_HK.T.astype(dout_HV.dtype), dout_HV)
+    dq_ref[0, 0] += mm(ds_HK.astype(rows_KC.dtype), rows_KC) * scale
+    dvalue_KV = mm(p_HK.T.astype(dout_HV.dtype), dout_HV)
     if not wide:
-        drows_ref[0, 0] = _mm(ds_HK.T.astype(q_HC.dtype), q_HC) * scale
+        drows_ref[0, 0] = mm(ds_HK.T.astype(q_HC.dtype), q_HC) * scale
         drows_ref[0, 0, :, :v_dim] += dvalue_KV
         return
     # key part over the padded width (the query is 0 past C, so are those columns), plus the value part on
     # the first v_dim columns
-    dkey_KW = _mm(ds_HK.T.astype(q_HC.dtype), qw_ref[0, 0]) * scale
+    dkey_KW = mm(ds_HK.T.astype(q_HC.dtype), qw_ref[0, 0]) * scale
     W = dkey_KW.shape[1]
     dvalue_KW = jnp.concatenate([dvalue_KV, jnp.zeros((block_k, W - v_dim), jnp.float32)], 1) if W > v_dim \
         else dvalue_KV

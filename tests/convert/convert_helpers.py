@@ -21,20 +21,15 @@ def save_hf_model(out_dir: str, family: str = "glm", dtype: str = "float32", see
     import torch
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
+    from hf_reference import perturbed
+
     torch.manual_seed(seed)
     if family == "glm":
         model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**GLM_KW, attn_implementation="eager"))
     else:
         kw = {**GLM_KW, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "rope_parameters": YARN}
         model = DeepseekV32ForCausalLM(DeepseekV32Config(**kw, attn_implementation="eager"))
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn_like(layer.mlp.gate.e_score_correction_bias))
-    model = model.to(getattr(torch, dtype))
+    model = perturbed(model).to(getattr(torch, dtype))
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -6,7 +6,7 @@ from glm5_jax.convert.hf_to_orbax import hf_to_orbax
 from glm5_jax.data.tokenizer import train_bpe
 from glm5_jax.generate import __main__ as generate_cli
 from glm5_jax.generate.decoding import generate
-from tests.model.hf_fixtures import build_hf_model
+from hf_reference import build_hf_model
 
 
 def test_cli_prints_the_greedy_continuation(tmp_path, capsys):

@@ -4,7 +4,7 @@ import torch
 
 from glm5_jax import load_hf
 from glm5_jax.generate.decoding import generate
-from tests.model.hf_fixtures import build_hf_model
+from hf_reference import build_hf_model
 
 
 def test_greedy_tokens_equal_hf_generate(tmp_path):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from glm5_jax import Transformer, load_hf
-from tests.model.hf_fixtures import assert_no_boundary_ties, build_hf_model, hf_logits
+from hf_reference import assert_no_boundary_ties, build_hf_model, hf_logits
 
 TOL = 1e-4
 

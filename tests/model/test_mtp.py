@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import GlmMoeDsaForCausalLM
 
 from glm5_jax import Transformer, load_hf
-from tests.model.hf_fixtures import build_hf_model
+from hf_reference import build_hf_model
 
 L = 4
 

@@ -10,7 +10,7 @@ from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.model.transformer import ModelOutput
 from glm5_jax.train.experiment import TrainConfig
 from glm5_jax.train.losses import lm_losses
-from tests.model.hf_fixtures import build_hf_model
+from hf_reference import build_hf_model
 
 # one packed row of two segments and padding, and a second row holding one segment
 SEGMENTS = [[(1, 11), (2, 7)], [(1, 15)]]

@@ -13,7 +13,7 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 from glm5_jax import Transformer, load_hf
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.config import config_from_hf, config_to_hf
-from tests.model.hf_fixtures import BASE, assert_no_boundary_ties, build_hf_model, hf_logits, perturbed
+from hf_reference import BASE, assert_no_boundary_ties, build_hf_model, hf_logits, perturbed
 
 SMALL = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
              topk_group=1)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from glm5_jax import load_hf
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.safetensors_io import dequantize_fp8
-from tests.model.hf_fixtures import build_hf_model
+from hf_reference import build_hf_model
 
 
 @pytest.fixture(scope="module")

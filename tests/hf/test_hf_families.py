@@ -8,7 +8,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM
 
 from glm5_jax import Transformer, load_hf
-from tests.model.hf_fixtures import BASE, assert_no_boundary_ties, hf_logits
+from hf_reference import BASE, assert_no_boundary_ties, hf_logits
 
 YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}

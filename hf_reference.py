@@ -1,4 +1,7 @@
-"""Tiny random HF GLM-MoE-DSA models, saved with save_pretrained: the numerical ground truth."""
+"""Tiny random HF GLM-MoE-DSA models, saved with save_pretrained: the numerical ground truth.
+
+Shared by tests/ and bench/ (both put the repository root on sys.path), so it lives at the root: neither
+imports the other, and this torch code stays out of the installed packages (glm5_jax, pallas_kernels)."""
 import numpy as np
 import torch
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
