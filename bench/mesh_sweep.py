@@ -16,7 +16,7 @@ Every point compiles the TPU path (model.attention_impl=pallas). Each point is a
 --jobs at once: a 744B compile holds ~10 GB of host memory and takes 13+ minutes of one core) whose report is cached under --cache_dir by a hash of the resolved config, the topology and the
 model sources (glm5_jax/ and pallas_kernels/, the measuring modules excluded), with the compiled HLO, so
 a rerun compiles only the points whose inputs changed and, when only the measuring modules changed
-(glm5_jax/cost/hlo_cost.py, compile_report.py, ...), re-reads the cached HLO instead of compiling.
+(glm5_jax/cost/hlo_cost/, compile_report.py, ...), re-reads the cached HLO instead of compiling.
 Writes the table as JSON (--out) and markdown (same name, .md) and a plot (.png).
 """
 from __future__ import annotations
