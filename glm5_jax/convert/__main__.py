@@ -5,8 +5,7 @@ import sys
 
 from absl import app, flags, logging
 
-from glm5_jax.checkpoint.errors import CheckpointError
-from glm5_jax.model.config import ConfigError
+from glm5_jax.checkpoint.errors import USER_ERRORS
 
 COMMANDS = ("hf-to-orbax", "orbax-to-hf")
 flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors)")
@@ -46,7 +45,7 @@ def main(argv):
             convert.orbax_to_hf(need("ckpt_dir"), need("out_dir"), shard_size=FLAGS.shard_size, fp8=FLAGS.fp8,
                                 dtype=FLAGS.dtype, overwrite=FLAGS.overwrite, int4=FLAGS.int4,
                                 int4_group_size=FLAGS.int4_group_size, step=FLAGS.step)
-    except (CheckpointError, ConfigError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
