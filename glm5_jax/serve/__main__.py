@@ -8,6 +8,7 @@ while serving.
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 from absl import app, flags
@@ -45,6 +46,7 @@ def main(argv):
     from glm5_jax.checkpoint.inference import load_model_and_tokenizer
 
     absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("glm5_jax.serve").setLevel(logging.INFO)        # one line per request, reloads
     try:
         model = load_model_and_tokenizer(FLAGS.checkpoint, FLAGS.step, FLAGS.tokenizer, FLAGS.dtype)
     except USER_ERRORS as e:
