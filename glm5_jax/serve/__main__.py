@@ -84,7 +84,8 @@ def _serve(model):
                                  FLAGS.reload_interval_s).start()
     name = FLAGS.model_name or storage.basename(storage.absolute(FLAGS.checkpoint))
     api = create_app(engine, tokenizer, name, ChatTemplate.for_tokenizer(model.tokenizer_path),
-                     on_metrics=watcher.metrics if watcher else None, api_key=resolve_api_key(FLAGS.api_key))
+                     on_metrics=watcher.metrics if watcher else None, api_key=resolve_api_key(FLAGS.api_key),
+                     log_requests=True)
     sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((FLAGS.host, FLAGS.port))

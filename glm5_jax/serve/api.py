@@ -12,9 +12,9 @@ Errors come back as ``{"error": {"message", "type", "param", "code"}}`` with sta
 (validation messages name the field), 404/405 for a wrong route, 404 for a ``model`` other than the one
 served (as vLLM answers; a request without ``model`` is served), 503 once the engine has failed, and 401
 without the API key when one is set (`glm5_jax.serve.auth`; /health stays open).
-Every request but the /health and /metrics probes is logged at INFO on the ``glm5_jax.serve`` logger once
-its response is sent (a stream: once its last event is): route, model, prompt and completion tokens,
-status and latency (`RequestLog`).
+With ``log_requests`` (the serve CLI), every request but the /health and /metrics probes is logged at INFO on
+the ``glm5_jax.serve`` logger once its response is sent (a stream: once its last event is): route, model,
+prompt and completion tokens, status and latency (`RequestLog`).
 A client that disconnects cancels its requests, which frees their slots at the next step.
 
 Each route is a module-level handler reading what it needs (engine, tokenizer, model name, chat template)
@@ -446,12 +446,14 @@ async def tokens(body: TokenRequest, http: HttpRequest):
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_template: ChatTemplate | None = None,
-               on_metrics=None, api_key: str | None = None) -> FastAPI:
+               on_metrics=None, api_key: str | None = None, log_requests: bool = False) -> FastAPI:
     """The FastAPI app. `on_metrics()` may add extra gauges (dict) to /metrics; with `api_key` every
-    endpoint but /health needs ``Authorization: Bearer <api_key>``."""
+    endpoint but /health needs ``Authorization: Bearer <api_key>``; with `log_requests` every request is
+    logged (`RequestLog`: the serve CLI's; an RL policy server, answering thousands of calls, does not)."""
     app = FastAPI(title="glm5_jax serve")
     require_api_key(app, api_key)
-    app.add_middleware(RequestLog)                 # outermost: it sees the 401s too
+    if log_requests:
+        app.add_middleware(RequestLog)             # outermost: it sees the 401s too
     app.state.server = ServerState(engine, tokenizer, model_name, chat_template or ChatTemplate(), on_metrics)
     for error, handler in ((RequestValidationError, _invalid), (HTTPException, _http), (RequestError, _bad),
                            (_Unavailable, _down), (_UnknownModel, _unknown_model)):

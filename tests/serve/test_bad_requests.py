@@ -60,7 +60,7 @@ def server():
     engine = make_engine()
     engine._decode = SlowDecode(engine._decode)
     engine.start()
-    live = ThreadedServer(create_app(engine, tokenizer(), "tiny"))
+    live = ThreadedServer(create_app(engine, tokenizer(), "tiny", log_requests=True))
     yield engine, live.url
     live.close()
     engine.stop()
