@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -23,6 +24,7 @@ from glm5_jax import storage
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.checkpoint.handoff import COMMIT_MARKER
 from glm5_jax.checkpoint.stored_config import config_from_json
+from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.model.config import ModelConfig
 
 COLLECTIONS = ("params", "moe_bias")
@@ -69,17 +71,24 @@ def _manager_dir(path: str) -> str:
     return path
 
 
+def _not_a_checkpoint(path: str) -> str:
+    if storage.isfile(storage.join(path, "config.json")) and storage.glob(path, "*.safetensors"):
+        return (f"{path}: is a Hugging Face checkpoint, not an orbax one; convert it first: "
+                f"python -m glm5_jax.convert hf-to-orbax --hf_dir={path} --out_dir=DIR")
+    return (f"{path}: is not a checkpoint: expected a train.py workdir or its checkpoints/, an hf-to-orbax "
+            f"output, or an RL workdir or its policy/ (found no committed orbax step)")
+
+
 def find_checkpoint(path: str, step: int | None = None) -> StoredCheckpoint:
     """The step (newest committed one unless given) of a train workdir, its checkpoints/, a converter
     output, an RL workdir or its policy/, with its model config; CheckpointError naming what is missing."""
     path = storage.absolute(path)
     if not storage.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+        raise CheckpointError(f"{path}: " + ("not a directory" if storage.exists(path) else "no such directory"))
     path = _manager_dir(path)
     steps = ocp.path.step.checkpoint_steps(storage.path(path))        # finalized steps (a read-only manager would warn)
     if not steps:
-        raise CheckpointError(f"{path}: holds no committed orbax checkpoint step (expected a train.py workdir or "
-                              f"its checkpoints/, an hf-to-orbax output, or an RL workdir or its policy/)")
+        raise CheckpointError(_not_a_checkpoint(path))
     step = max(steps) if step is None else step
     if step not in steps:
         raise CheckpointError(f"{path}: no step {step}; committed steps are {sorted(steps)}")
@@ -128,6 +137,11 @@ def stored_leaves(item_dir: str) -> dict:
 def load_for_inference(path: str, step: int | None = None, sharding=None):
     """(ModelConfig, variables {"params", "moe_bias"}, step) from an orbax checkpoint directory."""
     found = find_checkpoint(path, step)
+    return found.cfg, load_variables(found, sharding), found.step
+
+
+def load_variables(found: StoredCheckpoint, sharding=None) -> dict:
+    """The variables {"params", "moe_bias"} of a checkpoint step `find_checkpoint` found."""
     cfg, state_dir = found.cfg, found.item_dir
     tree = stored_leaves(state_dir)
     missing = [c for c in COLLECTIONS if c not in tree and not (c == "moe_bias" and not cfg.n_routed_experts)]
@@ -138,18 +152,50 @@ def load_for_inference(path: str, step: int | None = None, sharding=None):
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=target), wanted)
     restored = ocp.PyTreeCheckpointHandler().restore(storage.path(state_dir), args=ocp.args.PyTreeRestore(
         abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
-    return cfg, {c: restored[c] for c in wanted}, found.step
+    return {c: restored[c] for c in wanted}
 
 
 def checkpoint_tokenizer(checkpoint: str) -> str:
-    """The tokenizer.json of a checkpoint: the BPE a train.py workdir cached, or one beside a converter output."""
-    found = sorted(f for d in storage.glob(storage.join(checkpoint, "tokenizer"), "*")
-                   for f in storage.glob(d, "tokenizer.json"))
-    if storage.isfile(storage.join(checkpoint, "tokenizer.json")):
-        found.append(storage.join(checkpoint, "tokenizer.json"))
+    """The tokenizer.json of a checkpoint: the BPE a train.py workdir cached under tokenizer/ (found from the
+    workdir or its checkpoints/), or one beside a converter output or an export."""
+    checkpoint = storage.absolute(checkpoint)
+    roots = [checkpoint]
+    if storage.basename(checkpoint) in ("checkpoints", "policy"):
+        roots.append(storage.dirname(checkpoint))
+    found = []
+    for root in roots:
+        found += sorted(f for d in storage.glob(storage.join(root, "tokenizer"), "*")
+                        for f in storage.glob(d, "tokenizer.json"))
+        if storage.isfile(storage.join(root, "tokenizer.json")):
+            found.append(storage.join(root, "tokenizer.json"))
     if len(found) != 1:
-        raise CheckpointError(f"--tokenizer is required: found {len(found)} tokenizer.json under {checkpoint}")
+        raise CheckpointError(f"--tokenizer is required: found {len(found)} tokenizer.json under {checkpoint}"
+                              + (f" ({', '.join(found)})" if found else " (a train.py workdir keeps its BPE in "
+                                                                        "tokenizer/bpe-*/)"))
     return found[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceModel:
+    """What generate and serve run: the model config and variables of one checkpoint step, and its tokenizer."""
+    cfg: ModelConfig
+    variables: dict
+    step: int
+    tokenizer: Any                # glm5_jax.data.tokenizer.Tokenizer
+    tokenizer_path: str
+
+
+def load_model_and_tokenizer(checkpoint: str, step: int | None = None, tokenizer: str | None = None,
+                             dtype: str | None = None) -> InferenceModel:
+    """The checkpoint is checked first (a wrong path is named as such, not as a missing tokenizer), then the
+    tokenizer (`tokenizer`, default the checkpoint's own) is loaded, then the variables, cast to `dtype`."""
+    found = find_checkpoint(checkpoint, step)
+    tokenizer_path = tokenizer or checkpoint_tokenizer(checkpoint)
+    loaded = load_tokenizer(tokenizer_path)
+    cfg, variables = found.cfg, load_variables(found)
+    if dtype:
+        cfg, variables = cast_variables(cfg, variables, dtype)
+    return InferenceModel(cfg, variables, found.step, loaded, tokenizer_path)
 
 
 def cast_variables(cfg, variables, dtype: str):

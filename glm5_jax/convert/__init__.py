@@ -1,13 +1,14 @@
 """Checkpoint conversion between the Hugging Face hub layout and our orbax checkpoint, both ways, streaming.
 
     python -m glm5_jax.convert hf-to-orbax --hf_dir=D --out_dir=O [--dtype=bfloat16] [--mesh=fsdp:4,expert:2] [--overwrite]
-    python -m glm5_jax.convert orbax-to-hf --ckpt_dir=O --out_dir=D2 [--shard_size=5GB] [--fp8] [--dtype=...] [--overwrite]
+    python -m glm5_jax.convert orbax-to-hf --ckpt_dir=O --out_dir=D2 [--shard_size=5GB] [--fp8] [--dtype=...]
+                                           [--tokenizer=T] [--overwrite]
 
 Hub side (docs/architecture.md#checkpoint-layout-hf-keys): ``config.json``, ``model-0000i-of-0000n.safetensors`` (or
 one ``model.safetensors``),
-``model.safetensors.index.json``; PyTorch ``[out, in]`` weights, per-expert keys, MTP as layer
-``num_hidden_layers``. Reads GLM-5 (``glm_moe_dsa``), DeepSeek-V3.2 (``deepseek_v32``) and DeepSeek-V3,
-in bf16/fp16/fp32 or the block-FP8 layout (``weight_scale_inv``, 128x128 blocks,
+``model.safetensors.index.json``, the tokenizer files (glm5_jax/convert/tokenizer_files.py); PyTorch ``[out, in]``
+weights, per-expert keys, MTP as layer ``num_hidden_layers``. Reads GLM-5 (``glm_moe_dsa``), DeepSeek-V3.2
+(``deepseek_v32``) and DeepSeek-V3, in bf16/fp16/fp32 or the block-FP8 layout (``weight_scale_inv``, 128x128 blocks,
 docs/architecture.md#fp8-block-quantisation).
 
 Orbax side (a `CheckpointManager` directory, step 0)::

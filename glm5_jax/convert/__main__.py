@@ -5,8 +5,7 @@ import sys
 
 from absl import app, flags, logging
 
-from glm5_jax.checkpoint.errors import CheckpointError
-from glm5_jax.model.config import ConfigError
+from glm5_jax.checkpoint.errors import USER_ERRORS
 
 COMMANDS = ("hf-to-orbax", "orbax-to-hf")
 flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors)")
@@ -23,6 +22,8 @@ flags.DEFINE_bool("int4", False, "orbax-to-hf: routed experts as compressed-tens
                                   "(group size and scale dtype from the checkpoint's model config)")
 flags.DEFINE_integer("int4_group_size", None, "orbax-to-hf --int4: input channels per scale (default: the "
                                                "checkpoint's quant_group_size)")
+flags.DEFINE_string("tokenizer", None, "orbax-to-hf: tokenizer.json, or a directory of HF tokenizer files, for the "
+                                       "export to carry (default: the checkpoint's own, e.g. a train.py run's BPE)")
 flags.DEFINE_bool("overwrite", False, "replace an existing output directory")
 FLAGS = flags.FLAGS
 
@@ -45,8 +46,9 @@ def main(argv):
         else:
             convert.orbax_to_hf(need("ckpt_dir"), need("out_dir"), shard_size=FLAGS.shard_size, fp8=FLAGS.fp8,
                                 dtype=FLAGS.dtype, overwrite=FLAGS.overwrite, int4=FLAGS.int4,
-                                int4_group_size=FLAGS.int4_group_size, step=FLAGS.step)
-    except (CheckpointError, ConfigError) as e:
+                                int4_group_size=FLAGS.int4_group_size, step=FLAGS.step,
+                                tokenizer=FLAGS.tokenizer)
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

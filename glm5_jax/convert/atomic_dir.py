@@ -33,7 +33,7 @@ def atomic_output_dir(out_dir: str, overwrite: bool, commit_file: str = "config.
         tmp = storage.join(parent, f".{storage.basename(out_dir)}.tmp-{uuid.uuid4().hex[:12]}")
     else:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+        tmp = storage.make_temporary_dir(parent, f".{os.path.basename(out_dir)}.tmp-")   # published with its mode
     try:
         yield tmp
     except BaseException:

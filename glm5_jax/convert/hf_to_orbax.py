@@ -5,7 +5,7 @@ Each leaf of ``variables`` (stacked over scanned layers, routed experts stacked)
 positional file reads (nothing stays mapped, so RSS does not grow with bytes read; FP8 blocks are
 dequantised on the fly), and the leaf is handed to orbax (written in the background in ~64 MiB
 batches) while a reader thread builds the next one (one leaf ahead). Everything is validated before
-the output directory is created.
+the output directory is created. The source's tokenizer files are copied beside the step.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from glm5_jax.convert.mesh import leaf_sharding, parse_mesh
 from glm5_jax.convert.orbax_io import STEP, LeafWriter
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
+from glm5_jax.convert.tokenizer_files import copy_tokenizer_files
 from glm5_jax.hf.config import config_from_hf, read_config_json
 from glm5_jax.hf.layout import empty_shared_experts, mtp_copies
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
@@ -121,6 +122,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, dtype: str = "bfloat16", mesh: str | 
                 del array
                 progress.advance(leaf_bytes[leaf.name], len(leaf.hub_keys()))
         writer.finalize()
+        copy_tokenizer_files(hf_dir, tmp)                 # beside the steps: generate and serve find it there
     return progress.summary()
 
 

@@ -1,4 +1,5 @@
-"""Our orbax checkpoint -> HF hub directory (config.json, sharded safetensors, index json), streamed.
+"""Our orbax checkpoint -> HF hub directory (config.json, sharded safetensors, index json, the tokenizer files),
+streamed.
 
 Reads every checkpoint this project writes (`glm5_jax.checkpoint.inference.find_checkpoint`): a converter
 output, a train.py workdir or its checkpoints/ (latest step or ``step``), an RL workdir or its policy/.
@@ -30,6 +31,7 @@ from glm5_jax.convert.hub_reader import scale_key, transpose_copy
 from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
+from glm5_jax.convert.tokenizer_files import write_export_tokenizer
 from glm5_jax.hf.config import config_from_hf, config_to_hf
 from glm5_jax.hf.layout import DEEPSEEK_MODEL_TYPES, empty_shared_experts, mtp_copies
 from glm5_jax.hf.safetensors_io import DTYPES
@@ -137,14 +139,15 @@ def _restored_leaves(item_dir: str, plan: list[LeafPlan], stored: dict):
 
 def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8: bool = False,
                 dtype: str | None = None, overwrite: bool = False, stream=None, int4: bool = False,
-                int4_group_size: int | None = None, step: int | None = None) -> dict:
+                int4_group_size: int | None = None, step: int | None = None, tokenizer: str | None = None) -> dict:
     """Export; returns the summary (tensors, bytes written, seconds, bytes/s, peak RSS).
 
     ``step``: the training step / policy version to export (default: the newest committed one).
     ``int4``: routed experts in the compressed-tensors pack-quantized INT4 layout (glm5_jax/convert/
     int4_layout.py), quantised with the checkpoint's ``quant_scale_dtype`` and ``quant_group_size`` (or
     ``int4_group_size``); a run trained with ``quant="int4_qat"`` is exported with the rounding it trained
-    against."""
+    against. ``tokenizer``: the tokenizer.json (or a directory of HF tokenizer files) the export carries
+    (default: the checkpoint's own, as `glm5_jax.convert.tokenizer_files` finds it)."""
     if fp8 and int4:
         raise CheckpointError("--fp8 and --int4 write different quantization_configs; choose one")
     check_output_dir(out_dir, overwrite)
@@ -201,6 +204,7 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
     progress = Progress("orbax-to-hf", layout.total_size, stream)
     with atomic_output_dir(out_dir, overwrite) as tmp, frozen_gc():
         storage.write_atomically(storage.join(tmp, "config.json"), json.dumps(hf, indent=2).encode())
+        write_export_tokenizer(ckpt_dir, tmp, hf, tokenizer)
         writer = ShardedSafetensorsWriter(tmp, layout)
         with contextlib.closing(_restored_leaves(found.item_dir, plan, stored)) as leaves:
             for leaf, array in leaves:

@@ -6,6 +6,7 @@ and prints each continuation, then one line with tokens/s (compile time reported
 """
 from __future__ import annotations
 
+import sys
 import time
 
 from absl import app, flags
@@ -30,21 +31,29 @@ def main(argv):
     del argv
     from absl import logging as absl_logging
 
+    from glm5_jax.checkpoint.errors import USER_ERRORS
+
     absl_logging.set_verbosity(absl_logging.WARNING)          # orbax INFO chatter
+    if not FLAGS.prompt:
+        raise app.UsageError("give at least one --prompt")
+    try:
+        _generate()
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _generate():
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from glm5_jax.checkpoint.inference import cast_variables, checkpoint_tokenizer, load_for_inference
-    from glm5_jax.data.tokenizer import load_tokenizer
+    from glm5_jax.checkpoint.inference import load_model_and_tokenizer
     from glm5_jax.generate.decoding import prepare_generate
 
-    if not FLAGS.prompt:
-        raise app.UsageError("give at least one --prompt")
-    tokenizer = load_tokenizer(FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint))
-    cfg, variables, step = load_for_inference(FLAGS.checkpoint, FLAGS.step)
-    if FLAGS.dtype:
-        cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)
+    model = load_model_and_tokenizer(FLAGS.checkpoint, FLAGS.step, FLAGS.tokenizer, FLAGS.dtype)
+    cfg, variables, step, tokenizer = model.cfg, model.variables, model.step, model.tokenizer
     encoded = [tokenizer.encode(p) for p in FLAGS.prompt]
     if any(len(e) == 0 for e in encoded):
         raise app.UsageError("a prompt encodes to no tokens")

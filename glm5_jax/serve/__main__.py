@@ -8,6 +8,9 @@ while serving.
 """
 from __future__ import annotations
 
+import logging
+import sys
+
 from absl import app, flags
 
 from glm5_jax import storage
@@ -39,13 +42,25 @@ def main(argv):
     del argv
     from absl import logging as absl_logging
 
+    from glm5_jax.checkpoint.errors import USER_ERRORS
+    from glm5_jax.checkpoint.inference import load_model_and_tokenizer
+
     absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("glm5_jax.serve").setLevel(logging.INFO)        # one line per request, reloads
+    try:
+        model = load_model_and_tokenizer(FLAGS.checkpoint, FLAGS.step, FLAGS.tokenizer, FLAGS.dtype)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _serve(model)
+    return 0
+
+
+def _serve(model):
     import socket
 
     import uvicorn
 
-    from glm5_jax.checkpoint.inference import cast_variables, checkpoint_tokenizer, load_for_inference
-    from glm5_jax.data.tokenizer import load_tokenizer
     from glm5_jax.serve.api import create_app
     from glm5_jax.serve.auth import resolve_api_key
     from glm5_jax.serve.engine import Engine
@@ -53,11 +68,7 @@ def main(argv):
     from glm5_jax.serve.text import ChatTemplate
     from glm5_jax.telemetry import StepProfiler
 
-    tokenizer_path = FLAGS.tokenizer or checkpoint_tokenizer(FLAGS.checkpoint)
-    tokenizer = load_tokenizer(tokenizer_path)
-    cfg, variables, step = load_for_inference(FLAGS.checkpoint, FLAGS.step)
-    if FLAGS.dtype:
-        cfg, variables = cast_variables(cfg, variables, FLAGS.dtype)
+    cfg, variables, step, tokenizer = model.cfg, model.variables, model.step, model.tokenizer
     engine = Engine(cfg, variables, max_batch=FLAGS.max_batch, max_seq_len=FLAGS.max_seq_len,
                     eos_ids=set(cfg.eos_token_id) | {tokenizer.eos_id}, weights_version=step,
                     prefill_chunk=FLAGS.prefill_chunk,
@@ -72,8 +83,9 @@ def main(argv):
         watcher = WeightsWatcher(engine, source, cfg, -1 if FLAGS.policy_workdir else step,
                                  FLAGS.reload_interval_s).start()
     name = FLAGS.model_name or storage.basename(storage.absolute(FLAGS.checkpoint))
-    api = create_app(engine, tokenizer, name, ChatTemplate.for_tokenizer(tokenizer_path),
-                     on_metrics=watcher.metrics if watcher else None, api_key=resolve_api_key(FLAGS.api_key))
+    api = create_app(engine, tokenizer, name, ChatTemplate.for_tokenizer(model.tokenizer_path),
+                     on_metrics=watcher.metrics if watcher else None, api_key=resolve_api_key(FLAGS.api_key),
+                     log_requests=True)
     sock = socket.socket(socket.AF_INET6 if ":" in FLAGS.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((FLAGS.host, FLAGS.port))

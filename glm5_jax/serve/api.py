@@ -9,8 +9,12 @@
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Errors come back as ``{"error": {"message", "type", "param", "code"}}`` with status 400 for a bad request
-(validation messages name the field), 404/405 for a wrong route, 503 once the engine has failed, and 401
+(validation messages name the field), 404/405 for a wrong route, 404 for a ``model`` other than the one
+served (as vLLM answers; a request without ``model`` is served), 503 once the engine has failed, and 401
 without the API key when one is set (`glm5_jax.serve.auth`; /health stays open).
+With ``log_requests`` (the serve CLI), every request but the /health and /metrics probes is logged at INFO on
+the ``glm5_jax.serve`` logger once its response is sent (a stream: once its last event is): route, model,
+prompt and completion tokens, status and latency (`RequestLog`).
 A client that disconnects cancels its requests, which frees their slots at the next step.
 
 Each route is a module-level handler reading what it needs (engine, tokenizer, model name, chat template)
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,6 +40,8 @@ from glm5_jax.serve.engine import Engine, Request, RequestError, Token
 from glm5_jax.serve.metrics import prometheus_text
 from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, TokenRequest
 from glm5_jax.serve.text import ChatTemplate, TextStream
+
+log = logging.getLogger("glm5_jax.serve")
 
 DISCONNECT_POLL_S = 0.25
 WEIGHTS_WAIT_S = 10.0           # how long /v1/tokens holds a request for min_weights_version
@@ -80,6 +87,41 @@ class _Unavailable(Exception):
     """The engine stopped, or the weights a request waits for did not come in time: 503."""
 
 
+class _UnknownModel(Exception):
+    """A request names a model this server does not serve: 404, as vLLM and OpenAI answer."""
+
+
+UNLOGGED_PATHS = frozenset({"/health", "/metrics"})       # probes, polled by routers and monitors
+
+
+class RequestLog:
+    """ASGI middleware: one INFO line per request once its response has been sent, with what the handler
+    noted on ``request.state`` (`ServerState.note_model`, `ServerState.note_requests`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in UNLOGGED_PATHS:
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+        state = scope.setdefault("state", {})
+
+        async def send_noting_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            requests = state.get("requests", ())
+            log.info("%s %s model=%s prompt_tokens=%d completion_tokens=%d status=%d latency_ms=%.1f",
+                     scope["method"], scope["path"], state.get("model", "-"), sum(len(r.prompt) for r in requests),
+                     sum(len(r.tokens) for r in requests), status, 1e3 * (time.perf_counter() - start))
+
+
 @dataclass
 class ServerState:
     """What the routes share, kept on ``app.state.server``: the engine, the tokenizer (None serves
@@ -89,6 +131,18 @@ class ServerState:
     model_name: str
     template: ChatTemplate
     on_metrics: Callable[[], dict] | None = None
+
+    def note_model(self, http: HttpRequest, name: str | None):
+        """Record the model a request names (the served one when it names none) for the request log; a
+        name other than the served one is refused with 404."""
+        http.state.model = self.model_name if name is None else name
+        if name is not None and name != self.model_name:
+            raise _UnknownModel(name)
+
+    @staticmethod
+    def note_requests(http: HttpRequest, requests: list[Request]):
+        """The engine requests of an HTTP request, whose token counts the request log reports."""
+        http.state.requests = requests
 
     def check_alive(self):
         if self.engine.error is not None:
@@ -184,6 +238,11 @@ async def _down(_, exc):
     return error_response(503, str(exc), kind="server_error")
 
 
+async def _unknown_model(_, exc):
+    return JSONResponse({"error": {"message": f"The model `{exc}` does not exist.", "type": "NotFoundError",
+                                   "param": "model", "code": 404}}, 404)
+
+
 # ---- /health, /metrics, /v1/models ----
 
 async def health(http: HttpRequest):
@@ -251,6 +310,7 @@ async def _completion_events(server: ServerState, http: HttpRequest, body: Compl
 
 async def completions(body: CompletionRequest, http: HttpRequest):
     server = _server(http)
+    server.note_model(http, body.model)
     server.check_alive()
     try:
         prompts = body.prompts()
@@ -272,6 +332,7 @@ async def completions(body: CompletionRequest, http: HttpRequest):
             echoes.append(prompt if isinstance(prompt, str) else server.tokenizer.decode(ids))
     for r in requests:
         server.engine.validate(r)
+    server.note_requests(http, requests)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
 
@@ -323,6 +384,7 @@ async def _chat_events(server: ServerState, http: HttpRequest, body: ChatRequest
 
 async def chat(body: ChatRequest, http: HttpRequest):
     server = _server(http)
+    server.note_model(http, body.model)
     server.check_alive()
     if body.top_logprobs and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs=true")
@@ -340,6 +402,7 @@ async def chat(body: ChatRequest, http: HttpRequest):
         texts.append(text)
     for r in requests:
         server.engine.validate(r)
+    server.note_requests(http, requests)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": server.model_name}
 
@@ -360,6 +423,7 @@ async def chat(body: ChatRequest, http: HttpRequest):
 
 async def tokens(body: TokenRequest, http: HttpRequest):
     server = _server(http)
+    server.note_model(http, body.model)
     server.check_alive()
     if body.stream:
         raise RequestError("/v1/tokens does not stream")
@@ -371,6 +435,7 @@ async def tokens(body: TokenRequest, http: HttpRequest):
                 for i in range(body.n)]
     for r in requests:
         server.engine.validate(r)
+    server.note_requests(http, requests)
     await server.finish_all(http, streams, requests)
     choices = [{"index": i, "token_ids": [t.id for t in r.tokens], "logprobs": [t.logprob for t in r.tokens],
                 "top_logprobs": [[list(p) for p in t.top] for t in r.tokens] if body.top_logprobs else None,
@@ -381,14 +446,17 @@ async def tokens(body: TokenRequest, http: HttpRequest):
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "glm5", chat_template: ChatTemplate | None = None,
-               on_metrics=None, api_key: str | None = None) -> FastAPI:
+               on_metrics=None, api_key: str | None = None, log_requests: bool = False) -> FastAPI:
     """The FastAPI app. `on_metrics()` may add extra gauges (dict) to /metrics; with `api_key` every
-    endpoint but /health needs ``Authorization: Bearer <api_key>``."""
+    endpoint but /health needs ``Authorization: Bearer <api_key>``; with `log_requests` every request is
+    logged (`RequestLog`: the serve CLI's; an RL policy server, answering thousands of calls, does not)."""
     app = FastAPI(title="glm5_jax serve")
     require_api_key(app, api_key)
+    if log_requests:
+        app.add_middleware(RequestLog)             # outermost: it sees the 401s too
     app.state.server = ServerState(engine, tokenizer, model_name, chat_template or ChatTemplate(), on_metrics)
     for error, handler in ((RequestValidationError, _invalid), (HTTPException, _http), (RequestError, _bad),
-                           (_Unavailable, _down)):
+                           (_Unavailable, _down), (_UnknownModel, _unknown_model)):
         app.add_exception_handler(error, handler)
     app.get("/health")(health)
     app.get("/metrics")(metrics)

@@ -13,9 +13,10 @@ hide objects another process wrote).
 from glm5_jax.storage.paths import (absolute, basename, dirname, exists, getsize, glob, is_remote,
                                     isdir, isfile, join, listdir, makedirs, path, read_bytes, read_text,
                                     remove, rmtree, walk)
-from glm5_jax.storage.atomic import copy_file, move, open_for_write, publish_dir, write_atomically
+from glm5_jax.storage.atomic import (copy_file, make_temporary_dir, move, open_for_write, publish_dir,
+                                     write_atomically)
 from glm5_jax.storage.jsonl_log import JsonlLog, read_jsonl
 
 __all__ = ["absolute", "basename", "copy_file", "dirname", "exists", "getsize", "glob", "is_remote", "isdir",
-           "isfile", "join", "listdir", "makedirs", "move", "path", "read_bytes", "read_text", "remove", "rmtree",
-           "walk", "open_for_write", "publish_dir", "write_atomically", "JsonlLog", "read_jsonl"]
+           "isfile", "join", "listdir", "make_temporary_dir", "makedirs", "move", "path", "read_bytes", "read_text",
+           "remove", "rmtree", "walk", "open_for_write", "publish_dir", "write_atomically", "JsonlLog", "read_jsonl"]

@@ -1,6 +1,8 @@
 """Writes that a reader sees whole or not at all, locally and on object storage.
 
 Local: a temporary file in the same directory, fsync, rename over the target, fsync of the directory.
+Files and directories get the modes a plain ``open()`` / ``os.mkdir`` would give them (0o666 / 0o777
+less the umask), not the owner-only modes of `tempfile`'s names.
 Object storage: an object becomes visible only when its upload is finalised, whole; an upload that is
 killed or discarded leaves no object. No temporary name is needed.
 """
@@ -10,8 +12,32 @@ import contextlib
 import os
 import shutil
 import tempfile
+import uuid
 
 from glm5_jax.storage.paths import absolute, exists, is_remote, join, path, remove, rmtree, walk
+
+
+def create_temporary_file(folder: str, prefix: str, suffix: str = ".tmp") -> tuple[int, str]:
+    """(fd, path) of a new file ``<prefix><random><suffix>`` in `folder`, created as ``open()`` creates a
+    file: mode 0o666 less the umask (`tempfile.mkstemp` makes it 0o600)."""
+    while True:
+        tmp = os.path.join(folder, f"{prefix}{uuid.uuid4().hex[:12]}{suffix}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def make_temporary_dir(folder: str, prefix: str) -> str:
+    """A new directory ``<prefix><random>`` in `folder`, created as ``os.mkdir`` creates one: mode 0o777
+    less the umask (`tempfile.mkdtemp` makes it 0o700, which a directory published by renaming it keeps)."""
+    while True:
+        tmp = os.path.join(folder, f"{prefix}{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def write_atomically(target, data: bytes, tmp_dir=None) -> None:
@@ -39,7 +65,7 @@ def open_for_write(target, tmp_dir=None, mode: str = "wb"):
         return
     folder = tmp_dir or os.path.dirname(os.path.abspath(target))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    fd, tmp = create_temporary_file(folder, f".{os.path.basename(target)}.")
     try:
         with os.fdopen(fd, mode) as f:
             yield f

@@ -169,7 +169,7 @@ def test_existing_output_needs_overwrite(good_dir, tmp_path):
     assert siblings(str(out)) == ["out"]
     with pytest.raises(CheckpointError, match="already exists"):
         orbax_to_hf(str(out), good_dir)
-    with pytest.raises(CheckpointError, match="holds no committed orbax checkpoint step"):
+    with pytest.raises(CheckpointError, match="is a Hugging Face checkpoint, not an orbax one; convert it first"):
         orbax_to_hf(good_dir, str(tmp_path / "back"))
     assert siblings(str(tmp_path / "back")) == []
 

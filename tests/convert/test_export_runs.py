@@ -4,6 +4,7 @@ the QAT run's --int4 export decompresses (compressed-tensors) to exactly the pro
 the run's master weights; an RL policy version exports to the same tensors as the run it started from."""
 import json
 import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,9 @@ from convert_helpers import assert_same_tensors
 
 from glm5_jax import Transformer
 from glm5_jax.checkpoint.errors import CheckpointError
-from glm5_jax.checkpoint.inference import load_for_inference
-from glm5_jax.convert import load_model_config, orbax_to_hf
+from glm5_jax.checkpoint.inference import checkpoint_tokenizer, load_for_inference
+from glm5_jax.convert import hf_to_orbax, load_model_config, orbax_to_hf
+from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
 from glm5_jax.quant import int4
 
@@ -146,3 +148,40 @@ def test_rl_policy_exports_like_its_starting_run(plain_run, plain_export, tmp_pa
     assert assert_same_tensors(plain_export, str(tmp_path / "from_policy")) > 0
     assert json.load(open(os.path.join(plain_export, "config.json"))) == \
         json.load(open(tmp_path / "from_policy" / "config.json"))
+
+
+TEXTS = ["def add(x, y):\n    return x + y\n", "The quick brown fox <|endoftext|> jumps", "  tabs\tand ünïcode ✓"]
+
+
+def test_the_export_carries_the_runs_tokenizer(plain_run, plain_export, tmp_path):
+    """AutoTokenizer loads from the export alone and encodes as the run's own tokenizer; its special tokens
+    are the exported config's ids; an hf-to-orbax of the export carries the same files on."""
+    from transformers import AutoTokenizer
+
+    ours = load_tokenizer(checkpoint_tokenizer(plain_run))
+    theirs = AutoTokenizer.from_pretrained(plain_export)
+    for text in TEXTS:
+        assert theirs.encode(text) == theirs(text)["input_ids"] == ours.encode(text).tolist(), text
+        assert theirs.decode(theirs.encode(text)) == text
+    hf = json.load(open(os.path.join(plain_export, "config.json")))
+    assert (theirs.eos_token_id, theirs.pad_token_id, theirs.bos_token_id) == (hf["eos_token_id"], hf["pad_token_id"],
+                                                                               None) == (ours.eos_id, 0, None)
+    assert len(theirs) == ours.vocab_size
+
+    converted = str(tmp_path / "converted")
+    hf_to_orbax(plain_export, converted, dtype="float32")
+    assert checkpoint_tokenizer(converted) == os.path.join(converted, "tokenizer.json")
+    orbax_to_hf(converted, str(tmp_path / "again"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert open(tmp_path / "again" / name).read() == open(os.path.join(plain_export, name)).read()
+
+
+def test_written_files_have_the_modes_open_gives(plain_run, plain_export):
+    umask = os.umask(0)
+    os.umask(umask)
+    shard = sorted(f for f in os.listdir(plain_export) if f.endswith(".safetensors"))[0]
+    for path in (os.path.join(plain_export, "config.json"), os.path.join(plain_export, shard),
+                 os.path.join(plain_export, "model.safetensors.index.json"),
+                 os.path.join(plain_export, "tokenizer_config.json"), os.path.join(plain_run, "config.json")):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask, path
+    assert stat.S_IMODE(os.stat(plain_export).st_mode) == 0o777 & ~umask

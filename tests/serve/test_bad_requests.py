@@ -1,6 +1,8 @@
-"""Malformed requests get a 4xx naming the problem and the server keeps serving; a client that goes away
-frees its slot."""
+"""Malformed requests get a 4xx naming the problem and the server keeps serving; an unknown model gets vLLM's
+404; a client that goes away frees its slot; every request is logged in one line."""
 import json
+import logging
+import re
 import time
 
 import httpx2
@@ -58,7 +60,7 @@ def server():
     engine = make_engine()
     engine._decode = SlowDecode(engine._decode)
     engine.start()
-    live = ThreadedServer(create_app(engine, tokenizer(), "tiny"))
+    live = ThreadedServer(create_app(engine, tokenizer(), "tiny", log_requests=True))
     yield engine, live.url
     live.close()
     engine.stop()
@@ -100,3 +102,45 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream):
     assert engine.snapshot()["running"] == 0
     assert engine.stats["finished_abort"] == aborted + 1
     assert engine.stats["generated_tokens"] < engine.stats["prompt_tokens"] + MAX_SEQ_LEN   # cut short
+
+
+def test_an_unknown_model_gets_404_as_vllm_answers(server):
+    engine, url = server
+    requests = engine.snapshot()["requests"]
+    with httpx2.Client(base_url=url, timeout=30) as http:
+        for path, body in ((C, {"prompt": "def", "max_tokens": 2}), (CHAT, {"messages": OK_CHAT}),
+                           (TOK, {"prompt_ids": [5], "max_tokens": 2})):
+            r = http.post(path, json={**body, "model": "gpt-4"})
+            assert r.status_code == 404
+            assert r.json() == {"error": {"message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
+                                          "param": "model", "code": 404}}
+        assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert http.post(C, json={"prompt": "def", "max_tokens": 2, "model": "tiny"}).status_code == 200
+    assert engine.snapshot()["requests"] == requests + 1
+
+
+def test_each_request_is_logged_once_it_is_answered(server, caplog):
+    _, url = server
+    caplog.set_level(logging.INFO, logger="glm5_jax.serve")
+    with httpx2.Client(base_url=url, timeout=30) as http:
+        ok = http.post(C, json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "n": 2})
+        with http.stream("POST", C, json={"prompt": [5, 6], "max_tokens": 2, "temperature": 0, "stream": True,
+                                          "model": "tiny"}) as r:
+            list(r.iter_lines())
+        http.post(TOK, json={"prompt_ids": [5], "max_tokens": 2, "model": "other"})
+        http.post(C, json={"prompt": "a", "top_p": 0})
+        http.get("/health")
+    assert ok.json()["usage"]["completion_tokens"] == 6
+    deadline = time.monotonic() + 5                    # the server thread logs after the response went out
+    while len(caplog.records) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lines = [re.sub(r"latency_ms=\d+\.\d$", "latency_ms=T", r.getMessage()) for r in caplog.records
+             if r.name == "glm5_jax.serve"]
+    # a stream's line comes once its last event is sent, which may be after the client read it: any order
+    assert sorted(lines) == sorted([
+        "POST /v1/completions model=tiny prompt_tokens=6 completion_tokens=6 status=200 latency_ms=T",   # n=2
+        "POST /v1/completions model=tiny prompt_tokens=2 completion_tokens=2 status=200 latency_ms=T",
+        "POST /v1/tokens model=other prompt_tokens=0 completion_tokens=0 status=404 latency_ms=T",
+        "POST /v1/completions model=- prompt_tokens=0 completion_tokens=0 status=400 latency_ms=T",   # invalid body
+    ])
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "glm5_jax.serve")

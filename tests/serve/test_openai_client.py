@@ -98,3 +98,12 @@ def test_32_concurrent_clients_with_mixed_lengths(client):
         want, want_lp = want[:budgets[i]], want_lp[:budgets[i]]
         assert out.choices[0].text == tokenizer().decode(want), i
         np.testing.assert_allclose(out.choices[0].logprobs.token_logprobs, want_lp, atol=1e-4)
+
+
+def test_an_unknown_model_raises_the_clients_not_found_error(client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert err.value.status_code == 404
+    assert err.value.body == {"message": "The model `gpt-4o` does not exist.", "type": "NotFoundError",
+                              "param": "model", "code": 404}
