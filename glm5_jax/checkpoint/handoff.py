@@ -13,7 +13,7 @@ Guards, each a pitfall measured in docs/training.md#policy-handoff-through-orbax
 * a version counts only once its step directory holds orbax's ``commit_success.txt``
 (docs/training.md#committed-versions-only) — partial
   saves (``<v>.orbax-checkpoint-tmp-*``) and any step without the marker are never read;
-* every read is retried: ``max_to_keep`` deletion races with ``reload()`` and ``restore()``;
+* every read is retried: ``max_to_keep`` deletion races with ``restore()``;
 * after each save the previous version must be on disk and committed
 (docs/training.md#background-save-errors-surface), and background errors are
   surfaced with ``check_for_errors()``.
