@@ -98,13 +98,15 @@ def version_line(record: dict, num_versions: int) -> str:
     return "  ".join(parts)
 
 
-def outcome_line(records: list[dict], seconds: float, restarts: dict) -> str:
-    """The run's outcome from its metrics records (one per version) and the supervisor's counts."""
+def outcome_line(records: list[dict], seconds: float, wall_seconds: float, restarts: dict) -> str:
+    """The run's outcome from its metrics records (one per version) and the supervisor's counts; `seconds`
+    from the start of the RL processes, `wall_seconds` including the SFT stage before them."""
     trained = [r for r in records if "mean_reward" in r]
     restarted = {role: n for role, n in restarts.items() if n}
     restart_text = f"restarts {sum(restarted.values())}" + \
         (" (" + ", ".join(f"{role} {n}" for role, n in restarted.items()) + ")" if restarted else "")
-    outcome = [f"done: {records[-1]['version'] if records else 0} steps in {seconds:.1f} s"]
+    outcome = [f"done: {records[-1]['version'] if records else 0} steps in {seconds:.1f} s"
+               + (f" ({wall_seconds:.1f} s with the SFT)" if wall_seconds - seconds >= 1 else "")]
     if trained:
         best = max(trained, key=lambda r: r["mean_reward"])
         outcome.append(f"reward final {_f(trained[-1]['mean_reward'])}, best {_f(best['mean_reward'])} "

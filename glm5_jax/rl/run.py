@@ -140,6 +140,7 @@ class Supervisor:
         such as "gen") limits which children may be killed; the first kill is timed from the commit of
         version `chaos_after_version` (0: from the start, whatever is committed)."""
         os.makedirs(self.log_dir, exist_ok=True)
+        began = time.time()
         if not self.num_servers:
             self.make_sft()
         # else multi-turn: the learner makes the (short) teacher SFT itself if it is missing (Learner.start),
@@ -155,7 +156,7 @@ class Supervisor:
         try:
             while True:
                 if time.time() >= next_follow:
-                    self._report(metrics)
+                    self._print_new_versions(metrics)
                     next_follow = time.time() + FOLLOW_SECONDS
                 if chaos_kills and next_kill is None and not self.kills and \
                         (chaos_after_version <= 0 or max(committed_versions(policy_dir(self.workdir)), default=-1)
@@ -195,22 +196,22 @@ class Supervisor:
                     proc.kill()
         report = {"seconds": time.time() - start, "restarts": self.restarts, "kills": self.kills}
         storage.write_atomically(storage.join(self.workdir, "supervisor.json"), json.dumps(report, indent=1).encode())
-        self._report(metrics)
-        self._summarise(report)
+        self._print_new_versions(metrics)
+        self._summarise(report, time.time() - began)
         return report
 
-    def _report(self, metrics: LogFollower) -> None:
+    def _print_new_versions(self, metrics: LogFollower) -> None:
         for record in metrics.poll():
             self.console.say(version_line(record, self.num_versions))
 
-    def _summarise(self, report: dict) -> None:
+    def _summarise(self, report: dict, wall_seconds: float) -> None:
         from glm5_jax.rl.config import sft_checkpoint_dir
 
         records = storage.read_jsonl(storage.join(self.workdir, METRICS))
         logs = [os.path.join(self.log_dir, f"{role}.log") for role in ["sft", *self.restarts]
                 if os.path.exists(os.path.join(self.log_dir, f"{role}.log"))]
         sft = storage.join(sft_checkpoint_dir(self.sft_workdir), str(self.sft_cfg.train.steps))
-        for line in [outcome_line(records, report["seconds"], report["restarts"]),
+        for line in [outcome_line(records, report["seconds"], wall_seconds, report["restarts"]),
                      f"metrics: {storage.join(self.workdir, METRICS)}, {storage.join(self.workdir, SUMMARY)}",
                      f"checkpoints: policy versions in {policy_dir(self.workdir)}; SFT {sft}",
                      "logs: " + ", ".join(logs)]:

@@ -55,7 +55,7 @@ def test_run_prints_progress_and_summary(tmp_path, monkeypatch, capsys):
     assert "[run] step 0/2  (the SFT policy)" in out, out
     for version in (1, 2):
         assert re.search(rf"\[run\] step {version}/2  reward \d\.\d{{3}}  staleness [01]", out), out
-    assert re.search(r"\[run\] done: 2 steps in [\d.]+ s; reward final \d\.\d{3}, best .*; "
+    assert re.search(r"\[run\] done: 2 steps in [\d.]+ s \([\d.]+ s with the SFT\); reward final \d\.\d{3}, best .*; "
                      r"staleness max [01], dropped 0; restarts 0", out), out
     logs = workdir / "logs"
     assert f"[run] logs: {logs}/sft.log, {logs}/learner.log, {logs}/gen0.log" in out, out
