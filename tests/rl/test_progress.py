@@ -38,6 +38,6 @@ def test_version_lines_and_outcome():
                {"version": 2, "mean_reward": 0.625, "staleness": 1, "eval_exact_match": 0.875,
                 "staleness_max": 1, "dropped_stale": 0}]
     assert outcome_line(records, 12.25, 40.0, {"learner": 1, "gen0": 0, "gen1": 2}) == \
-        "done: 2 steps in 12.2 s (40.0 s with the SFT); reward final 0.625, best 0.750 (step 1); eval 0.500 (step 0) -> 0.875 (step 2); " \
-        "staleness max 1, dropped 0; restarts 3 (learner 1, gen1 2)"
+        "done: 2 steps in 12.2 s (40.0 s with the SFT); reward final 0.625, best 0.750 (step 1); " \
+        "eval 0.500 (step 0) -> 0.875 (step 2); staleness max 1, dropped 0; restarts 3 (learner 1, gen1 2)"
     assert outcome_line([], 1.0, 1.0, {"learner": 0}) == "done: 0 steps in 1.0 s; restarts 0"
