@@ -13,7 +13,7 @@ Guards, each a pitfall measured in docs/training.md#policy-handoff-through-orbax
 * a version counts only once its step directory holds orbax's ``commit_success.txt``
 (docs/training.md#committed-versions-only) — partial
   saves (``<v>.orbax-checkpoint-tmp-*``) and any step without the marker are never read;
-* every read is retried: ``max_to_keep`` deletion races with ``reload()`` and ``restore()``;
+* every read is retried: ``max_to_keep`` deletion races with ``restore()``;
 * after each save the previous version must be on disk and committed
 (docs/training.md#background-save-errors-surface), and background errors are
   surfaced with ``check_for_errors()``.
@@ -109,19 +109,15 @@ class PolicyWriter:
 
 
 class PolicyReader:
-    """A generator's (read-only) side. Every call retries across the writer's concurrent deletions."""
+    """A generator's (read-only) side. Every call retries across the writer's concurrent deletions.
+
+    A version is read straight from its committed step directory, not through a CheckpointManager:
+    the manager's reload() reads the metadata of every step listed, and a step the writer is
+    finalising or deleting at that moment has none (orbax logs "Metadata file does not exist")."""
 
     def __init__(self, workdir: str):
         self.directory = policy_dir(workdir)
-        self._manager = None
-
-    def _open(self):
-        if self._manager is None:
-            if not storage.isdir(self.directory):
-                raise FileNotFoundError(self.directory)
-            self._manager = ocp.CheckpointManager(
-                self.directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True))
-        return self._manager
+        self._checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
     def latest_version(self) -> int | None:
         versions = committed_versions(self.directory)
@@ -141,6 +137,4 @@ class PolicyReader:
     def _restore(self, version: int, **items):
         if not is_committed(self.directory, version):
             raise FileNotFoundError(f"version {version} is not committed in {self.directory}")
-        manager = self._open()
-        manager.reload()
-        return manager.restore(version, args=ocp.args.Composite(**items))
+        return self._checkpointer.restore(storage.join(self.directory, str(version)), args=ocp.args.Composite(**items))

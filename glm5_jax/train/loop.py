@@ -12,6 +12,7 @@ from glm5_jax import storage
 from glm5_jax.checkpoint.run import RunCheckpoints, config_as_json
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
 from glm5_jax.data import build_data_pipeline
+from glm5_jax.data.sort_task import SORT
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.telemetry import MetricsWriter, StepProfiler
 from glm5_jax.train.init_from import initial_state, reuse_tokenizer
@@ -114,17 +115,33 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     ckpt.close()
     writer.close()
     if is_main and end == exp_cfg.train.steps:
-        log.info("%s", finished_message(workdir, end))
+        if exp_cfg.data.source == SORT:     # a fixed vocabulary, no file: saved where generate / serve look
+            pipeline.tokenizer.save(storage.join(workdir, "tokenizer.json"))
+        log.info("%s", finished_message(workdir, end, exp_cfg.data.source))
     return last
 
 
-def finished_message(workdir: str, step: int) -> str:
-    """Where the finished run's checkpoint is and what to run on it next."""
+def finished_message(workdir: str, step: int, data_source: str = "") -> str:
+    """Where the finished run's checkpoint is and what to run on it next: for a text corpus generation,
+    serving and export; for the sort task's SFT (configs/sort_sft.py) the RL run that starts from it and
+    a prompt in the task's format."""
+    done = f"done: step {step} is checkpointed in {storage.join(workdir, 'checkpoints', str(step))}"
+    tensorboard = f"  tensorboard --logdir={storage.join(workdir, 'tb')}    # pip install -r requirements-profile.txt"
+    if data_source == SORT:
+        return "\n".join([
+            done,
+            "next:",
+            f"  python -m glm5_jax.rl.run --config=configs/rl_sort.py --workdir=RL_DIR --set=sft_workdir={workdir}"
+            "    # GRPO from this checkpoint",
+            f"  python -m glm5_jax.generate --checkpoint={workdir} --prompt='S314159=' --max_new_tokens=7"
+            "    # S, 6 digits, =: it answers them sorted",
+            tensorboard,
+        ])
     return "\n".join([
-        f"done: step {step} is checkpointed in {storage.join(workdir, 'checkpoints', str(step))}",
+        done,
         "next:",
         f"  python -m glm5_jax.generate --checkpoint={workdir} --prompt='def main(' --max_new_tokens=64",
         f"  python -m glm5_jax.serve --checkpoint={workdir} --port=8000    # OpenAI-compatible API",
         f"  python -m glm5_jax.convert orbax-to-hf --ckpt_dir={workdir} --out_dir=HF_DIR    # Hugging Face export",
-        f"  tensorboard --logdir={storage.join(workdir, 'tb')}    # pip install -r requirements-profile.txt",
+        tensorboard,
     ])

@@ -17,7 +17,7 @@ def tiny_model_config(**changes) -> ModelConfig:
     return ModelConfig.from_fields({**TINY_MODEL, **changes})
 
 
-def write_tiny_configs(folder, *, sft_steps=3, num_versions=6, tau=1, lockstep=True, extra_rl="") -> str:
+def write_tiny_configs(folder, *, sft_steps=3, num_versions=6, tau=1, lockstep=True, eval_every=0, extra_rl="") -> str:
     """Writes tiny_sft.py and tiny_rl.py into `folder`; returns the RL config path."""
     sft = folder / "tiny_sft.py"
     sft.write_text(textwrap.dedent(f"""
@@ -39,7 +39,8 @@ def write_tiny_configs(folder, *, sft_steps=3, num_versions=6, tau=1, lockstep=T
 
         def get_config():
             return RLExperiment(rl=RLConfig(num_versions={num_versions}, tau={tau}, lockstep={lockstep},
-                                            prompts_per_batch=4, group_size=2, eval_every=0, learning_rate=1e-3,
+                                            prompts_per_batch=4, group_size=2, eval_every={eval_every}, eval_prompts=8,
+                                            learning_rate=1e-3,
                                             {extra_rl}),
                                 sft_config={str(sft)!r})
     """))

@@ -1,4 +1,5 @@
-"""End to end through the supervisor: learner + generator processes, lockstep mode, SIGKILLs.
+"""End to end through the supervisor: learner + generator processes, what the supervisor prints, and
+(slow) lockstep mode with SIGKILLs.
 
 The slow test compares an uninterrupted lockstep run with one whose learner and generator are killed
 at random: the final params must be bit-identical and every batch consumed exactly once. (bench/rl.py
@@ -6,6 +7,7 @@ runs the full 10-kill check on the real task.)
 """
 import json
 import os
+import re
 
 import pytest
 from rl_helpers import write_tiny_configs
@@ -37,6 +39,29 @@ def _check_ledger(summary, versions):
     assert all(e["sampled_with"] == max(0, e["ordinal"] - TAU) for e in used)
     assert all(e["trained_at"] - e["sampled_with"] <= TAU for e in used)
     assert {e["generator"] for e in used} == {0, 1}
+
+
+def test_run_prints_progress_and_summary(tmp_path, monkeypatch, capsys):
+    """The demo's output at the smallest size (SFT, then 2 async versions): a line per SFT log step and per
+    learner step with its reward and staleness, and a summary naming the outputs and the children's logs
+    (the eval columns: test_progress.py); the generator's log holds no orbax metadata warnings."""
+    _child_env(monkeypatch, tmp_path / "cache")
+    config = write_tiny_configs(tmp_path, num_versions=2, tau=1, lockstep=False)
+    workdir = tmp_path / "run"
+    Supervisor(config, str(workdir), [f"sft_workdir={tmp_path / 'sft'}"], num_generators=1).run()
+    out = capsys.readouterr().out
+    assert re.search(r"\[run\] SFT: training .* \(3 steps; log .*sft\.log\)", out), out
+    assert re.search(r"\[run\] sft step 3/3  loss \d", out), out
+    assert "[run] step 0/2  (the SFT policy)" in out, out
+    for version in (1, 2):
+        assert re.search(rf"\[run\] step {version}/2  reward \d\.\d{{3}}  staleness [01]", out), out
+    assert re.search(r"\[run\] done: 2 steps in [\d.]+ s \([\d.]+ s with the SFT\); reward final \d\.\d{3}, best .*; "
+                     r"staleness max [01], dropped 0; restarts 0", out), out
+    logs = workdir / "logs"
+    assert f"[run] logs: {logs}/sft.log, {logs}/learner.log, {logs}/gen0.log" in out, out
+    assert f"policy versions in {workdir}/policy" in out, out
+    gen0 = (logs / "gen0.log").read_text()
+    assert "wrote seq 0" in gen0 and "Metadata file does not exist" not in gen0, gen0
 
 
 @pytest.mark.slow   # ~2 minutes on 2 cores (process starts and compiles): run with -m slow
