@@ -41,6 +41,7 @@ from glm5_jax.model.transformer import Transformer  # noqa: E402
 from glm5_jax.train.experiment import apply_overrides  # noqa: E402
 from glm5_jax.train.loop import run_training  # noqa: E402
 from glm5_jax.train.losses import lm_losses  # noqa: E402
+from glm5_jax.train.stage import stage_spec  # noqa: E402
 
 TASKS = {"sort": sort_sft.get_config, "lm": int4_lm.get_config}
 
@@ -91,7 +92,8 @@ def lm_evaluate(exp, cfg, variables, batches):
     def parts(variables, batch):
         out = Transformer(cfg).apply(variables, batch["tokens"], positions=batch["positions"],
                                      segment_ids=batch["segment_ids"], with_mtp=True)
-        _, p = lm_losses(out, batch["tokens"], batch["segment_ids"], exp.train, cfg, exp.train.stage)
+        _, p = lm_losses(out, batch["tokens"], batch["segment_ids"], exp.train, cfg,
+                         stage_spec(exp.train.stage))
         return p["lm_loss"] * p["tokens"], p["tokens"]
 
     sums = [parts(variables, b) for b in batches]

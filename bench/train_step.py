@@ -51,6 +51,7 @@ from bench.timing import interleaved_seconds  # noqa: E402
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
 from glm5_jax.parallel.mesh import build_mesh  # noqa: E402
 from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
+from glm5_jax.train.stage import stage_spec  # noqa: E402
 from glm5_jax.train.step import Trainer  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "bench_small.py")
@@ -109,7 +110,7 @@ def main(argv=None):
     for T in seq_lens:
         exp_cfg = apply_overrides(base, [f"data.seq_len={T}"]).validate()
         tokens = exp_cfg.data.batch_size * T
-        flops = train_flops_per_token(exp_cfg.model, T, sparse=exp_cfg.train.stage == "sparse")
+        flops = train_flops_per_token(exp_cfg.model, T, sparse=stage_spec(exp_cfg.train.stage).attention_mode == "sparse")
         has_mtp = exp_cfg.model.num_nextn_predict_layers > 0
         same_as_hf = apply_overrides(exp_cfg, ["model.mtp_depth=0", "model.num_nextn_predict_layers=0"]) \
             if has_mtp else exp_cfg

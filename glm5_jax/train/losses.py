@@ -33,16 +33,17 @@ def cross_entropy(logits_BTV, targets_BT, valid_BT):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def lm_losses(out, tokens, segment_ids, train_cfg, model_cfg, stage: str):
-    """Total loss and its parts from a `model.ModelOutput`. LM and MTP terms are means over valid tokens
+def lm_losses(out, tokens, segment_ids, train_cfg, model_cfg, stage):
+    """Total loss and its parts from a `model.ModelOutput` of the model as `stage` (a
+    `glm5_jax.train.stage.StageSpec`) runs it (`model_cfg`). LM and MTP terms are means over valid tokens
     of this (micro) batch; the balance term is summed over MoE layers, the indexer KL summed over the
-    layers that compute it (logged as their mean)."""
+    layers that compute it (logged as their mean). The LM loss is logged in every stage."""
     parts = {}
     nll, count = cross_entropy(out.logits, *shifted_targets(tokens, segment_ids, 1))
     parts["lm_loss"] = nll / jnp.maximum(count, 1.0)
     parts["tokens"] = count
     total = jnp.zeros((), jnp.float32)
-    if stage != "warmup":
+    if stage.lm_loss:
         total = total + parts["lm_loss"]
         if out.mtp_logits is not None and train_cfg.mtp_loss_weight:
             depth_losses = []

@@ -13,13 +13,12 @@ from flax import struct
 from flax.core import meta
 from optax.transforms._masking import MaskedNode
 
-from glm5_jax.model.config import ConfigError
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
 from glm5_jax.model.transformer import Transformer, routing_bias_rows_of_model
 from glm5_jax.parallel.mesh import batch_sharding, logical_shardings, mesh_and_rules
-from glm5_jax.train.experiment import STAGES
 from glm5_jax.train.losses import lm_losses, load_spread, update_routing_bias
-from glm5_jax.train.optim import learning_rate_schedule, make_optimizer, trainable_labels
+from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
+from glm5_jax.train.stage import stage_spec
 
 
 @struct.dataclass
@@ -31,19 +30,6 @@ class TrainState:
     rng: jax.Array
 
 
-def model_config_for_stage(model_cfg, stage: str):
-    """Attention and indexer-loss settings of a DSA training stage: "dense" (plain causal attention),
-    "warmup" (dense attention, indexer trained towards it), "sparse" (top-k attention, indexer KL on the
-    selected keys), as in DeepSeek-V3.2-Exp's continued pre-training."""
-    if stage == "dense":
-        return model_cfg.replace(attention_mode="dense", indexer_loss="none")
-    if stage == "warmup":
-        return model_cfg.replace(attention_mode="dense", indexer_loss="warmup")
-    if stage == "sparse":
-        return model_cfg.replace(attention_mode="sparse", indexer_loss="sparse" if model_cfg.use_indexer else "none")
-    raise ConfigError(f"train.stage={stage!r}: must be one of {STAGES}")
-
-
 class Trainer:
     """Builds the state, its shardings and the jitted step for one experiment on one mesh."""
 
@@ -51,9 +37,10 @@ class Trainer:
         self.exp = exp_cfg
         self.mesh = mesh
         self.rules = exp_cfg.mesh.rules
-        self.model_cfg = model_config_for_stage(exp_cfg.model, exp_cfg.train.stage)
+        self.stage = stage_spec(exp_cfg.train.stage)
+        self.model_cfg = self.stage.model_config(exp_cfg.model)       # the model as this stage runs it
         self.model = Transformer(self.model_cfg)
-        self.tx = make_optimizer(exp_cfg.train)
+        self.tx = make_optimizer(exp_cfg.train, self.stage)
         self.lr_schedule = learning_rate_schedule(exp_cfg.train)
         self._init_boxed_jit = jax.jit(self._init_boxed)      # traced once: for shapes here and for init
         with self.context():
@@ -102,7 +89,7 @@ class Trainer:
         out = self.model.apply({"params": params, BIAS_COLLECTION: moe_bias}, batch["tokens"],
                                positions=batch["positions"], segment_ids=batch["segment_ids"], with_mtp=True)
         total, parts = lm_losses(out, batch["tokens"], batch["segment_ids"], self.exp.train, self.model_cfg,
-                                 self.exp.train.stage)
+                                 self.stage)
         if self.model_cfg.runtime.moe_ep != "none":
             parts = {**parts, "moe_dropped": jnp.sum(out.stats.dropped)}
         return total, (parts, out.stats)
@@ -131,12 +118,12 @@ class Trainer:
     def _train_step(self, state: TrainState, batch):
         train = self.exp.train
         grads, parts, stats = self._accumulated_grads(state.params, state.moe_bias, batch)
-        labels = trainable_labels(grads, train.stage)
+        labels = self.stage.trainable_labels(grads)
         trainable = jax.tree.map(lambda g, l: g if l == "train" else jnp.zeros_like(g), grads, labels)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         moe_bias = state.moe_bias
-        if train.bias_update_rate and train.stage != "warmup" and moe_bias:
+        if train.bias_update_rate and self.stage.updates_routing_bias and moe_bias:
             moe_bias = update_routing_bias(moe_bias, stats, routing_bias_rows_of_model(self.model_cfg),
                                            train.bias_update_rate)
         metrics = dict(parts)

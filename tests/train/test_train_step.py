@@ -10,7 +10,7 @@ from glm5_jax.data import DataConfig
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.train.optim import is_indexer_param
+from glm5_jax.train.stage import is_indexer_param
 from glm5_jax.train.step import Trainer
 
 MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1,
