@@ -183,8 +183,8 @@ def main():
     pipeline = build_data_pipeline(base.data, args.workdir, show_progress=False)
     train_iter = iter(pipeline.train_dataset())
     batches = [next(train_iter) for _ in range(total)]        # both arms see the same tokens
-    eval_rows = np.concatenate([b["tokens"] for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
-    eval_segments = np.concatenate([b["segment_ids"] for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
+    eval_rows = np.concatenate([b.tokens for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
+    eval_segments = np.concatenate([b.segment_ids for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
     mesh = build_mesh(base.mesh, jax.devices()[:1])
     model_cfg = base.model
     vocab = pipeline.tokenizer.vocab_size

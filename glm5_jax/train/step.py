@@ -2,7 +2,8 @@
 
 `TrainState` is a plain pytree: step, params, optimizer state, the routing-bias collection, an RNG key.
 Its shardings come from the parameters' logical axis names through the config's rules, so the same
-code runs on one CPU, fake CPU meshes or a TPU pod.
+code runs on one CPU, fake CPU meshes or a TPU pod. The step takes a `glm5_jax.data.Batch`, puts it into
+the context-parallel layout once (`batch_losses`) and hands the laid-out arrays to the model and the losses.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from flax import struct
 from flax.core import meta
 from optax.transforms._masking import MaskedNode
 
+from glm5_jax.data.batch import Batch
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
-from glm5_jax.model.transformer import Transformer, routing_bias_rows_of_model
+from glm5_jax.model.transformer import Transformer, lay_out_batch, routing_bias_rows_of_model
 from glm5_jax.parallel.mesh import batch_sharding, logical_shardings, mesh_and_rules
 from glm5_jax.train.losses import lm_losses, load_spread, update_routing_bias
 from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
@@ -28,6 +30,15 @@ class TrainState:
     opt_state: optax.OptState
     moe_bias: dict
     rng: jax.Array
+
+
+def batch_losses(model: Transformer, variables, batch: Batch, train_cfg, stage):
+    """(total loss, its parts, the `ModelOutput`) of `model` on a natural-order `batch`, laid out once
+    (`lay_out_batch`) for the model's inputs and the losses' targets; `stage`: a `StageSpec`."""
+    inputs = lay_out_batch(model.cfg, batch)
+    out = model.apply(variables, inputs, with_mtp=True, method=Transformer.forward_laid_out)
+    total, parts = lm_losses(out, inputs, train_cfg, model.cfg, stage)
+    return total, parts, out
 
 
 class Trainer:
@@ -54,10 +65,11 @@ class Trainer:
                                             is_leaf=is_masked)
         self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                            unboxed, self.state_shardings)
-        self.batch_sharding = batch_sharding(mesh, self.rules)
-        self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+        self.batch_sharding = batch_sharding(mesh, self.rules)          # of one [B, T] field
+        self.batch_shardings = Batch(*(self.batch_sharding,) * 3)      # of a whole `Batch`
+        self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_shardings),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
-        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding))
+        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_shardings))
 
     # ------------------------------------------------------------------ init
     def _init_boxed(self, rng):
@@ -85,11 +97,9 @@ class Trainer:
         return mesh_and_rules(self.mesh, self.rules)
 
     # ------------------------------------------------------------------ step
-    def _loss(self, params, moe_bias, batch):
-        out = self.model.apply({"params": params, BIAS_COLLECTION: moe_bias}, batch["tokens"],
-                               positions=batch["positions"], segment_ids=batch["segment_ids"], with_mtp=True)
-        total, parts = lm_losses(out, batch["tokens"], batch["segment_ids"], self.exp.train, self.model_cfg,
-                                 self.stage)
+    def _loss(self, params, moe_bias, batch: Batch):
+        total, parts, out = batch_losses(self.model, {"params": params, BIAS_COLLECTION: moe_bias}, batch,
+                                         self.exp.train, self.stage)
         if self.model_cfg.runtime.moe_ep != "none":
             parts = {**parts, "moe_dropped": jnp.sum(out.stats.dropped)}
         return total, (parts, out.stats)
@@ -149,6 +159,6 @@ class Trainer:
         with self.context():
             return self._eval(state, batch)
 
-    def put_batch(self, batch_np):
-        """Host numpy batch (this process's rows) -> a global array sharded over the batch axes."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch_np.items()}
+    def put_batch(self, batch_np: Batch) -> Batch:
+        """Host numpy `Batch` (this process's rows) -> one of global arrays sharded over the batch axes."""
+        return jax.tree.map(jax.make_array_from_process_local_data, self.batch_shardings, batch_np)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.data import DataConfig
+from glm5_jax.data import Batch, DataConfig
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
@@ -35,7 +35,7 @@ def batch(seed=0):
     segments[:, 15:] = 2                       # two packed documents per row
     segments[1, 20:] = 0                       # and some padding
     positions = np.concatenate([np.arange(15), np.arange(9)])[None].repeat(B, 0).astype(np.int32)
-    return {"tokens": tokens, "segment_ids": segments, "positions": positions}
+    return Batch(tokens=tokens, segment_ids=segments, positions=positions)
 
 
 def run_step(exp_cfg, devices, seed=0):
