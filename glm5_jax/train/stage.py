@@ -1,9 +1,9 @@
 """The DSA training stages (docs/training.md#dsa-stages), as in DeepSeek-V3.2-Exp's continued pre-training:
 
-    stage    attention  indexer loss                 trains                LM / MTP / balance loss  routing bias
-    dense    dense      none                         all but the indexer   yes                      updated
-    warmup   dense      warmup (towards dense attn)  the indexer only      no                       kept
-    sparse   top-k      sparse (on the selected keys) everything           yes                      updated
+    stage    attention  indexer loss                   trains               LM / MTP / balance loss  routing bias
+    dense    dense      none                           all but the indexer  yes                      updated
+    warmup   dense      warmup (towards dense attn.)   the indexer only     no                       kept
+    sparse   top-k      sparse (on the selected keys)  everything           yes                      updated
 
 `StageSpec` is one row; `stage_spec(train.stage)` looks it up once and the trainer passes it around.
 """
