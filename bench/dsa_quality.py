@@ -42,7 +42,8 @@ from glm5_jax.model.moe.layer import BIAS_COLLECTION  # noqa: E402
 from glm5_jax.model.transformer import Transformer  # noqa: E402
 from glm5_jax.parallel.mesh import build_mesh  # noqa: E402
 from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
-from glm5_jax.train.step import Trainer, model_config_for_stage  # noqa: E402
+from glm5_jax.train.stage import STAGES, stage_spec  # noqa: E402
+from glm5_jax.train.step import Trainer  # noqa: E402
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops  # noqa: E402
 from pallas_kernels.indexer_kl.reference import head_summed_target  # noqa: E402
 from pallas_kernels.lightning_indexer.reference import index_scores  # noqa: E402
@@ -50,7 +51,6 @@ from pallas_kernels.masking import visible_mask  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "dsa_adoption.py")
-STAGES = ("dense", "warmup", "sparse")
 DISTANCES = (8, 24, 48, 96, 112)
 TINY_STEPS = {"dense": 4, "warmup": 3, "sparse": 3}
 
@@ -92,7 +92,7 @@ def indexer_vs_dense(metric, k):
 def make_indexer_metrics(model_cfg, abstract_args):
     """(params, moe_bias, tokens) -> {"recall", "mass"} averaged over the indexer layers: the model runs
     with dense attention and the warm-up KL hook, whose result is replaced by the metric."""
-    model = Transformer(model_config_for_stage(model_cfg, "warmup"))
+    model = Transformer(stage_spec("warmup").model_config(model_cfg))
     fns = {}
     for metric in ("recall", "mass"):
         def run(params, moe_bias, tokens_BT):
@@ -183,8 +183,8 @@ def main():
     pipeline = build_data_pipeline(base.data, args.workdir, show_progress=False)
     train_iter = iter(pipeline.train_dataset())
     batches = [next(train_iter) for _ in range(total)]        # both arms see the same tokens
-    eval_rows = np.concatenate([b["tokens"] for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
-    eval_segments = np.concatenate([b["segment_ids"] for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
+    eval_rows = np.concatenate([b.tokens for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
+    eval_segments = np.concatenate([b.segment_ids for _, b in zip(range(eval_batches), pipeline.eval_dataset())])
     mesh = build_mesh(base.mesh, jax.devices()[:1])
     model_cfg = base.model
     vocab = pipeline.tokenizer.vocab_size
@@ -198,7 +198,7 @@ def main():
     def recall_probe(params, moe_bias):
         return indexer_metrics(params, moe_bias, probe_tokens)
 
-    nll = {mode: make_token_nll(model_config_for_stage(model_cfg, mode)) for mode in ("dense", "sparse")}
+    nll = {mode: make_token_nll(stage_spec(mode).model_config(model_cfg)) for mode in ("dense", "sparse")}
     # eval rows hold packed documents: score only predictions inside one document
     same_doc = (eval_segments[:, 1:] == eval_segments[:, :-1]) & (eval_segments[:, 1:] > 0)
 

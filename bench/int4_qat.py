@@ -40,7 +40,8 @@ from glm5_jax.model.moe.int4_weights import quantize_params  # noqa: E402
 from glm5_jax.model.transformer import Transformer  # noqa: E402
 from glm5_jax.train.experiment import apply_overrides  # noqa: E402
 from glm5_jax.train.loop import run_training  # noqa: E402
-from glm5_jax.train.losses import lm_losses  # noqa: E402
+from glm5_jax.train.stage import stage_spec  # noqa: E402
+from glm5_jax.train.step import batch_losses  # noqa: E402
 
 TASKS = {"sort": sort_sft.get_config, "lm": int4_lm.get_config}
 
@@ -82,16 +83,14 @@ def evaluate(cfg, variables, prompts, answers):
 def lm_eval_batches(exp, workdir, n):
     """The first ``n`` held-out batches of the run's own pipeline (its tokenizer lives in ``workdir``)."""
     pipeline = build_data_pipeline(exp.data, workdir, show_progress=False)
-    return [{k: jnp.asarray(v) for k, v in batch.items()} for batch in itertools.islice(pipeline.eval_dataset(), n)]
+    return [jax.tree.map(jnp.asarray, batch) for batch in itertools.islice(pipeline.eval_dataset(), n)]
 
 
 def lm_evaluate(exp, cfg, variables, batches):
     """Token-weighted next-token NLL over ``batches``: what the trainer's eval (Trainer._eval_step) computes."""
     @jax.jit
     def parts(variables, batch):
-        out = Transformer(cfg).apply(variables, batch["tokens"], positions=batch["positions"],
-                                     segment_ids=batch["segment_ids"], with_mtp=True)
-        _, p = lm_losses(out, batch["tokens"], batch["segment_ids"], exp.train, cfg, exp.train.stage)
+        _, p, _ = batch_losses(Transformer(cfg), variables, batch, exp.train, stage_spec(exp.train.stage))
         return p["lm_loss"] * p["tokens"], p["tokens"]
 
     sums = [parts(variables, b) for b in batches]

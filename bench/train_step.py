@@ -49,8 +49,10 @@ import numpy as np  # noqa: E402
 from bench.hf_step import HFStep  # noqa: E402
 from bench.timing import interleaved_seconds  # noqa: E402
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
+from glm5_jax.data import Batch  # noqa: E402
 from glm5_jax.parallel.mesh import build_mesh  # noqa: E402
 from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
+from glm5_jax.train.stage import stage_spec  # noqa: E402
 from glm5_jax.train.step import Trainer  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "bench_small.py")
@@ -61,8 +63,8 @@ QUICK = ["model.vocab_size=512", "model.hidden_size=64", "model.num_hidden_layer
 
 def random_batch(batch, seq_len, vocab, seed=0):
     tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq_len), dtype=np.int32)
-    return {"tokens": tokens, "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
-            "segment_ids": np.ones((batch, seq_len), np.int32)}
+    return Batch(tokens=tokens, positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy(),
+                 segment_ids=np.ones((batch, seq_len), np.int32))
 
 
 class OursStep:
@@ -109,7 +111,7 @@ def main(argv=None):
     for T in seq_lens:
         exp_cfg = apply_overrides(base, [f"data.seq_len={T}"]).validate()
         tokens = exp_cfg.data.batch_size * T
-        flops = train_flops_per_token(exp_cfg.model, T, sparse=exp_cfg.train.stage == "sparse")
+        flops = train_flops_per_token(exp_cfg.model, T, sparse=stage_spec(exp_cfg.train.stage).attention_mode == "sparse")
         has_mtp = exp_cfg.model.num_nextn_predict_layers > 0
         same_as_hf = apply_overrides(exp_cfg, ["model.mtp_depth=0", "model.num_nextn_predict_layers=0"]) \
             if has_mtp else exp_cfg

@@ -1,4 +1,4 @@
-"""Token documents -> fixed-length packed rows -> batches {tokens, segment_ids, positions}.
+"""Token documents -> fixed-length packed rows -> `Batch`es (tokens, segment_ids, positions).
 
 A document longer than seq_len is cut into seq_len-long chunks (each its own segment, positions
 restarting at 0), so no token is dropped. Chunks are packed first-fit into rows by grain; rows are
@@ -11,6 +11,8 @@ import logging
 import grain
 import grain.experimental as gx
 import numpy as np
+
+from glm5_jax.data.batch import Batch
 
 
 class ChunkDocument(grain.experimental.FlatMapTransform):
@@ -25,29 +27,25 @@ class ChunkDocument(grain.experimental.FlatMapTransform):
 
 
 class FormatBatch(grain.transforms.Map):
-    """grain's packed names -> ours; pads a short (final eval) batch with empty rows to batch_size."""
+    """grain's packed rows -> a `Batch`; pads a short (final eval) batch with empty rows to batch_size."""
 
     def __init__(self, batch_size: int):
         self.batch_size = batch_size
         self._logged = False
 
-    def map(self, packed: dict) -> dict:
-        batch = {"tokens": packed["tokens"], "segment_ids": packed["tokens_segment_ids"],
-                 "positions": packed["tokens_positions"]}
-        short = self.batch_size - batch["tokens"].shape[0]
-        if short:
-            batch = {k: np.concatenate([v, np.zeros((short, v.shape[1]), v.dtype)]) for k, v in batch.items()}
-        batch = {k: v.astype(np.int32, copy=False) for k, v in batch.items()}
+    def map(self, packed: dict) -> Batch:
+        batch = Batch.from_rows(packed["tokens"], packed["tokens_segment_ids"], packed["tokens_positions"],
+                                self.batch_size)
         if not self._logged:
             self._logged = True
             logging.info("data: first packed batch %s ready, %.1f%% padding",
-                         batch["tokens"].shape, 100.0 * float(np.mean(batch["segment_ids"] == 0)))
+                         batch.shape, 100.0 * float(np.mean(batch.segment_ids == 0)))
         return batch
 
 
 def pack_and_batch(documents: grain.IterDataset, *, seq_len: int, batch_size: int, packing_bins: int,
                    seed: int, shuffle_rows: bool, drop_remainder: bool) -> grain.IterDataset:
-    """`documents` yields int32 token arrays (EOS included); returns an IterDataset of batch dicts."""
+    """`documents` yields int32 token arrays (EOS included); returns an IterDataset of `Batch`es."""
     chunks = gx.FlatMapIterDataset(documents, ChunkDocument(seq_len))
     rows = gx.FirstFitPackIterDataset(chunks, length_struct={"tokens": seq_len},
                                       num_packing_bins=packing_bins, seed=seed, shuffle_bins=shuffle_rows)

@@ -3,7 +3,7 @@
     data = build_data_pipeline(DataConfig(seq_len=512, batch_size=8), workdir)
     it = iter(data.train_dataset())          # grain DatasetIterator: get_state()/set_state(),
     batch = next(it)                         # or grain.checkpoint.CheckpointSave(it) inside orbax
-    batch["tokens"], batch["segment_ids"], batch["positions"]      # int32 [B, T] each
+    batch.tokens, batch.segment_ids, batch.positions      # a `Batch`: int32 [B, T] each
 
 Per process: documents are shuffled globally (a fresh permutation each epoch, same on every process),
 then loader shard s of S (DataConfig.loader_shards; default one per process) takes every S-th one starting
@@ -19,6 +19,7 @@ import os
 from typing import Sequence
 
 import grain
+import jax
 import numpy as np
 
 from glm5_jax.data.config import DataConfig, DataError
@@ -52,8 +53,6 @@ class TokenizeDocument(grain.transforms.Map):
 def resolve_process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     """(index, count), defaulting to this JAX process."""
     if process_index is None or process_count is None:
-        import jax
-
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
@@ -110,14 +109,14 @@ def make_dataset(config: DataConfig, documents: Sequence[Document], tokenizer: T
         rows = config.per_process_batch(process_count)
         lo = process_index * rows
         return _loader_shard(config, documents, tokenizer, False, 0, 1).map(
-            lambda batch: {k: v[lo:lo + rows] for k, v in batch.items()})
+            lambda batch: jax.tree.map(lambda x: x[lo:lo + rows], batch))
     shards, total = config.shards_of_process(process_index, process_count)
     parts = [_loader_shard(config, documents, tokenizer, train, s, total) for s in shards]
     if len(parts) == 1:
         return parts[0]
     # several loader shards in this process: their rows side by side, in shard order
     return grain.experimental.ZipIterDataset(parts).map(
-        lambda batches: {k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+        lambda batches: jax.tree.map(lambda *xs: np.concatenate(xs), *batches))
 
 
 def _loader_shard(config, documents, tokenizer, train, shard, num_shards) -> grain.IterDataset:

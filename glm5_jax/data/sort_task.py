@@ -16,6 +16,7 @@ import grain
 import numpy as np
 import tokenizers
 
+from glm5_jax.data.batch import Batch
 from glm5_jax.data.config import DataConfig, DataError
 from glm5_jax.data.tokenizer import EOS_TOKEN, PAD_TOKEN, Tokenizer
 
@@ -69,12 +70,12 @@ def teacher_example(seed: int, split: str, index: int) -> np.ndarray:
 
 
 class SortBatch(grain.transforms.Map):
-    """Global batch index -> this process's rows {tokens, segment_ids, positions}, int32 [B, seq_len]."""
+    """Global batch index -> this process's rows, a `Batch` of int32 [B, seq_len]."""
 
     def __init__(self, seed: int, split: str, batch_size: int, seq_len: int, rows: slice):
         self.seed, self.split, self.batch_size, self.seq_len, self.rows = seed, split, batch_size, seq_len, rows
 
-    def map(self, batch_index: int) -> dict:
+    def map(self, batch_index: int) -> Batch:
         first = int(batch_index) * self.batch_size
         indices = range(first, first + self.batch_size)[self.rows]
         tokens = np.zeros((len(indices), self.seq_len), np.int32)
@@ -84,7 +85,7 @@ class SortBatch(grain.transforms.Map):
             tokens[row, :EXAMPLE_LEN] = teacher_example(self.seed, self.split, index)
             segment_ids[row, :EXAMPLE_LEN] = 1
             positions[row, :EXAMPLE_LEN] = np.arange(EXAMPLE_LEN)
-        return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+        return Batch.from_rows(tokens, segment_ids, positions)
 
 
 @dataclasses.dataclass(frozen=True)

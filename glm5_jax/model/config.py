@@ -57,7 +57,7 @@ class RuntimeConfig:
     expert transport, and the DSA stage the forward runs in. None of it changes the parameter tree.
 
     ``attention_mode`` / ``indexer_loss`` are the DSA stage's facts; `train.py` derives them from
-    ``train.stage`` (`glm5_jax.train.step.model_config_for_stage`), generation from its own needs.
+    ``train.stage`` (`glm5_jax.train.stage.StageSpec.model_config`), generation from its own needs.
     """
     dtype: Dtype = "float32"                 # activation / matmul dtype (a JAX/numpy dtype works too)
     param_dtype: Dtype = "float32"           # master weights

@@ -4,6 +4,10 @@
     out = Transformer(cfg).apply(variables, tokens, positions=None, segment_ids=None, with_mtp=False)
     out.logits, out.stats, out.mtp_logits
 
+    # the same on inputs already in the context-parallel layout (what the train step runs):
+    laid = lay_out_batch(cfg, batch)              # batch: a natural-order `glm5_jax.data.Batch`
+    out = Transformer(cfg).apply(variables, laid, with_mtp=True, method=Transformer.forward_laid_out)
+
 ``segment_ids`` > 0 name packed documents, 0 marks padding; attention and the indexer never cross
 segments. Missing ``positions`` restart at 0 at each segment start. ``apply`` returns a `ModelOutput`:
 
@@ -18,9 +22,10 @@ segments. Missing ``positions`` restart at 0 at each segment start. ``apply`` re
   and the model has an MTP module with ``mtp_depth`` > 0; None otherwise.
 
 Under a mesh that splits the logical "seq" axis (context parallelism, glm5_jax/parallel/context.py) the
-forward runs in the zig-zag sequence layout: inputs are permuted on entry (after MTP's shifts, which
-need natural order) and ``logits`` / ``mtp_logits`` come out in layout order, position t of the layout
-being token ``to_layout(arange(T))[t]``; `glm5_jax.train.losses` permutes its targets the same way.
+forward runs in the zig-zag sequence layout: ``__call__`` lays its inputs out with `lay_out_batch` (MTP's
+shifted tokens are shifted in natural order first), ``forward_laid_out`` takes them laid out, and
+``logits`` / ``mtp_logits`` come out in layout order, position t of the layout being token
+``to_layout(arange(T))[t]``; the `LaidOutBatch`'s ``ahead_tokens`` are their targets in the same order.
 
 `decode` and `mtp_decode` (the same computation over a decode cache) return tuples, see their docstrings.
 """
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from glm5_jax.data.batch import Batch
 from glm5_jax.model.attention import masked_flash_core
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
@@ -89,9 +95,10 @@ def empty_selection(cfg: ModelConfig, B, T, num_keys=None, decoding=False):
     return empty + (jnp.zeros((B, T, S), jnp.int8),) if masked_flash_core(cfg, S, decoding) else empty
 
 
-def shift_left(tokens_BT, k):
-    """tokens[:, t + k] at position t; the last k positions get token 0 (their targets are masked)."""
-    return jnp.pad(tokens_BT[:, k:], ((0, 0), (0, min(k, tokens_BT.shape[1]))))
+def lay_out_batch(cfg: ModelConfig, batch: Batch) -> context_parallel.LaidOutBatch:
+    """`batch` in the sequence layout with its tokens 1 .. mtp_depth + 1 steps ahead: the MTP depths'
+    input tokens (depth k embeds the tokens k ahead) and the targets of the logits and MTP depths."""
+    return context_parallel.lay_out(batch, ahead=1 + cfg.mtp_depth)
 
 
 class MTPModule(nn.Module):
@@ -150,17 +157,20 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False) -> ModelOutput:
         """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training)."""
-        cfg = self.cfg
         B, T = tokens_BT.shape
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
-        n = context_parallel.layout_shards(T)               # 1 unless the sequence is split over shards
-        layout = functools.partial(context_parallel.to_layout, n=n)
-        tokens_l, positions, segment_ids = (constrain(layout(x), (BATCH, SEQ))
-                                            for x in (tokens_BT, positions, segment_ids))
-        main = self._main(tokens_l, positions, segment_ids, None)
+        batch = Batch(tokens=tokens_BT, segment_ids=segment_ids, positions=positions)
+        return self.forward_laid_out(lay_out_batch(self.cfg, batch), with_mtp)
+
+    def forward_laid_out(self, inputs: context_parallel.LaidOutBatch, with_mtp=False) -> ModelOutput:
+        """``__call__`` on inputs already in the sequence layout (`lay_out_batch`)."""
+        cfg = self.cfg
+        tokens, positions, segment_ids = (constrain(x, (BATCH, SEQ))
+                                          for x in (inputs.tokens, inputs.positions, inputs.segment_ids))
+        main = self._main(tokens, positions, segment_ids, None)
         logits, h, h_normed, stats = main.logits, main.h, main.h_normed, main.stats
         mtp_logits, mtp_stats = None, []
         if cfg.num_nextn_predict_layers:
@@ -168,7 +178,7 @@ class Transformer(nn.Module):
             if (with_mtp and cfg.mtp_depth > 0) or self.is_initializing():
                 h_prev = h_normed if cfg.mtp_use_normed_hidden else h
                 for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
-                    next_tokens = constrain(layout(shift_left(tokens_BT, depth)), (BATCH, SEQ))
+                    next_tokens = constrain(inputs.ahead_tokens[depth - 1], (BATCH, SEQ))
                     depth = self.mtp(h_prev, self.embed(next_tokens), positions, segment_ids)
                     h_prev = depth.h
                     depth_logits.append(self.head(depth.h_normed))

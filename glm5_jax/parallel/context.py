@@ -15,9 +15,11 @@ Everything that decides visibility reads positions and segment ids, never array 
 (pallas_kernels/masking.py), so the model runs on the permuted sequence unchanged. The code that does
 depend on array order is handled here and in its callers:
 
-* `glm5_jax.model.transformer.Transformer` permutes tokens, positions, segment ids and MTP's shifted next tokens
-  into the layout (shifts happen in natural order first); its logits come out in layout order;
-* `glm5_jax.train.losses` shifts targets in natural order, then permutes them the same way;
+* `lay_out` puts a natural-order `Batch` into the layout once: its tokens, positions and segment ids, and
+  the tokens k = 1, 2, .. steps ahead with their validity (shifted in natural order first, then permuted).
+  They are MTP depth k's input tokens and the targets of the logits (k = 1) and of MTP depth k - 1. The
+  model (`glm5_jax.model.transformer.Transformer.forward_laid_out`; ``__call__`` lays out its arguments
+  with it) and the losses (`glm5_jax.train.losses`) read these arrays; the logits come out in layout order;
 * attention (`glm5_jax.model.context_attention`) gathers the keys of all shards and puts them back in
   natural order, so a selected index is a natural token index and key windows stay contiguous.
 
@@ -26,8 +28,11 @@ The layout is active when the mesh in context splits "seq" into n > 1 shards and
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from flax import struct
 
+from glm5_jax.data.batch import Batch
 from glm5_jax.parallel.axes import SEQ
 from glm5_jax.parallel.shard_map import all_gather_logical, logical_axis_shards
 
@@ -57,6 +62,27 @@ def from_layout(y_BT, n: int):
     c = T // (2 * n)
     y = y_BT.reshape(B, n, 2, c, *y_BT.shape[2:])
     return jnp.stack([y[:, :, 0], jnp.flip(y[:, :, 1], axis=1)], axis=1).reshape(y_BT.shape)
+
+
+@struct.dataclass
+class LaidOutBatch:
+    """A `Batch` in the sequence layout of the mesh in context, with its shifted tokens (`lay_out`)."""
+    tokens: jax.Array                       # int32 [B, T]
+    segment_ids: jax.Array                  # int32 [B, T]
+    positions: jax.Array                    # int32 [B, T]
+    ahead_tokens: tuple[jax.Array, ...]     # [k - 1]: int32 [B, T], the tokens k steps ahead (`Batch.ahead`)
+    ahead_valid: tuple[jax.Array, ...]      # [k - 1]: bool [B, T], where those are valid targets
+
+
+def lay_out(batch: Batch, ahead: int) -> LaidOutBatch:
+    """`batch` (natural order) and its tokens 1 .. `ahead` steps ahead, all in the layout: the one place
+    where the training inputs and targets are permuted. Shifts run in natural order, before the permutation."""
+    n = layout_shards(batch.tokens.shape[1])
+    shifted = [batch.ahead(k) for k in range(1, ahead + 1)]
+    return LaidOutBatch(tokens=to_layout(batch.tokens, n), segment_ids=to_layout(batch.segment_ids, n),
+                        positions=to_layout(batch.positions, n),
+                        ahead_tokens=tuple(to_layout(t, n) for t, _ in shifted),
+                        ahead_valid=tuple(to_layout(v, n) for _, v in shifted))
 
 
 def gather_sequence(x_local_BT, n: int):

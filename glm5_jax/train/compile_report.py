@@ -55,6 +55,7 @@ from glm5_jax.cost.chips import chip_of_topology
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
 from glm5_jax.cost.hlo_cost import GroupedMatmulLoad, StepTiming, hlo_cost
 from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
+from glm5_jax.data.batch import Batch
 from glm5_jax.model.moe.expert_parallel import expected_routed_rows
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.train.step import Trainer
@@ -70,9 +71,9 @@ def topology_devices(topology: str):
     return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
 
 
-def abstract_batch(trainer: Trainer, batch_size: int, seq_len: int) -> dict:
+def abstract_batch(trainer: Trainer, batch_size: int, seq_len: int) -> Batch:
     spec = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=trainer.batch_sharding)
-    return {"tokens": spec, "positions": spec, "segment_ids": spec}
+    return Batch(tokens=spec, segment_ids=spec, positions=spec)
 
 
 def compile_train_step(exp_cfg, topology: str, hlo_path: str | None = None) -> dict:

@@ -17,18 +17,17 @@ from typing import Any, Literal
 from glm5_jax.data import DataConfig
 from glm5_jax.model.config import ConfigError, ModelConfig
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.stage import Stage, stage_spec
 from glm5_jax.train.tpu_flags import FLAG_SETS as TPU_FLAG_SETS
 
-Stage = Literal["dense", "warmup", "sparse"]       # DSA training stages (docs/training.md#dsa-stages)
 Optimizer = Literal["adamw", "muon"]
-STAGES = typing.get_args(Stage)
 OPTIMIZERS = typing.get_args(Optimizer)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
-    stage: Stage = "sparse"
+    stage: Stage = "sparse"                # DSA training stage (glm5_jax/train/stage.py)
     seed: int = 0
     # starting point of a new run (ignored once the workdir holds a checkpoint: that resumes): a train.py
     # workdir of any stage, a converter output (hf-to-orbax) or a Hugging Face directory; params and
@@ -72,8 +71,7 @@ class TrainConfig:
     profile_steps: int = 0
 
     def validate(self):
-        if self.stage not in STAGES:
-            raise ConfigError(f"train.stage={self.stage!r}: must be one of {STAGES}")
+        stage_spec(self.stage)                             # a ConfigError for an unknown stage
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
         if self.tpu_flags not in TPU_FLAG_SETS:

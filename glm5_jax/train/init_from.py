@@ -166,7 +166,7 @@ def _keep_from_train_run(trainer, source: Source, state, keep_optimizer: bool, k
         mine = _leaf_shapes(abstract.opt_state)
         if sorted(stored.values()) != sorted(mine.values()) or len(stored) != len(mine):
             raise ValueError(f"train.init_keep_optimizer: the optimizer state of {source.describe()} does not "
-                             f"match this run's (stage {trainer.exp.train.stage}, optimizer "
+                             f"match this run's (stage {trainer.stage.name}, optimizer "
                              f"{trainer.exp.train.optimizer}): {len(stored)} vs {len(mine)} arrays; the DSA "
                              f"stages train different parameter subsets, so keep it only within a stage")
         wanted["opt_state"] = abstract.opt_state

@@ -52,10 +52,10 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     if train.init_from and start is None and exp_cfg.data.tokenizer_path is None and is_main:
         reuse_tokenizer(train.init_from, workdir)
     pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main)
-    if pipeline.tokenizer.vocab_size > exp_cfg.model.vocab_size:
-        raise ValueError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
-                         f"{exp_cfg.model.vocab_size}; raise model.vocab_size")
     trainer = Trainer(exp_cfg, mesh)
+    if pipeline.tokenizer.vocab_size > trainer.model_cfg.vocab_size:
+        raise ValueError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
+                         f"{trainer.model_cfg.vocab_size}; raise model.vocab_size")
     train_iter = iter(pipeline.train_dataset())
     if start is None and train.init_from:
         state, start = initial_state(trainer, train.init_from, keep_optimizer=train.init_keep_optimizer,

@@ -8,22 +8,6 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from glm5_jax.parallel import context as context_parallel
-
-
-def shifted_targets(tokens_BT, segment_ids_BT, k: int):
-    """Targets k steps ahead and where they are valid: same non-padding segment at t and t + k.
-
-    In the sequence order the model's logits use: natural, or the context-parallel layout when the mesh
-    in context splits the sequence (`glm5_jax.parallel.context`; the shift itself runs in natural order).
-    """
-    T = tokens_BT.shape[1]
-    targets = jnp.pad(tokens_BT[:, k:], ((0, 0), (0, min(k, T))))
-    later_segment = jnp.pad(segment_ids_BT[:, k:], ((0, 0), (0, min(k, T))))
-    valid = (segment_ids_BT > 0) & (later_segment == segment_ids_BT)
-    n = context_parallel.layout_shards(T)
-    return context_parallel.to_layout(targets, n), context_parallel.to_layout(valid, n)
-
 
 def cross_entropy(logits_BTV, targets_BT, valid_BT):
     """(sum of token NLL over valid positions, number of valid positions); logits in fp32."""
@@ -33,21 +17,25 @@ def cross_entropy(logits_BTV, targets_BT, valid_BT):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def lm_losses(out, tokens, segment_ids, train_cfg, model_cfg, stage: str):
-    """Total loss and its parts from a `model.ModelOutput`. LM and MTP terms are means over valid tokens
-    of this (micro) batch; the balance term is summed over MoE layers, the indexer KL summed over the
-    layers that compute it (logged as their mean)."""
+def lm_losses(out, inputs, train_cfg, model_cfg, stage):
+    """Total loss and its parts from a `model.ModelOutput` of the model as `stage` (a
+    `glm5_jax.train.stage.StageSpec`) runs it (`model_cfg`) on `inputs` (a
+    `glm5_jax.parallel.context.LaidOutBatch`: its shifted tokens are the targets, in the logits' order).
+    LM and MTP terms are means over valid tokens of this (micro) batch; the balance term is summed over MoE
+    layers, the indexer KL summed over the layers that compute it (logged as their mean). The LM loss is
+    logged in every stage."""
     parts = {}
-    nll, count = cross_entropy(out.logits, *shifted_targets(tokens, segment_ids, 1))
+    nll, count = cross_entropy(out.logits, inputs.ahead_tokens[0], inputs.ahead_valid[0])     # 1 step ahead
     parts["lm_loss"] = nll / jnp.maximum(count, 1.0)
     parts["tokens"] = count
     total = jnp.zeros((), jnp.float32)
-    if stage != "warmup":
+    if stage.lm_loss:
         total = total + parts["lm_loss"]
         if out.mtp_logits is not None and train_cfg.mtp_loss_weight:
             depth_losses = []
             for d in range(out.mtp_logits.shape[0]):    # depth d+1 predicts token t + d + 2
-                nll_d, count_d = cross_entropy(out.mtp_logits[d], *shifted_targets(tokens, segment_ids, d + 2))
+                k = d + 2
+                nll_d, count_d = cross_entropy(out.mtp_logits[d], inputs.ahead_tokens[k - 1], inputs.ahead_valid[k - 1])
                 depth_losses.append(nll_d / jnp.maximum(count_d, 1.0))
             parts["mtp_loss"] = jnp.mean(jnp.stack(depth_losses))          # (1/D) Σ_k L^k
             total = total + train_cfg.mtp_loss_weight * parts["mtp_loss"]

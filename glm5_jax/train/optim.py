@@ -1,4 +1,4 @@
-"""Optimizers: AdamW or Muon ("Muon Split"), warmup + cosine, clipping, and the DSA-stage masks.
+"""Optimizers: AdamW or Muon ("Muon Split"), warmup + cosine, clipping, and the DSA stage's frozen parameters.
 
 Muon orthogonalises each weight matrix's update. Our MLA up-projections keep heads on their own axis
 ([in, H, d_head]), so declaring the head axis a *batch* axis orthogonalises every head's slice
@@ -22,10 +22,6 @@ _FFN = ("gate_proj", "up_proj", "down_proj")
 
 def _names(path):
     return [getattr(k, "key", str(k)) for k in path]
-
-
-def is_indexer_param(path) -> bool:
-    return "indexer" in _names(path)
 
 
 def muon_dimension_numbers(params):
@@ -60,27 +56,14 @@ def _decay_mask(params):
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def trainable_labels(params, stage: str):
-    """'train' / 'frozen' per leaf: warm-up trains only the indexer, the dense stage everything else."""
-
-    def label(path, _):
-        indexer = is_indexer_param(path)
-        if stage == "warmup":
-            return "train" if indexer else "frozen"
-        if stage == "dense":
-            return "frozen" if indexer else "train"
-        return "train"
-
-    return jax.tree_util.tree_map_with_path(label, params)
-
-
 def clipped(base: optax.GradientTransformation, clip_norm: float) -> optax.GradientTransformation:
     """`base` applied to the gradients scaled down to global norm at most `clip_norm` (the training run's
     and the RL learner's optimizers both clip first)."""
     return optax.chain(optax.clip_by_global_norm(clip_norm), base)
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, stage) -> optax.GradientTransformation:
+    """The optimizer of `train_cfg`; parameters `stage` (`glm5_jax.train.stage.StageSpec`) freezes get no update."""
     schedule = learning_rate_schedule(train_cfg)
     if train_cfg.optimizer == "adamw":
         base = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
@@ -92,4 +75,4 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
                     muon_weight_dimension_numbers=muon_dimension_numbers)
     train = clipped(base, train_cfg.clip_norm)
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()},
-                                 lambda p: trainable_labels(p, train_cfg.stage))
+                                 stage.trainable_labels)

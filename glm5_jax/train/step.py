@@ -2,7 +2,8 @@
 
 `TrainState` is a plain pytree: step, params, optimizer state, the routing-bias collection, an RNG key.
 Its shardings come from the parameters' logical axis names through the config's rules, so the same
-code runs on one CPU, fake CPU meshes or a TPU pod.
+code runs on one CPU, fake CPU meshes or a TPU pod. The step takes a `glm5_jax.data.Batch`, puts it into
+the context-parallel layout once (`batch_losses`) and hands the laid-out arrays to the model and the losses.
 """
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from flax import struct
 from flax.core import meta
 from optax.transforms._masking import MaskedNode
 
-from glm5_jax.model.config import ConfigError
+from glm5_jax.data.batch import Batch
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
-from glm5_jax.model.transformer import Transformer, routing_bias_rows_of_model
+from glm5_jax.model.transformer import Transformer, lay_out_batch, routing_bias_rows_of_model
 from glm5_jax.parallel.mesh import batch_sharding, logical_shardings, mesh_and_rules
-from glm5_jax.train.experiment import STAGES
 from glm5_jax.train.losses import lm_losses, load_spread, update_routing_bias
-from glm5_jax.train.optim import learning_rate_schedule, make_optimizer, trainable_labels
+from glm5_jax.train.optim import learning_rate_schedule, make_optimizer
+from glm5_jax.train.stage import stage_spec
 
 
 @struct.dataclass
@@ -31,17 +32,13 @@ class TrainState:
     rng: jax.Array
 
 
-def model_config_for_stage(model_cfg, stage: str):
-    """Attention and indexer-loss settings of a DSA training stage: "dense" (plain causal attention),
-    "warmup" (dense attention, indexer trained towards it), "sparse" (top-k attention, indexer KL on the
-    selected keys), as in DeepSeek-V3.2-Exp's continued pre-training."""
-    if stage == "dense":
-        return model_cfg.replace(attention_mode="dense", indexer_loss="none")
-    if stage == "warmup":
-        return model_cfg.replace(attention_mode="dense", indexer_loss="warmup")
-    if stage == "sparse":
-        return model_cfg.replace(attention_mode="sparse", indexer_loss="sparse" if model_cfg.use_indexer else "none")
-    raise ConfigError(f"train.stage={stage!r}: must be one of {STAGES}")
+def batch_losses(model: Transformer, variables, batch: Batch, train_cfg, stage):
+    """(total loss, its parts, the `ModelOutput`) of `model` on a natural-order `batch`, laid out once
+    (`lay_out_batch`) for the model's inputs and the losses' targets; `stage`: a `StageSpec`."""
+    inputs = lay_out_batch(model.cfg, batch)
+    out = model.apply(variables, inputs, with_mtp=True, method=Transformer.forward_laid_out)
+    total, parts = lm_losses(out, inputs, train_cfg, model.cfg, stage)
+    return total, parts, out
 
 
 class Trainer:
@@ -51,9 +48,10 @@ class Trainer:
         self.exp = exp_cfg
         self.mesh = mesh
         self.rules = exp_cfg.mesh.rules
-        self.model_cfg = model_config_for_stage(exp_cfg.model, exp_cfg.train.stage)
+        self.stage = stage_spec(exp_cfg.train.stage)
+        self.model_cfg = self.stage.model_config(exp_cfg.model)       # the model as this stage runs it
         self.model = Transformer(self.model_cfg)
-        self.tx = make_optimizer(exp_cfg.train)
+        self.tx = make_optimizer(exp_cfg.train, self.stage)
         self.lr_schedule = learning_rate_schedule(exp_cfg.train)
         self._init_boxed_jit = jax.jit(self._init_boxed)      # traced once: for shapes here and for init
         with self.context():
@@ -67,10 +65,11 @@ class Trainer:
                                             is_leaf=is_masked)
         self.abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                            unboxed, self.state_shardings)
-        self.batch_sharding = batch_sharding(mesh, self.rules)
-        self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+        self.batch_sharding = batch_sharding(mesh, self.rules)          # of one [B, T] field
+        self.batch_shardings = Batch(*(self.batch_sharding,) * 3)      # of a whole `Batch`
+        self._step = jax.jit(self._train_step, in_shardings=(self.state_shardings, self.batch_shardings),
                              out_shardings=(self.state_shardings, None), donate_argnums=0)
-        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding))
+        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_shardings))
 
     # ------------------------------------------------------------------ init
     def _init_boxed(self, rng):
@@ -98,11 +97,9 @@ class Trainer:
         return mesh_and_rules(self.mesh, self.rules)
 
     # ------------------------------------------------------------------ step
-    def _loss(self, params, moe_bias, batch):
-        out = self.model.apply({"params": params, BIAS_COLLECTION: moe_bias}, batch["tokens"],
-                               positions=batch["positions"], segment_ids=batch["segment_ids"], with_mtp=True)
-        total, parts = lm_losses(out, batch["tokens"], batch["segment_ids"], self.exp.train, self.model_cfg,
-                                 self.exp.train.stage)
+    def _loss(self, params, moe_bias, batch: Batch):
+        total, parts, out = batch_losses(self.model, {"params": params, BIAS_COLLECTION: moe_bias}, batch,
+                                         self.exp.train, self.stage)
         if self.model_cfg.runtime.moe_ep != "none":
             parts = {**parts, "moe_dropped": jnp.sum(out.stats.dropped)}
         return total, (parts, out.stats)
@@ -131,12 +128,12 @@ class Trainer:
     def _train_step(self, state: TrainState, batch):
         train = self.exp.train
         grads, parts, stats = self._accumulated_grads(state.params, state.moe_bias, batch)
-        labels = trainable_labels(grads, train.stage)
+        labels = self.stage.trainable_labels(grads)
         trainable = jax.tree.map(lambda g, l: g if l == "train" else jnp.zeros_like(g), grads, labels)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         moe_bias = state.moe_bias
-        if train.bias_update_rate and train.stage != "warmup" and moe_bias:
+        if train.bias_update_rate and self.stage.updates_routing_bias and moe_bias:
             moe_bias = update_routing_bias(moe_bias, stats, routing_bias_rows_of_model(self.model_cfg),
                                            train.bias_update_rate)
         metrics = dict(parts)
@@ -162,6 +159,6 @@ class Trainer:
         with self.context():
             return self._eval(state, batch)
 
-    def put_batch(self, batch_np):
-        """Host numpy batch (this process's rows) -> a global array sharded over the batch axes."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch_np.items()}
+    def put_batch(self, batch_np: Batch) -> Batch:
+        """Host numpy `Batch` (this process's rows) -> one of global arrays sharded over the batch axes."""
+        return jax.tree.map(jax.make_array_from_process_local_data, self.batch_shardings, batch_np)

@@ -1,9 +1,10 @@
 """Helpers shared by the data tests: the small test config, direct tokenization, packed-row checks."""
 import collections
+import dataclasses
 
 import numpy as np
 
-from glm5_jax.data import DocumentReader
+from glm5_jax.data import Batch, DocumentReader
 
 SMALL = dict(max_corpus_bytes=120_000, vocab_size=512, seq_len=64, eval_fraction=0.1, min_eval_docs=2)
 
@@ -24,16 +25,18 @@ def expected_chunks(docs, tokenizer, seq_len, text_field="text"):
 def segments_of(batch):
     """Counter of the token tuples of every packed segment in a batch."""
     found = collections.Counter()
-    for tokens, segs in zip(batch["tokens"], batch["segment_ids"]):
+    for tokens, segs in zip(batch.tokens, batch.segment_ids):
         for s in np.unique(segs[segs > 0]):
             found[tuple(int(t) for t in tokens[segs == s])] += 1
     return found
 
 
 def check_row_invariants(batch, batch_size, seq_len):
-    for key in ("tokens", "segment_ids", "positions"):
-        assert batch[key].shape == (batch_size, seq_len) and batch[key].dtype == np.int32, key
-    for tokens, segs, pos in zip(batch["tokens"], batch["segment_ids"], batch["positions"]):
+    assert isinstance(batch, Batch), type(batch)
+    for field in dataclasses.fields(batch):
+        x = getattr(batch, field.name)
+        assert isinstance(x, np.ndarray) and x.shape == (batch_size, seq_len) and x.dtype == np.int32, field.name
+    for tokens, segs, pos in zip(batch.tokens, batch.segment_ids, batch.positions):
         used = int(np.count_nonzero(segs))
         assert np.all(segs[:used] > 0) and np.all(segs[used:] == 0), "padding only at the end of a row"
         assert np.all(pos[used:] == 0) and np.all(tokens[used:] == 0), "padding is token 0 at position 0"

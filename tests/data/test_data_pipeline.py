@@ -2,6 +2,7 @@ import collections
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -34,7 +35,7 @@ def test_train_epoch_packs_every_document_exactly_once(small_pipeline):
     expected = expected_chunks(docs, tok, SEQ)
     assert sum(expected.values()) > 3 * len(docs), "long documents were split into several chunks"
     assert found == expected
-    used = sum(int(np.count_nonzero(b["segment_ids"])) for b in batches)
+    used = sum(int(np.count_nonzero(b.segment_ids)) for b in batches)
     assert used == sum(len(c) * n for c, n in expected.items())
     padding = 1 - used / (len(batches) * SEQ)
     assert padding < 0.1, f"first-fit packing wastes {padding:.1%}"
@@ -49,10 +50,10 @@ def test_eval_single_pass_in_order_with_padded_last_batch(small_pipeline):
     assert len(batches) == 1
     check_row_invariants(batches[0], batch_size, SEQ)
     assert found == expected
-    empty_rows = batches[0]["segment_ids"].max(axis=1) == 0
+    empty_rows = batches[0].segment_ids.max(axis=1) == 0
     assert empty_rows[-1] and not empty_rows[0], "padding rows are appended at the end"
     again, _ = _collect(make_dataset(config, docs, tok, train=False, process_index=0, process_count=1))
-    np.testing.assert_array_equal(again[0]["tokens"], batches[0]["tokens"])
+    np.testing.assert_array_equal(again[0].tokens, batches[0].tokens)
 
 
 def test_shuffle_seed_changes_order_not_content(small_pipeline):
@@ -63,7 +64,7 @@ def test_shuffle_seed_changes_order_not_content(small_pipeline):
                           process_index=0, process_count=1)
         runs[seed] = _collect(ds)
     assert runs[0][1] == runs[1][1]
-    assert not all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(runs[0][0], runs[1][0]))
+    assert not all(np.array_equal(a.tokens, b.tokens) for a, b in zip(runs[0][0], runs[1][0]))
 
 
 def test_two_process_shards_are_disjoint_and_cover_the_documents(small_pipeline):
@@ -72,7 +73,7 @@ def test_two_process_shards_are_disjoint_and_cover_the_documents(small_pipeline)
     shards = []
     for index in (0, 1):
         batches, found = _collect(make_dataset(config, docs, tok, train=True, process_index=index, process_count=2))
-        assert all(b["tokens"].shape == (1, SEQ) for b in batches)
+        assert all(b.tokens.shape == (1, SEQ) for b in batches)
         shards.append(found)
     assert shards[0] + shards[1] == expected_chunks(docs, tok, SEQ)
     owners = []
@@ -100,8 +101,7 @@ def test_resume_from_state_is_exact_across_epochs(small_pipeline):
     resumed.set_state(state)
     for want in reference:
         got = next(resumed)
-        for key in want:
-            np.testing.assert_array_equal(got[key], want[key])
+        jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 def test_orbax_checkpoint_manager_saves_and_restores_the_iterator(small_pipeline, tmp_path):
@@ -127,8 +127,7 @@ def test_orbax_checkpoint_manager_saves_and_restores_the_iterator(small_pipeline
     assert restored["meta"] == {"step": 5}
     for want in reference:
         got = next(fresh)
-        for key in want:
-            np.testing.assert_array_equal(got[key], want[key])
+        jax.tree.map(np.testing.assert_array_equal, got, want)
     manager.close()
     restored_manager.close()
 
@@ -150,14 +149,13 @@ def test_loader_shards_make_batches_independent_of_process_count(small_pipeline)
     for _ in range(5):
         whole = next(one)
         halves = [next(it) for it in two]
-        assert whole["tokens"].shape == (4, SEQ) and halves[0]["tokens"].shape == (2, SEQ)
-        for key in whole:
-            np.testing.assert_array_equal(whole[key], np.concatenate([h[key] for h in halves]))
+        assert whole.tokens.shape == (4, SEQ) and halves[0].tokens.shape == (2, SEQ)
+        jax.tree.map(lambda w, *h: np.testing.assert_array_equal(w, np.concatenate(h)), whole, *halves)
     state = one.get_state()                    # the zipped iterator is checkpointable too
     expected = next(one)
     resumed = iter(make_dataset(config, docs, tok, train=True, process_index=0, process_count=1))
     resumed.set_state(state)
-    np.testing.assert_array_equal(next(resumed)["tokens"], expected["tokens"])
+    np.testing.assert_array_equal(next(resumed).tokens, expected.tokens)
     with pytest.raises(ValueError, match="loader_shards=3 must be a multiple of process_count=2"):
         make_dataset(_config(batch_size=4, loader_shards=3), docs, tok, train=True, process_index=0,
                      process_count=2)

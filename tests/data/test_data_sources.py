@@ -14,7 +14,7 @@ TEXTS = ["def add(a, b):\n    return a + b\n" * 5, "import os\nprint(os.getcwd()
 def _all_segments(dataset):
     found = None
     for batch in iter(dataset):
-        check_row_invariants(batch, batch["tokens"].shape[0], SEQ)
+        check_row_invariants(batch, batch.tokens.shape[0], SEQ)
         found = segments_of(batch) if found is None else found + segments_of(batch)
     return found
 

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from data_helpers import check_row_invariants
 from glm5_jax.data import DataConfig, DataError, build_data_pipeline
 from glm5_jax.data import sort_task as st
 
@@ -13,11 +14,11 @@ def _pipeline(process_index=0, process_count=1, **kw):
 
 def test_rows_hold_one_example_then_padding():
     batch = next(iter(_pipeline().train_dataset()))
-    assert all(batch[k].shape == (8, 16) and batch[k].dtype == np.int32 for k in batch)
-    np.testing.assert_array_equal(batch["segment_ids"][:, :15], 1)
-    np.testing.assert_array_equal(batch["segment_ids"][:, 15], 0)
-    np.testing.assert_array_equal(batch["positions"][0, :15], np.arange(15))
-    for row in batch["tokens"]:
+    check_row_invariants(batch, 8, 16)
+    np.testing.assert_array_equal(batch.segment_ids[:, :15], 1)
+    np.testing.assert_array_equal(batch.segment_ids[:, 15], 0)
+    np.testing.assert_array_equal(batch.positions[0, :15], np.arange(15))
+    for row in batch.tokens:
         assert row[0] == st.START_ID and row[7] == st.EQUALS_ID and row[14] == st.EOS_ID and row[15] == st.PAD_ID
         digits, answer = row[1:7] - st.DIGIT0_ID, row[8:14] - st.DIGIT0_ID
         assert sorted(answer) == sorted(digits)              # a permutation of the prompt's digits...
@@ -38,19 +39,19 @@ def test_teacher_is_right_about_as_often_as_designed():
 def test_batches_are_deterministic_and_split_by_process():
     whole = next(iter(_pipeline().train_dataset()))
     again = next(iter(_pipeline().train_dataset()))
-    np.testing.assert_array_equal(whole["tokens"], again["tokens"])
-    halves = [next(iter(_pipeline(i, 2).train_dataset()))["tokens"] for i in range(2)]
-    np.testing.assert_array_equal(np.concatenate(halves), whole["tokens"])
+    np.testing.assert_array_equal(whole.tokens, again.tokens)
+    halves = [next(iter(_pipeline(i, 2).train_dataset())).tokens for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate(halves), whole.tokens)
     it = iter(_pipeline().train_dataset())
     next(it)
     state = it.get_state()
-    second = next(it)["tokens"]
+    second = next(it).tokens
     it2 = iter(_pipeline().train_dataset())
     it2.set_state(state)
-    np.testing.assert_array_equal(next(it2)["tokens"], second)
-    assert not np.array_equal(second, whole["tokens"])
-    eval_first = next(iter(_pipeline().eval_dataset()))["tokens"]
-    assert not np.array_equal(eval_first, whole["tokens"])   # held-out stream
+    np.testing.assert_array_equal(next(it2).tokens, second)
+    assert not np.array_equal(second, whole.tokens)
+    eval_first = next(iter(_pipeline().eval_dataset())).tokens
+    assert not np.array_equal(eval_first, whole.tokens)   # held-out stream
 
 
 def test_tokenizer_and_errors():

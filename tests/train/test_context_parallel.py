@@ -16,9 +16,9 @@ import pytest
 from glm5_jax.cost.categories import categorize
 from glm5_jax.cost.collectives import collective_groups, spanned_axes
 from glm5_jax.cost.hlo_cost import hlo_cost
-from glm5_jax.data import DataConfig
-from glm5_jax.parallel.context import from_layout, to_layout
-from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
+from glm5_jax.data import Batch, DataConfig
+from glm5_jax.parallel.context import from_layout, lay_out, to_layout
+from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model, mesh_and_rules
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 from glm5_jax.train.step import Trainer
 from tests.train.test_train_step import MODEL  # the same tiny GLM-5 as the single-device train-step tests
@@ -37,7 +37,7 @@ def batch(seed):
     segments = np.repeat(np.array([1] * 21 + [2] * 24 + [3] * 19, np.int32)[None], B, 0)
     segments[1, 58:] = 0
     positions = np.concatenate([np.arange(21), np.arange(24), np.arange(19)]).astype(np.int32)
-    return {"tokens": tokens, "segment_ids": segments, "positions": np.repeat(positions[None], B, 0)}
+    return Batch(tokens=tokens, segment_ids=segments, positions=np.repeat(positions[None], B, 0))
 
 
 @functools.lru_cache
@@ -66,7 +66,7 @@ def train(stage, mesh_name, impl="xla", steps=4, rows=B, masked_flash_factor=4.0
                                        jax.device_put(moe_bias, trainer.state_shardings.moe_bias), seed=0)
     losses = []
     for i in range(steps):
-        state, metrics = trainer.step(state, trainer.put_batch({k: v[:rows] for k, v in batch(seed=i).items()}))
+        state, metrics = trainer.step(state, trainer.put_batch(jax.tree.map(lambda v: v[:rows], batch(seed=i))))
         losses.append([float(metrics[k]) for k in ("loss", "lm_loss")] + [float(metrics.get("indexer_loss", 0))])
     return np.array(losses), jax.device_get((state.params, state.moe_bias))
 
@@ -143,6 +143,29 @@ def test_zigzag_layout():
     assert len(set(work)) == 1, work
 
 
+def test_lay_out_batch_matches_a_hand_permutation():
+    """`lay_out` under a context=4 mesh: every array permuted like `order`, the shifted tokens and their
+    validity computed in natural order first; without a sequence split nothing moves."""
+    b = batch(0)
+    mesh_cfg, n_devices = MESHES["context4"]
+    order = np.concatenate([np.arange(8 * c, 8 * c + 8) for c in (0, 7, 1, 6, 2, 5, 3, 4)])   # T=64, n=4
+    with mesh_and_rules(build_mesh(mesh_cfg, jax.devices()[:n_devices]), mesh_cfg.rules):
+        laid = jax.device_get(lay_out(b, ahead=3))
+    for name in ("tokens", "segment_ids", "positions"):
+        np.testing.assert_array_equal(getattr(laid, name), getattr(b, name)[:, order])
+    for k in (1, 2, 3):
+        ahead = np.zeros_like(b.tokens)
+        ahead[:, :T - k] = b.tokens[:, k:]
+        later = np.zeros_like(b.segment_ids)
+        later[:, :T - k] = b.segment_ids[:, k:]
+        valid = (b.segment_ids > 0) & (later == b.segment_ids)
+        np.testing.assert_array_equal(laid.ahead_tokens[k - 1], ahead[:, order])
+        np.testing.assert_array_equal(laid.ahead_valid[k - 1], valid[:, order])
+    natural = jax.device_get(lay_out(b, ahead=1))                  # no mesh in context: natural order
+    np.testing.assert_array_equal(natural.tokens, b.tokens)
+    np.testing.assert_array_equal(natural.ahead_tokens[0][:, :T - 1], b.tokens[:, 1:])
+
+
 def test_context_mesh_checks():
     with pytest.raises(MeshError, match="seq_len=60 is not divisible by 2\\*context=8"):
         check_mesh_fits_model({"data": 1, "fsdp": 1, "context": 4, "expert": 1, "tensor": 1}, MODEL, B, 60)
@@ -165,8 +188,7 @@ def test_only_compressed_keys_cross_the_context_axis():
     trainer = Trainer(exp, mesh)
     spec = jax.ShapeDtypeStruct((batch, seq_len), np.int32, sharding=trainer.batch_sharding)
     with trainer.context():
-        hlo = trainer._step.lower(trainer.abstract_state, {k: spec for k in ("tokens", "positions",
-                                                                              "segment_ids")}).compile().as_text()
+        hlo = trainer._step.lower(trainer.abstract_state, Batch(spec, spec, spec)).compile().as_text()
     collective = re.compile(r"= (.+?) (all-gather|all-gather-start|reduce-scatter|all-to-all|all-reduce|"
                             r"all-reduce-start|collective-permute|collective-permute-start)\(")
     widths = {}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.parallel.mesh import MeshConfig, build_mesh
-from glm5_jax.train.optim import is_indexer_param
+from glm5_jax.train.stage import is_indexer_param
 from glm5_jax.train.step import Trainer
 from tests.train.test_train_step import MODEL, T, batch, experiment
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from glm5_jax.checkpoint.inference import load_for_inference
+from glm5_jax.data import Batch
 from glm5_jax.hf.config import config_from_hf
 from glm5_jax.parallel.mesh import MeshConfig, build_mesh
 from glm5_jax.train.experiment import apply_overrides, load_config_file
@@ -131,8 +132,8 @@ def test_hf_checkpoint_step0_loss_equals_transformers_loss(tmp_path):
     state, start = initial_state(trainer, hf_dir)
     B, T = 2, 12
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (B, T)).astype(np.int32)
-    batch = {"tokens": tokens, "segment_ids": np.ones((B, T), np.int32),
-             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
+    batch = Batch(tokens=tokens, segment_ids=np.ones((B, T), np.int32),
+                  positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy())
     _, metrics = trainer.step(state, trainer.put_batch(batch))
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()

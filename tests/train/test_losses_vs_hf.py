@@ -6,10 +6,12 @@ import numpy as np
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from glm5_jax.data import Batch
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
-from glm5_jax.model.transformer import ModelOutput
+from glm5_jax.model.transformer import ModelOutput, lay_out_batch, positions_from_segments
 from glm5_jax.train.experiment import TrainConfig
 from glm5_jax.train.losses import lm_losses
+from glm5_jax.train.stage import stage_spec
 from hf_reference import build_hf_model
 
 # one packed row of two segments and padding, and a second row holding one segment
@@ -60,7 +62,8 @@ def test_next_token_and_mtp_losses_equal_transformers():
     train_cfg = TrainConfig(mtp_loss_weight=0.3, balance_loss_weight=0.0)
     model_cfg = ModelConfig(vocab_size=V, mtp_depth=MTP_DEPTH, runtime=RuntimeConfig(indexer_loss="none"))
     out = ModelOutput(logits=jnp.asarray(logits), stats=None, mtp_logits=jnp.asarray(mtp_logits))
-    total, parts = lm_losses(out, jnp.asarray(tokens), jnp.asarray(segment_ids), train_cfg, model_cfg, "sparse")
+    batch = Batch(tokens=tokens, segment_ids=segment_ids, positions=positions_from_segments(segment_ids))
+    total, parts = lm_losses(out, lay_out_batch(model_cfg, batch), train_cfg, model_cfg, stage_spec("sparse"))
 
     np.testing.assert_allclose(float(parts["lm_loss"]), hf_total / hf_count, rtol=1e-5)
     assert int(parts["tokens"]) == hf_count == sum(length - 1 for _, _, length in pieces)

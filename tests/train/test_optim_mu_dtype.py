@@ -9,6 +9,7 @@ import pytest
 
 from glm5_jax.train.experiment import TrainConfig
 from glm5_jax.train.optim import make_optimizer
+from glm5_jax.train.stage import stage_spec
 
 PARAMS = {"embed": jnp.ones((8, 4), jnp.float32),
           "decoder": {"q_a_proj": jnp.full((2, 4, 6), 0.5, jnp.float32)},
@@ -28,7 +29,8 @@ def _states_by_dtype(state):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_bf16_first_moment(optimizer):
     cfg = TrainConfig(optimizer=optimizer, learning_rate=1e-2, warmup_steps=1, steps=10, clip_norm=1e9)
-    opt32, opt16 = make_optimizer(cfg), make_optimizer(dataclasses.replace(cfg, mu_dtype="bfloat16"))
+    opt32 = make_optimizer(cfg, stage_spec(cfg.stage))
+    opt16 = make_optimizer(dataclasses.replace(cfg, mu_dtype="bfloat16"), stage_spec(cfg.stage))
     s32, s16 = opt32.init(PARAMS), opt16.init(PARAMS)
     # the float32 state holds float32 arrays only; the bf16 one holds one bf16 array per parameter (mu),
     # the rest (nu, counts) stays float32

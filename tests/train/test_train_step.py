@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.data import DataConfig
+from glm5_jax.data import Batch, DataConfig
 from glm5_jax.model.config import ModelConfig, RuntimeConfig
 from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
-from glm5_jax.train.optim import is_indexer_param
+from glm5_jax.train.stage import is_indexer_param
 from glm5_jax.train.step import Trainer
 
 MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1,
@@ -35,7 +35,7 @@ def batch(seed=0):
     segments[:, 15:] = 2                       # two packed documents per row
     segments[1, 20:] = 0                       # and some padding
     positions = np.concatenate([np.arange(15), np.arange(9)])[None].repeat(B, 0).astype(np.int32)
-    return {"tokens": tokens, "segment_ids": segments, "positions": positions}
+    return Batch(tokens=tokens, segment_ids=segments, positions=positions)
 
 
 def run_step(exp_cfg, devices, seed=0):
