@@ -2,6 +2,7 @@
 config file, a bad --set, an impossible eval split and a workdir of another configuration are each one line
 ``error: ...`` (exit status 1), and a refused start writes nothing to the workdir."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,9 @@ import sys
 import pytest
 
 from glm5_jax import storage
-from glm5_jax.train.experiment import TrainConfig
+from glm5_jax.checkpoint.run import config_as_json
+from glm5_jax.train.experiment import TrainConfig, apply_overrides, load_config_file
+from glm5_jax.train.resume_check import IDENTITY_FIELDS, config_differences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "train", "small_run_config.py")
@@ -87,3 +90,17 @@ def test_impossible_eval_split_writes_nothing(tmp_path):
     assert _one_line_error(proc) == ("error: the eval split needs 2 documents but the corpus has only 1: add data, "
                                      "or train without eval: --set=data.eval_fraction=0")
     assert not workdir.exists()                 # no empty checkpoints/ left behind
+
+
+def test_a_resume_may_change_the_schedule_and_how_it_runs_but_not_the_parameters_or_tokens():
+    cfg = load_config_file(CONFIG)
+    stored = json.loads(json.dumps(config_as_json(cfg)))            # as the checkpoint's meta item holds it
+    allowed = apply_overrides(cfg, ["train.steps=50", "train.eval_every=7", "train.learning_rate=1e-4",
+                                    "train.warmup_steps=5", "train.profile_steps=2", "train.init_from='/x'",
+                                    "data.batch_size=8", "mesh.fsdp=1", "model.remat_policy='full'"])
+    assert config_differences(stored, config_as_json(allowed)) == []
+    refused = apply_overrides(cfg, ["train.stage=dense", "data.vocab_size=1024", "model.moe_intermediate_size=32"])
+    assert config_differences(stored, config_as_json(refused)) == [
+        "model.moe_intermediate_size 16 != 32", "train.stage 'sparse' != 'dense'", "data.vocab_size 512 != 1024"]
+    for group, names in IDENTITY_FIELDS.items():                    # every refused field exists
+        assert set(names) <= {f.name for f in dataclasses.fields(getattr(cfg, group))}, group
