@@ -28,7 +28,8 @@ class DataConfig:
     seq_len: int = 512                 # T of a packed row
     batch_size: int = 8                # global batch; each process yields batch_size // process_count rows
     seed: int = 0
-    eval_fraction: float = 0.02        # share of documents held out for eval (by a stable hash of their key); 0: no eval
+    eval_fraction: float = 0.02        # share of documents held out for eval (by a stable hash of their key);
+    #                                    0: no eval
     min_eval_docs: int = 4             # ...but at least this many (when eval_fraction > 0)
     max_corpus_bytes: int | None = None  # keep a deterministic subset of text documents of at most this size
     shuffle: bool = True               # shuffle documents (per epoch) and packed rows; training only

@@ -2,8 +2,10 @@
 
 A source is "stdlib", a file, a directory (walked recursively, hidden entries skipped) or a local glob
 (``~/notes/*.md``, ``docs/**/*.md``: expanded here, not by the shell; ``**`` crosses folders). A plain text
-file longer than ``text_document_bytes`` is cut into several documents (`text_pieces`), so that one long file
-still has documents to hold out for eval. Paths are indexed once (jsonl lines are parsed and checked here, so a bad line fails at startup with
+file longer than twice ``text_document_bytes`` is cut into several documents (`text_pieces`), so that one long
+file still has documents to hold out for eval.
+
+Paths are indexed once (jsonl lines are parsed and checked here, so a bad line fails at startup with
 its file:line, not hours into training). Reading is lazy and thread-safe.
 """
 from __future__ import annotations

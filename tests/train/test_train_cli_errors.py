@@ -57,8 +57,8 @@ def test_own_text_trains_with_eval_off(own_text_run):
 
 def test_a_workdir_of_another_configuration_is_named(own_text_run):
     workdir, _ = own_text_run
-    proc = _train(workdir, f"--set=data.source={workdir.parent}/*.txt", "--set=data.eval_fraction=0", "--set=train.steps=8",
-                  "--set=model.hidden_size=64", "--set=model.num_hidden_layers=3")
+    proc = _train(workdir, f"--set=data.source={workdir.parent}/*.txt", "--set=data.eval_fraction=0",
+                  "--set=train.steps=8", "--set=model.hidden_size=64", "--set=model.num_hidden_layers=3")
     assert _one_line_error(proc) == (
         f"error: {workdir} holds a run of another configuration (step 4, stored != this run): "
         f"model.hidden_size 32 != 64, model.num_hidden_layers 2 != 3; use another --workdir or the same config")
