@@ -4,6 +4,7 @@ Re-running with the same workdir resumes from its latest checkpoint.
 """
 import logging
 import os
+import sys
 
 from absl import app, flags
 
@@ -56,5 +57,19 @@ def main(argv):
     run_training(cfg, FLAGS.workdir)
 
 
+def main_reporting_user_errors(argv):
+    """`main`, with a user's mistake (a missing config file, a bad --set, data or workdir that cannot be used)
+    reported as one line ``error: ...`` and exit status 1; anything else is a bug and keeps its traceback."""
+    try:
+        return main(argv)
+    except Exception as e:
+        from glm5_jax.checkpoint.errors import USER_ERRORS    # after main: it imports JAX once XLA_FLAGS are set
+
+        if not isinstance(e, USER_ERRORS):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main_reporting_user_errors)

@@ -2,6 +2,7 @@
 the command lines report as one ``error: ...`` line (exit status 1) instead of a traceback."""
 from glm5_jax.data.config import DataError
 from glm5_jax.model.config import ConfigError
+from glm5_jax.parallel.mesh import MeshError
 
 
 class CheckpointError(ValueError):
@@ -10,4 +11,4 @@ class CheckpointError(ValueError):
 
 # a user's mistake (a wrong path, a bad file, an impossible setting), each naming the problem; anything else
 # is a bug and keeps its traceback
-USER_ERRORS = (CheckpointError, ConfigError, DataError)
+USER_ERRORS = (CheckpointError, ConfigError, DataError, MeshError)

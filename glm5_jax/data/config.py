@@ -12,18 +12,24 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    # "stdlib", or paths: text files, directories (walked recursively), *.jsonl, *.arrayrecord.
+    # "stdlib", or paths: text files, directories (walked recursively), local globs ('~/notes/*.md',
+    # 'docs/**/*.md'; expanded by the pipeline), *.jsonl, *.arrayrecord; gs:// files and directories.
     # "stdlib" may also appear as one item of a tuple of paths. "sort": the generated sorting task
     # (data/sort_task.py; its own fixed vocabulary, vocab_size and the document settings are unused).
     source: str | tuple[str, ...] = STDLIB
     text_field: str = "text"           # field holding the document in each .jsonl line
+    # a plain text file longer than 2x this is cut into documents of this size or a little more, each
+    # ending at a paragraph (blank line) or line break (data/sources.py text_pieces): one long file still
+    # has documents to hold out for eval; None: one document per file
+    text_document_bytes: int | None = 8192
     tokenizer_path: str | None = None  # tokenizer.json; None: train (or reuse) a byte-level BPE in the workdir
     vocab_size: int = 4096             # size of the trained BPE (ignored with tokenizer_path)
     eos_token: str = "<|endoftext|>"   # end-of-document token appended to every document
     seq_len: int = 512                 # T of a packed row
     batch_size: int = 8                # global batch; each process yields batch_size // process_count rows
     seed: int = 0
-    eval_fraction: float = 0.02        # share of documents held out for eval (by a stable hash of their key)
+    eval_fraction: float = 0.02        # share of documents held out for eval (by a stable hash of their key);
+    #                                    0: no eval
     min_eval_docs: int = 4             # ...but at least this many (when eval_fraction > 0)
     max_corpus_bytes: int | None = None  # keep a deterministic subset of text documents of at most this size
     shuffle: bool = True               # shuffle documents (per epoch) and packed rows; training only
@@ -72,6 +78,8 @@ class DataConfig:
             raise DataError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.min_eval_docs < 0:
             raise DataError(f"DataConfig.min_eval_docs must be >= 0, got {self.min_eval_docs}")
+        if self.text_document_bytes is not None and self.text_document_bytes < 1:
+            raise DataError(f"DataConfig.text_document_bytes must be >= 1 or None, got {self.text_document_bytes}")
         if self.max_corpus_bytes is not None and self.max_corpus_bytes < 1:
             raise DataError(f"DataConfig.max_corpus_bytes must be >= 1 or None, got {self.max_corpus_bytes}")
         if self.num_epochs is not None and self.num_epochs < 1:

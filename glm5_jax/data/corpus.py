@@ -88,13 +88,14 @@ def select_within_budget(docs: Sequence[Document], max_bytes: int | None) -> lis
 
 def split_train_eval(docs: Sequence[Document], eval_fraction: float,
                      min_eval_docs: int) -> tuple[list[Document], list[Document]]:
-    """(train, eval): eval is the ceil(fraction * n) (at least min_eval_docs) documents of smallest hash."""
+    """(train, eval): eval is the ceil(fraction * n) (at least min_eval_docs) documents of smallest hash;
+    eval_fraction 0: no eval documents."""
     if eval_fraction <= 0:
         return list(docs), []
     n_eval = max(math.ceil(eval_fraction * len(docs)), min_eval_docs)
     if n_eval >= len(docs):
-        raise DataError(f"the eval split needs {n_eval} documents but the corpus has only {len(docs)}; "
-                        "lower eval_fraction/min_eval_docs or add data")
+        raise DataError(f"the eval split needs {n_eval} documents but the corpus has only {len(docs)}: add data, "
+                        f"or train without eval: --set=data.eval_fraction=0")
     eval_ids = set(sorted(range(len(docs)), key=lambda i: stable_hash(docs[i].key, "eval"))[:n_eval])
     train = [d for i, d in enumerate(docs) if i not in eval_ids]
     held_out = [d for i, d in enumerate(docs) if i in eval_ids]

@@ -63,7 +63,8 @@ def resolve_process(process_index: int | None, process_count: int | None) -> tup
 def load_documents(config: DataConfig) -> tuple[list[Document], list[Document]]:
     """(train, eval) documents of the configured sources, after the byte budget."""
     config.validate()
-    docs = select_within_budget(index_sources(config.sources, config.text_field), config.max_corpus_bytes)
+    docs = select_within_budget(index_sources(config.sources, config.text_field, config.text_document_bytes),
+                                config.max_corpus_bytes)
     return split_train_eval(docs, config.eval_fraction, config.min_eval_docs)
 
 
@@ -144,6 +145,11 @@ class DataPipeline:
     process_index: int
     process_count: int
 
+    @property
+    def has_eval(self) -> bool:
+        """Whether there are eval documents (none with eval_fraction=0)."""
+        return bool(self.eval_documents)
+
     def train_dataset(self) -> grain.IterDataset:
         return make_dataset(self.config, self.train_documents, self.tokenizer, train=True,
                             process_index=self.process_index, process_count=self.process_count)
@@ -154,12 +160,15 @@ class DataPipeline:
 
 
 def build_data_pipeline(config: DataConfig, workdir: str, *, process_index: int | None = None,
-                        process_count: int | None = None, show_progress: bool = True) -> DataPipeline | SortPipeline:
-    """Indexes the sources, splits train/eval, loads or trains the tokenizer. Cheap after the first run."""
+                        process_count: int | None = None, show_progress: bool = True,
+                        documents: tuple[Sequence[Document], Sequence[Document]] | None = None
+                        ) -> DataPipeline | SortPipeline:
+    """Indexes the sources, splits train/eval, loads or trains the tokenizer. Cheap after the first run.
+    `documents`: the (train, eval) documents `load_documents(config)` already returned."""
     process_index, process_count = resolve_process(process_index, process_count)
     config.per_process_batch(process_count)  # fail early on an indivisible batch
     if config.source == SORT:                # generated task: fixed vocabulary, no documents
         return SortPipeline(config, process_index, process_count)
-    train_docs, eval_docs = load_documents(config)
+    train_docs, eval_docs = documents if documents is not None else load_documents(config)
     tokenizer = build_tokenizer(config, workdir, train_docs, show_progress)
     return DataPipeline(config, tokenizer, tuple(train_docs), tuple(eval_docs), process_index, process_count)

@@ -100,6 +100,8 @@ class SortPipeline:
             raise DataError(f"source 'sort' needs DataConfig.seq_len >= {EXAMPLE_LEN}, got {self.config.seq_len}")
         self.config.per_process_batch(self.process_count)
 
+    has_eval = True                                   # generated eval examples
+
     @property
     def tokenizer(self) -> Tokenizer:
         return sort_tokenizer()

@@ -1,10 +1,16 @@
-"""User data sources: text files, directories, .jsonl and ArrayRecord files -> `Document`s; reading them back.
+"""User data sources: text files, directories, globs, .jsonl and ArrayRecord files -> `Document`s; reading them back.
+
+A source is "stdlib", a file, a directory (walked recursively, hidden entries skipped) or a local glob
+(``~/notes/*.md``, ``docs/**/*.md``: expanded here, not by the shell; ``**`` crosses folders). A plain text
+file longer than twice ``text_document_bytes`` is cut into several documents (`text_pieces`), so that one long
+file still has documents to hold out for eval.
 
 Paths are indexed once (jsonl lines are parsed and checked here, so a bad line fails at startup with
 its file:line, not hours into training). Reading is lazy and thread-safe.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -22,9 +28,54 @@ TOKEN_RECORD_SUFFIXES = (".arrayrecord", ".array_record")
 TOKEN_DTYPE = np.dtype("<i4")  # pre-tokenized records: little-endian int32 token ids, one document each
 
 
-def _index_text_file(path: str, key: str) -> list[Document]:
+GLOB_CHARS = "*?["
+
+
+def text_pieces(f, size: int, target: int | None) -> list[tuple[int, int]]:
+    """(offset, length) of the documents a text file of `size` bytes (open binary `f`) is cut into.
+
+    With `target` None, or `size` <= 2 * target: the whole file. Otherwise consecutive pieces of target to
+    2 * target bytes (the last may be shorter), each ending after the first paragraph break (a blank line)
+    past `target` bytes, else after the first line break, else at 2 * target bytes on a UTF-8 character
+    boundary. Cut points depend only on the bytes, so every run and process agrees on them.
+    """
+    if target is None or size <= 2 * target:
+        return [(0, size)]
+    pieces, start, buf, pos, eof = [], 0, b"", 0, False
+    while True:
+        if not eof and len(buf) - pos <= 2 * target:   # the cut below may look at byte 2 * target
+            block = f.read(max(1 << 20, 2 * target))
+            eof = not block
+            buf, pos = buf[pos:] + block, 0
+            continue
+        rest = len(buf) - pos
+        if rest == 0:
+            return pieces
+        if eof and rest <= 2 * target:
+            pieces.append((start, rest))
+            return pieces
+        window = buf[pos + target - 1:pos + 2 * target]     # a cut lands after byte target - 1 at the earliest
+        at = window.find(b"\n\n")
+        cut = target + at + 1 if at >= 0 else -1
+        if cut < 0:
+            at = window.find(b"\n")
+            cut = target + at if at >= 0 else 2 * target
+            while at < 0 and cut > target and buf[pos + cut] & 0xC0 == 0x80:   # not inside a UTF-8 character
+                cut -= 1
+        pieces.append((start, cut))
+        start, pos = start + cut, pos + cut
+
+
+def _index_text_file(path: str, key: str, text_document_bytes: int | None) -> list[Document]:
     size = storage.getsize(path)
-    return [Document(key=key, path=path, kind="text", size=size)] if size else []
+    if not size:
+        return []
+    if text_document_bytes is None or size <= 2 * text_document_bytes:
+        return [Document(key=key, path=path, kind="text", size=size)]
+    with storage.path(path).open("rb") as f:
+        pieces = text_pieces(f, size, text_document_bytes)
+    return [Document(key=f"{key}@{offset}", path=path, kind="text", offset=offset, size=length)
+            for offset, length in pieces]
 
 
 def _index_jsonl(path: str, key: str, text_field: str) -> list[Document]:
@@ -64,15 +115,15 @@ def _check_local_records(path: str) -> None:
                         f"local disk, or use jsonl/text sources, which may be on gs://")
 
 
-def _index_file(path: str, key: str, text_field: str) -> list[Document]:
+def _index_file(path: str, key: str, text_field: str, text_document_bytes: int | None) -> list[Document]:
     if path.endswith(JSONL_SUFFIXES):
         return _index_jsonl(path, key, text_field)
     if path.endswith(TOKEN_RECORD_SUFFIXES):
         return _index_token_records(path, key)
-    return _index_text_file(path, key)
+    return _index_text_file(path, key, text_document_bytes)
 
 
-def _index_directory(root: str, text_field: str) -> list[Document]:
+def _index_directory(root: str, text_field: str, text_document_bytes: int | None) -> list[Document]:
     docs = []
     for dirpath, dirnames, filenames in storage.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -82,26 +133,42 @@ def _index_directory(root: str, text_field: str) -> list[Document]:
             path = storage.join(dirpath, name)
             rel = path[len(root.rstrip("/")) + 1:] if storage.is_remote(root) else \
                 os.path.relpath(path, root).replace(os.sep, "/")
-            docs.extend(_index_file(path, f"{root}/{rel}", text_field))
+            docs.extend(_index_file(path, f"{root}/{rel}", text_field, text_document_bytes))
     return docs
 
 
-def index_sources(sources: Sequence[str], text_field: str) -> list[Document]:
-    """All documents of the given sources, in a deterministic order. Each source must hold some text."""
+def _index_path(path: str, text_field: str, text_document_bytes: int | None) -> list[Document]:
+    if storage.isdir(path):
+        return _index_directory(path, text_field, text_document_bytes)
+    return _index_file(path, path, text_field, text_document_bytes)
+
+
+def _index_glob(source: str, text_field: str, text_document_bytes: int | None) -> list[Document]:
+    if storage.is_remote(source):
+        raise DataError(f"data source {source}: glob patterns are expanded on local paths only; name the "
+                        f"gs:// directory or file instead")
+    matches = sorted(os.path.normpath(p) for p in glob.glob(os.path.expanduser(source), recursive=True))
+    if not matches:
+        raise DataError(f"data source {source} matches no files")
+    return [d for path in matches for d in _index_path(path, text_field, text_document_bytes)]
+
+
+def index_sources(sources: Sequence[str], text_field: str, text_document_bytes: int | None = None) -> list[Document]:
+    """All documents of the given sources, in a deterministic order. Each source must hold some text.
+    `text_document_bytes`: the size long text files are cut at (`text_pieces`); None keeps each file whole."""
     docs = []
     for source in sources:
         if source == STDLIB:
             found = stdlib_documents()
+        elif any(c in source for c in GLOB_CHARS):
+            found = _index_glob(source, text_field, text_document_bytes)
         else:
-            path = source.rstrip("/") if storage.is_remote(source) else os.path.normpath(source)
+            path = source.rstrip("/") if storage.is_remote(source) else os.path.normpath(os.path.expanduser(source))
             if not storage.exists(path):
                 raise DataError(f"data source path does not exist: {source}")
-            if storage.isdir(path):
-                found = _index_directory(path, text_field)
-            else:
-                found = _index_file(path, path, text_field)
-            if not found:
-                raise DataError(f"data source {source} holds no documents (empty files, directory or records)")
+            found = _index_path(path, text_field, text_document_bytes)
+        if not found:
+            raise DataError(f"data source {source} holds no documents (empty files, directory or records)")
         logging.info("data: %d documents in source %s", len(found), source)
         docs.extend(found)
     if not docs:
@@ -133,10 +200,10 @@ class DocumentReader:
         if doc.kind == "tokens":
             return self._token_record(doc)
         with storage.path(doc.path).open("rb") as f:
-            if doc.kind == "text":
-                # Invalid UTF-8 (a few stdlib test files are latin-1 on purpose) becomes U+FFFD.
-                return f.read().decode("utf-8", errors="replace")
             f.seek(doc.offset)
+            if doc.kind == "text":          # the whole file, or one piece of a long one
+                # Invalid UTF-8 (a few stdlib test files are latin-1 on purpose) becomes U+FFFD.
+                return f.read(doc.size if doc.size >= 0 else -1).decode("utf-8", errors="replace")
             return json.loads(f.readline())[self._text_field]
 
     def texts(self, docs: Sequence[Document]):

@@ -75,17 +75,17 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
         if self.tpu_flags not in TPU_FLAG_SETS:
-            raise ValueError(f"train.tpu_flags={self.tpu_flags!r}: must be one of {sorted(TPU_FLAG_SETS)}")
+            raise ConfigError(f"train.tpu_flags={self.tpu_flags!r}: must be one of {sorted(TPU_FLAG_SETS)}")
         if self.mu_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"train.mu_dtype={self.mu_dtype!r}: must be None, 'float32' or 'bfloat16'")
+            raise ConfigError(f"train.mu_dtype={self.mu_dtype!r}: must be None, 'float32' or 'bfloat16'")
         if (self.init_keep_optimizer or self.init_keep_step) and not self.init_from:
-            raise ValueError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
+            raise ConfigError("train.init_keep_optimizer / train.init_keep_step need train.init_from")
         if self.profile_start < 0 or self.profile_steps < 0:
-            raise ValueError(f"train.profile_start={self.profile_start}, train.profile_steps={self.profile_steps}: "
+            raise ConfigError(f"train.profile_start={self.profile_start}, train.profile_steps={self.profile_steps}: "
                              "must be >= 0")
         for f in ("steps", "grad_accum", "log_every", "eval_every", "checkpoint_every", "max_to_keep"):
             if getattr(self, f) < 1:
-                raise ValueError(f"train.{f}={getattr(self, f)}: must be >= 1")
+                raise ConfigError(f"train.{f}={getattr(self, f)}: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +100,10 @@ class ExperimentConfig:
         self.data.validate()
         self.train.validate()
         if self.model.quant == "int4":
-            raise ValueError('model.quant="int4" holds packed integer inference weights and cannot be '
+            raise ConfigError('model.quant="int4" holds packed integer inference weights and cannot be '
                              'trained; train with model.quant="int4_qat" and quantise afterwards')
         if self.data.batch_size % self.train.grad_accum:
-            raise ValueError(f"data.batch_size={self.data.batch_size} is not divisible by "
+            raise ConfigError(f"data.batch_size={self.data.batch_size} is not divisible by "
                              f"train.grad_accum={self.train.grad_accum}")
         return self
 
@@ -111,15 +111,15 @@ class ExperimentConfig:
 def load_config_file(path: str, expected_type: type = ExperimentConfig):
     """The ``get_config()`` of a Python config file, checked to be an ``expected_type``."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"glm5_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
-        raise ValueError(f"{path} defines no get_config()")
+        raise ConfigError(f"{path} defines no get_config()")
     cfg = module.get_config()
     if not isinstance(cfg, expected_type):
-        raise TypeError(f"{path}: get_config() returned {type(cfg).__name__}, not {expected_type.__name__}")
+        raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not {expected_type.__name__}")
     return cfg
 
 
@@ -165,7 +165,7 @@ def _parse(raw: str, annotation):
     if not _matches(value, annotation) and _matches(raw, annotation):
         value = raw
     if not _matches(value, annotation):
-        raise ValueError(f"expected {annotation}, got {value!r}")
+        raise ConfigError(f"expected {annotation}, got {value!r}")
     if annotation is float or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
                                and float in typing.get_args(annotation) and isinstance(value, int)):
         value = float(value)
@@ -180,7 +180,7 @@ def apply_overrides(cfg, overrides: list[str]):
     changes: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"--set {item!r}: expected key=value")
+            raise ConfigError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
         path, value = _resolve_path(cfg, key.strip().split("."), raw, key, "")
         node = changes
@@ -206,24 +206,24 @@ def _resolve_path(obj, path, raw, full_key, prefix) -> tuple[tuple[str, ...], An
     moved_to = getattr(type(obj), "MOVED_FIELDS", {}).get(name)
     removed = getattr(type(obj), "REMOVED_FIELDS", {}).get(name)
     if removed is not None:
-        raise ValueError(f"--set {full_key}: {name!r} was removed: {removed}")
+        raise ConfigError(f"--set {full_key}: {name!r} was removed: {removed}")
     if name not in fields and moved_to is not None:       # e.g. model.attention_impl -> model.runtime.attention_impl
         return _resolve_path(obj, [moved_to, *path], raw, full_key, prefix)
     if name not in fields:
         valid = ", ".join(prefix + n for n in _field_names(obj))
-        raise ValueError(f"--set {full_key}: unknown key {name!r}; valid keys: {valid}")
+        raise ConfigError(f"--set {full_key}: unknown key {name!r}; valid keys: {valid}")
     current = getattr(obj, name)
     if len(path) > 1:
         if not dataclasses.is_dataclass(current):
-            raise ValueError(f"--set {full_key}: {name!r} has no sub-keys")
+            raise ConfigError(f"--set {full_key}: {name!r} has no sub-keys")
         sub_path, value = _resolve_path(current, path[1:], raw, full_key, f"{prefix}{name}.")
         return (name, *sub_path), value
     if dataclasses.is_dataclass(current):
         valid = ", ".join(f"{prefix}{name}.{n}" for n in _field_names(current))
-        raise ValueError(f"--set {full_key}: {name!r} is a group; set one of its keys: {valid}")
+        raise ConfigError(f"--set {full_key}: {name!r} is a group; set one of its keys: {valid}")
     hints = typing.get_type_hints(type(obj))
     try:
         value = _parse(raw, hints[name])
     except ValueError as e:
-        raise ValueError(f"--set {full_key}={raw}: {e}") from None
+        raise ConfigError(f"--set {full_key}={raw}: {e}") from None
     return (name,), value

@@ -11,11 +11,13 @@ import numpy as np
 from glm5_jax import storage
 from glm5_jax.checkpoint.run import RunCheckpoints, config_as_json
 from glm5_jax.cost.flops import measure_matmul_peak, train_flops_per_token
-from glm5_jax.data import build_data_pipeline
+from glm5_jax.data import build_data_pipeline, load_documents
 from glm5_jax.data.sort_task import SORT
+from glm5_jax.model.config import ConfigError
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.telemetry import MetricsWriter, StepProfiler
 from glm5_jax.train.init_from import initial_state, reuse_tokenizer
+from glm5_jax.train.resume_check import check_resumable, latest_stored_config
 from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.train")
@@ -40,22 +42,28 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     """Train `exp_cfg` in `workdir`, resuming from its latest checkpoint. Returns the last metrics.
 
     `max_steps` stops early (after that many steps of this invocation) — used by tests."""
+    # everything that can refuse the run is checked before anything is written to the workdir
     exp_cfg.validate()
-    storage.makedirs(workdir)
     is_main = jax.process_index() == 0
     mesh = build_mesh(exp_cfg.mesh)
     check_mesh_fits_model(dict(zip(mesh.axis_names, mesh.devices.shape)), exp_cfg.model, exp_cfg.data.batch_size,
                           exp_cfg.data.seq_len)
+    documents = None if exp_cfg.data.source == SORT else load_documents(exp_cfg.data)   # sources and eval split
+    check_resumable(exp_cfg, workdir)
+    storage.makedirs(workdir)
     train = exp_cfg.train
-    ckpt = RunCheckpoints(workdir, max_to_keep=train.max_to_keep, async_save=train.async_checkpointing)
-    start = ckpt.latest_step()
-    if train.init_from and start is None and exp_cfg.data.tokenizer_path is None and is_main:
+    if train.init_from and latest_stored_config(workdir)[0] is None and exp_cfg.data.tokenizer_path is None \
+            and is_main:
         reuse_tokenizer(train.init_from, workdir)
-    pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main)
+    pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main, documents=documents)
     trainer = Trainer(exp_cfg, mesh)
     if pipeline.tokenizer.vocab_size > trainer.model_cfg.vocab_size:
-        raise ValueError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
-                         f"{trainer.model_cfg.vocab_size}; raise model.vocab_size")
+        raise ConfigError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{trainer.model_cfg.vocab_size}; raise model.vocab_size")
+    ckpt = RunCheckpoints(workdir, max_to_keep=train.max_to_keep, async_save=train.async_checkpointing)
+    start = ckpt.latest_step()
+    if not pipeline.has_eval and is_main:
+        log.info("eval is off (data.eval_fraction=0): the metrics have no eval_loss")
     train_iter = iter(pipeline.train_dataset())
     if start is None and train.init_from:
         state, start = initial_state(trainer, train.init_from, keep_optimizer=train.init_keep_optimizer,
@@ -97,7 +105,7 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
             elapsed = time.perf_counter() - t_last
             record["tokens_per_sec"] = tokens_per_step * steps_since / elapsed
             record["mfu"] = record["tokens_per_sec"] * flops["total"] / (peak * jax.device_count())
-            if done % exp_cfg.train.eval_every == 0 or done == end:
+            if pipeline.has_eval and (done % exp_cfg.train.eval_every == 0 or done == end):
                 eval_loss = evaluate(trainer, state, pipeline, exp_cfg.train.eval_batches)
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import os
 
+from glm5_jax.model.config import ConfigError
+
 FLAG_SETS: dict[str, tuple[str, ...]] = {
     "none": (),
     "collective_overlap": (
@@ -79,7 +81,7 @@ def _flag_name(arg: str) -> str:
 def libtpu_init_args(name: str, existing: str = "") -> str:
     """``existing`` (a LIBTPU_INIT_ARGS value) plus the flags of set ``name`` it does not set itself."""
     if name not in FLAG_SETS:
-        raise ValueError(f"tpu_flags={name!r}: choose one of {sorted(FLAG_SETS)}")
+        raise ConfigError(f"tpu_flags={name!r}: choose one of {sorted(FLAG_SETS)}")
     have = {_flag_name(a) for a in existing.split()}
     added = [f for f in FLAG_SETS[name] if _flag_name(f) not in have]
     return " ".join(existing.split() + added)

@@ -1,9 +1,10 @@
 import json
 
 import numpy as np
+import pytest
 
 from data_helpers import check_row_invariants, expected_chunks, segments_of
-from glm5_jax.data import (DataConfig, DocumentReader, build_data_pipeline, index_sources,
+from glm5_jax.data import (DataConfig, DataError, DocumentReader, build_data_pipeline, index_sources,
                            load_documents, make_dataset, write_token_records)
 
 SEQ = 32
@@ -100,3 +101,49 @@ def test_mixed_sources(tmp_path, tokenizer_file):
     train, _ = load_documents(config)
     assert [d.key for d in train[-2:]] == [str(text), f"{jsonl}:1"] and train[-1].kind == "jsonl"
     assert len(train) > 500 and all(d.key.startswith("stdlib/") for d in train[:-2])
+
+
+def test_globs_are_expanded_by_the_pipeline(tmp_path, monkeypatch):
+    notes = tmp_path / "notes"
+    (notes / "deep").mkdir(parents=True)
+    (notes / "a.md").write_text(TEXTS[0])
+    (notes / "b.txt").write_text(TEXTS[1])
+    (notes / "deep" / "c.md").write_text(TEXTS[2])
+    monkeypatch.setenv("HOME", str(tmp_path))
+    keys = lambda source: [d.key for d in index_sources([source], "text")]       # noqa: E731
+    assert keys("~/notes/*.md") == [f"{notes}/a.md"]
+    assert keys(f"{notes}/**/*.md") == [f"{notes}/a.md", f"{notes}/deep/c.md"]     # ** crosses folders
+    assert keys("~/notes") == [f"{notes}/a.md", f"{notes}/b.txt", f"{notes}/deep/c.md"]
+    with pytest.raises(DataError, match=r"data source .*/\*\.rst matches no files"):
+        index_sources([f"{notes}/*.rst"], "text")
+    with pytest.raises(DataError, match="glob patterns are expanded on local paths only"):
+        index_sources(["gs://bucket/notes/*.md"], "text")
+
+
+def test_a_long_text_file_is_cut_into_documents_at_paragraphs(tmp_path):
+    paragraphs = [f"paragraph {i}: " + "word " * (i % 7 * 20 + 10) + "\n\n" for i in range(400)]
+    text = "".join(paragraphs)
+    path = tmp_path / "book.txt"
+    path.write_text(text)
+    docs = index_sources([str(path)], "text", text_document_bytes=1000)
+    pieces = [DocumentReader("text").read(d) for d in docs]
+    assert "".join(pieces) == text and len(docs) > 40
+    assert all(p.endswith("\n\n") and 1000 <= len(p) <= 2000 for p in pieces[:-1])     # cut after a blank line
+    assert [d.key for d in docs[:2]] == [f"{path}@0", f"{path}@{docs[1].offset}"]
+    assert index_sources([str(path)], "text")[0].key == str(path)                      # None: one document
+    # the default config holds out documents of the one file for eval
+    train, held_out = load_documents(DataConfig(source=str(path), text_document_bytes=1000))
+    assert len(held_out) == 4 and len(train) == len(docs) - 4
+
+
+def test_text_pieces_keep_utf8_characters_whole():
+    import io
+
+    from glm5_jax.data.sources import text_pieces
+
+    data = ("é" * 90 + "\n" + "日本語" * 200).encode()           # one line break, then 1,800 bytes without one
+    pieces = text_pieces(io.BytesIO(data), len(data), 100)
+    assert sum(n for _, n in pieces) == len(data)
+    assert [data[o:o + n].decode() for o, n in pieces]                 # every piece decodes on its own
+    assert pieces[0] == (0, 181)                                       # after the line break past 100 bytes
+    assert all(198 <= n <= 200 for _, n in pieces[1:-1])               # 200 bytes, or less not to split a character
