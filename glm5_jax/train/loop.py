@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
 import jax
@@ -16,6 +17,7 @@ from glm5_jax.data.sort_task import SORT
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.telemetry import MetricsWriter, StepProfiler
 from glm5_jax.train.init_from import initial_state, reuse_tokenizer
+from glm5_jax.train.loss_legend import loss_legend
 from glm5_jax.train.step import Trainer
 
 log = logging.getLogger("glm5_jax.train")
@@ -51,7 +53,8 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     start = ckpt.latest_step()
     if train.init_from and start is None and exp_cfg.data.tokenizer_path is None and is_main:
         reuse_tokenizer(train.init_from, workdir)
-    pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main)
+    # progress bars only on a terminal: elsewhere (a log file, a pipe) the logged data: lines say it
+    pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main and sys.stderr.isatty())
     if pipeline.tokenizer.vocab_size > exp_cfg.model.vocab_size:
         raise ValueError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{exp_cfg.model.vocab_size}; raise model.vocab_size")
@@ -80,6 +83,7 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     if is_main:
         log.info("matmul peak %.1f GFLOP/s per device x %d devices; %.3g model FLOPs per token",
                  peak / 1e9, jax.device_count(), flops["total"])
+        log.info("%s", loss_legend(exp_cfg.train, trainer.model_cfg, exp_cfg.train.stage))
     last = {}
     end = exp_cfg.train.steps if max_steps is None else min(exp_cfg.train.steps, start + max_steps)
     t_last, steps_since = time.perf_counter(), 0
@@ -87,8 +91,12 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
                             before_stop=ckpt.wait)     # no checkpoint writer threads while the trace stops
     for step in range(start, end):
         batch = trainer.put_batch(next(train_iter))
+        if is_main and step == start:
+            log.info("compiling the train step...")
         with profiler.step(step):
             state, metrics = trainer.step(state, batch)
+        if is_main and step == start:        # jit compiles in the first call, then dispatches the step
+            log.info("compiled in %.1f s", time.perf_counter() - t_last)
         profiler.after_step(step, metrics)
         steps_since += 1
         done = step + 1
