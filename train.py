@@ -25,6 +25,9 @@ def main(argv):
     if FLAGS.host_devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={FLAGS.host_devices}")
+    from glm5_jax.platforms import skip_absent_tpu
+
+    skip_absent_tpu()       # no TPU runtime (and its failure-looking lines) on a host without a TPU
     import jax
 
     if FLAGS.coordinator_address:

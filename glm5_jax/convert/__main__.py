@@ -6,6 +6,7 @@ import sys
 from absl import app, flags, logging
 
 from glm5_jax.checkpoint.errors import USER_ERRORS
+from glm5_jax.platforms import skip_absent_tpu
 
 COMMANDS = ("hf-to-orbax", "orbax-to-hf")
 flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors)")
@@ -29,6 +30,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+    skip_absent_tpu()
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: python -m glm5_jax.convert {{{'|'.join(COMMANDS)}}} --flags")
     logging.set_verbosity(logging.WARNING)     # orbax logs every leaf at INFO

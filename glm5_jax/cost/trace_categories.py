@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 
 from glm5_jax.cost.categories import categorize
+from glm5_jax.platforms import skip_absent_tpu
 
 # field numbers: XSpace.planes=1; XPlane.name=2, event_metadata=4 (map: key 1, value 2), stat_metadata=5,
 # XEventMetadata.name=2, stats=5; XStatMetadata.name=2; XStat.metadata_id=1, bytes_value=6;
@@ -108,6 +109,7 @@ def time_by_category(path: str, module_prefix: str = "") -> dict[str, float]:
 
 def main(argv: list[str]) -> None:
     """python -m glm5_jax.cost.trace_categories TRACE.xplane.pb [MODULE_PREFIX]: seconds per category."""
+    skip_absent_tpu()
     if len(argv) not in (2, 3):
         raise SystemExit(main.__doc__)
     seconds = time_by_category(argv[1], argv[2] if len(argv) == 3 else "")

@@ -17,6 +17,7 @@ PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN)  # ids 0 and 1 in a trained BPE: padding is token 0
 CACHE_FORMAT = 1
+log = logging.getLogger(__name__)   # under "glm5_jax": train.py prints these lines
 
 
 class Tokenizer:
@@ -97,13 +98,13 @@ def cached_bpe(cache_root: str, settings: dict, texts: Callable[[], Iterable[str
     settings_file = storage.join(folder, "settings.json")
     if storage.isfile(settings_file) and storage.isfile(tokenizer_file):
         if json.loads(storage.read_text(settings_file)) == settings:
-            logging.info("data: reusing cached tokenizer %s", tokenizer_file)
+            log.info("data: reusing cached tokenizer %s", tokenizer_file)
             return load_tokenizer(tokenizer_file, EOS_TOKEN)
-    logging.info("data: training byte-level BPE (vocab %d) on %s documents -> %s",
-                 settings["vocab_size"], num_texts if num_texts is not None else "?", tokenizer_file)
+    log.info("data: training byte-level BPE (vocab %d) on %s documents -> %s",
+             settings["vocab_size"], num_texts if num_texts is not None else "?", tokenizer_file)
     start = time.perf_counter()
     tokenizer = train_bpe(texts(), settings["vocab_size"], num_texts, show_progress)
-    logging.info("data: BPE trained in %.1f s (vocab %d)", time.perf_counter() - start, tokenizer.vocab_size)
+    log.info("data: BPE trained in %.1f s (vocab %d)", time.perf_counter() - start, tokenizer.vocab_size)
     tokenizer.save(tokenizer_file)
     _write_atomically(settings_file, json.dumps(settings, sort_keys=True, indent=1))
     return tokenizer

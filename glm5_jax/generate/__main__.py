@@ -11,6 +11,8 @@ import time
 
 from absl import app, flags
 
+from glm5_jax.platforms import skip_absent_tpu
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "train.py workdir, its checkpoints/ dir, or a converter output dir.",
                     required=True)
@@ -28,6 +30,7 @@ flags.DEFINE_integer("prefill_chunk", 4096, "Prompt tokens per prefill step (0 =
 
 
 def main(argv):
+    skip_absent_tpu()
     del argv
     from absl import logging as absl_logging
 

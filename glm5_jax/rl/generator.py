@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.rl.agentic import EpisodeGenerator
 from glm5_jax.rl.config import load_rl_config, resolve_sft
 from glm5_jax.rl.flags import define_common_flags
@@ -15,6 +16,7 @@ from glm5_jax.rl.rollout_generator import Generator
 
 
 def main(argv):
+    skip_absent_tpu()
     setup_logging(f"gen{flags.FLAGS.generator_id}")
     exp = load_rl_config(flags.FLAGS.config, flags.FLAGS.set)
     if exp.is_agentic:

@@ -32,6 +32,7 @@ from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.checkpoint.stored_config import config_to_json
 from glm5_jax.generate.decoding import Sampler, generate
 from glm5_jax.parallel.mesh import build_mesh
+from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.loss import group_advantages, policy_loss
@@ -363,6 +364,7 @@ def _fmt(x):
 
 
 def main(argv):
+    skip_absent_tpu()
     from absl import flags
 
     from glm5_jax.rl.config import load_rl_config, resolve_sft

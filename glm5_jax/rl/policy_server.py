@@ -14,6 +14,8 @@ import logging
 import socket
 import time
 
+from glm5_jax.platforms import skip_absent_tpu
+
 log = logging.getLogger("glm5_jax.rl")
 
 
@@ -55,6 +57,7 @@ def build_engine(exp, sft_cfg, workdir: str):
 
 
 def main(argv):
+    skip_absent_tpu()
     import uvicorn
     from absl import flags
 

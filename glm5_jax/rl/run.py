@@ -29,6 +29,7 @@ import time
 
 from glm5_jax import storage
 from glm5_jax.checkpoint.handoff import committed_versions, policy_dir
+from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.rl.learner import METRICS, SUMMARY
 from glm5_jax.rl.progress import Console, LogFollower, outcome_line, sft_line, version_line
 
@@ -219,6 +220,7 @@ class Supervisor:
 
 
 def main(argv):
+    skip_absent_tpu()
     from absl import flags
 
     from glm5_jax.rl.config import load_rl_config

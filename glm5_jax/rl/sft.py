@@ -8,6 +8,7 @@ import logging
 
 from glm5_jax import storage
 from glm5_jax.model.moe.layer import BIAS_COLLECTION
+from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.rl.config import sft_checkpoint_dir
 
 log = logging.getLogger("glm5_jax.rl")
@@ -55,6 +56,7 @@ def load_sft_variables(sft_cfg, sft_workdir: str, policy) -> dict:
 
 
 def main(argv):
+    skip_absent_tpu()
     from absl import flags
 
     from glm5_jax.rl.config import load_rl_config, resolve_sft

@@ -14,6 +14,7 @@ import sys
 from absl import app, flags
 
 from glm5_jax import storage
+from glm5_jax.platforms import skip_absent_tpu
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "train.py workdir, its checkpoints/ dir, or a converter output dir.",
@@ -39,6 +40,7 @@ flags.DEFINE_multi_integer("warmup_prompt_len", [1], "Compile the prefill for th
 
 
 def main(argv):
+    skip_absent_tpu()
     del argv
     from absl import logging as absl_logging
 

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.serve.api import error_response
 from glm5_jax.serve.auth import require_api_key, resolve_api_key
 from glm5_jax.serve.metrics import prometheus_text
@@ -150,6 +151,7 @@ flags.DEFINE_string("api_key", None, "Require this key from clients (default: GL
 
 
 def main(argv):
+    skip_absent_tpu()
     del argv
     import uvicorn
 

@@ -58,6 +58,7 @@ from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
 from glm5_jax.data.batch import Batch
 from glm5_jax.model.moe.expert_parallel import expected_routed_rows
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
+from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.train.step import Trainer
 
 TOP_INSTRUCTIONS = 25     # the report's list of the dearest compiled instructions
@@ -365,6 +366,7 @@ def markdown_tables(report: dict, top_collectives: int = 12, top_instructions: i
 def main(argv=None):
     """python -m glm5_jax.train.compile_report --config=C --topology=T --workdir=DIR [--set=k=v ...]: reanalyse
     DIR's saved compile (what train.py --compile_only wrote there) with the current measuring modules."""
+    skip_absent_tpu()
     import argparse
 
     from glm5_jax.train.experiment import apply_overrides, load_config_file

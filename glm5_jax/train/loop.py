@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
 import jax
@@ -17,6 +18,7 @@ from glm5_jax.model.config import ConfigError
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.telemetry import MetricsWriter, StepProfiler
 from glm5_jax.train.init_from import initial_state, reuse_tokenizer
+from glm5_jax.train.losses import loss_legend
 from glm5_jax.train.resume_check import check_resumable, latest_stored_config
 from glm5_jax.train.step import Trainer
 
@@ -55,7 +57,9 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     if train.init_from and latest_stored_config(workdir)[0] is None and exp_cfg.data.tokenizer_path is None \
             and is_main:
         reuse_tokenizer(train.init_from, workdir)
-    pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main, documents=documents)
+    # progress bars only on a terminal: elsewhere (a log file, a pipe) the logged data: lines say it
+    pipeline = build_data_pipeline(exp_cfg.data, workdir, show_progress=is_main and sys.stderr.isatty(),
+                                   documents=documents)
     trainer = Trainer(exp_cfg, mesh)
     if pipeline.tokenizer.vocab_size > trainer.model_cfg.vocab_size:
         raise ConfigError(f"tokenizer has {pipeline.tokenizer.vocab_size} tokens but model.vocab_size="
@@ -88,6 +92,7 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
     if is_main:
         log.info("matmul peak %.1f GFLOP/s per device x %d devices; %.3g model FLOPs per token",
                  peak / 1e9, jax.device_count(), flops["total"])
+        log.info("%s", loss_legend(exp_cfg.train, trainer.model_cfg, trainer.stage))
     last = {}
     end = exp_cfg.train.steps if max_steps is None else min(exp_cfg.train.steps, start + max_steps)
     t_last, steps_since = time.perf_counter(), 0
@@ -95,8 +100,12 @@ def run_training(exp_cfg, workdir: str, *, max_steps: int | None = None) -> dict
                             before_stop=ckpt.wait)     # no checkpoint writer threads while the trace stops
     for step in range(start, end):
         batch = trainer.put_batch(next(train_iter))
+        if is_main and step == start:
+            log.info("compiling the train step...")
         with profiler.step(step):
             state, metrics = trainer.step(state, batch)
+        if is_main and step == start:        # jit compiles in the first call, then dispatches the step
+            log.info("compiled in %.1f s", time.perf_counter() - t_last)
         profiler.after_step(step, metrics)
         steps_since += 1
         done = step + 1

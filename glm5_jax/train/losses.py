@@ -17,34 +17,61 @@ def cross_entropy(logits_BTV, targets_BT, valid_BT):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def weighted_terms(train_cfg, model_cfg, stage) -> list[tuple[str, float]]:
+    """The (term, weight) pairs the logged `loss` adds up, in order, for the model as `stage` (a
+    `glm5_jax.train.stage.StageSpec`) runs it (`model_cfg`): "lm", "mtp", "balance" (summed over MoE layers),
+    "indexer_kl" (summed over the layers that compute it). A term is there when its weight is non-zero
+    and the model computes it."""
+    terms = []
+    if stage.lm_loss:
+        terms.append(("lm", 1.0))
+        if model_cfg.mtp_depth and train_cfg.mtp_loss_weight:
+            terms.append(("mtp", train_cfg.mtp_loss_weight))
+        if train_cfg.balance_loss_weight and (model_cfg.num_moe_layers or model_cfg.mtp_depth):
+            terms.append(("balance", train_cfg.balance_loss_weight))
+    if model_cfg.runtime.indexer_loss != "none":
+        terms.append(("indexer_kl", train_cfg.indexer_loss_weight))
+    return terms
+
+
+def loss_legend(train_cfg, model_cfg, stage) -> str:
+    """The line `train.py` prints before its first step, e.g. "loss = lm + 0.3*mtp + 0.0001*balance +
+    1*indexer_kl (summed over layers; ...)": exactly the terms `lm_losses` adds."""
+    terms = weighted_terms(train_cfg, model_cfg, stage)
+    text = " + ".join(name if name == "lm" else f"{weight:g}*{name}" for name, weight in terms)
+    kl = " (summed over layers; indexer_loss in metrics.jsonl is their mean)" if terms[-1][0] == "indexer_kl" else ""
+    return f"loss = {text}{kl}; see docs/training.md#losses-and-weights"
+
+
 def lm_losses(out, inputs, train_cfg, model_cfg, stage):
     """Total loss and its parts from a `model.ModelOutput` of the model as `stage` (a
     `glm5_jax.train.stage.StageSpec`) runs it (`model_cfg`) on `inputs` (a
     `glm5_jax.parallel.context.LaidOutBatch`: its shifted tokens are the targets, in the logits' order).
     LM and MTP terms are means over valid tokens of this (micro) batch; the balance term is summed over MoE
     layers, the indexer KL summed over the layers that compute it (logged as their mean). The LM loss is
-    logged in every stage."""
+    logged in every stage; the total adds `weighted_terms`."""
     parts = {}
     nll, count = cross_entropy(out.logits, inputs.ahead_tokens[0], inputs.ahead_valid[0])     # 1 step ahead
     parts["lm_loss"] = nll / jnp.maximum(count, 1.0)
     parts["tokens"] = count
     total = jnp.zeros((), jnp.float32)
-    if stage.lm_loss:
-        total = total + parts["lm_loss"]
-        if out.mtp_logits is not None and train_cfg.mtp_loss_weight:
+    for name, weight in weighted_terms(train_cfg, model_cfg, stage):
+        if name == "lm":
+            total = total + parts["lm_loss"]
+        elif name == "mtp" and out.mtp_logits is not None:
             depth_losses = []
             for d in range(out.mtp_logits.shape[0]):    # depth d+1 predicts token t + d + 2
                 k = d + 2
                 nll_d, count_d = cross_entropy(out.mtp_logits[d], inputs.ahead_tokens[k - 1], inputs.ahead_valid[k - 1])
                 depth_losses.append(nll_d / jnp.maximum(count_d, 1.0))
             parts["mtp_loss"] = jnp.mean(jnp.stack(depth_losses))          # (1/D) Σ_k L^k
-            total = total + train_cfg.mtp_loss_weight * parts["mtp_loss"]
-        if train_cfg.balance_loss_weight and (model_cfg.num_moe_layers or model_cfg.mtp_depth):
+            total = total + weight * parts["mtp_loss"]
+        elif name == "balance":
             parts["balance_loss"] = out.stats.balance_loss_sum
-            total = total + train_cfg.balance_loss_weight * parts["balance_loss"]
-    if model_cfg.runtime.indexer_loss != "none":
-        parts["indexer_loss"] = out.stats.indexer_kl_mean
-        total = total + train_cfg.indexer_loss_weight * out.stats.indexer_kl_sum
+            total = total + weight * parts["balance_loss"]
+        elif name == "indexer_kl":
+            parts["indexer_loss"] = out.stats.indexer_kl_mean
+            total = total + weight * out.stats.indexer_kl_sum
     parts["loss"] = total
     return total, parts
 

@@ -9,6 +9,7 @@ PACKAGES = ("glm5_jax", "pallas_kernels")
 
 # Lowest first: a module may import its own package and the packages listed before it, never one after it.
 LAYERS = (
+    "glm5_jax.platforms",   # which JAX platforms a command starts (no TPU runtime without a TPU)
     "glm5_jax.storage",     # paths: local or object storage (gs://)
     "glm5_jax.telemetry",   # step profiler traces, metrics logs: what train, serve and rl all report
     "pallas_kernels",
