@@ -60,6 +60,23 @@ def test_index_sharing_schedule_follows_hf():
     assert ours[:7] == ("full", "full", "full", "shared", "shared", "shared", "full")
 
 
+def test_glm52_1m_config_is_glm5_with_hf_index_share_rope_and_positions():
+    import configs.glm52_744b_1m as glm52
+
+    cfg = glm52.get_config()
+    hf_types = GlmMoeDsaConfig(num_hidden_layers=78, index_topk_freq=4, index_skip_topk_offset=3).indexer_types
+    assert cfg.model.layer_indexer_types == tuple(hf_types)
+    assert "".join("F" if t == "full" else "S" for t in hf_types) == "FFF" + "SSSF" * 18 + "SSS"
+    assert hf_types.count("full") == 21
+    assert (cfg.model.rope_theta, cfg.model.max_position_embeddings) == (8e6, 1_048_576)
+    assert cfg.data.seq_len == 1_048_576
+    # only the indexer sharing, RoPE and positions differ from GLM-5
+    same = dict(indexer_types=None, rope_theta=1e6, max_position_embeddings=202752)
+    assert architecture(cfg.model.replace(**same)) == architecture(model_config())
+    sizes = cfg.mesh.axis_sizes(2048)
+    assert sizes["context"] * 4096 == cfg.data.seq_len       # 4,096 tokens per chip
+
+
 @pytest.mark.parametrize("change,field", [
     (dict(n_group=3), "n_group"), (dict(topk_group=0), "topk_group"), (dict(num_experts_per_tok=300), "num_experts_per_tok"),
     (dict(indexer_types=("shared",) * 78), "indexer_types"), (dict(indexer_types=("full",) * 5), "indexer_types"),
