@@ -25,6 +25,12 @@ from pallas_kernels.kernel_math import column_to_row, mm, mm_nt, mm_tn, row_to_c
 SUB = 16   # rows per sub-chunk: pairs inside a diagonal SUB x SUB block take the per-pair decay
 
 
+def sub_chunk(C):
+    """Rows per sub-chunk for a chunk of C (a multiple of 16) tokens: SUB, or C / 2 for a short chunk (so
+    that a 16-token chunk, cheap to test, still has sub-chunks)."""
+    return min(SUB, C // 2)
+
+
 def _iota(shape, dim):
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -82,7 +88,7 @@ def chunk_step(S_KV, q_CK, k_CK, v_CV, g_CK, beta_C1, seg_C1, prev_C1, *, scale)
     """(o [C, V], the state after the chunk [K, V]) from the state before it. ``seg``: the tokens' segment
     ids, ``prev``: the id of the document the carried state belongs to (the same in every row)."""
     C = q_CK.shape[0]
-    sub = min(SUB, C)
+    sub = sub_chunk(C)
     row, col = _iota((C, C), 0), _iota((C, C), 1)
     G = mm((row >= col).astype(jnp.float32), g_CK)            # cumsum of g along the chunk
     same = seg_C1 == column_to_row(seg_C1)                    # [C, C]: same document

@@ -28,9 +28,9 @@ VMEM_LIMIT_BYTES = 64 * 2**20
 
 
 def _check(T, K, V, chunk):
-    if K % LANES or V % LANES or T % chunk or chunk % 8:
+    if K % LANES or V % LANES or T % chunk or chunk % 16:
         raise ValueError(f"kda kernel: K={K} and V={V} must be multiples of {LANES}, T={T} of the chunk "
-                         f"{chunk} (a multiple of 8); ops.py pads")
+                         f"{chunk} (a multiple of 16); ops.py pads")
 
 
 def _specs(B, H, N, C, K, V, reverse):

@@ -41,8 +41,8 @@ def chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, initial_state_BHKV=No
     check_impl(impl)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
-    if chunk_size % 8 or (chunk_size > 16 and chunk_size % 16):
-        raise ValueError(f"chunk_kda: chunk_size={chunk_size} must be a multiple of 8 (of 16 above 16)")
+    if chunk_size % 16:
+        raise ValueError(f"chunk_kda: chunk_size={chunk_size} must be a multiple of 16")
     init = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state_BHKV is None
             else initial_state_BHKV.astype(jnp.float32))
     if impl == REFERENCE:
