@@ -11,9 +11,10 @@ an ``impl`` switch, and the one-token decode step.
 
 Shapes: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [B, H, K, V]. q and k arrive
 L2-normalised; the query scale K^-0.5 is applied here. g is the log forget gate (<= 0). Computation is fp32;
-o comes in q's dtype, the final state in fp32. Packed documents (``segment_ids_BT``, nonzero, right padding
-may be 0): the state restarts at every change of id, only the row's first segment sees
-``initial_state_BHKV``, and the final state is the one after the row's last token (see reference.py).
+o comes in q's dtype, the final state in fp32. Packed documents (``segment_ids_BT``, nonzero, padding 0):
+the state restarts at every change of id, only the row's first segment sees ``initial_state_BHKV``, padding
+passes the state through, and the final state is the one after the row's last token: its last document's
+(see reference.py).
 Padding: T up to the chunk with k = v = g = beta = 0 in the last token's segment (the state passes through
 it unchanged); K and V up to multiples of 128 with zeros (the kernels only), cut off afterwards.
 """
@@ -48,8 +49,9 @@ def chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, initial_state_BHKV=No
     if impl == REFERENCE:
         return reference.chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, init, segment_ids_BT, chunk_size)
     Tp = round_up(T, chunk_size)
-    seg_BT, prev_BT = _segments(segment_ids_BT, B, T, Tp, chunk_size)
-    q, k, v, g, beta = (pad_axis(x, 1, Tp) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    g, beta, seg_BT = reference.pass_state_through_padding(g_BTHK, beta_BTH, segment_ids_BT)
+    seg_BT, prev_BT = _chunk_segments(seg_BT, Tp, chunk_size)
+    q, k, v, g, beta = (pad_axis(x, 1, Tp) for x in (q_BTHK, k_BTHK, v_BTHV, g, beta))
     if impl == XLA:
         o, final = _scan_chunks(q, k, v, g, beta, seg_BT, prev_BT, init, chunk=chunk_size)
     else:
@@ -71,11 +73,11 @@ def kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV):
     return o.astype(q_BHK.dtype), S
 
 
-def _segments(segment_ids_BT, B, T, Tp, chunk):
+def _chunk_segments(seg_BT, Tp, chunk):
     """(segment id, the id of the document whose state enters the token's chunk) [B, Tp] int32: the padded
     tail continues the last token's segment; chunk 0's entering state is the row's first segment's."""
-    seg = jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
-    seg = jnp.pad(seg, [(0, 0), (0, Tp - T)], mode="edge")
+    B, T = seg_BT.shape
+    seg = jnp.pad(seg_BT, [(0, 0), (0, Tp - T)], mode="edge")
     seg_BNC = seg.reshape(B, Tp // chunk, chunk)
     prev_BN1 = jnp.concatenate([seg_BNC[:, :1, :1], seg_BNC[:, :-1, -1:]], axis=1)
     return seg, jnp.broadcast_to(prev_BN1, seg_BNC.shape).reshape(B, Tp)

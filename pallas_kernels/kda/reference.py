@@ -9,10 +9,11 @@ S [K, V] (fp32) runs over the tokens; for token t, with the query scaled by K^-0
     S   <- S + k_t d_t^T
     o_t  = S^T q_t
 
-Packed documents (``segment_ids`` [B, T], nonzero ids; right padding may be 0): the state restarts from zero
-at every token whose id differs from the previous token's, so different documents never interact. The
-initial state is the state before token 0: only the row's first segment sees it. The final state is the
-state after the row's last token (that of its last segment).
+Packed documents (``segment_ids`` [B, T], nonzero ids): the state restarts from zero at every token whose id
+differs from the previous token's, so different documents never interact. The initial state is the state
+before token 0: only the row's first segment sees it. Padding (id 0) passes the state through unchanged
+(`pass_state_through_padding`), so the final state, the state after the row's last token, is that of the
+row's last document also when the row is right-padded. Outputs at padding tokens are meaningless.
 
 Shapes: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [B, H, K, V].
 """
@@ -32,8 +33,18 @@ def _initial_state(initial_state_BHKV, B, H, K, V):
     return initial_state_BHKV.astype(jnp.float32)
 
 
-def _segments(segment_ids_BT, B, T):
-    return jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
+def pass_state_through_padding(g_BTHK, beta_BTH, segment_ids_BT):
+    """(g, beta, segment ids) with padding tokens (id 0) made transparent: gate 0 and beta 0 (the state is
+    neither decayed nor updated) and the id of the last document before them (no restart)."""
+    if segment_ids_BT is None:
+        B, T = beta_BTH.shape[:2]
+        return g_BTHK, beta_BTH, jnp.ones((B, T), jnp.int32)
+    seg = segment_ids_BT.astype(jnp.int32)
+    pad_BT = seg == 0
+    T = seg.shape[1]
+    last_real = jax.lax.cummax(jnp.where(pad_BT, -1, jnp.arange(T)), axis=1)
+    seg = jnp.where(last_real < 0, seg, jnp.take_along_axis(seg, jnp.maximum(last_real, 0), axis=1))
+    return (jnp.where(pad_BT[..., None, None], 0.0, g_BTHK), jnp.where(pad_BT[..., None], 0.0, beta_BTH), seg)
 
 
 def recurrent_step(S_BHKV, q_BHK, k_BHK, v_BHV, g_BHK, beta_BH):
@@ -50,7 +61,7 @@ def recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV=N
     V = v_BTHV.shape[-1]
     q, k, v, g, beta = _fp32(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)
     q = q * K**-0.5
-    seg = _segments(segment_ids_BT, B, T)
+    g, beta, seg = pass_state_through_padding(g, beta, segment_ids_BT)
     restart_BT = seg != jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
 
     def token(S, xs):
@@ -86,9 +97,10 @@ def chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state_BHKV=None,
     N = -(-T // C)
     pad = N * C - T
     q, k, v, g, beta = _fp32(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)
+    g, beta, seg_BT = pass_state_through_padding(g, beta, segment_ids_BT)
     # padded tokens: k = v = g = beta = 0 (the state passes them unchanged), in the last token's document
     q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
-    seg_BT = jnp.pad(_segments(segment_ids_BT, B, T), [(0, 0), (0, pad)], mode="edge")
+    seg_BT = jnp.pad(seg_BT, [(0, 0), (0, pad)], mode="edge")
 
     def chunks(x):   # [B, N*C, H, ...] -> [B, H, N, C, ...]
         return jnp.moveaxis(x.reshape(B, N, C, H, *x.shape[3:]), 3, 1)

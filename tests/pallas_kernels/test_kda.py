@@ -51,6 +51,16 @@ def test_documents_do_not_interact():
     assert_close(S, S_alone, 2e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_padding_passes_the_state_through(impl):
+    """A right-padded row (id 0) ends in the state of its last document, as without the padding."""
+    q, k, v, g, beta, init = make_inputs(1, 40, 2, 16, 8)
+    seg = packed_segments(1, 40, [13, 23], pad=4)
+    _, S = ops.chunk_kda(q, k, v, g, beta, initial_state_BHKV=init, segment_ids_BT=seg, chunk_size=16, impl=impl)
+    _, S_want = reference.recurrent_kda(*(x[:, :36] for x in (q, k, v, g, beta)), init, seg[:, :36])
+    assert_close(S, S_want, 2e-5)
+
+
 def test_references_match_transformers():
     torch = pytest.importorskip("torch")
     from transformers.models.glm5_next import modeling_glm5_next as hf
