@@ -11,9 +11,8 @@ both for the TPU:
   exp(G_i - r) * exp(r - G_j), both factors <= 1 since G falls (g <= 0), so one matmul per sub-chunk
   does them; pairs inside a diagonal SUB x SUB block take the exact per-pair form, column by column.
   (exp(G_i) * exp(-G_j) over the whole chunk would overflow fp32 for strong gates.)
-* T = (I + A_kk)^-1 by forward substitution inside the diagonal SUB-blocks, all blocks at once, then the
-  blocks combined: with D = I + (the diagonal blocks of A_kk) and L the rest, T = (I + D^-1 L)^-1 D^-1 and
-  D^-1 L is nilpotent of order C / SUB, so its inverse is a short alternating series.
+* T = (I + A_kk)^-1 by block doubling (1x1, 2x2, ... C x C diagonal blocks inverted in turn, two matmuls a
+  step) rather than a C-step forward substitution.
 
 Shapes (per row and head): S [K, V], q/k/g [C, K], v [C, V], beta and segment ids as columns [C, 1].
 """
@@ -64,24 +63,19 @@ def decayed_scores(x_CK, y_CK, G_CK, *, strict, sub):
     return jnp.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
 
 
-def unit_lower_inverse(N_CC, *, sub):
-    """(I + N)^-1 for a strictly lower triangular N."""
+def unit_lower_inverse(N_CC):
+    """(I + N)^-1 for a strictly lower triangular N, by doubling blocks: with T the inverse of the diagonal
+    s-blocks and L the s-blocks just below them inside each 2s-block, the 2s-blocks' inverse is
+    (I + T L)^-1 T = T - T L T ((T L)^2 = 0). log2(C) steps of two matmuls."""
     C = N_CC.shape[0]
     row, col = _iota((C, C), 0), _iota((C, C), 1)
-    eye = (row == col).astype(jnp.float32)
-    in_block = row // sub == col // sub
-    N_diag = jnp.where(in_block, N_CC, 0.0)
-    D_inv = eye
-    for t in range(1, sub):   # row t of every diagonal block: e_i - N_i D^-1 (its rows above are final)
-        D_inv = jnp.where(row % sub == t, eye - mm(N_diag, D_inv), D_inv)
-    if C == sub:
-        return D_inv
-    M = mm(D_inv, jnp.where(in_block, 0.0, N_CC))   # strictly block-lower: M^(C/sub) = 0
-    power, series = eye, eye
-    for _ in range(C // sub - 1):
-        power = -mm(power, M)
-        series = series + power
-    return mm(series, D_inv)
+    T = (row == col).astype(jnp.float32)
+    s = 1
+    while s < C:
+        L = jnp.where((row // (2 * s) == col // (2 * s)) & (row // s != col // s), N_CC, 0.0)
+        T = T - mm(mm(T, L), T)
+        s *= 2
+    return T
 
 
 def chunk_step(S_KV, q_CK, k_CK, v_CV, g_CK, beta_C1, seg_C1, prev_C1, *, scale):
@@ -97,7 +91,7 @@ def chunk_step(S_KV, q_CK, k_CK, v_CV, g_CK, beta_C1, seg_C1, prev_C1, *, scale)
     q = q_CK * scale
     a_qk = jnp.where(same, decayed_scores(q, k_CK, G, strict=False, sub=sub), 0.0)
     a_kk = jnp.where(same, beta_C1 * decayed_scores(k_CK, k_CK, G, strict=True, sub=sub), 0.0)
-    T = unit_lower_inverse(a_kk, sub=sub)
+    T = unit_lower_inverse(a_kk)
     exp_G = jnp.exp(G)
     w = mm(T, jnp.where(sees_state, beta_C1 * k_CK * exp_G, 0.0))
     v_new = mm(T, beta_C1 * v_CV) - mm(w, S_KV)
