@@ -29,3 +29,9 @@ def row_to_column(row_1N):
 def column_to_row(col_N1):
     """[N, 1] -> [1, N] with a diagonal select and a sublane reduction."""
     return jnp.sum(jnp.where(_eye(col_N1.shape[0]), col_N1, 0.0), axis=0, keepdims=True)
+
+
+def mm_tn(a, b):
+    """a^T @ b with fp32 accumulation (contract the first dims)."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=mxu_precision(a, b),
+                               preferred_element_type=jnp.float32)
