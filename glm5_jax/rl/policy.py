@@ -18,6 +18,7 @@ from glm5_jax.checkpoint.placement import abstract_variables
 from glm5_jax.generate.decoding import Sampler
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.mesh import logical_shardings, mesh_and_rules
+from glm5_jax.parallel.sampling import SAMPLING_RULES, check_sampling_fits, sampling_mesh
 
 
 def rl_model_config(sft_model_cfg):
@@ -32,6 +33,15 @@ def sampler_model_config(sft_model_cfg, sampler_dtype: str = ""):
     """The generator's model: the RL model, computing in `sampler_dtype` when set (same parameters)."""
     cfg = rl_model_config(sft_model_cfg)
     return cfg.replace(dtype=sampler_dtype) if sampler_dtype else cfg
+
+
+def sampling_policy(rl_cfg, sft_model_cfg) -> "Policy":
+    """The sampler's model (`sampler_model_config`) on its own sampling mesh (``rl.sampler_mesh``, one device
+    when empty), laid out by SAMPLING_RULES; MeshError when the mesh cannot split the model."""
+    cfg = sampler_model_config(sft_model_cfg, rl_cfg.sampler_dtype)
+    mesh = sampling_mesh(rl_cfg.sampler_mesh)
+    check_sampling_fits(mesh, cfg)
+    return Policy(cfg, mesh, SAMPLING_RULES)
 
 
 class Policy:
