@@ -468,17 +468,25 @@ def _programs(cfg, num_top):
 def _programs_on_mesh(cfg, num_top, layout):
     """`_programs` whose every output cache keeps the shardings `layout` (None: wherever XLA puts it)."""
     model = Transformer(cfg)
-    pin = (lambda cache: cache) if layout is None else (lambda cache: jax.lax.with_sharding_constraint(cache, layout))
 
-    def pinned(program):
+    def pinned(program, name):
+        """`program` (returning (cache, out)) with its cache kept on `layout`."""
+        if layout is None:
+            return program
+
         def run(*args):
-            cache, *out = program(*args)
-            return (pin(cache), *out)
+            cache, out = program(*args)
+            return jax.lax.with_sharding_constraint(cache, layout), out
+        run.__name__ = name                       # the program's name in profiles and HLO dumps
         return run
 
-    return (jax.jit(pinned(functools.partial(_prefill, model, num_top)), donate_argnums=1),
-            jax.jit(pinned(functools.partial(_decode, model, num_top)), donate_argnums=1),
-            jax.jit(lambda cache, src, dst: pin(cache_rows.copy_row(cache, src, dst)), donate_argnums=0))
+    def copy_row(cache, src, dst):
+        cache = cache_rows.copy_row(cache, src, dst)
+        return cache if layout is None else jax.lax.with_sharding_constraint(cache, layout)
+
+    return (jax.jit(pinned(functools.partial(_prefill, model, num_top), "_prefill"), donate_argnums=1),
+            jax.jit(pinned(functools.partial(_decode, model, num_top), "_decode"), donate_argnums=1),
+            jax.jit(copy_row, donate_argnums=0))
 
 
 def _tokens_from(token_B, logprob_B, top_ids_BK, top_logp_BK) -> list[Token]:
