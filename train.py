@@ -3,7 +3,6 @@
 Re-running with the same workdir resumes from its latest checkpoint.
 """
 import logging
-import os
 import sys
 
 from absl import app, flags
@@ -22,11 +21,9 @@ flags.DEFINE_string("topology", None, "TPU topology for --compile_only, e.g. v5p
 
 def main(argv):
     del argv
-    if FLAGS.host_devices:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={FLAGS.host_devices}")
-    from glm5_jax.platforms import skip_absent_tpu
+    from glm5_jax.platforms import simulate_host_devices, skip_absent_tpu
 
+    simulate_host_devices(FLAGS.host_devices)
     skip_absent_tpu()       # no TPU runtime (and its failure-looking lines) on a host without a TPU
     import jax
 

@@ -8,8 +8,8 @@
   ``step=``), whose ``params`` item holds the variables and whose ``meta`` item the ModelConfig.
 
 `find_checkpoint` is the one place that tells them apart. Only ``params`` and ``moe_bias`` are read
-(orbax partial restore: the optimizer state stays on disk), placed on ``sharding`` when given,
-otherwise on the default device.
+(orbax partial restore: the optimizer state stays on disk), placed on ``sharding`` when given (one
+sharding, or one per variable), otherwise on the default device.
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ import orbax.checkpoint as ocp
 from glm5_jax import storage
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.checkpoint.handoff import COMMIT_MARKER
+from glm5_jax.checkpoint.placement import variable_shardings
 from glm5_jax.checkpoint.stored_config import config_from_json
 from glm5_jax.data.tokenizer import load_tokenizer
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.parallel.sampling import SAMPLING_RULES, check_sampling_fits
 
 COLLECTIONS = ("params", "moe_bias")
 
@@ -148,8 +150,12 @@ def load_variables(found: StoredCheckpoint, sharding=None) -> dict:
     if missing:
         raise CheckpointError(f"{state_dir}: checkpoint has no {missing} (has {sorted(tree)})")
     wanted = {c: tree[c] for c in COLLECTIONS if c in tree}
-    target = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=target), wanted)
+    if isinstance(sharding, dict):        # one sharding per variable ({"params": {...}, "moe_bias": {...}})
+        abstract = {c: jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=s),
+                                    wanted[c], sharding[c]) for c in wanted}
+    else:
+        target = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=target), wanted)
     restored = ocp.PyTreeCheckpointHandler().restore(storage.path(state_dir), args=ocp.args.PyTreeRestore(
         abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
     return {c: restored[c] for c in wanted}
@@ -186,13 +192,20 @@ class InferenceModel:
 
 
 def load_model_and_tokenizer(checkpoint: str, step: int | None = None, tokenizer: str | None = None,
-                             dtype: str | None = None) -> InferenceModel:
+                             dtype: str | None = None, mesh=None) -> InferenceModel:
     """The checkpoint is checked first (a wrong path is named as such, not as a missing tokenizer), then the
-    tokenizer (`tokenizer`, default the checkpoint's own) is loaded, then the variables, cast to `dtype`."""
+    tokenizer (`tokenizer`, default the checkpoint's own) is loaded, then the variables, cast to `dtype`.
+
+    With a sampling ``mesh`` (`glm5_jax.parallel.sampling.sampling_mesh`) the model is checked against it
+    (MeshError) and every weight is restored straight onto it, laid out by SAMPLING_RULES; without one,
+    onto the default device."""
     found = find_checkpoint(checkpoint, step)
+    if mesh is not None:
+        check_sampling_fits(mesh, found.cfg)
     tokenizer_path = tokenizer or checkpoint_tokenizer(checkpoint)
     loaded = load_tokenizer(tokenizer_path)
-    cfg, variables = found.cfg, load_variables(found)
+    shardings = None if mesh is None else variable_shardings(found.cfg, mesh, SAMPLING_RULES)
+    cfg, variables = found.cfg, load_variables(found, shardings)
     if dtype:
         cfg, variables = cast_variables(cfg, variables, dtype)
     return InferenceModel(cfg, variables, found.step, loaded, tokenizer_path)

@@ -1,8 +1,11 @@
 """python -m glm5_jax.generate --checkpoint=DIR [--tokenizer=PATH] --prompt="..." [--prompt=...]
+                              [--mesh=data:2,expert:2,tensor:2 [--host_devices=8]]
 
 Loads an orbax checkpoint (a train.py workdir, its checkpoints/ folder, or a converter output), encodes
 the prompts with the tokenizer (default: the BPE a train.py workdir cached under tokenizer/), generates
-and prints each continuation, then one line with tokens/s (compile time reported separately).
+and prints each continuation, then one line with tokens/s (compile time reported separately). With
+--mesh the weights are restored straight onto that sampling mesh and the prompts split over its batch
+axes (docs/inference.md#sampling-on-a-mesh); any number of prompts works.
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import time
 
 from absl import app, flags
 
-from glm5_jax.platforms import skip_absent_tpu
+from glm5_jax.generate.mesh_flags import define_mesh_flags
+from glm5_jax.platforms import simulate_host_devices, skip_absent_tpu
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "train.py workdir, its checkpoints/ dir, or a converter output dir.",
@@ -27,9 +31,11 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_bool("speculative", False, "Greedy MTP speculative decoding (needs an MTP module).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype override (weights cast once).")
 flags.DEFINE_integer("prefill_chunk", 4096, "Prompt tokens per prefill step (0 = the whole prompt at once).")
+define_mesh_flags()
 
 
 def main(argv):
+    simulate_host_devices(FLAGS.host_devices)
     skip_absent_tpu()
     del argv
     from absl import logging as absl_logging
@@ -53,9 +59,12 @@ def _generate():
     import numpy as np
 
     from glm5_jax.checkpoint.inference import load_model_and_tokenizer
-    from glm5_jax.generate.decoding import prepare_generate
+    from glm5_jax.generate.on_mesh import prepare_generate_on_mesh, real_rows
+    from glm5_jax.parallel.mesh import mesh_and_rules
+    from glm5_jax.parallel.sampling import SAMPLING_RULES, sampling_mesh
 
-    model = load_model_and_tokenizer(FLAGS.checkpoint, FLAGS.step, FLAGS.tokenizer, FLAGS.dtype)
+    mesh = sampling_mesh(FLAGS.mesh)
+    model = load_model_and_tokenizer(FLAGS.checkpoint, FLAGS.step, FLAGS.tokenizer, FLAGS.dtype, mesh=mesh)
     cfg, variables, step, tokenizer = model.cfg, model.variables, model.step, model.tokenizer
     encoded = [tokenizer.encode(p) for p in FLAGS.prompt]
     if any(len(e) == 0 for e in encoded):
@@ -65,22 +74,24 @@ def _generate():
     for i, e in enumerate(encoded):
         batch[i, :len(e)] = e
     eos_ids = tuple(sorted(set(cfg.eos_token_id) | {tokenizer.eos_id}))
-    fn, args = prepare_generate(cfg, variables, batch, lengths, max_new_tokens=FLAGS.max_new_tokens,
-                                temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
-                                rng=jax.random.key(FLAGS.seed), eos_ids=eos_ids, speculative=FLAGS.speculative,
-                                prefill_chunk=FLAGS.prefill_chunk)
+    fn, args, rows = prepare_generate_on_mesh(
+        cfg, variables, batch, lengths, mesh, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+        top_p=FLAGS.top_p, top_k=FLAGS.top_k, rng=jax.random.key(FLAGS.seed), eos_ids=eos_ids,
+        speculative=FLAGS.speculative, prefill_chunk=FLAGS.prefill_chunk)
     t0 = time.perf_counter()
-    compiled = fn.lower(*args).compile()
+    with mesh_and_rules(mesh, SAMPLING_RULES):
+        compiled = fn.lower(*args).compile()
     t1 = time.perf_counter()
-    result = jax.block_until_ready(compiled(*args))
+    result = real_rows(jax.block_until_ready(compiled(*args)), rows)
     t2 = time.perf_counter()
     for i, prompt in enumerate(FLAGS.prompt):
         n = int(result.lengths[i])
         print(f"--- [{i}] {prompt!r} ->")
         print(prompt + tokenizer.decode(np.asarray(result.tokens[i, :n])))
     total = int(jnp.sum(result.lengths))
+    on_mesh = f", mesh {FLAGS.mesh}" if mesh.size > 1 else ""
     line = (f"checkpoint step {step}: {total} new tokens in {t2 - t1:.2f} s = {total / (t2 - t1):.1f} tokens/s "
-            f"(batch {len(encoded)}, prefill included; compile {t1 - t0:.1f} s)")
+            f"(batch {len(encoded)}{on_mesh}, prefill included; compile {t1 - t0:.1f} s)")
     if FLAGS.speculative:
         line += f"; MTP draft acceptance {result.acceptance_rate:.2f}"
     print(line)

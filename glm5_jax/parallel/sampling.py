@@ -11,13 +11,22 @@ for long requests.
 
 A sampling mesh is written ``data:2,expert:2,tensor:2`` (`parse_mesh_spec`); unnamed axes are 1, one
 axis may be -1 (the remaining devices). ``fsdp`` is accepted for experiments but is 1 by default.
+`sampling_mesh` builds it on the first devices it needs, `check_sampling_fits` says which of the model's
+widths a mesh cannot split. Batch rows and cache slots need no such check: the samplers pad them
+(`glm5_jax.generate.on_mesh`, `glm5_jax.serve.engine`).
 """
 from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import Mesh
 
 from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
                                     INDEX_DIM, INDEX_HEADS, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
                                     VOCAB)
-from glm5_jax.parallel.mesh import CONTEXT, DATA, EXPERT, FSDP, MESH_AXES, TENSOR, MeshConfig, MeshError
+from glm5_jax.parallel.mesh import (CONTEXT, DATA, EXPERT, FSDP, MESH_AXES, TENSOR, MeshConfig, MeshError,
+                                    build_mesh)
 
 SAMPLING_RULES = (
     (BATCH, (DATA, FSDP, EXPERT)),      # rows: over every axis that does not split the model
@@ -63,3 +72,61 @@ def parse_mesh_spec(spec: str, rules=SAMPLING_RULES) -> MeshConfig:
         sizes[name] = size
         seen.add(name)
     return MeshConfig(rules=rules, **sizes)
+
+
+# a program over one batch row (the server's prefill of one slot): the row is replicated, heads, widths,
+# experts and cache slots split as above (a row cannot split over the batch axes)
+ONE_ROW_RULES = tuple((name, None) if name == BATCH else (name, axes) for name, axes in SAMPLING_RULES)
+
+
+def sampling_mesh(spec: str = "", devices=None) -> Mesh:
+    """The mesh of a spec over the first devices it needs (all of them when an axis is -1); ``""`` is one
+    device. MeshError when the spec asks for more devices than exist."""
+    devices = list(jax.devices() if devices is None else devices)
+    cfg = parse_mesh_spec(spec)
+    sizes = {a: getattr(cfg, a) for a in MESH_AXES}
+    if -1 not in sizes.values():
+        needed = math.prod(sizes.values())
+        if needed > len(devices):
+            raise MeshError(f"mesh spec {spec!r} needs {needed} devices, but only {len(devices)} exist"
+                            f"{' (--host_devices=N simulates N CPU devices)' if devices[0].platform == 'cpu' else ''}")
+        devices = devices[:needed]
+    return build_mesh(cfg, devices)
+
+
+def mesh_spec(mesh: Mesh) -> str:
+    """The spec of a mesh's axes larger than 1 (``"data:2,tensor:2"``; ``""`` for one device)."""
+    return ",".join(f"{a}:{n}" for a, n in mesh.shape.items() if n > 1)
+
+
+def axis_shards(mesh: Mesh, logical: str, rules=SAMPLING_RULES) -> int:
+    """Into how many pieces ``rules`` split the logical axis ``logical`` on ``mesh``."""
+    entry = dict(rules)[logical]
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_sampling_fits(mesh: Mesh, model_cfg, rules=SAMPLING_RULES) -> None:
+    """The divisibility the sampling rules need of the model's weights, checked before anything is loaded
+    or compiled (batch rows and cache slots are padded instead). MeshError naming each problem."""
+    problems = []
+
+    def need(logical, size, what):
+        shards = axis_shards(mesh, logical, rules)
+        if size % shards:
+            problems.append(f"{logical} splits {shards} ways ({mesh_spec(mesh)}) but {what}={size} is not "
+                            f"divisible by {shards}")
+
+    need(HEADS, model_cfg.num_attention_heads, "num_attention_heads")
+    if model_cfg.use_indexer:
+        need(INDEX_HEADS, model_cfg.index_n_heads, "index_n_heads")
+    need(VOCAB, model_cfg.vocab_size, "vocab_size")
+    if model_cfg.first_k_dense_replace:
+        need(MLP, model_cfg.intermediate_size, "intermediate_size")
+    if model_cfg.num_moe_layers or model_cfg.num_nextn_predict_layers:
+        need(EXP, model_cfg.n_routed_experts, "n_routed_experts")
+        need(MLP_MOE, model_cfg.moe_intermediate_size, "moe_intermediate_size")
+        if model_cfg.n_shared_experts:
+            need(MLP, model_cfg.moe_intermediate_size * model_cfg.n_shared_experts, "the shared experts' width")
+    if problems:
+        raise MeshError("the sampling mesh does not fit the model: " + "; ".join(problems))

@@ -68,3 +68,11 @@ def skip_absent_tpu() -> str | None:
         jax.config.update("jax_platforms", platforms)
         os.environ["JAX_PLATFORMS"] = platforms
     return platforms
+
+
+def simulate_host_devices(count: int | None) -> None:
+    """Give the CPU platform `count` devices (XLA's ``--xla_force_host_platform_device_count``), e.g. to run a
+    mesh on one host; call before JAX starts a backend. None or 0: leave the flags as they are."""
+    if count:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={count}")

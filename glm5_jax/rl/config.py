@@ -12,6 +12,7 @@ import os
 from glm5_jax import storage
 from glm5_jax.model.config import DTYPES
 from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.parallel.sampling import parse_mesh_spec
 from glm5_jax.train.experiment import apply_overrides, load_config_file
 
 LOSSES = ("dis", "icepop", "ppo_clip")
@@ -40,6 +41,10 @@ class RLConfig:
     # the model's dtype, so e.g. "bfloat16" against a float32 model measures the sampler/learner precision
     # mismatch (the per-version keep_fraction and ratio_dev = mean |r - 1| in rl_metrics.jsonl)
     sampler_dtype: str = ""
+    # the generators' and policy servers' own sampling mesh (glm5_jax.parallel.sampling, e.g.
+    # "data:2,expert:2,tensor:2": weights resident, experts over expert, heads over tensor), not the learner's
+    # training mesh; "": one device
+    sampler_mesh: str = ""
     # loss (docs/training.md#policy-losses): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
     loss: str = "dis"
     eps_low: float = 0.2
@@ -80,6 +85,7 @@ class RLConfig:
         need(0 < self.top_p <= 1, "top_p", "must lie in (0, 1]")
         need(self.top_k >= 0, "top_k", "must be >= 0")
         need(self.sampler_dtype in ("", *DTYPES), "sampler_dtype", f"must be '' or one of {DTYPES}")
+        parse_mesh_spec(self.sampler_mesh)         # MeshError naming what is wrong with the spec
         need(self.eval_every >= 0, "eval_every", "must be >= 0")
         need(self.profile_start >= 0 and self.profile_steps >= 0, "profile_steps",
              "profile_start and profile_steps must be >= 0")

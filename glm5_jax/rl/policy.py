@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
+from glm5_jax.checkpoint.placement import abstract_variables
 from glm5_jax.generate.decoding import Sampler
-from glm5_jax.model.moe.layer import BIAS_COLLECTION
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.mesh import logical_shardings, mesh_and_rules
+from glm5_jax.parallel.sampling import SAMPLING_RULES, check_sampling_fits, sampling_mesh
 
 
 def rl_model_config(sft_model_cfg):
@@ -34,6 +35,15 @@ def sampler_model_config(sft_model_cfg, sampler_dtype: str = ""):
     return cfg.replace(dtype=sampler_dtype) if sampler_dtype else cfg
 
 
+def sampling_policy(rl_cfg, sft_model_cfg) -> "Policy":
+    """The sampler's model (`sampler_model_config`) on its own sampling mesh (``rl.sampler_mesh``, one device
+    when empty), laid out by SAMPLING_RULES; MeshError when the mesh cannot split the model."""
+    cfg = sampler_model_config(sft_model_cfg, rl_cfg.sampler_dtype)
+    mesh = sampling_mesh(rl_cfg.sampler_mesh)
+    check_sampling_fits(mesh, cfg)
+    return Policy(cfg, mesh, SAMPLING_RULES)
+
+
 class Policy:
     """Model, abstract variables with this mesh's shardings, and the jitted helpers that need the mesh."""
 
@@ -41,15 +51,8 @@ class Policy:
         self.cfg = model_cfg
         self.mesh, self.rules = mesh, rules
         self.model = Transformer(model_cfg)
-        with self.context():
-            boxed = jax.eval_shape(lambda r: self.model.init(r, jnp.zeros((1, 8), jnp.int32)),
-                                   jax.ShapeDtypeStruct((2,), jnp.uint32))
-            shardings = meta.unbox(logical_shardings(boxed, mesh, rules))
-        unboxed = meta.unbox(boxed)
-        variables = {"params": unboxed["params"], BIAS_COLLECTION: unboxed.get(BIAS_COLLECTION, {})}
-        self.shardings = {"params": shardings["params"], BIAS_COLLECTION: shardings.get(BIAS_COLLECTION, {})}
-        self.abstract_variables = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), variables, self.shardings)
+        self.abstract_variables = abstract_variables(model_cfg, mesh, rules)
+        self.shardings = jax.tree.map(lambda a: a.sharding, self.abstract_variables)
 
     def abstract_opt_state(self, tx):
         """tx.init's state tree with target shardings: moments inherit their parameter's logical axes."""

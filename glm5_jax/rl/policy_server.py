@@ -3,8 +3,9 @@ newest committed policy version, hot-reloading each newer one.
 
     python -m glm5_jax.rl.policy_server --config=configs/rl_guess.py --workdir=W --port=8101
 
-It serves the sampler's model (`sampler_model_config`: the RL policy, in rl.sampler_dtype when set), so
-the log-probs it returns are the ones the learner recomputes (TITO). It waits for the learner's first
+It serves the sampler's model (`sampler_model_config`: the RL policy, in rl.sampler_dtype when set) on its
+own sampling mesh (rl.sampler_mesh; one device by default; agentic.server_max_batch a multiple of its batch
+shards), so the log-probs it returns are the ones the learner recomputes (TITO). It waits for the learner's first
 version, then reloads every `agentic.reload_interval_s`; each answer names the version it was sampled
 with. Restarted after a crash, it starts from the newest committed version.
 """
@@ -28,19 +29,15 @@ def engine_seq_len(agentic, max_position_embeddings: int) -> int:
 
 def build_engine(exp, sft_cfg, workdir: str):
     """(engine started on the newest committed version, weights watcher started)."""
-    import jax
-
     from glm5_jax.checkpoint.handoff import PolicyReader
-    from glm5_jax.parallel.mesh import MeshConfig, build_mesh
     from glm5_jax.rl.agentic import make_env, stop_token_ids
-    from glm5_jax.rl.policy import Policy, sampler_model_config
+    from glm5_jax.rl.policy import sampling_policy
     from glm5_jax.serve.engine import Engine
     from glm5_jax.serve.reload import PolicySource, WeightsWatcher
 
     ag = exp.agentic
-    cfg = sampler_model_config(sft_cfg.model, exp.rl.sampler_dtype)
-    one = MeshConfig(data=1, fsdp=1)                 # the engine runs on one device
-    policy = Policy(cfg, build_mesh(one, jax.devices()[:1]), one.rules)
+    policy = sampling_policy(exp.rl, sft_cfg.model)  # rl.sampler_mesh (default: one device)
+    cfg = policy.cfg
     reader = PolicyReader(workdir)
     while (version := reader.latest_version()) is None:
         time.sleep(ag.reload_interval_s)
@@ -48,7 +45,7 @@ def build_engine(exp, sft_cfg, workdir: str):
     seq_len = engine_seq_len(ag, cfg.max_position_embeddings)
     engine = Engine(cfg, variables, max_batch=ag.server_max_batch, max_seq_len=seq_len,
                     eos_ids=stop_token_ids(make_env(exp.rl.task, ag)), weights_version=version,
-                    prefill_buckets=(16,))
+                    prefill_buckets=(16,), mesh=policy.mesh if policy.mesh.size > 1 else None)
     engine.warmup((1,))
     engine.start()
     watcher = WeightsWatcher(engine, PolicySource(workdir, variables), cfg, version, ag.reload_interval_s).start()

@@ -26,10 +26,9 @@ import numpy as np
 
 from glm5_jax import storage
 from glm5_jax.checkpoint.handoff import PolicyReader
-from glm5_jax.generate.decoding import generate
-from glm5_jax.parallel.mesh import build_mesh
+from glm5_jax.generate.on_mesh import generate_on_mesh
 from glm5_jax.rl import rollouts as ro
-from glm5_jax.rl.policy import Policy, sampler_model_config
+from glm5_jax.rl.policy import sampling_policy
 from glm5_jax.rl.tasks import make_task
 
 log = logging.getLogger("glm5_jax.rl")
@@ -68,8 +67,7 @@ class Generator:
     def _init_sampler(self, exp, sft_cfg):
         """The task and the local sampling model (a subclass samples elsewhere: glm5_jax.rl.agentic)."""
         self.task = make_task(self.rl.task)
-        self.policy = Policy(sampler_model_config(sft_cfg.model, self.rl.sampler_dtype), build_mesh(exp.mesh),
-                             exp.mesh.rules)
+        self.policy = sampling_policy(self.rl, sft_cfg.model)      # rl.sampler_mesh, not the learner's mesh
 
     # ------------------------------------------------------------------ policy versions
     def meta(self, version: int) -> dict:
@@ -118,10 +116,10 @@ class Generator:
         prompts = np.repeat(prompts, rl.group_size, axis=0)               # G samples per prompt, contiguous
         prompt_lengths = np.repeat(prompt_lengths, rl.group_size)
         variables = self.variables(version)
-        with self.policy.context():
-            out = generate(self.policy.cfg, variables, prompts, prompt_lengths, max_new_tokens=rl.max_new_tokens,
-                           temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
-                           rng=sampling_key(rl.seed, self.gen, seq), eos_ids=self.task.eos_ids)
+        out = generate_on_mesh(self.policy.cfg, variables, prompts, prompt_lengths, self.policy.mesh,
+                               rules=self.policy.rules, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                               top_p=rl.top_p, top_k=rl.top_k, rng=sampling_key(rl.seed, self.gen, seq),
+                               eos_ids=self.task.eos_ids)
         tokens, lengths, logprobs = (np.asarray(x) for x in jax.device_get((out.tokens, out.lengths, out.logprobs)))
         rewards = self.task.rewards(prompts, prompt_lengths, tokens, lengths)
         mask = (np.arange(rl.max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)

@@ -21,10 +21,16 @@ A freed slot keeps its rows and the token ids they hold, so a later request that
 turn of a conversation, or n samples of one prompt) only prefills what is new. Slots are evicted least
 recently used first. New weights (`set_variables`) are swapped in between steps; cached prefixes computed
 with older weights are dropped.
+
+On a sampling ``mesh`` (`glm5_jax.parallel.sampling`) the weights stay resident by SAMPLING_RULES, the
+cache's slots (batch rows) split over the batch axes (``max_batch`` a multiple of them) and its positions
+over ``context`` (the row padded to a multiple); a decode step runs every slot under SAMPLING_RULES, a
+prefill its one row under ONE_ROW_RULES (the row replicated over the batch axes, heads and experts split).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
@@ -36,9 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.checkpoint.placement import variable_shardings
 from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config
-from glm5_jax.model.kv_cache import init_cache
+from glm5_jax.model.kv_cache import cache_shardings, init_cache
 from glm5_jax.model.transformer import Transformer
+from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
+from glm5_jax.parallel.mesh import MeshError, mesh_and_rules
+from glm5_jax.parallel.sampling import ONE_ROW_RULES, SAMPLING_RULES, axis_shards, check_sampling_fits
 from glm5_jax.serve import cache_rows
 from glm5_jax.serve.model_step import decode_logits
 from glm5_jax.serve.sampling import sample_rows
@@ -113,7 +123,7 @@ class Engine:
 
     def __init__(self, cfg, variables, *, max_batch: int = 8, max_seq_len: int = 1024, eos_ids=(),
                  cache_dtype=None, weights_version: int = 0, prefill_buckets=None,
-                 prefill_chunk: int = PREFILL_CHUNK, profiler: StepProfiler | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, profiler: StepProfiler | None = None, mesh=None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         if prefill_chunk < 0:
@@ -126,9 +136,22 @@ class Engine:
         self.prefill_chunk = min(prefill_chunk or max_seq_len, max_seq_len)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.num_top = min(NUM_TOP_LOGPROBS, cfg.vocab_size)
+        self.mesh = mesh
+        slots = max_seq_len + 1                   # the last one: where inactive slots write
+        if mesh is not None:
+            check_sampling_fits(mesh, self.cfg)
+            if max_batch % axis_shards(mesh, BATCH):
+                raise MeshError(f"max_batch={max_batch}: the sampling mesh splits the batch "
+                                f"{axis_shards(mesh, BATCH)} ways; give a multiple of that")
+            slots += -slots % axis_shards(mesh, CACHE_SEQ)
+            self._variable_shardings = variable_shardings(self.cfg, mesh, SAMPLING_RULES)
+            variables = self._placed(variables)
         self.variables = variables
         self.weights_version = weights_version
-        self._cache = init_cache(self.cfg, max_batch, max_seq_len + 1, cache_dtype)["decoder"]
+        self._cache = init_cache(self.cfg, max_batch, slots, cache_dtype)["decoder"]
+        layout = None if mesh is None else cache_shardings(self._cache, mesh, SAMPLING_RULES)
+        if layout is not None:
+            self._cache = jax.device_put(self._cache, layout)
         self._slots = [_Slot(i) for i in range(max_batch)]
         self._waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -144,7 +167,18 @@ class Engine:
         # prompt chunks are padded to one of these lengths (one compiled prefill each)
         self.buckets = sorted({min(b, self.prefill_chunk) for b in prefill_buckets or _powers_of_two(max_seq_len)}
                               | {self.prefill_chunk})
-        self._prefill, self._decode, self._copy = _programs(self.cfg, self.num_top)
+        self._prefill, self._decode, self._copy = (_programs(self.cfg, self.num_top) if layout is None else
+                                                   _programs_on_mesh(self.cfg, self.num_top, layout))
+
+    def _placed(self, variables):
+        """`variables` on the engine's mesh (a no-op without one, or for variables already there)."""
+        if self.mesh is None:
+            return variables
+        return {c: jax.device_put(v, self._variable_shardings[c]) for c, v in variables.items()}
+
+    def _rules(self, rules):
+        """The context an engine program is traced in: `rules` on the engine's mesh (nothing without one)."""
+        return contextlib.nullcontext() if self.mesh is None else mesh_and_rules(self.mesh, rules)
 
     # ---- public API (any thread) ----
 
@@ -188,6 +222,7 @@ class Engine:
 
     def set_variables(self, variables, version: int) -> None:
         """Swap in new weights before the next step."""
+        variables = self._placed(variables)
         with self._cv:
             self._next_variables = (variables, version)
             self._cv.notify()
@@ -322,7 +357,8 @@ class Engine:
             return best, reuse
         target = min(free, key=lambda s: (s.last_used, s.index))     # least recently used
         if reuse > 0:
-            self._cache = self._copy(self._cache, best.index, target.index)
+            with self._rules(SAMPLING_RULES):
+                self._cache = self._copy(self._cache, best.index, target.index)
             target.tokens = best.tokens[:reuse]
             return target, reuse
         return target, 0
@@ -347,14 +383,16 @@ class Engine:
                     np.float32(request.temperature), np.float32(request.top_p), np.int32(request.top_k), key_data,
                     np.int32(0))
             if scores is None:
-                self._cache, out = self._prefill(*args)
+                with self._rules(ONE_ROW_RULES):
+                    self._cache, out = self._prefill(*args)
             else:
                 # position p scores prompt[p + 1], the token after it (the last position has none)
                 targets = np.zeros((1, T), np.int32)
                 targets[0, :end - start - 1] = prompt[start + 1:end]
                 if end < n:
                     targets[0, end - start - 1] = prompt[end]
-                self._cache, (out, scored) = self._prefill(*args, targets)
+                with self._rules(ONE_ROW_RULES):
+                    self._cache, (out, scored) = self._prefill(*args, targets)
                 for p, token in enumerate(_tokens_from(*jax.device_get(scored)), start):
                     if p + 1 < min(end + 1, n):
                         token.top = token.top[:request.num_top]
@@ -379,8 +417,9 @@ class Engine:
                 temperature[s.index], top_p[s.index], top_k[s.index] = r.temperature, r.top_p, r.top_k
                 index[s.index] = len(r.tokens)
                 key_data[s.index] = s.key_data
-        self._cache, out = self._decode(self.variables, self._cache, tokens, positions, temperature, top_p, top_k,
-                                        key_data, index)
+        with self._rules(SAMPLING_RULES):
+            self._cache, out = self._decode(self.variables, self._cache, tokens, positions, temperature, top_p,
+                                            top_k, key_data, index)
         new = _tokens_from(*jax.device_get(out))
         if dry:
             return
@@ -423,10 +462,31 @@ def _powers_of_two(limit: int) -> list[int]:
 @functools.lru_cache(maxsize=8)
 def _programs(cfg, num_top):
     """The jitted prefill, decode step and row copy; shared by engines of one config (compiled once)."""
+    return _programs_on_mesh(cfg, num_top, None)
+
+
+def _programs_on_mesh(cfg, num_top, layout):
+    """`_programs` whose every output cache keeps the shardings `layout` (None: wherever XLA puts it)."""
     model = Transformer(cfg)
-    return (jax.jit(functools.partial(_prefill, model, num_top), donate_argnums=1),
-            jax.jit(functools.partial(_decode, model, num_top), donate_argnums=1),
-            jax.jit(cache_rows.copy_row, donate_argnums=0))
+
+    def pinned(program, name):
+        """`program` (returning (cache, out)) with its cache kept on `layout`."""
+        if layout is None:
+            return program
+
+        def run(*args):
+            cache, out = program(*args)
+            return jax.lax.with_sharding_constraint(cache, layout), out
+        run.__name__ = name                       # the program's name in profiles and HLO dumps
+        return run
+
+    def copy_row(cache, src, dst):
+        cache = cache_rows.copy_row(cache, src, dst)
+        return cache if layout is None else jax.lax.with_sharding_constraint(cache, layout)
+
+    return (jax.jit(pinned(functools.partial(_prefill, model, num_top), "_prefill"), donate_argnums=1),
+            jax.jit(pinned(functools.partial(_decode, model, num_top), "_decode"), donate_argnums=1),
+            jax.jit(copy_row, donate_argnums=0))
 
 
 def _tokens_from(token_B, logprob_B, top_ids_BK, top_logp_BK) -> list[Token]:
