@@ -21,7 +21,7 @@ AttentionMode = Literal["sparse", "dense"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
-MoeEp = Literal["none", "a2a", "ragged_a2a"]
+MoeEp = Literal["none", "a2a", "ragged_a2a", "gather"]
 MoeChunkBy = Literal["tokens", "experts"]   # how moe_a2a_chunks splits a shard's expert work
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
 RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "attention_expert_out_saveable",
@@ -68,7 +68,8 @@ class RuntimeConfig:
     # (glm5_jax/model/moe/blocked.py, fast on CPU)
     moe_impl: MoeImpl = "auto"
     # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/model/moe/expert_parallel.py):
-    # "none" (GSPMD decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
+    # "none" (GSPMD decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only),
+    # "gather" (decode: the expert group's tokens all-gathered, results reduce-scattered; moe/decode_dispatch.py)
     moe_ep: MoeEp = "none"
     moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
     # expert parallelism: a shard's tokens cross the all_to_all in this many chunks, each with its own
@@ -353,6 +354,7 @@ class ModelConfig:
                      f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
         need(self.runtime.quant_matmul == XLA or self.quant == "int4", "quant_matmul",
              'the Pallas INT4 matmul runs on packed weights (quant="int4")')
-        need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep == "none", "quant_matmul",
-             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none")')
+        need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep in ("none", "gather"), "quant_matmul",
+             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none") or in the decode '
+             'dispatch (moe_ep="gather")')
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
