@@ -48,7 +48,21 @@ def int4_block_rows(rows: int) -> int:
     return min(INT4_MAX_BLOCK, -(-max(rows, 1) // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
-def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, block: int):
+def touched_share(n_tokens: int, top_k: int, n_experts: int) -> float:
+    """Expected share of the experts that ``n_tokens`` tokens choose at least once (uniform routing, each
+    token K distinct experts): 1 - (1 - K / E)^N."""
+    return 1.0 - (1.0 - top_k / n_experts) ** n_tokens
+
+
+def expected_blocks(n_tokens: int, top_k: int, n_experts: int, n_local: int, block: int) -> int:
+    """INT4 kernel row blocks a chip holding ``n_local`` experts is expected to compute for ``n_tokens``
+    tokens: its touched experts, each with its expected rows in whole blocks (the kernel's cost hint)."""
+    touched = n_local * touched_share(n_tokens, top_k, n_experts)
+    rows = n_tokens * top_k * n_local / n_experts
+    return max(1, math.ceil(touched * math.ceil(rows / max(touched, 1e-9) / block)))
+
+
+def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, block: int, cost_blocks=None):
     """SwiGLU of rows sorted by local expert (``group_sizes`` [E_local + 1]: the last group, other chips'
     experts, is not computed) -> [M, D] fp32, zero past the local groups."""
     w_gate, w_up, w_down = weights
@@ -63,7 +77,8 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
 
     def mm(x, w):
         return int4_ops.int4_block_matmul(x, block_expert, n_used, w.packed, w.scale,
-                                          group_size=cfg.quant_group_size, impl=cfg.runtime.quant_matmul)
+                                          group_size=cfg.quant_group_size, impl=cfg.runtime.quant_matmul,
+                                          cost_blocks=cost_blocks)
 
     h = (jax.nn.silu(mm(x_blocks, w_gate)) * mm(x_blocks, w_up)).astype(dtype)
     y_blocks = mm(h, w_down)
@@ -88,7 +103,9 @@ def gathered_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, cfg: ModelConfig)
     n_local = E // n_ep
     n_gather = math.prod(mesh.shape[a] for a in gather)
     # rows a chip's experts expect per step: its share of the gathered assignments
-    block = int4_block_rows(-(-(N // max(1, math.prod(mesh.shape[a] for a in batch)) * n_gather * K) // n_ep))
+    n_seen = N // math.prod(mesh.shape[a] for a in batch) * n_gather     # tokens a chip's experts see
+    block = int4_block_rows(-(-n_seen * K // n_ep))
+    cost_blocks = expected_blocks(n_seen, K, E, n_local, block)
     dt = cfg.jnp_dtype
 
     def body(x, idx, *w):
@@ -100,7 +117,7 @@ def gathered_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, cfg: ModelConfig)
         order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
         weights = (int4_weights.Int4Weight(*w[0:2]), int4_weights.Int4Weight(*w[2:4]),
                    int4_weights.Int4Weight(*w[4:6])) if len(w) == 6 else w
-        y_sorted = local_swiglu(x.astype(dt)[order // k], group_sizes, weights, dt, cfg, block)
+        y_sorted = local_swiglu(x.astype(dt)[order // k], group_sizes, weights, dt, cfg, block, cost_blocks)
         y = y_sorted[jnp.argsort(order)].reshape(n, k, -1).astype(dt)
         if mlp:
             y = jax.lax.psum(y, mlp)

@@ -1,0 +1,96 @@
+"""The decode-only program: N greedy decode steps over a filled latent cache, one program on device.
+
+    tokens_BN, cache = decode_steps(cfg, N, variables, token_B, position_B, cache)
+
+Step s feeds the previous token at position ``position_B + s`` (its row written into the cache there) and
+takes the argmax of the logits as the next token; the loop is a ``lax.fori_loop`` inside one jitted program,
+so no host round trip per token. This is the steady state of `glm5_jax.generate.decoding` (after the
+prefill), built apart so a compile report can lower it with abstract, sharded params and a cache of T slots
+(`abstract_decode_inputs`) and without a prompt.
+
+`decode_model_config` gives the inference settings: bf16 weights, the absorbed form, the DSA sparse stage,
+the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
+bf16 or packed INT4 through the Pallas kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from glm5_jax.generate.decoding import decode_config
+from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache
+from glm5_jax.model.transformer import Transformer
+from glm5_jax.parallel.axes import BATCH
+from glm5_jax.parallel.mesh import logical_shardings
+from glm5_jax.parallel.shard_map import logical_mesh_axes
+from glm5_jax.parallel.sampling import SAMPLING_RULES
+
+EXPERTS = ("bf16", "int4")
+
+
+def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto"):
+    """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"."""
+    if experts not in EXPERTS:
+        raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
+    cfg = decode_config(cfg).replace(moe_ep="gather", dtype="bfloat16", param_dtype="bfloat16",
+                                     attention_mode="sparse", moe_impl=moe_impl)
+    if experts == "int4":
+        cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul)
+    return cfg
+
+
+def decode_rules(batch: int, mesh, rules=SAMPLING_RULES):
+    """``rules``, except that a batch that does not split over the batch axes (batch 1) is replicated."""
+    with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
+        shards = math.prod(mesh.shape[a] for a in logical_mesh_axes(BATCH))
+    if batch % shards == 0:
+        return rules
+    return tuple((name, None) if name == BATCH else (name, axes) for name, axes in rules)
+
+
+def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
+    """``steps`` greedy decode steps -> (tokens [B, steps] int32, the updated cache)."""
+    model = Transformer(cfg)
+    B = token_B.shape[0]
+    ones = jnp.ones((B, 1), jnp.int32)
+
+    def step(s, carry):
+        token, cache, out = carry
+        logits, _, cache = model.apply(variables, token[:, None], (position_B + s)[:, None], ones, cache,
+                                       method=Transformer.decode)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return token, constrain_cache(cache), out.at[:, s].set(token)
+
+    out = jnp.zeros((B, steps), jnp.int32)
+    _, cache, out = jax.lax.fori_loop(0, steps, step, (token_B, constrain_cache(cache), out))
+    return out, cache
+
+
+def abstract_decode_inputs(cfg, mesh, rules, batch: int, context: int):
+    """(variables, token [B], position [B], cache of ``context`` slots) as ShapeDtypeStructs with their
+    shardings under ``rules``: nothing allocated."""
+    model = Transformer(cfg)
+    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    shardings = logical_shardings(boxed, mesh, rules)
+    variables = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             nn.meta.unbox(boxed), shardings)
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, context)["decoder"])
+    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                         cache_shardings(cache, mesh, rules))
+    rows = NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH,), rules))
+    token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+    return variables, token, token, cache
+
+
+def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
+    """The jitted decode program lowered with abstract inputs (the cache donated)."""
+    args = abstract_decode_inputs(cfg, mesh, rules, batch, context)
+    fn = jax.jit(lambda v, t, p, c: decode_steps(cfg, steps, v, t, p, c), donate_argnums=(3,),
+                 out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)),
+                                jax.tree.map(lambda x: x.sharding, args[3])))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return fn.lower(*args), args
