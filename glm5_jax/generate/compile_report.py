@@ -121,7 +121,7 @@ def _batch_axes(mesh, rules):
 
 
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
-                  quant_matmul: str = "pallas", devices=None) -> dict:
+                  quant_matmul: str = "pallas", devices=None, cache_write: str = "rows") -> dict:
     """Lower + compile one decode point; the report record (module docstring)."""
     devices = topology_devices(topology) if devices is None else devices
     mesh_cfg = parse_mesh_spec(mesh_spec)
@@ -131,12 +131,13 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
                           else sizes["data"] * sizes["fsdp"] * sizes["expert"])
     if context % sizes["context"]:
         raise ValueError(f"context={context} does not split over context={sizes['context']}")
-    cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul)
+    cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write)
     rules = decode_rules(batch, mesh, mesh_cfg.rules)
     chip = chip_of_topology(topology)
     n = len(devices)
     header = {"topology": topology, "chips": n, "mesh": {a: s for a, s in sizes.items() if s > 1}, "batch": batch,
-              "context": context, "experts": experts, "steps": steps, "hbm_limit_gib": chip.hbm_bytes / GIB}
+              "context": context, "experts": experts, "steps": steps, "cache_write": cache_write,
+              "hbm_limit_gib": chip.hbm_bytes / GIB}
     t0 = time.perf_counter()
     lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
     t_lower = time.perf_counter() - t0
@@ -236,7 +237,8 @@ def main(argv=None):
     for p in points:
         log.info("compiling %s", p)
         r = compile_point(cfg, p["topology"], p["mesh"], p["batch"], p["context"], p["experts"],
-                          p.get("steps", args.steps), quant_matmul=args.quant_matmul)
+                          p.get("steps", args.steps), quant_matmul=args.quant_matmul,
+                          cache_write=p.get("cache_write", "rows"))
         records.append(r)
         append_records(args.out, [r])
         print(table([r]), flush=True)

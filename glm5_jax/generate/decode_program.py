@@ -9,7 +9,8 @@ prefill), built apart so a compile report can lower it with abstract, sharded pa
 (`abstract_decode_inputs`) and without a prompt.
 
 `decode_model_config` gives the inference settings: bf16 weights, the absorbed form, the DSA sparse stage,
-the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
+layers that read the cache and return their new rows (``decode_cache_write="rows"``,
+glm5_jax/model/decode_rows.py: no per-step copy of the cache), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
 bf16 or packed INT4 through the Pallas kernel.
 """
 from __future__ import annotations
@@ -32,12 +33,14 @@ from glm5_jax.parallel.sampling import SAMPLING_RULES
 EXPERTS = ("bf16", "int4")
 
 
-def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto"):
-    """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"."""
+def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
+                        cache_write: str = "rows"):
+    """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"; ``cache_write`` the
+    RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan)."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
     cfg = decode_config(cfg).replace(moe_ep="gather", dtype="bfloat16", param_dtype="bfloat16",
-                                     attention_mode="sparse", moe_impl=moe_impl)
+                                     attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write)
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul)
     return cfg

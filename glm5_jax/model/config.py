@@ -18,6 +18,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["reference", "xla", "pallas", "pallas_interpret"]
 MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
+DecodeCacheWrite = Literal["layer", "rows"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
@@ -99,6 +100,10 @@ class RuntimeConfig:
     # the key / value blocks more often
     attention_block: int = 512
     attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
+    # decoding over a cache: "layer" (each layer writes its rows into its cache and attends to it) or "rows" (each
+    # layer reads the cache as it was and returns its new rows, written after the layer scan in place; main stack
+    # only: glm5_jax/model/decode_rows.py)
+    decode_cache_write: DecodeCacheWrite = "layer"
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):
