@@ -20,6 +20,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding
 
 from glm5_jax.generate.decoding import decode_config
@@ -90,10 +91,12 @@ def abstract_decode_inputs(cfg, mesh, rules, batch: int, context: int):
 
 
 def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
-    """The jitted decode program lowered with abstract inputs (the cache donated)."""
+    """The jitted decode program lowered with abstract inputs (the cache donated, in and out in the layout the
+    compiler picks: it lives on device between calls, so no layout copy of the whole cache at entry and exit)."""
     args = abstract_decode_inputs(cfg, mesh, rules, batch, context)
+    cache_formats = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), args[3])
     fn = jax.jit(lambda v, t, p, c: decode_steps(cfg, steps, v, t, p, c), donate_argnums=(3,),
-                 out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)),
-                                jax.tree.map(lambda x: x.sharding, args[3])))
+                 in_shardings=(*(jax.tree.map(lambda x: x.sharding, a) for a in args[:3]), cache_formats),
+                 out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)), cache_formats))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         return fn.lower(*args), args
