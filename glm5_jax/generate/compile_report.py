@@ -24,6 +24,7 @@ compiles it with libtpu for the topology and appends one record to the JSON list
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import math
@@ -121,8 +122,9 @@ def _batch_axes(mesh, rules):
 
 
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
-                  quant_matmul: str = "pallas", devices=None, cache_write: str = "rows") -> dict:
-    """Lower + compile one decode point; the report record (module docstring)."""
+                  quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None) -> dict:
+    """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
+    compiled HLO there (gzip)."""
     devices = topology_devices(topology) if devices is None else devices
     mesh_cfg = parse_mesh_spec(mesh_spec)
     mesh = build_mesh(mesh_cfg, devices=devices)
@@ -155,9 +157,12 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
     mem = compiled.memory_analysis()
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
              + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    hlo_text = compiled.as_text()
+    if hlo_path:
+        storage.write_atomically(hlo_path, gzip.compress(hlo_text.encode()))
     return {**header, "fits": total <= chip.hbm_bytes, "memory_gib": total / GIB,
             "memory_detail_gib": {"arguments": mem.argument_size_in_bytes / GIB, "temp": mem.temp_size_in_bytes / GIB},
-            **step_costs(compiled.as_text(), topology, mesh, batch, steps, roofline),
+            **step_costs(hlo_text, topology, mesh, batch, steps, roofline),
             "lower_seconds": round(t_lower, 1), "compile_seconds": round(t_compile, 1)}
 
 
@@ -225,6 +230,7 @@ def main(argv=None):
     ap.add_argument("--points", help="a JSON list of {topology, mesh, batch, context, experts[, steps]}")
     ap.add_argument("--quant_matmul", default="pallas", help="the INT4 matmul impl (pallas on TPU)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hlo_dir", help="also write each point's compiled HLO there (gzip)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.points:
@@ -238,7 +244,8 @@ def main(argv=None):
         log.info("compiling %s", p)
         r = compile_point(cfg, p["topology"], p["mesh"], p["batch"], p["context"], p["experts"],
                           p.get("steps", args.steps), quant_matmul=args.quant_matmul,
-                          cache_write=p.get("cache_write", "rows"))
+                          cache_write=p.get("cache_write", "rows"),
+                          hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
         records.append(r)
         append_records(args.out, [r])
         print(table([r]), flush=True)

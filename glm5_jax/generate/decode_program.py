@@ -32,6 +32,7 @@ from glm5_jax.parallel.shard_map import logical_mesh_axes
 from glm5_jax.parallel.sampling import SAMPLING_RULES
 
 EXPERTS = ("bf16", "int4")
+DISPATCH_CAPACITY = 2.0     # a chip's experts take up to 2x their expected share of the step's assignments
 
 
 def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
@@ -41,7 +42,8 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
     cfg = decode_config(cfg).replace(moe_ep="gather", dtype="bfloat16", param_dtype="bfloat16",
-                                     attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write)
+                                     attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
+                                     moe_capacity_factor=DISPATCH_CAPACITY)
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul)
     return cfg

@@ -49,3 +49,10 @@ def test_local_assignments_sort_own_experts_first():
     order, sizes = local_assignments(idx, 2, 2)
     assert sizes.tolist() == [2, 1, 3]                  # expert 2 twice, expert 3 once, three elsewhere
     assert order[:3].tolist() == [1, 4, 2]
+
+
+def test_local_capacity_is_factor_times_share_in_whole_tiles():
+    from glm5_jax.model.moe.decode_dispatch import local_capacity
+    assert local_capacity(16384, 4, 256, 2.0) == 512          # 2048 tokens x 8 choices: 256 expected on 4 of 256
+    assert local_capacity(8, 32, 256, 2.0) == 8               # batch 1: all 8 assignments fit a 16-row tile
+    assert local_capacity(1000, 1, 256, 1.0) == 16            # 3.9 expected -> one tile

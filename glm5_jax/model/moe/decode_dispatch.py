@@ -4,10 +4,11 @@
 the logical "exp" axis, each chip holding its experts whole (their F width possibly split over the axis of
 "mlp_moe"). Per layer and chip:
 
-    tokens x [N_local, D], choices [N_local, K]  --all_gather over the expert axis-->  [N_g, D], [N_g, K]
+    tokens x [N_local, D], choices and gates [N_local, K]  --all_gather over the expert axis-->  [N_g, ...]
     the assignments to this chip's experts, sorted by local expert  ->  grouped SwiGLU (bf16 grouped matmul,
-    or the packed INT4 kernel: pallas_kernels/int4_matmul)  ->  y [N_g, K, D] (zero for other chips' experts)
-    --sum over the expert axis (reduce-scatter back to each token's chip; plus the F-width axis)-->  [N_local, K, D]
+    or the packed INT4 kernel: pallas_kernels/int4_matmul)  ->  gate-weighted sum per token y [N_g, D] (zero
+    for tokens that chose none of this chip's experts)
+    --sum over the expert axis (reduce-scatter back to each token's chip; plus the F-width axis)-->  [N_local, D]
 
 A decode step carries a handful of tokens per chip, so gathering every token of the expert group (N_g x D
 bf16: 12 KiB a token at GLM-5's D = 6144) costs less than the capacity bookkeeping of an all-to-all, and
@@ -85,9 +86,20 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
     return y_blocks.reshape(-1, y_blocks.shape[-1])[dest]
 
 
-def gathered_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, cfg: ModelConfig):
-    """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, K, D] fp32, the experts resident on the chips of the
-    expert axis (module docstring). Weights: [E, D, F], [E, D, F], [E, F, D] arrays or `Int4Weight`s."""
+def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: float) -> int:
+    """Rows a chip's experts take per step: ``factor`` x their expected share of the gathered assignments, in
+    whole sublane tiles, at most all of them."""
+    return min(n_assignments, -(-math.ceil(factor * n_assignments * n_local / n_experts) // ROW_MULTIPLE) * ROW_MULTIPLE)
+
+
+def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
+    """The routed experts' gate-weighted sum sum_k gates[n, k] SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, D] fp32, the
+    experts resident on the chips of the expert axis (module docstring). Weights: [E, D, F], [E, D, F], [E, F, D]
+    arrays or `Int4Weight`s.
+
+    A chip takes at most `local_capacity` (``RuntimeConfig.moe_capacity_factor`` x its expected share) of the
+    gathered assignments, its own experts' first in token order; assignments past it (none while routing is
+    within the factor of uniform) add nothing."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise ValueError("moe_ep='gather' needs a mesh in context (jax.set_mesh) and logical axis rules")
@@ -101,24 +113,26 @@ def gathered_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, cfg: ModelConfig)
     gather = tuple(a for a in ep if a in batch)         # token shards the expert group gathers
     n_ep = math.prod(mesh.shape[a] for a in ep)
     n_local = E // n_ep
-    n_gather = math.prod(mesh.shape[a] for a in gather)
-    # rows a chip's experts expect per step: its share of the gathered assignments
-    n_seen = N // math.prod(mesh.shape[a] for a in batch) * n_gather     # tokens a chip's experts see
-    block = int4_block_rows(-(-n_seen * K // n_ep))
+    n_seen = N // math.prod(mesh.shape[a] for a in batch) * math.prod(mesh.shape[a] for a in gather)
+    cap = local_capacity(n_seen * K, n_local, E, cfg.runtime.moe_capacity_factor)
+    block = int4_block_rows(-(-n_seen * K * n_local // E))
     cost_blocks = expected_blocks(n_seen, K, E, n_local, block)
     dt = cfg.jnp_dtype
 
-    def body(x, idx, *w):
+    def body(x, idx, gates, *w):
         if gather:
-            x = jax.lax.all_gather(x, gather, axis=0, tiled=True)
-            idx = jax.lax.all_gather(idx, gather, axis=0, tiled=True)
+            x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
         n, k = idx.shape
         first = (jax.lax.axis_index(ep) if ep else 0) * n_local
         order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
+        take = order[:cap]                                          # this chip's assignments first
+        kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
+        sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
         weights = (int4_weights.Int4Weight(*w[0:2]), int4_weights.Int4Weight(*w[2:4]),
                    int4_weights.Int4Weight(*w[4:6])) if len(w) == 6 else w
-        y_sorted = local_swiglu(x.astype(dt)[order // k], group_sizes, weights, dt, cfg, block, cost_blocks)
-        y = y_sorted[jnp.argsort(order)].reshape(n, k, -1).astype(dt)
+        y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
+        y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
+        y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:
@@ -133,6 +147,6 @@ def gathered_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, cfg: ModelConfig)
         specs = (in_up, in_up, in_up, in_up, in_down, in_down)
     else:
         operands, specs = (w_gate, w_up, w_down), (in_up, in_up, in_down)
-    y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, *specs), out_specs=P(batch or None, None, None),
-                      check_vma=False)(x_ND, expert_idx_NK, *operands)
+    y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=P(batch or None, None),
+                      check_vma=False)(x_ND, expert_idx_NK, gates_NK, *operands)
     return y.astype(jnp.float32)
