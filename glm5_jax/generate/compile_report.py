@@ -207,7 +207,7 @@ def table(records) -> str:
                      f"{r['memory_gib']:.1f} | {r['estimated_step_seconds'] * 1e3:.2f} | "
                      f"{r['hbm_roofline_seconds'] * 1e3:.2f} | {r['over_hbm_roofline']:.2f}x | "
                      f"{r['communication_seconds'] * 1e3:.2f} ({r['exposed_communication_seconds'] * 1e3:.2f}) | "
-                     f"{r['tokens_per_second_per_chip']:.0f} | {cats} |")
+                     f"{r['tokens_per_second_per_chip']:.3g} | {cats} |")
     return "\n".join(lines) + "\n"
 
 
