@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model import context_attention, mha_form
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_rope, rope_cos_sin
@@ -156,6 +157,9 @@ class MLAttention(nn.Module):
         c = RMSNorm(cfg.latent_norm_eps, KV_LORA, pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
         k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)
+        if cache is not None and cfg.runtime.decode_cache_write == "rows":     # glm5_jax/model/decode_rows.py
+            return self._decode_rows(a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, latent_BSC, cache,
+                                     (w_uk, w_uv, w_o))
         kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
         if cache is not None:
             cache = dict(cache, latent=write_rows(cache["latent"], latent_BSC, positions_BT))
@@ -218,6 +222,29 @@ class MLAttention(nn.Module):
         # ---- project out
         o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
+
+    def _decode_rows(self, a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, new_latent_BTC, cache, weights):
+        """Decode against the cache as it was before this step (glm5_jax/model/decode_rows.py) -> AttentionOutput
+        whose cache is only this step's new rows ({"latent": [B, T, C][, "index_key": [B, T, d_I]]})."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        w_uk, w_uv, w_o = weights
+        if cfg.runtime.attention_mode != "sparse" or self.indexer_kind == "none":
+            raise ValueError("decode_cache_write='rows' decodes DSA layers (sparse stage, an indexer)")
+        new = {"latent": new_latent_BTC.astype(cache["latent"].dtype)}
+        selection = prev_selection
+        if self.indexer_kind == "full":
+            q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT)
+            new["index_key"] = k_i.astype(cache["index_key"].dtype)
+            with jax.named_scope("lightning_indexer"):
+                selection = decode_rows.topk_with_new_rows(q_i, cache["index_key"], new["index_key"], w_i,
+                                                           positions_BT, cfg.index_topk)
+        q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
+        with jax.named_scope("attention_core"):
+            o_lat = decode_rows.attend_with_new_rows(q_abs, cache["latent"], new["latent"], *selection[:2],
+                                                     positions_BT, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
+        o = constrain(einsum("bthr,rhv->bthv", o_lat, w_uv, dt), (BATCH, SEQ, ACT_HEADS, None))
+        return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=cfg.runtime.projection_impl), selection,
+                               None, new)
 
     def _flash_core(self, q, k, v, positions_BT, segment_ids_BT, allowed_BTS=None):
         """Causal attention in the MHA form over every visible key, or only the ``allowed`` ones (the

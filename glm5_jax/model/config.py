@@ -18,10 +18,11 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["reference", "xla", "pallas", "pallas_interpret"]
 MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
+DecodeCacheWrite = Literal["layer", "rows"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
-MoeEp = Literal["none", "a2a", "ragged_a2a"]
+MoeEp = Literal["none", "a2a", "ragged_a2a", "gather"]
 MoeChunkBy = Literal["tokens", "experts"]   # how moe_a2a_chunks splits a shard's expert work
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
 RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "attention_expert_out_saveable",
@@ -68,7 +69,8 @@ class RuntimeConfig:
     # (glm5_jax/model/moe/blocked.py, fast on CPU)
     moe_impl: MoeImpl = "auto"
     # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/model/moe/expert_parallel.py):
-    # "none" (GSPMD decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only)
+    # "none" (GSPMD decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only),
+    # "gather" (decode: the expert group's tokens all-gathered, results reduce-scattered; moe/decode_dispatch.py)
     moe_ep: MoeEp = "none"
     moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
     # expert parallelism: a shard's tokens cross the all_to_all in this many chunks, each with its own
@@ -98,6 +100,10 @@ class RuntimeConfig:
     # the key / value blocks more often
     attention_block: int = 512
     attention_mode: AttentionMode = "sparse"  # "sparse" (DSA top-k) or "dense" (causal: dense / warm-up stage)
+    # decoding over a cache: "layer" (each layer writes its rows into its cache and attends to it) or "rows" (each
+    # layer reads the cache as it was and returns its new rows, written after the layer scan in place; main stack
+    # only: glm5_jax/model/decode_rows.py)
+    decode_cache_write: DecodeCacheWrite = "layer"
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):
@@ -353,6 +359,7 @@ class ModelConfig:
                      f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
         need(self.runtime.quant_matmul == XLA or self.quant == "int4", "quant_matmul",
              'the Pallas INT4 matmul runs on packed weights (quant="int4")')
-        need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep == "none", "quant_matmul",
-             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none")')
+        need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep in ("none", "gather"), "quant_matmul",
+             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none") or in the decode '
+             'dispatch (moe_ep="gather")')
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from glm5_jax.model.attention import (ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAMES, Q_LATENT_NAME, SELECTION_NAME,
                                       MLAttention)
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.kv_cache import write_stacked_rows
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.model.layers import ACT_BTD, SWIGLU_SAVED_NAMES, RMSNorm, SwiGLU, constrain
@@ -193,6 +194,8 @@ class DecoderStack(nn.Module):
                                                                               seg_cache)
             # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u
             segment_stats.append(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stats))
+            if cache is not None and cfg.runtime.decode_cache_write == "rows":    # the layers returned their new rows
+                seg_cache = write_stacked_rows(cache[seg.name], seg_cache, positions_BT)
             new_cache[seg.name] = seg_cache
         return StackOutput(carry[0], concatenate(segment_stats), None if cache is None else new_cache)
 

@@ -77,6 +77,15 @@ def write_rows(cache_BSX, rows_BTX, positions_BT):
     return jax.vmap(one)(cache_BSX, rows_BTX, positions_BT[:, 0])
 
 
+def write_stacked_rows(cache, rows, positions_BT):
+    """A segment's cache ({layer_i: {name: [repeats, B, S, X]}}) with every layer's new rows ({layer_i: {name:
+    [repeats, B, T, X]}}) written at slots positions[b, 0] .. + T - 1 (``decode_cache_write="rows"``)."""
+    def one(c_RSX, r_RTX, start):
+        return jax.lax.dynamic_update_slice(c_RSX, r_RTX.astype(c_RSX.dtype), (0, start, 0))
+    write = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)
+    return jax.tree.map(lambda c, r: write(c, r, positions_BT[:, 0]), cache, rows)
+
+
 def cache_slots(cache_BSX):
     """(positions, segment ids) of a decode cache's slots: slot s holds position s, all in segment 1."""
     B, S = cache_BSX.shape[:2]

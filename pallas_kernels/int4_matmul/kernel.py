@@ -57,10 +57,21 @@ def _kernel(block_expert_ref, n_used_ref, x_ref, packed_ref, scale_ref, y_ref, a
         y_ref[...] = acc_ref[...]
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "tile_n", "tile_k", "interpret"))
+def cost_estimate(n_blocks, m, K, N, group_size, x_itemsize, scale_itemsize) -> pl.CostEstimate:
+    """What ``n_blocks`` computed row blocks cost: their products, activations, outputs, and each block's
+    expert weights streamed once (packed words and scales)."""
+    weight_bytes = K * N // 2 + K // group_size * N * scale_itemsize
+    return pl.CostEstimate(flops=2 * n_blocks * m * K * N, transcendentals=0,
+                           bytes_accessed=n_blocks * (m * K * x_itemsize + weight_bytes + m * N * 4))
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "tile_n", "tile_k", "interpret", "cost_blocks"))
 def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size, tile_n=512,
-                      tile_k=1024, interpret=False):
-    """[n, m, K] activations x packed INT4 [E, K, N] (block i uses expert block_expert[i]) -> [n, m, N] fp32."""
+                      tile_k=1024, interpret=False, cost_blocks=None):
+    """[n, m, K] activations x packed INT4 [E, K, N] (block i uses expert block_expert[i]) -> [n, m, N] fp32.
+
+    ``cost_blocks``: the row blocks expected to hold rows (n_used is known only at run time), for the
+    kernel's declared cost estimate; default all n."""
     n, m, K = x_nmK.shape
     E, _, N = packed_EkN.shape
     G = group_size
@@ -87,6 +98,8 @@ def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, g
         ),
         out_shape=jax.ShapeDtypeStruct((n, m, N), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost_estimate(n if cost_blocks is None else min(n, cost_blocks), m, K, N, G,
+                                    x_nmK.dtype.itemsize, scale_EgN.dtype.itemsize),
         interpret=interpret,
     )(block_expert_n.astype(jnp.int32), jnp.reshape(n_used, (1,)).astype(jnp.int32), x_nmK, packed_EkN,
       scale_EcjN)

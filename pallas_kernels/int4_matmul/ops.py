@@ -15,27 +15,28 @@ from pallas_kernels.int4_matmul import kernel, reference
 IMPLS = (XLA, PALLAS, PALLAS_INTERPRET)
 
 
-def _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl):
+def _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl, cost_blocks=None):
     if impl == XLA:
         return reference.int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN,
                                            group_size=group_size)
     if impl in PALLAS_IMPLS:
         return kernel.int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN,
-                                        group_size=group_size, interpret=impl == PALLAS_INTERPRET)
+                                        group_size=group_size, interpret=impl == PALLAS_INTERPRET,
+                                        cost_blocks=cost_blocks)
     raise ValueError(f"int4_block_matmul: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl):
-    return _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl, cost_blocks):
+    return _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl, cost_blocks)
 
 
-def _matmul_fwd(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl):
-    y = _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl)
+def _matmul_fwd(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl, cost_blocks):
+    y = _forward(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl, cost_blocks)
     return y, (x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN)
 
 
-def _matmul_bwd(group_size, impl, residuals, dy_nmN):
+def _matmul_bwd(group_size, impl, cost_blocks, residuals, dy_nmN):
     x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN = residuals
     w_EKN = reference.dequantized_weights(packed_EkN, scale_EgN, group_size, x_nmK.dtype)
     used = (jnp.arange(x_nmK.shape[0]) < n_used)[:, None, None]
@@ -48,6 +49,8 @@ def _matmul_bwd(group_size, impl, residuals, dy_nmN):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size, impl="xla"):
-    """y[i] = x[i] @ dequantize(w[block_expert[i]]) for blocks i < n_used, 0 after -> [n, m, N] fp32."""
-    return _matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl)
+def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size, impl="xla",
+                      cost_blocks=None):
+    """y[i] = x[i] @ dequantize(w[block_expert[i]]) for blocks i < n_used, 0 after -> [n, m, N] fp32.
+    ``cost_blocks``: the blocks expected to be used, for the Pallas kernel's declared cost (default all)."""
+    return _matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, group_size, impl, cost_blocks)

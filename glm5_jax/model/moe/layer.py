@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import SwiGLU, constrain, logical_param, normal_init
-from glm5_jax.model.moe import int4_swiglu, int4_weights
+from glm5_jax.model.moe import decode_dispatch, int4_swiglu, int4_weights
 from glm5_jax.model.moe.blocked import BLOCKED_MOE_NAMES, blocked_swiglu
 from glm5_jax.model.moe.expert_parallel import expert_parallel_swiglu
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, KERNEL_IMPLS, sorted_swiglu
@@ -100,7 +100,10 @@ class MoE(nn.Module):
                                         precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32
         expert_idx, gates = route(scores, nn.unbox(bias.value), cfg)
         dropped = None
-        if isinstance(w_gate, int4_weights.Int4Weight):              # packed INT4 experts, Pallas kernel
+        gathered = cfg.runtime.moe_ep == "gather" and not self.is_initializing()   # decode: moe/decode_dispatch.py
+        if gathered:    # the gate-weighted sum comes back, reduce-scattered per token
+            routed = decode_dispatch.gathered_moe(x_ND, expert_idx, gates, w_gate, w_up, w_down, cfg)
+        elif isinstance(w_gate, int4_weights.Int4Weight):              # packed INT4 experts, Pallas kernel
             y_NKD = int4_swiglu.grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg)
         elif self.is_initializing():   # only the variables matter; init's dummy batch need not split over the mesh
             y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, RAGGED_DOT)
@@ -108,8 +111,9 @@ class MoE(nn.Module):
             y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.runtime.moe_impl)
         else:   # expert parallel over the mesh in context (glm5_jax/model/moe/expert_parallel.py)
             y_NKD, dropped = expert_parallel_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, cfg)
-        y_NKD = checkpoint_name(y_NKD, EXPERT_OUT_NAME)
-        routed = jnp.einsum("nk,nkd->nd", gates, y_NKD)                                 # fp32 accumulation
+        if not gathered:
+            y_NKD = checkpoint_name(y_NKD, EXPERT_OUT_NAME)
+            routed = jnp.einsum("nk,nkd->nd", gates, y_NKD)                             # fp32 accumulation
         out = routed.reshape(B, T, D)
         if cfg.n_shared_experts:
             out = out + SwiGLU(cfg, cfg.n_shared_experts * F, name="shared_expert")(x_BTD).astype(jnp.float32)

@@ -1,0 +1,257 @@
+"""Ahead-of-time compile of the multi-step decode program for a TPU topology, from a CPU host (nothing allocated).
+
+    python -m glm5_jax.generate.compile_report --topology=v5p:4x4x4 --mesh=expert:8,tensor:8 --batch=1 \\
+        --context=8192 --experts=int4 [--steps=8] --out=bench/results/decode_744b.json
+    python -m glm5_jax.generate.compile_report --points=FILE.json --out=...    (a list of such points)
+
+Each point lowers `glm5_jax.generate.decode_program` (``steps`` greedy decode steps in one program over a
+cache of ``context`` slots, abstract params sharded by the sampling rules of glm5_jax/parallel/sampling.py),
+compiles it with libtpu for the topology and appends one record to the JSON list ``--out``:
+
+* ``memory_gib``: per chip, XLA's memory analysis (arguments + outputs - aliased + temps); ``fits`` against the
+  chip's HBM (v5p: 95.74 GiB).
+* ``estimated_step_seconds``: glm5_jax.cost.hlo_cost on the compiled HLO (every op at max(FLOPs / achievable
+  FLOP/s, bytes / achievable HBM bytes/s), loop bodies x trip counts, plus the exposed communication of the
+  ICI model), divided by ``steps``; ``tokens_per_second_per_chip`` = batch / chips / that.
+* ``hbm_roofline_seconds``: the bytes a decode step must read per chip, by hand (`step_read_bytes`), over the
+  chip's achievable HBM bandwidth: the resident weights a step touches (every non-expert weight shard; the
+  local routed experts the step's tokens choose, expected under uniform routing; the embedding rows of its
+  tokens) and the cache rows it reads (every indexer key of its rows, and the ``index_topk`` selected latent
+  rows per layer).
+* ``communication_seconds``: every collective per step in the ICI model (``exposed_...``: what the schedule
+  does not hide); ``top_categories``: the step's roofline seconds per category (glm5_jax.cost.categories).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import math
+import os
+import runpy
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from glm5_jax import storage
+from glm5_jax.cost.categories import categorize
+from glm5_jax.cost.chips import chip_of_topology
+from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
+from glm5_jax.cost.ici import CollectiveModel, torus_dims
+from glm5_jax.generate.decode_program import decode_model_config, decode_rules, lower_decode
+from glm5_jax.model.moe.decode_dispatch import touched_share
+from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
+from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
+from glm5_jax.parallel.sampling import parse_mesh_spec
+from glm5_jax.parallel.shard_map import logical_mesh_axes
+
+GIB = 2 ** 30
+DEFAULT_CONFIG = "configs/glm5_744b.py"
+log = logging.getLogger("glm5_jax.decode_compile")
+
+
+def model_from_file(path: str):
+    """The ModelConfig of a config file: its ``model_config()``, else ``get_config().model``."""
+    scope = runpy.run_path(path)
+    return scope["model_config"]() if "model_config" in scope else scope["get_config"]().model
+
+
+def topology_devices(topology: str):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+
+
+def _timing(topology: str, mesh) -> StepTiming:
+    chip = chip_of_topology(topology)
+    comm = lambda op: 0.0
+    if chip.ici_link_bandwidth is not None:
+        comm = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology),
+                               link_bandwidth=chip.achievable_link_bandwidth, step_latency=chip.ici_step_latency).seconds
+    return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, comm)
+
+
+def _shards(mesh, rules, name: str) -> int:
+    with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
+        return math.prod(mesh.shape[a] for a in logical_mesh_axes(name))
+
+
+def _leaf_bytes(x) -> int:
+    return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
+def step_read_bytes(cfg, variables, cache, mesh, rules, batch: int, context: int) -> dict:
+    """Bytes one decode step must read per chip (module docstring): {"weights", "routed_experts", "embedding",
+    "cache", "total"}. ``variables`` / ``cache``: the abstract sharded inputs."""
+    n_ep = mesh.shape["expert"]
+    row_shards = _shards(mesh, rules, BATCH) if batch % _shards(mesh, rules, BATCH) == 0 else 1
+    rows = batch // row_shards                                   # rows whose attention runs on a chip
+    # tokens a chip's experts see: its expert group's rows (all of them when the batch is replicated)
+    seen = rows * (n_ep if row_shards > 1 and "expert" in _batch_axes(mesh, rules) else 1)
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = touched_share(seen, K, E)                          # chance a given expert is chosen by some token
+    weights = routed = embedding = 0.0
+    for path, x in jax.tree_util.tree_flatten_with_path(variables)[0]:
+        keys = [str(getattr(p, "key", "")) for p in path]
+        nbytes = _leaf_bytes(x)
+        if "mtp" in keys:                                         # the decode step runs no MTP module
+            continue
+        if keys[-2] == "moe" and keys[-1].startswith(("gate_proj", "up_proj", "down_proj")):   # routed, not shared
+            routed += nbytes * touched
+        elif "embed" in keys:
+            embedding += rows * cfg.hidden_size * x.dtype.itemsize
+        else:
+            weights += nbytes
+    slots = context // _shards(mesh, rules, CACHE_SEQ)
+    selected = min(cfg.index_topk, context) / _shards(mesh, rules, CACHE_SEQ)
+    itemsize = np.dtype(cfg.jnp_dtype).itemsize
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    n_full = sum(t == "full" for t in cfg.layer_indexer_types)
+    cache_bytes = rows * itemsize * (cfg.num_hidden_layers * selected * latent + n_full * slots * cfg.index_head_dim)
+    out = {"weights": weights, "routed_experts": routed, "embedding": embedding, "cache": cache_bytes}
+    out["total"] = sum(out.values())
+    return {k: int(v) for k, v in out.items()}
+
+
+def _batch_axes(mesh, rules):
+    with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
+        return tuple(a for a in logical_mesh_axes(BATCH) if mesh.shape[a] > 1)
+
+
+def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
+                  quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None) -> dict:
+    """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
+    compiled HLO there (gzip)."""
+    devices = topology_devices(topology) if devices is None else devices
+    mesh_cfg = parse_mesh_spec(mesh_spec)
+    mesh = build_mesh(mesh_cfg, devices=devices)
+    sizes = {a: int(n) for a, n in zip(mesh.axis_names, mesh.devices.shape)}
+    check_mesh_fits_model(sizes, cfg, batch if batch % (sizes["data"] * sizes["fsdp"] * sizes["expert"]) == 0
+                          else sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    if context % sizes["context"]:
+        raise ValueError(f"context={context} does not split over context={sizes['context']}")
+    cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write)
+    rules = decode_rules(batch, mesh, mesh_cfg.rules)
+    chip = chip_of_topology(topology)
+    n = len(devices)
+    header = {"topology": topology, "chips": n, "mesh": {a: s for a, s in sizes.items() if s > 1}, "batch": batch,
+              "context": context, "experts": experts, "steps": steps, "cache_write": cache_write,
+              "hbm_limit_gib": chip.hbm_bytes / GIB}
+    t0 = time.perf_counter()
+    lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
+    t_lower = time.perf_counter() - t0
+    reads = step_read_bytes(cfg, variables, cache, mesh, rules, batch, context)
+    roofline = reads["total"] / chip.achievable_hbm_bandwidth
+    header |= {"hbm_roofline_seconds": roofline, "hbm_roofline_bytes": reads}
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return {**header, "fits": False, "compile_error": str(e).splitlines()[0][:2000],
+                "compile_seconds": round(time.perf_counter() - t0 - t_lower, 1)}
+    t_compile = time.perf_counter() - t0 - t_lower
+    mem = compiled.memory_analysis()
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    hlo_text = compiled.as_text()
+    if hlo_path:
+        storage.write_atomically(hlo_path, gzip.compress(hlo_text.encode()))
+    return {**header, "fits": total <= chip.hbm_bytes, "memory_gib": total / GIB,
+            "memory_detail_gib": {"arguments": mem.argument_size_in_bytes / GIB, "temp": mem.temp_size_in_bytes / GIB},
+            **step_costs(hlo_text, topology, mesh, batch, steps, roofline),
+            "lower_seconds": round(t_lower, 1), "compile_seconds": round(t_compile, 1)}
+
+
+def step_costs(hlo_text: str, topology: str, mesh, batch: int, steps: int, roofline: float) -> dict:
+    """The HLO-derived keys of a record: per decode step (the program's cost / ``steps``)."""
+    n = mesh.devices.size
+    hlo = hlo_cost(hlo_text, categorize=categorize, timing=_timing(topology, mesh), num_partitions=n, top=8)
+    per_step = lambda v: v / steps
+    step = per_step(hlo.roofline_seconds + hlo.exposed_comm_seconds)
+    cats = sorted(hlo.by_category.get("seconds", {}).items(), key=lambda kv: -kv[1])
+    return {
+        "estimated_step_seconds": step,
+        "tokens_per_second_per_chip": batch / n / step if step else None,
+        "over_hbm_roofline": step / roofline if roofline else None,
+        "roofline_seconds": per_step(hlo.roofline_seconds),
+        "communication_seconds": per_step(hlo.comm_seconds),
+        "exposed_communication_seconds": per_step(hlo.exposed_comm_seconds),
+        "hbm_bytes_per_step": per_step(hlo.bytes_accessed),
+        "flops_per_step": per_step(hlo.total_flops),
+        "top_categories": [{"category": c, "seconds": per_step(s)} for c, s in cats[:6] if s > 0],
+        "top_instructions": [{"name": t.name, "category": t.category, "opcode": t.opcode,
+                              "seconds": per_step(t.seconds), "op_name": t.op_name[-120:]}
+                             for t in hlo.top_instructions],
+        "loop_trip_counts": [t for _, t in hlo.loops],
+        "uncounted_custom_calls": hlo.uncounted_custom_calls,
+    }
+
+
+def table(records) -> str:
+    """The report's markdown table."""
+    lines = ["| topology | mesh | batch | context | experts | fits | GiB / chip | step ms (est.) | HBM roofline ms "
+             "| est. / roofline | comm ms (exposed) | tokens/s/chip | top categories (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        mesh = ",".join(f"{a}:{s}" for a, s in r["mesh"].items())
+        if "estimated_step_seconds" not in r:
+            lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} | no "
+                         f"| - | - | {r['hbm_roofline_seconds'] * 1e3:.2f} | - | - | - | {r.get('compile_error', '')[:60]} |")
+            continue
+        cats = ", ".join(f"{c['category']} {c['seconds'] * 1e3:.2f}" for c in r["top_categories"][:3])
+        lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} | {r['fits']} | "
+                     f"{r['memory_gib']:.1f} | {r['estimated_step_seconds'] * 1e3:.2f} | "
+                     f"{r['hbm_roofline_seconds'] * 1e3:.2f} | {r['over_hbm_roofline']:.2f}x | "
+                     f"{r['communication_seconds'] * 1e3:.2f} ({r['exposed_communication_seconds'] * 1e3:.2f}) | "
+                     f"{r['tokens_per_second_per_chip']:.3g} | {cats} |")
+    return "\n".join(lines) + "\n"
+
+
+def append_records(path: str, records) -> list:
+    old = json.loads(storage.read_text(path)) if storage.exists(path) else []
+    out = old + list(records)
+    storage.write_atomically(path, json.dumps(out, indent=1).encode())
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=DEFAULT_CONFIG)
+    ap.add_argument("--topology")
+    ap.add_argument("--mesh")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--context", type=int)
+    ap.add_argument("--experts", choices=("int4", "bf16"), default="int4")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--points", help="a JSON list of {topology, mesh, batch, context, experts[, steps]}")
+    ap.add_argument("--quant_matmul", default="pallas", help="the INT4 matmul impl (pallas on TPU)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hlo_dir", help="also write each point's compiled HLO there (gzip)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.points:
+        points = json.loads(storage.read_text(args.points))
+    else:
+        points = [dict(topology=args.topology, mesh=args.mesh, batch=args.batch, context=args.context,
+                       experts=args.experts)]
+    cfg = model_from_file(args.config)
+    records = []
+    for p in points:
+        log.info("compiling %s", p)
+        r = compile_point(cfg, p["topology"], p["mesh"], p["batch"], p["context"], p["experts"],
+                          p.get("steps", args.steps), quant_matmul=args.quant_matmul,
+                          cache_write=p.get("cache_write", "rows"),
+                          hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
+        records.append(r)
+        append_records(args.out, [r])
+        print(table([r]), flush=True)
+    print(table(records))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    main()

@@ -1,0 +1,104 @@
+"""The decode-only program: N greedy decode steps over a filled latent cache, one program on device.
+
+    tokens_BN, cache = decode_steps(cfg, N, variables, token_B, position_B, cache)
+
+Step s feeds the previous token at position ``position_B + s`` (its row written into the cache there) and
+takes the argmax of the logits as the next token; the loop is a ``lax.fori_loop`` inside one jitted program,
+so no host round trip per token. This is the steady state of `glm5_jax.generate.decoding` (after the
+prefill), built apart so a compile report can lower it with abstract, sharded params and a cache of T slots
+(`abstract_decode_inputs`) and without a prompt.
+
+`decode_model_config` gives the inference settings: bf16 weights, the absorbed form, the DSA sparse stage,
+layers that read the cache and return their new rows (``decode_cache_write="rows"``,
+glm5_jax/model/decode_rows.py: no per-step copy of the cache), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
+bf16 or packed INT4 through the Pallas kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
+from jax.sharding import NamedSharding
+
+from glm5_jax.generate.decoding import decode_config
+from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache
+from glm5_jax.model.transformer import Transformer
+from glm5_jax.parallel.axes import BATCH
+from glm5_jax.parallel.mesh import logical_shardings
+from glm5_jax.parallel.shard_map import logical_mesh_axes
+from glm5_jax.parallel.sampling import SAMPLING_RULES
+
+EXPERTS = ("bf16", "int4")
+DISPATCH_CAPACITY = 2.0     # a chip's experts take up to 2x their expected share of the step's assignments
+
+
+def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
+                        cache_write: str = "rows"):
+    """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"; ``cache_write`` the
+    RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan)."""
+    if experts not in EXPERTS:
+        raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
+    cfg = decode_config(cfg).replace(moe_ep="gather", dtype="bfloat16", param_dtype="bfloat16",
+                                     attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
+                                     moe_capacity_factor=DISPATCH_CAPACITY)
+    if experts == "int4":
+        cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul)
+    return cfg
+
+
+def decode_rules(batch: int, mesh, rules=SAMPLING_RULES):
+    """``rules``, except that a batch that does not split over the batch axes (batch 1) is replicated."""
+    with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
+        shards = math.prod(mesh.shape[a] for a in logical_mesh_axes(BATCH))
+    if batch % shards == 0:
+        return rules
+    return tuple((name, None) if name == BATCH else (name, axes) for name, axes in rules)
+
+
+def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
+    """``steps`` greedy decode steps -> (tokens [B, steps] int32, the updated cache)."""
+    model = Transformer(cfg)
+    B = token_B.shape[0]
+    ones = jnp.ones((B, 1), jnp.int32)
+
+    def step(s, carry):
+        token, cache, out = carry
+        logits, _, cache = model.apply(variables, token[:, None], (position_B + s)[:, None], ones, cache,
+                                       method=Transformer.decode)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return token, constrain_cache(cache), out.at[:, s].set(token)
+
+    out = jnp.zeros((B, steps), jnp.int32)
+    _, cache, out = jax.lax.fori_loop(0, steps, step, (token_B, constrain_cache(cache), out))
+    return out, cache
+
+
+def abstract_decode_inputs(cfg, mesh, rules, batch: int, context: int):
+    """(variables, token [B], position [B], cache of ``context`` slots) as ShapeDtypeStructs with their
+    shardings under ``rules``: nothing allocated."""
+    model = Transformer(cfg)
+    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    shardings = logical_shardings(boxed, mesh, rules)
+    variables = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             nn.meta.unbox(boxed), shardings)
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, context)["decoder"])
+    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                         cache_shardings(cache, mesh, rules))
+    rows = NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH,), rules))
+    token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+    return variables, token, token, cache
+
+
+def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
+    """The jitted decode program lowered with abstract inputs (the cache donated, in and out in the layout the
+    compiler picks: it lives on device between calls, so no layout copy of the whole cache at entry and exit)."""
+    args = abstract_decode_inputs(cfg, mesh, rules, batch, context)
+    cache_formats = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), args[3])
+    fn = jax.jit(lambda v, t, p, c: decode_steps(cfg, steps, v, t, p, c), donate_argnums=(3,),
+                 in_shardings=(*(jax.tree.map(lambda x: x.sharding, a) for a in args[:3]), cache_formats),
+                 out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)), cache_formats))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return fn.lower(*args), args

@@ -1,0 +1,62 @@
+"""DSA decode against a cache that is read, not rewritten, by each layer (``decode_cache_write="rows"``).
+
+With the default ``"layer"`` write each layer writes its new rows into its [B, S, X] cache and attends to the
+result: inside the layer scan that makes a new copy of every layer's cache per decode step (read and written
+whole, and the old and new stacked caches both live). Here a layer reads the cache as it was before the step
+and returns only its new rows [B, T, X]; the decoder writes every layer's rows into the stacked cache after
+its scan (`glm5_jax.model.kv_cache.write_stacked_rows`), in place. The new rows take part as if they were
+already written:
+
+* selection: indexer scores of the cached keys (slots outside the new rows) and of the new keys (placed at
+  their slots), then top-k over the slots: the same scores, so the same selection, as over the written cache;
+* attention: the selected latent rows gathered from the cache, those at new slots taken from the new rows.
+
+Indexer score: I[t, s] = sum_h w[t, h] ReLU(q[t, h] . k[s]) (docs/architecture.md#lightning-indexer), fp32.
+Shapes: q_i [B, T, H_I, d_I], keys [B, S, d_I] / new [B, T, d_I], w [B, T, H_I]; q_abs [B, T, H, C], latent
+[B, S, C] / new [B, T, C]; idx / valid [B, T, k].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _scores(q_BTHD, k_BSD, w_BTH):
+    dots = jnp.einsum("bthd,bsd->bths", q_BTHD.astype(k_BSD.dtype), k_BSD, preferred_element_type=jnp.float32)
+    return jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w_BTH.astype(jnp.float32))
+
+
+def _new_slot_index(positions_BT, S):
+    """(j [B, 1, S]: the new row slot s holds (clipped), is_new [B, 1, S])."""
+    j = jnp.arange(S, dtype=jnp.int32)[None, None, :] - positions_BT[:, :1, None]
+    T = positions_BT.shape[1]
+    return jnp.clip(j, 0, T - 1), (j >= 0) & (j < T)
+
+
+def topk_with_new_rows(q_BTHD, keys_BSD, new_keys_BTD, w_BTH, positions_BT, topk: int):
+    """(idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S): each query's top-k visible slots
+    (slot s visible from position p iff s <= p), the new rows at slots positions[b, 0] ..."""
+    S = keys_BSD.shape[1]
+    j, is_new = _new_slot_index(positions_BT, S)
+    visible = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
+    new_at_slot = jnp.take_along_axis(_scores(q_BTHD, new_keys_BTD, w_BTH),
+                                      jnp.broadcast_to(j, (*positions_BT.shape, S)), axis=2)
+    scores = jnp.where(is_new, new_at_slot, _scores(q_BTHD, keys_BSD, w_BTH))
+    top, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(topk, S))
+    return idx.astype(jnp.int32), top > -jnp.inf
+
+
+def attend_with_new_rows(q_BTHC, latent_BSC, new_latent_BTC, idx_BTK, valid_BTK, positions_BT, *, scale, v_dim):
+    """Absorbed attention of every head over its query's selected rows -> [B, T, H, v_dim] in q's dtype."""
+    T = positions_BT.shape[1]
+    take = jax.vmap(lambda rows, i: rows[i])
+    j = idx_BTK - positions_BT[:, :1, None]
+    rows = jnp.where(((j >= 0) & (j < T))[..., None], take(new_latent_BTC.astype(latent_BSC.dtype), jnp.clip(j, 0, T - 1)),
+                     take(latent_BSC, idx_BTK))                                                  # [B, T, k, C]
+    logits = jnp.einsum("btkc,bthc->bthk", rows, q_BTHC.astype(rows.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.where(valid_BTK[:, :, None, :], logits * scale, -jnp.inf)
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    out = jnp.einsum("bthk,btkc->bthc", probs.astype(rows.dtype), rows[..., :v_dim],
+                     preferred_element_type=jnp.float32)
+    return out.astype(q_BTHC.dtype)

@@ -1,0 +1,152 @@
+"""Routed experts for a decode step: a few tokens per chip, experts resident on their chips.
+
+``moe_ep="gather"`` (the sampling mesh, glm5_jax/parallel/sampling.py): experts split over the mesh axis of
+the logical "exp" axis, each chip holding its experts whole (their F width possibly split over the axis of
+"mlp_moe"). Per layer and chip:
+
+    tokens x [N_local, D], choices and gates [N_local, K]  --all_gather over the expert axis-->  [N_g, ...]
+    the assignments to this chip's experts, sorted by local expert  ->  grouped SwiGLU (bf16 grouped matmul,
+    or the packed INT4 kernel: pallas_kernels/int4_matmul)  ->  gate-weighted sum per token y [N_g, D] (zero
+    for tokens that chose none of this chip's experts)
+    --sum over the expert axis (reduce-scatter back to each token's chip; plus the F-width axis)-->  [N_local, D]
+
+A decode step carries a handful of tokens per chip, so gathering every token of the expert group (N_g x D
+bf16: 12 KiB a token at GLM-5's D = 6144) costs less than the capacity bookkeeping of an all-to-all, and
+no assignment is ever dropped. When the tokens do not split over the expert axis (batch 1) they are
+replicated there and the results summed instead of reduce-scattered.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.moe import int4_weights
+from glm5_jax.model.moe.experts import expert_blocks, swiglu_rows
+from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE
+from glm5_jax.parallel.shard_map import logical_mesh_axes
+from pallas_kernels.impls import BLOCKED, RAGGED_DOT
+from pallas_kernels.int4_matmul import ops as int4_ops
+
+INT4_MAX_BLOCK = 128        # rows per INT4 kernel block
+ROW_MULTIPLE = 16           # sublane tile of bf16 activations
+
+
+def local_assignments(expert_idx_MK_flat, first_expert, n_local):
+    """(order [M]: assignments sorted by local expert, other chips' last; group_sizes [n_local + 1], the last
+    one counting the assignments to other chips' experts)."""
+    local = expert_idx_MK_flat - first_expert
+    key = jnp.where((local >= 0) & (local < n_local), local, n_local)
+    return jnp.argsort(key, stable=True), jnp.bincount(key, length=n_local + 1).astype(jnp.int32)
+
+
+def int4_block_rows(rows: int) -> int:
+    """Rows per INT4 kernel block for ``rows`` expected assignments on a chip: whole sublane tiles, at most
+    `INT4_MAX_BLOCK` (few rows: one block per used expert, its INT4 words read once)."""
+    return min(INT4_MAX_BLOCK, -(-max(rows, 1) // ROW_MULTIPLE) * ROW_MULTIPLE)
+
+
+def touched_share(n_tokens: int, top_k: int, n_experts: int) -> float:
+    """Expected share of the experts that ``n_tokens`` tokens choose at least once (uniform routing, each
+    token K distinct experts): 1 - (1 - K / E)^N."""
+    return 1.0 - (1.0 - top_k / n_experts) ** n_tokens
+
+
+def expected_blocks(n_tokens: int, top_k: int, n_experts: int, n_local: int, block: int) -> int:
+    """INT4 kernel row blocks a chip holding ``n_local`` experts is expected to compute for ``n_tokens``
+    tokens: its touched experts, each with its expected rows in whole blocks (the kernel's cost hint)."""
+    touched = n_local * touched_share(n_tokens, top_k, n_experts)
+    rows = n_tokens * top_k * n_local / n_experts
+    return max(1, math.ceil(touched * math.ceil(rows / max(touched, 1e-9) / block)))
+
+
+def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, block: int, cost_blocks=None):
+    """SwiGLU of rows sorted by local expert (``group_sizes`` [E_local + 1]: the last group, other chips'
+    experts, is not computed) -> [M, D] fp32, zero past the local groups."""
+    w_gate, w_up, w_down = weights
+    n_local = group_sizes.shape[0] - 1
+    if not isinstance(w_gate, int4_weights.Int4Weight):
+        impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
+        return swiglu_rows(x_sorted_MD, group_sizes[:n_local], w_gate, w_up, w_down, dtype, impl)
+    x_blocks, block_expert, _, dest = expert_blocks(x_sorted_MD, group_sizes, block)
+    # only the blocks of local experts run: the kernel skips blocks from n_used on
+    n_used = (jnp.sum(-(-group_sizes[:n_local] // block)) ).astype(jnp.int32)
+    block_expert = jnp.minimum(block_expert, n_local - 1)
+
+    def mm(x, w):
+        return int4_ops.int4_block_matmul(x, block_expert, n_used, w.packed, w.scale,
+                                          group_size=cfg.quant_group_size, impl=cfg.runtime.quant_matmul,
+                                          cost_blocks=cost_blocks)
+
+    h = (jax.nn.silu(mm(x_blocks, w_gate)) * mm(x_blocks, w_up)).astype(dtype)
+    y_blocks = mm(h, w_down)
+    return y_blocks.reshape(-1, y_blocks.shape[-1])[dest]
+
+
+def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: float) -> int:
+    """Rows a chip's experts take per step: ``factor`` x their expected share of the gathered assignments, in
+    whole sublane tiles, at most all of them."""
+    return min(n_assignments, -(-math.ceil(factor * n_assignments * n_local / n_experts) // ROW_MULTIPLE) * ROW_MULTIPLE)
+
+
+def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
+    """The routed experts' gate-weighted sum sum_k gates[n, k] SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, D] fp32, the
+    experts resident on the chips of the expert axis (module docstring). Weights: [E, D, F], [E, D, F], [E, F, D]
+    arrays or `Int4Weight`s.
+
+    A chip takes at most `local_capacity` (``RuntimeConfig.moe_capacity_factor`` x its expected share) of the
+    gathered assignments, its own experts' first in token order; assignments past it (none while routing is
+    within the factor of uniform) add nothing."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError("moe_ep='gather' needs a mesh in context (jax.set_mesh) and logical axis rules")
+    N, K = expert_idx_NK.shape
+    E = cfg.n_routed_experts
+    ep = tuple(a for a in logical_mesh_axes(EXP) if mesh.shape[a] > 1)
+    mlp = tuple(a for a in logical_mesh_axes(MLP_MOE) if mesh.shape[a] > 1)
+    batch = tuple(a for a in logical_mesh_axes(BATCH) if mesh.shape[a] > 1)
+    if N % math.prod(mesh.shape[a] for a in batch):
+        batch = ()                                     # batch 1: every chip holds the token
+    gather = tuple(a for a in ep if a in batch)         # token shards the expert group gathers
+    n_ep = math.prod(mesh.shape[a] for a in ep)
+    n_local = E // n_ep
+    n_seen = N // math.prod(mesh.shape[a] for a in batch) * math.prod(mesh.shape[a] for a in gather)
+    cap = local_capacity(n_seen * K, n_local, E, cfg.runtime.moe_capacity_factor)
+    block = int4_block_rows(-(-n_seen * K * n_local // E))
+    cost_blocks = expected_blocks(n_seen, K, E, n_local, block)
+    dt = cfg.jnp_dtype
+
+    def body(x, idx, gates, *w):
+        if gather:
+            x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
+        n, k = idx.shape
+        first = (jax.lax.axis_index(ep) if ep else 0) * n_local
+        order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
+        take = order[:cap]                                          # this chip's assignments first
+        kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
+        sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
+        weights = (int4_weights.Int4Weight(*w[0:2]), int4_weights.Int4Weight(*w[2:4]),
+                   int4_weights.Int4Weight(*w[4:6])) if len(w) == 6 else w
+        y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
+        y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
+        y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
+        if mlp:
+            y = jax.lax.psum(y, mlp)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        rest = tuple(a for a in ep if a not in gather)
+        return jax.lax.psum(y, rest) if rest else y
+
+    tok = P(batch or None, None)
+    in_up, in_down = P(ep or None, None, mlp or None), P(ep or None, mlp or None, None)
+    if isinstance(w_gate, int4_weights.Int4Weight):
+        operands = (w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, w_down.packed, w_down.scale)
+        specs = (in_up, in_up, in_up, in_up, in_down, in_down)
+    else:
+        operands, specs = (w_gate, w_up, w_down), (in_up, in_up, in_down)
+    y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=P(batch or None, None),
+                      check_vma=False)(x_ND, expert_idx_NK, gates_NK, *operands)
+    return y.astype(jnp.float32)

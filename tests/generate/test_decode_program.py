@@ -1,0 +1,56 @@
+"""The decode-only program (glm5_jax.generate.decode_program) and the read-only cache decode
+(decode_cache_write="rows", glm5_jax/model/decode_rows.py): the same logits, tokens and cache as decoding with
+each layer writing its cache (itself checked against the full forward in test_cached_decode.py)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import Transformer
+from glm5_jax.generate.decode_program import decode_steps
+from glm5_jax.generate.decoding import decode_config
+from glm5_jax.model.kv_cache import init_cache
+from tests.generate.tiny_models import TINY, init_variables
+
+B, P, S, STEPS = 2, 12, 32, 10           # prompt 12 + 10 steps > index_topk = 8: the top-k drops slots
+
+
+def _prefilled():
+    cfg = decode_config(TINY)
+    variables = init_variables(TINY)
+    prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, (B, P)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
+    logits, _, cache = jax.jit(lambda v, c: Transformer(cfg).apply(v, prompt, positions, np.ones((B, P), np.int32), c,
+                                                                     method=Transformer.decode))(
+        variables, init_cache(cfg, B, S)["decoder"])
+    return cfg, variables, jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
+
+
+def test_rows_decode_step_equals_layer_write():
+    cfg, variables, token, cache = _prefilled()
+    position = jnp.full((B, 1), P, jnp.int32)
+
+    def step(c, cache):
+        return jax.jit(lambda v, t, cache: Transformer(c).apply(v, t[:, None], position, jnp.ones((B, 1), jnp.int32),
+                                                                 cache, method=Transformer.decode))(
+            variables, token, cache)
+
+    want_logits, _, want_cache = step(cfg, cache)
+    got_logits, _, got_cache = step(cfg.replace(decode_cache_write="rows"), cache)
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
+                 want_cache)
+    leaf = jax.tree.leaves(got_cache)[0]                       # the new row was written at slot P
+    assert np.abs(np.asarray(leaf[:, :, P])).max() > 0 and np.abs(np.asarray(leaf[:, :, P + 1:])).max() == 0
+
+
+def test_decode_program_steps_equal_layer_write():
+    cfg, variables, token, cache = _prefilled()
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    want_tokens, want_cache = run(cfg)
+    got_tokens, got_cache = run(cfg.replace(decode_cache_write="rows"))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
+                 want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
