@@ -15,7 +15,7 @@ axis may be -1 (the remaining devices). ``fsdp`` is accepted for experiments but
 from __future__ import annotations
 
 from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
-                                    INDEX_DIM, INDEX_HEADS, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
+                                    HC_EMBED, INDEX_DIM, INDEX_HEADS, KDA_QKV, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
                                     VOCAB)
 from glm5_jax.parallel.mesh import CONTEXT, DATA, EXPERT, FSDP, MESH_AXES, TENSOR, MeshConfig, MeshError
 
@@ -39,6 +39,8 @@ SAMPLING_RULES = (
     (KV, None),
     (INDEX_DIM, None),
     (MTP_CONCAT, None),
+    (KDA_QKV, TENSOR),
+    (HC_EMBED, None),
     (LAYERS, None),
 )
 
