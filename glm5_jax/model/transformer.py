@@ -227,8 +227,9 @@ def _cache_len(cache):
     """Number of slots S of a decoder cache ({segment: {layer_i: {"latent": [repeats, B, S, C], ...}}})."""
     for seg in cache.values():
         for layer in seg.values():
-            return layer["latent"].shape[-2]
-    raise ValueError("decode cache holds no layers")
+            if "latent" in layer:      # KDA layers (GLM-5.3-Flash) keep a state, no slots
+                return layer["latent"].shape[-2]
+    raise ValueError("decode cache holds no MLA layers")
 
 
 def routing_bias_rows_of_model(cfg: ModelConfig):
