@@ -128,7 +128,8 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict[str, Any], **overrides
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF ``config.json`` dict (model_type glm_moe_dsa) describing this architecture."""
+    """The HF ``config.json`` dict (model_type glm_moe_dsa, or glm5_next for GLM-5.3-Flash) describing this
+    architecture."""
     if not cfg.use_indexer:
         raise ValueError("to_hf writes glm_moe_dsa configs; a model without an indexer has no such form")
     if not cfg.indexer_rope_interleave:
@@ -159,7 +160,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     })
     if cfg.indexer_types is not None:
         hf["indexer_types"] = list(cfg.indexer_types)
-    return hf
+    return flash_config.flash_to_hf(cfg, hf) if flash_config.is_flash(cfg) else hf
 
 
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:

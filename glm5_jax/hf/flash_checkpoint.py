@@ -79,6 +79,16 @@ class TextOnlyCheckpoint:
         return self.inner.get(self._source(name), block_size)
 
 
+def export_key_fn(hf: dict):
+    """hub key -> the key an export writes: a nested glm5_next config.json (`Glm5NextForConditionalGeneration`)
+    puts the language model under ``model.language_model.``; anything else keeps the key."""
+    from glm5_jax.hf.flash_config import MODEL_TYPES
+
+    if hf.get("model_type") not in MODEL_TYPES or "text_config" not in hf:
+        return lambda key: key
+    return lambda key: LANGUAGE_PREFIX + key[len("model."):] if key.startswith("model.") else key
+
+
 def open_text_only(ckpt, cfg, model_type: str | None):
     """``ckpt`` as `TextOnlyCheckpoint` for a GLM-5.3-Flash checkpoint (logging what it skips), else itself."""
     from glm5_jax.hf.flash_config import MODEL_TYPES

@@ -63,9 +63,21 @@ def flash_fields(text: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def flash_to_hf(cfg) -> dict[str, Any]:
-    """The GLM-5.3-Flash keys of a flat ``glm5_next`` config.json for ``cfg``."""
-    hf = {k: getattr(cfg, k) for k in _SAME_NAME}
-    hf["layer_types"] = ["linear_attention" if t == "kda" else "indexed_attention" for t in cfg.layer_attention_types]
-    hf["indexer_types"] = ["full"] * cfg.num_hidden_layers
-    return hf
+def is_flash(cfg) -> bool:
+    """Whether ``cfg`` is a GLM-5.3-Flash architecture (what only a glm5_next config.json describes)."""
+    return cfg.layer_types is not None or cfg.hc_mult > 0 or cfg.index_kpool is not None
+
+
+def flash_to_hf(cfg, base: dict[str, Any]) -> dict[str, Any]:
+    """A nested ``glm5_next`` config.json (`Glm5NextConfig`, text_config only) for ``cfg``; ``base``: the
+    GLM-5 keys `config_to_hf` writes for it."""
+    text = {k: v for k, v in base.items() if k not in ("architectures", "rope_parameters", "rope_interleave",
+                                                       "indexer_rope_interleave", "num_nextn_predict_layers",
+                                                       "dtype", "first_k_dense_replace")}
+    text.update({k: getattr(cfg, k) for k in _SAME_NAME})
+    text["layer_types"] = ["linear_attention" if t == "kda" else "indexed_attention"
+                           for t in cfg.layer_attention_types]
+    text["indexer_types"] = ["full"] * cfg.num_hidden_layers
+    text["model_type"] = "glm5_next_text"
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
+            "tie_word_embeddings": False, "dtype": base["dtype"]}
