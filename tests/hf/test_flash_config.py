@@ -43,3 +43,20 @@ def test_linear_attn_config_dict_form():
 def test_unsupported_fields_are_named(change, match):
     with pytest.raises(ValueError, match=match):
         config_from_hf({**TEXT, "model_type": "glm5_next", **change})
+
+
+def test_glm53_flash_config_is_the_hub_default():
+    """configs/glm53_flash.py's model is what Glm5NextConfig() describes (how it runs aside); ~313B parameters."""
+    import importlib.util
+    import os
+
+    from glm5_jax.model.param_count import count_params
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "glm53_flash.py")
+    spec = importlib.util.spec_from_file_location("glm53_flash", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ours = module.model_config()
+    hub = config_from_hf(json.loads(Glm5NextConfig().to_json_string()))
+    assert ours.replace(runtime=hub.runtime) == hub
+    assert round(count_params(ours)["total"] / 1e9) == 313
+    module.get_config()      # the pod run's config validates
