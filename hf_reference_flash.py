@@ -3,9 +3,10 @@ layers, the pooled indexer, the hyper-connections and the clamped SwiGLU.
 
 Saved with save_pretrained as `Glm5NextForConditionalGeneration` (language model + a one-block vision
 tower, which the loader skips). Shared by tests/ (at the repository root, like hf_reference.py)."""
-import numpy as np
 import torch
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+from hf_reference import hf_logits, perturbed
 
 # 5 layers: KDA, KDA, KDA (dense FFN), MLA, KDA (MoE); pools of 4 tokens, 2 pools + the tail per query
 TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -24,36 +25,9 @@ def build_flash_model(seed: int = 0, **text_overrides):
     cfg = Glm5NextConfig(text_config={**TEXT, **text_overrides}, vision_config=VISION)
     cfg._attn_implementation = "eager"
     model = Glm5NextForConditionalGeneration(cfg)
-    with torch.no_grad():        # every weight off its initial value: vectors, hc mixers, pool offsets, gate
-        for name, p in model.model.language_model.named_parameters():
-            if p.dim() == 1 or "kpool" in name or "conv1d" in name:
-                p.add_(0.1 * torch.randn_like(p))
-        for layer in model.model.language_model.layers:
-            if hasattr(layer.mlp, "gate"):
-                bias = layer.mlp.gate.e_score_correction_bias
-                bias.copy_(0.05 * torch.randn_like(bias))
-    return model.eval()
+    # every weight off its initial value: vectors (norms, hc mixers' base / scale, A_log, dt_bias), the pool
+    # offsets and gate (zeros / ones), the conv taps
+    return perturbed(model, model.model.language_model.layers, also=("kpool", "conv1d"))
 
 
-def flash_logits(model, ids, attention_mask=None):
-    with torch.no_grad():
-        mask = None if attention_mask is None else torch.as_tensor(attention_mask)
-        return model(torch.as_tensor(ids), attention_mask=mask).logits.numpy()
-
-
-def flash_topk(model, ids, attention_mask=None):
-    """The HF indexers' selected token sets per MLA layer: [B, T, n] int (-1: none), captured by a hook."""
-    captured = []
-    hooks = [layer.self_attn.indexer.register_forward_hook(lambda mod, args, out: captured.append(out.numpy()))
-             for layer in model.model.language_model.layers if getattr(layer.self_attn, "indexer", None) is not None]
-    try:
-        flash_logits(model, ids, attention_mask)
-    finally:
-        for h in hooks:
-            h.remove()
-    return captured
-
-
-def selected_sets(idx_BTn):
-    """[B][T] frozensets of the selected indices (>= 0)."""
-    return [[frozenset(int(i) for i in row if i >= 0) for row in b] for b in np.asarray(idx_BTn)]
+flash_logits = hf_logits      # (model, ids, attention_mask=None) -> logits [B, T, V]

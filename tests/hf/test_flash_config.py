@@ -60,3 +60,22 @@ def test_glm53_flash_config_is_the_hub_default():
     assert ours.replace(runtime=hub.runtime) == hub
     assert round(count_params(ours)["total"] / 1e9) == 313
     module.get_config()      # the pod run's config validates
+
+
+def test_flash_parameters_carry_only_ruled_logical_axes():
+    """Every GLM-5.3-Flash parameter names logical axes both rule tables map (the new kda_qkv, hc_embed too)."""
+    import flax.linen as nn
+    import jax
+
+    from glm5_jax.model.param_count import abstract_variables
+    from glm5_jax.parallel import axes
+    from glm5_jax.parallel.mesh import DEFAULT_RULES
+    from glm5_jax.parallel.sampling import SAMPLING_RULES
+
+    cfg = config_from_hf({**TEXT, "model_type": "glm5_next"})
+    specs = jax.tree.leaves(nn.get_partition_spec(abstract_variables(cfg)),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    named = {n for spec in specs for n in spec if n is not None}
+    assert {axes.KDA_QKV, axes.HC_EMBED} <= named <= set(axes.ALL)
+    for rules in (DEFAULT_RULES, SAMPLING_RULES):
+        assert sorted(name for name, _ in rules) == sorted(axes.ALL)
