@@ -79,3 +79,4 @@ def test_flash_parameters_carry_only_ruled_logical_axes():
     assert {axes.KDA_QKV, axes.HC_EMBED} <= named <= set(axes.ALL)
     for rules in (DEFAULT_RULES, SAMPLING_RULES):
         assert sorted(name for name, _ in rules) == sorted(axes.ALL)
+
