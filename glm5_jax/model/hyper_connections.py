@@ -26,11 +26,12 @@ ACT_BTND = (BATCH, SEQ, None, ACT_EMBED)   # the streams' logical axes
 
 def sinkhorn(comb_BTNN, iters: int, eps: float):
     """Alternating column / row normalisation, columns first and last (transformers' order)."""
-    comb = comb_BTNN / (comb_BTNN.sum(-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+    def rows_then_columns(_, comb):
         comb = comb / (comb.sum(-1, keepdims=True) + eps)
-        comb = comb / (comb.sum(-2, keepdims=True) + eps)
-    return comb
+        return comb / (comb.sum(-2, keepdims=True) + eps)
+
+    comb = comb_BTNN / (comb_BTNN.sum(-2, keepdims=True) + eps)
+    return jax.lax.fori_loop(0, iters - 1, rows_then_columns, comb)   # a loop: one body to compile, not 19
 
 
 class HyperConnection(nn.Module):
