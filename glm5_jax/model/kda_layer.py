@@ -26,8 +26,6 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import einsum, logical_param, normal_init
 from glm5_jax.parallel.axes import EMBED, KDA_QKV, KV
 
-_HI = jax.lax.Precision.HIGHEST
-
 
 def l2_normalize(x, eps=1e-6):
     """x / sqrt(sum x^2 + eps) in fp32 (transformers' / FLA's l2norm: eps inside the root)."""
