@@ -46,10 +46,29 @@ def pool_keys(k_BSd, gate_BSd, ape_Pd):
 def pooled_topk(cfg: ModelConfig, q_BTHd, w_BTH, k_BSd, gate_BSd, ape_Pd, q_pos_BT, kv_pos_BS, q_seg_BT,
                 kv_seg_BS, q_slot_BT):
     """The selection (idx [B, T, n], valid [B, T, n]) with n = `selection_width`; ``q_slot`` is each query's
-    own key slot (its index in the sequence, or its position in a decode cache)."""
-    P = cfg.index_kpool
-    S = k_BSd.shape[1]
+    own key slot (its index in the sequence, or its position in a decode cache). Queries run
+    ``cfg.attention_q_chunk`` at a time, so the scores take [B, chunk, H_I, S], not [B, T, H_I, S]."""
     pooled = pool_keys(k_BSd, gate_BSd, ape_Pd)
+    B, T = q_pos_BT.shape
+    C = cfg.runtime.attention_q_chunk
+    if T <= C:
+        return _select(cfg, q_BTHd, w_BTH, pooled, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, q_slot_BT)
+    n = -(-T // C)
+
+    def chunks(x):   # [B, T, ...] -> [n, B, C, ...] (the padding queries: segment 0, nothing selected)
+        x = jnp.pad(x, ((0, 0), (0, n * C - T)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((B, n, C) + x.shape[2:]), 1, 0)
+
+    def one(args):
+        return _select(cfg, *args[:2], pooled, args[2], kv_pos_BS, args[3], kv_seg_BS, args[4])
+
+    idx, valid = jax.lax.map(one, tuple(chunks(x) for x in (q_BTHd, w_BTH, q_pos_BT, q_seg_BT, q_slot_BT)))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape((B, n * C) + x.shape[3:])[:, :T] for x in (idx, valid))
+
+
+def _select(cfg: ModelConfig, q_BTHd, w_BTH, pooled, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, q_slot_BT):
+    P = cfg.index_kpool
+    S = pooled.shape[1]
     scores = jnp.einsum("bthd,bsd->bths", q_BTHd.astype(jnp.float32), pooled, precision=_HI)
     scores = jnp.einsum("bth,bths->bts", w_BTH.astype(jnp.float32), jax.nn.relu(scores), precision=_HI)
     ends = (kv_pos_BS % P == P - 1) & (kv_seg_BS > 0)

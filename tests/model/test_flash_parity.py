@@ -50,6 +50,9 @@ def test_logits_match_hf_on_a_right_padded_batch(saved):
     ours = _ours(cfg, variables, ids, mask.astype(np.int32))
     valid = mask.astype(bool)
     np.testing.assert_allclose(ours[valid], ref[valid], atol=TOL, rtol=0)
+    # the pooled indexer's queries in chunks of 16 (the last one padded) select the same
+    chunked = _ours(cfg.replace(attention_q_chunk=16), variables, ids, mask.astype(np.int32))
+    np.testing.assert_allclose(chunked[valid], ref[valid], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("change", [dict(swiglu_limit=1e9), dict(index_topk=64),
