@@ -32,14 +32,15 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     return perturbed(GlmMoeDsaForCausalLM(cfg))
 
 
-def perturbed(model):
+def perturbed(model, layers=None, also=()):
     """`model` in eval mode with its norms, biases and routing bias moved off their initial values (the
-    matrices are random already)."""
+    matrices are random already); ``also``: name parts of matrices initialised to constants, moved too.
+    ``layers``: the decoder layers (default ``model.model.layers``)."""
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or any(part in name for part in also):
                 p.add_(0.1 * torch.randn_like(p))
-        for layer in model.model.layers:
+        for layer in model.model.layers if layers is None else layers:
             if hasattr(layer.mlp, "gate"):
                 bias = layer.mlp.gate.e_score_correction_bias
                 bias.copy_(0.05 * torch.randn_like(bias))

@@ -26,6 +26,7 @@ from glm5_jax.convert.plan import LeafPlan, build_plan
 from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.tokenizer_files import copy_tokenizer_files
 from glm5_jax.hf.config import config_from_hf, read_config_json
+from glm5_jax.hf.flash_checkpoint import open_text_only
 from glm5_jax.hf.layout import empty_shared_experts, mtp_copies
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
 from glm5_jax.model.config import ConfigError, ModelConfig
@@ -72,7 +73,8 @@ def open_hub(hf_dir: str, dtype: str):
     without MTP weights (HF save_pretrained drops them) plans no MTP module."""
     hf = read_hf_config(hf_dir)
     cfg = hub_model_config(hf, hf_dir, dtype)
-    ckpt = SafetensorsCheckpoint(hf_dir)
+    # GLM-5.3-Flash: the language model under text-only keys (vision tower and MTP layer skipped, and logged)
+    ckpt = open_text_only(SafetensorsCheckpoint(hf_dir), cfg, hf.get("model_type"))
     qc = hf.get("quantization_config") or {}
     if qc.get("quant_method") == "compressed-tensors":      # INT4 experts: read as their dequantised values
         group = int4_layout.check_config(qc)

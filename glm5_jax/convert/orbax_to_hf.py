@@ -33,6 +33,7 @@ from glm5_jax.convert.progress import Progress, frozen_gc
 from glm5_jax.convert.safetensors_writer import ShardedSafetensorsWriter, ShardLayout
 from glm5_jax.convert.tokenizer_files import write_export_tokenizer
 from glm5_jax.hf.config import config_from_hf, config_to_hf
+from glm5_jax.hf.flash_checkpoint import export_key_fn
 from glm5_jax.hf.layout import DEEPSEEK_MODEL_TYPES, empty_shared_experts, mtp_copies
 from glm5_jax.hf.safetensors_io import DTYPES
 from glm5_jax.model.config import ModelConfig
@@ -183,12 +184,14 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
     if int4:
         hf["quantization_config"] = int4_layout.quantization_config(group)
     # main key -> the MTP layer's copy, which DeepSeek-V3.x checkpoints carry (written right after the main one)
+    rename = export_key_fn(hf)   # GLM-5.3-Flash: model.language_model.* under a nested config.json
     copies = {main: copy for copy, main in mtp_copies(cfg)} if hf["model_type"] in DEEPSEEK_MODEL_TYPES else {}
-    empty = empty_shared_experts(cfg)          # as transformers saves n_shared_experts=0 (written last)
+    empty = [(rename(key), shape) for key, shape in empty_shared_experts(cfg)]   # as transformers saves
+    # n_shared_experts=0 (written last)
 
     tensors = []
     for leaf in plan:
-        for key in leaf.hub_keys():
+        for key in map(rename, leaf.hub_keys()):
             if int4 and int4_layout.is_packed(key):
                 tensors += int4_layout.tensor_specs(key, leaf.hub_shape, group, cfg.quant_scale_dtype)
             elif fp8 and fp8_layout.is_quantised(key):
@@ -209,6 +212,7 @@ def orbax_to_hf(ckpt_dir: str, out_dir: str, shard_size: str | int = "5GB", fp8:
         with contextlib.closing(_restored_leaves(found.item_dir, plan, stored)) as leaves:
             for leaf, array in leaves:
                 for key, w in _hub_tensors(leaf, array):
+                    key = rename(key)
                     if int4 and int4_layout.is_packed(key):
                         parts = int4_layout.compress(w, group, cfg.quant_scale_dtype)
                         for (part_key, _, _), part in zip(int4_layout.tensor_specs(key, w.shape, 1, "float32"), parts):

@@ -23,6 +23,29 @@ from glm5_jax.cost.categories import CATEGORIES, categorize_param
 from glm5_jax.model.param_count import ROUTED_EXPERT_LEAVES, abstract_variables, count_params
 
 
+def mla_layers(cfg) -> int:
+    """Main layers with MLA attention (GLM-5: all; GLM-5.3-Flash: one in four, the rest KDA)."""
+    return sum(a == "mla" for a in cfg.layer_attention_types)
+
+
+def full_indexer_layers(cfg) -> int:
+    """MLA layers that run their own indexer."""
+    return sum(t == "full" and a == "mla" for t, a in zip(cfg.layer_indexer_types, cfg.layer_attention_types))
+
+
+def selected_keys(cfg) -> int:
+    """Keys a query's DSA selection holds at most: index_topk, plus the pooled indexer's tail."""
+    tail = cfg.index_kpool - 1 if cfg.index_kpool is not None and cfg.index_kpool_always_select_tail else 0
+    return cfg.index_topk + tail
+
+
+def kda_core_fwd(cfg) -> float:
+    """Forward FLOPs per token of the KDA layers' recurrence (glm5_jax/model/kda_core.py): per head four
+    state-sized products (decay, S^T k, the rank-1 update, S^T q) of K x V multiply-adds."""
+    kda = len(cfg.layer_attention_types) - mla_layers(cfg)
+    return 2 * 4 * cfg.linear_num_heads * cfg.linear_head_dim * cfg.linear_head_dim * kda
+
+
 def mean_visible_keys(seq_len: int, topk: int | None) -> float:
     """Average over causal positions 0..T-1 of the keys attended: min(t + 1, k)."""
     keys = [min(t + 1, topk) if topk else t + 1 for t in range(seq_len)]
@@ -59,16 +82,19 @@ def train_flops_per_token(cfg, seq_len: int, sparse: bool = True, params=None,
     indexer_weights = _indexer_weights(params) if cfg.use_indexer else 0
     matmul_params = counts["active"] - cfg.vocab_size * cfg.hidden_size - indexer_weights   # no embedding table
     indexer_weight_flops = 2 * indexer_weight_passes(sparse, indexer_loss) * indexer_weights
-    H, L = cfg.num_attention_heads, cfg.num_hidden_layers
-    attended = mean_visible_keys(seq_len, cfg.index_topk if (sparse and cfg.use_indexer) else None)
-    attention_fwd = 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * attended * L
+    H = cfg.num_attention_heads
+    L = mla_layers(cfg)
+    attended = mean_visible_keys(seq_len, selected_keys(cfg) if (sparse and cfg.use_indexer) else None)
+    attention_fwd = 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * attended * L + kda_core_fwd(cfg)
     scores_fwd = kl_fwd = 0.0
     if cfg.use_indexer:
         # the indexer scores every visible key for the top-k (no gradient); its KL loss trains it on the
         # keys it is scored against: the selected min(k, visible) in the sparse stage, every visible key
-        # in the warm-up (DeepSeek-V3.2 report, section 2.1), backward = 2 x that forward
-        per_key = 2 * cfg.index_n_heads * cfg.index_head_dim * sum(t == "full" for t in cfg.layer_indexer_types)
-        scores_fwd = per_key * mean_visible_keys(seq_len, None) if sparse or indexer_loss != "none" else 0.0
+        # in the warm-up (DeepSeek-V3.2 report, section 2.1), backward = 2 x that forward. The pooled indexer
+        # (GLM-5.3-Flash) scores one key per pool of index_kpool tokens.
+        per_key = 2 * cfg.index_n_heads * cfg.index_head_dim * full_indexer_layers(cfg)
+        scored = mean_visible_keys(seq_len, None) / (cfg.index_kpool or 1)
+        scores_fwd = per_key * scored if sparse or indexer_loss != "none" else 0.0
         kl_fwd = per_key * mean_visible_keys(seq_len, cfg.index_topk if sparse else None) \
             if indexer_loss != "none" else 0.0
     indexer = scores_fwd + 2.0 * kl_fwd
@@ -103,11 +129,11 @@ def train_flops_by_category(cfg, seq_len: int, sparse: bool = True, params=None,
         else:
             out[cat] += (2.0 if indexer_loss == "warmup" else 6.0) * n
     per_token = train_flops_per_token(cfg, seq_len, sparse=sparse, params=params, indexer_loss=indexer_loss)
-    L = cfg.num_hidden_layers
+    L = max(mla_layers(cfg), 1)
     out["attention_core"] = per_token["attention"]
     out["indexer_topk"] = per_token["indexer_scores"]
     out["indexer_kl"] = per_token["indexer_kl"]
-    n_full = sum(t == "full" for t in cfg.layer_indexer_types) if cfg.use_indexer else 0
+    n_full = full_indexer_layers(cfg) if cfg.use_indexer else 0
     out["mtp"] = cfg.mtp_depth * (out["mtp"] + per_token["attention"] / L
                                   + (per_token["indexer"] / n_full if n_full else 0.0))
     out["lm_head_loss"] *= 1 + cfg.mtp_depth       # the MTP runs the shared head again (its HLO is the head's)

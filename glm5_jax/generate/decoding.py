@@ -197,6 +197,18 @@ def _chunk_start(c, T, C):
     return jnp.minimum(c * C, T - C).astype(jnp.int32)
 
 
+def _recurrent(cfg) -> bool:
+    """Whether the model has recurrent (KDA) layers: their state absorbs each token once, so an overlapping
+    prefill chunk cannot recompute its first tokens' outputs (nor the MLA rows written from them). Such a
+    prompt is prefilled in whole chunks instead, padded to a multiple of the chunk."""
+    return "kda" in cfg.layer_attention_types
+
+
+def prefill_slots(cfg, T, C) -> int:
+    """Cache slots the prefill of a T-token prompt in chunks of C writes."""
+    return -(-T // C) * C if _recurrent(cfg) else T
+
+
 def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
     """Write every prompt row into ``cache`` in chunks of C tokens.
 
@@ -206,6 +218,9 @@ def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
     positions max(L - K, 0) .. + K - 1 (L = the row's length). Depth d's slots from L - d on need tokens
     past the prompt, which only the first sampled token and the drafts give; `_mtp_window` rewrites them.
     """
+    if _recurrent(model.cfg):
+        prompt_BT = jnp.pad(prompt_BT, ((0, 0), (0, prefill_slots(model.cfg, prompt_BT.shape[1], C)
+                                                  - prompt_BT.shape[1])))
     B, T = prompt_BT.shape
     last_B = lengths_B - 1
     with_mtp = mtp_cache is not None
@@ -216,7 +231,7 @@ def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
 
     def chunk(c, carry):
         cache, last_logits, mtp = carry
-        start = _chunk_start(c, T, C)
+        start = _chunk_start(c, T, C)     # T: a multiple of C for a recurrent model, so c * C
         tokens = jax.lax.dynamic_slice_in_dim(prompt_BT, start, C, axis=1)
         positions = jnp.broadcast_to(start + window, (B, C))
         segments = (positions < lengths_B[:, None]).astype(jnp.int32)
@@ -252,7 +267,7 @@ def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prom
     """Prefill, then one token per step: step s feeds token s-1 (at position length + s - 1)."""
     model = Transformer(cfg)
     B, T = prompt_BT.shape
-    cache = init_cache(cfg, B, T + N, cache_dtype)["decoder"]
+    cache = init_cache(cfg, B, max(T + N, prefill_slots(cfg, T, chunk)), cache_dtype)["decoder"]
     last_logits, cache, _ = _prefill(model, variables, prompt_BT, lengths_B, cache, chunk)
     token, logprob = sampler.sample(last_logits, jax.random.fold_in(rng, 0))
     out_tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(token)

@@ -15,6 +15,7 @@ from flax.core import meta
 
 from glm5_jax.checkpoint.errors import CheckpointError
 from glm5_jax.hf.config import config_from_hf, read_config_json
+from glm5_jax.hf.flash_checkpoint import open_text_only
 from glm5_jax.hf.layout import (GLOBAL_TENSORS, empty_shared_experts, heads_for, layer_slots, layer_tensor_maps,
                                 mtp_copies, mtp_extra_tensors, to_hf, to_ours)
 from glm5_jax.hf.safetensors_io import SafetensorsCheckpoint
@@ -22,7 +23,11 @@ from glm5_jax.model.moe.layer import BIAS_COLLECTION
 from glm5_jax.model.param_count import abstract_variables
 
 # kept fp32 whatever the dtype (docs/architecture.md#routing-bias-is-a-buffer-fp32)
-FP32_LEAVES = {("moe", "router"), ("moe", "e_score_correction_bias")}
+FP32_LEAVES = {("moe", "router"), ("moe", "e_score_correction_bias"),
+               # GLM-5.3-Flash (transformers' _keep_in_fp32_modules_strict): KDA conv taps and gates, mHC mixers
+               ("attention", "q_conv"), ("attention", "k_conv"), ("attention", "v_conv"), ("attention", "dt_bias"),
+               ("attention", "A_log"), ("attn_hc", "base"), ("attn_hc", "scale"), ("ffn_hc", "base"),
+               ("ffn_hc", "scale")}
 
 
 def _block_size(hf_dir):
@@ -162,7 +167,8 @@ def load_hf(hf_dir: str, dtype: str = "float32", **config_overrides):
     ``Transformer(cfg).apply``. ``dtype`` sets both parameter and compute dtype (router and correction
     bias stay fp32). A checkpoint without MTP weights loads with ``num_nextn_predict_layers=0``."""
     cfg = config_from_hf(hf_dir, dtype=dtype, param_dtype=dtype, **config_overrides)
-    ckpt = SafetensorsCheckpoint(hf_dir)
+    # GLM-5.3-Flash: the language model only (the vision tower and the MTP layer are skipped, and logged)
+    ckpt = open_text_only(SafetensorsCheckpoint(hf_dir), cfg, read_config_json(hf_dir).get("model_type"))
     if cfg.num_nextn_predict_layers and not _has_mtp_weights(ckpt, cfg):
         cfg = cfg.replace(num_nextn_predict_layers=0, mtp_depth=0)
     block_size = _block_size(hf_dir)

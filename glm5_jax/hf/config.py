@@ -9,9 +9,10 @@ import os
 from typing import Any
 
 from glm5_jax import storage
+from glm5_jax.hf import flash_config
 from glm5_jax.model.config import ConfigError, ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3") + flash_config.MODEL_TYPES
 
 # HF key -> ModelConfig field, identical meaning in all three families.
 _SAME_NAME = (
@@ -64,6 +65,15 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.json model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    flash = model_type in flash_config.MODEL_TYPES
+    if flash:          # GLM-5.3-Flash: the language model's keys (nested text_config or flat)
+        hf = {**flash_config.text_config(hf), "model_type": model_type}
+        hf.setdefault("qk_rope_head_dim", 0)
+        hf.setdefault("rms_norm_eps", 1e-5)
+        for key, default in (("bos_token_id", None), ("eos_token_id", None), ("pad_token_id", 154820)):
+            hf.setdefault(key, default)     # Glm5NextTextConfig's defaults
+        extra = flash_config.flash_fields(hf)
+        hf["mlp_layer_types"] = extra.pop("mlp_layer_types")
     nullable = ("bos_token_id", "pad_token_id")
     kwargs: dict[str, Any] = {k: hf[k] for k in _SAME_NAME if k in hf and (hf[k] is not None or k in nullable)}
     if "num_key_value_heads" in hf and hf["num_key_value_heads"] != hf.get("num_attention_heads"):
@@ -83,7 +93,7 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         if list(mlp_types) != ["dense"] * n_dense + ["sparse"] * (len(mlp_types) - n_dense):
             raise ValueError("config.json mlp_layer_types must be dense layers followed by sparse ones")
         kwargs["first_k_dense_replace"] = n_dense
-    kwargs.update(_rope_fields(hf))
+    kwargs.update(_rope_fields(hf) if not flash else {})   # NoPE: no RoPE parameters
     # RoPE layout as each transformers class runs it: DeepseekV3Attention honours `rope_interleave` (default
     # true); GlmMoeDsaAttention and DeepseekV32Attention always interleave and ignore the key, and their
     # indexers ignore `indexer_rope_interleave` (GLM: interleaved, DeepSeek-V3.2: half-split;
@@ -91,7 +101,7 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     kwargs["rope_interleave"] = bool(hf.get("rope_interleave", True)) if model_type == "deepseek_v3" else True
     if "eos_token_id" in hf:
         kwargs["eos_token_id"] = hf["eos_token_id"]
-    kwargs["num_nextn_predict_layers"] = int(hf.get("num_nextn_predict_layers", 0) or 0)
+    kwargs["num_nextn_predict_layers"] = 0 if flash else int(hf.get("num_nextn_predict_layers", 0) or 0)
     kwargs["mtp_depth"] = kwargs["num_nextn_predict_layers"]
     if model_type == "deepseek_v3":
         kwargs["use_indexer"] = False
@@ -102,7 +112,9 @@ def config_kwargs_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         glm = model_type == "glm_moe_dsa"
         kwargs["indexer_types"] = _derive_indexer_types(hf, hf["num_hidden_layers"]) if glm else None
         kwargs["indexer_rope_interleave"] = glm
-    if model_type != "glm_moe_dsa":
+    if flash:
+        kwargs.update(extra, indexer_types=None, indexer_rope_interleave=True)
+    elif model_type != "glm_moe_dsa":
         kwargs.setdefault("rms_norm_eps", 1e-6)
     return kwargs
 
@@ -116,7 +128,8 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict[str, Any], **overrides
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF ``config.json`` dict (model_type glm_moe_dsa) describing this architecture."""
+    """The HF ``config.json`` dict (model_type glm_moe_dsa, or glm5_next for GLM-5.3-Flash) describing this
+    architecture."""
     if not cfg.use_indexer:
         raise ValueError("to_hf writes glm_moe_dsa configs; a model without an indexer has no such form")
     if not cfg.indexer_rope_interleave:
@@ -147,7 +160,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     })
     if cfg.indexer_types is not None:
         hf["indexer_types"] = list(cfg.indexer_types)
-    return hf
+    return flash_config.flash_to_hf(cfg, hf) if flash_config.is_flash(cfg) else hf
 
 
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:

@@ -74,11 +74,38 @@ def hub_shape(our_shape, layout: str) -> tuple[int, ...]:
     return (int(np.prod(split[:n_rows])), int(np.prod(split[n_rows:])))
 
 
+def kda_tensor_maps() -> list[TensorMap]:
+    """A GLM-5.3-Flash KDA layer's attention (glm5_jax/model/kda_layer.py): flat heads, conv taps as stored."""
+    linear = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")
+    return ([TensorMap(("attention", p), f"self_attn.{p}.weight", "linear") for p in linear]
+            + [TensorMap(("attention", f"{c}_conv"), f"self_attn.{c}_conv1d.weight", "vector") for c in "qkv"]
+            + [TensorMap(("attention", p), f"self_attn.{p}", "vector") for p in ("dt_bias", "A_log")]
+            + [TensorMap(("attention", "o_norm"), "self_attn.o_norm.weight", "vector")])
+
+
+def hyper_connection_maps() -> list[TensorMap]:
+    """A layer's two mHC mixers (glm5_jax/model/hyper_connections.py)."""
+    blocks = ("attn", "ffn")
+    return [TensorMap((f"{block}_hc", "fn"), f"hc_{block}_fn", "linear") for block in blocks] + [
+        TensorMap((f"{block}_hc", p), f"hc_{block}_{p}", "vector") for block in blocks for p in ("base", "scale")]
+
+
 def layer_tensor_maps(cfg, kind: LayerKind) -> list[TensorMap]:
     """Every tensor of one decoder layer of this kind (attention, indexer, dense FFN or MoE)."""
     maps = [
         TensorMap(("input_norm", "scale"), "input_layernorm.weight", "vector"),
         TensorMap(("post_attention_norm", "scale"), "post_attention_layernorm.weight", "vector"),
+    ] + (hyper_connection_maps() if cfg.hc_mult else [])
+    if kind.attention == "kda":
+        maps += kda_tensor_maps()
+    else:
+        maps += mla_tensor_maps(cfg, kind)
+    return maps + ffn_tensor_maps(cfg, kind)
+
+
+def mla_tensor_maps(cfg, kind: LayerKind) -> list[TensorMap]:
+    """An MLA layer's attention and indexer."""
+    maps = [
         TensorMap(("attention", "q_a_proj"), "self_attn.q_a_proj.weight", "linear"),
         TensorMap(("attention", "q_a_norm", "scale"), "self_attn.q_a_layernorm.weight", "vector"),
         TensorMap(("attention", "q_b_proj"), "self_attn.q_b_proj.weight", "linear_heads"),
@@ -95,6 +122,19 @@ def layer_tensor_maps(cfg, kind: LayerKind) -> list[TensorMap]:
             TensorMap(("attention", "indexer", "k_norm", "bias"), "self_attn.indexer.k_norm.bias", "vector"),
             TensorMap(("attention", "indexer", "weights_proj"), "self_attn.indexer.weights_proj.weight", "linear"),
         ]
+        if cfg.index_kpool is not None:   # GLM-5.3-Flash's pooled indexer
+            maps += [
+                TensorMap(("attention", "indexer", "kpool_gate"), "self_attn.indexer.index_kpool_compress_gate",
+                          "linear"),
+                TensorMap(("attention", "indexer", "kpool_ape"), "self_attn.indexer.index_kpool_compress_ape",
+                          "vector"),
+            ]
+    return maps
+
+
+def ffn_tensor_maps(cfg, kind: LayerKind) -> list[TensorMap]:
+    """A layer's dense FFN or MoE."""
+    maps = []
     if kind.mlp == "dense":
         maps += [TensorMap(("mlp", p), f"mlp.{p}.weight", "linear") for p in ("gate_proj", "up_proj", "down_proj")]
     else:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.model import context_attention, mha_form
+from glm5_jax.model import context_attention, mha_form, pooled_indexer
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
@@ -69,10 +69,12 @@ def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:
     rt = cfg.runtime
     return (rt.attention_impl in PALLAS_IMPLS and rt.mla_form == "absorbed" and not decoding
             and rt.attention_mode == "sparse" and cfg.use_indexer
-            and num_keys <= rt.masked_flash_factor * cfg.index_topk)
+            and num_keys <= rt.masked_flash_factor * cfg.index_topk and cfg.index_kpool is None)
 
 
 def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
+    if x.shape[-1] == 0:    # NoPE (GLM-5.3-Flash: qk_rope_head_dim = 0)
+        return x
     cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
                             cfg.max_position_embeddings)
     if head_axis:
@@ -89,7 +91,9 @@ class AttentionOutput(NamedTuple):
 
 
 class Indexer(nn.Module):
-    """Lightning-indexer projections: (q [B,T,H_I,d_I], k [B,T,d_I], w [B,T,H_I]) in fp32.
+    """Lightning-indexer projections: (q [B,T,H_I,d_I], k [B,T,d_I], w [B,T,H_I]) in fp32; the pooled indexer
+    (``cfg.index_kpool``, glm5_jax/model/pooled_indexer.py) also returns the pool gate scores [B,T,d_I] and
+    the per-slot offsets [P, d_I].
 
     Background: docs/architecture.md#lightning-indexer.
     """
@@ -116,7 +120,13 @@ class Indexer(nn.Module):
         # weights_proj runs in fp32 like HF; both positive scales folded into w (ReLU(cx) = cReLU(x)).
         w = jnp.einsum("btd,dh->bth", a_BTD.astype(f32), weights_proj.astype(f32),
                        precision=jax.lax.Precision.HIGHEST) * (h_i ** -0.5 * d_i ** -0.5)
-        return q, k, w
+        if cfg.index_kpool is None:
+            return q, k, w
+        gate_w = logical_param(self, "kpool_gate", (cfg.hidden_size, d_i), (EMBED, INDEX_DIM), nn.initializers.ones,
+                               pdt)
+        ape = logical_param(self, "kpool_ape", (cfg.index_kpool, d_i), (None, INDEX_DIM), nn.initializers.zeros, pdt)
+        gate = einsum("btd,de->bte", a_BTD, gate_w, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
+        return q, k, w, gate, ape
 
 
 class MLAttention(nn.Module):
@@ -176,6 +186,8 @@ class MLAttention(nn.Module):
 
         n_shards = context_parallel.layout_shards(a_BTD.shape[1]) if cfg.runtime.mla_form == "absorbed" else 1
         if cache is None and n_shards > 1:     # the sequence is split over shards (context parallelism)
+            if cfg.index_kpool is not None:
+                raise NotImplementedError("the pooled indexer (index_kpool) does not run context-parallel yet")
             mha = (mha_form.mha_query(q_nope, q_rot, dt), w_kvb) if flash else None
             o, selection, indexer_kl = self._context_parallel(a_BTD, qr, positions_BT, segment_ids_BT,
                                                               prev_selection, q_abs, latent_BSC, n_shards, mha,
@@ -297,6 +309,8 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         if self.indexer_kind != "full":
             return prev_selection, None, cache
+        if cfg.index_kpool is not None:
+            return self._pooled_select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache)
         # The indexer is trained only by its KL loss: its inputs are detached (DeepSeek-V3.2 report,
         # section 2.1); top-k indices carry no gradient, so the LM loss never reaches the indexer.
         q_i, k_i, w_i = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
@@ -335,6 +349,27 @@ class MLAttention(nn.Module):
                 positions_BT, positions_BT, segment_ids_BT, segment_ids_BT, scale=cfg.softmax_scale,
                 stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK, lse_BTH=lse)
         return selection, kl, cache
+
+    def _pooled_select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache):
+        """(selection, None, cache) of the pooled indexer; a decode cache's "index_key" holds [key; gate]."""
+        cfg = self.cfg
+        q_i, k_i, w_i, gate_i, ape = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD),
+                                                                  jax.lax.stop_gradient(qr), positions_BT)
+        kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
+        q_slot_BT = jnp.broadcast_to(jnp.arange(positions_BT.shape[1], dtype=jnp.int32), positions_BT.shape)
+        if cache is not None:
+            packed = jnp.concatenate([k_i, gate_i], axis=-1)
+            cache = dict(cache, index_key=write_rows(cache["index_key"], packed, positions_BT))
+            k_i, gate_i = jnp.split(cache["index_key"].astype(jnp.float32), 2, axis=-1)
+            kv_positions_BS, kv_segments_BS = cache_slots(k_i)
+            q_slot_BT = positions_BT
+        if cfg.runtime.attention_mode != "sparse":
+            return prev_selection, None, cache
+        selection = pooled_indexer.pooled_topk(cfg, q_i, w_i, k_i, gate_i, ape, positions_BT, kv_positions_BS,
+                                               segment_ids_BT, kv_segments_BS, q_slot_BT)
+        if cache is None:
+            selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
+        return selection, None, cache
 
     def _warmup_kl_kernel(self, mha, q_i, k_i, w_i, positions_BT, segment_ids_BT, allowed_BTS=None,
                           index_lse_BT=None):

@@ -179,6 +179,23 @@ class ModelConfig:
     index_topk: int = 2048
     indexer_types: tuple[str, ...] | None = None   # per layer "full" | "shared"; None -> all full
     indexer_rope_interleave: bool = True     # GLM: pair-interleaved; DeepSeek-V3.2: half-split
+    # GLM-5.3-Flash's pooled indexer (glm5_jax/model/pooled_indexer.py): the indexer scores groups of this many
+    # tokens and attends to the index_topk / index_kpool best, plus the incomplete tail group; None: GLM-5's
+    # per-token lightning indexer
+    index_kpool: int | None = None
+    index_kpool_always_select_tail: bool = True
+    # --- GLM-5.3-Flash: KDA linear attention layers (glm5_jax/model/kda_layer.py) ---
+    layer_types: tuple[str, ...] | None = None   # per layer "mla" | "kda"; None -> all MLA (GLM-5)
+    linear_num_heads: int = 64
+    linear_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float | None = -5.0  # forget-gate lower bound (None: softplus decay)
+    # --- GLM-5.3-Flash: mHC hyper-connections (glm5_jax/model/hyper_connections.py); 0: plain residual ---
+    hc_mult: int = 0
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    # clamped SwiGLU (GLM-5.3-Flash: 10): gate <= limit, |up| <= limit; None: plain SwiGLU
+    swiglu_limit: float | None = None
     # --- RoPE ---
     rope_theta: float = 1_000_000.0
     # YaRN parameters as sorted (key, value) pairs (DeepSeek-V3.x); None = plain RoPE (GLM-5)
@@ -253,6 +270,11 @@ class ModelConfig:
         return self.indexer_types or ("full",) * self.num_hidden_layers
 
     @property
+    def layer_attention_types(self) -> tuple[str, ...]:
+        """Attention of each main layer: "mla" (MLA + DSA) or "kda" (linear attention)."""
+        return self.layer_types or ("mla",) * self.num_hidden_layers
+
+    @property
     def jnp_dtype(self):
         return self.runtime.jnp_dtype
 
@@ -287,8 +309,9 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.runtime, dict):      # a stored config (checkpoint metadata) holds it as a dict
             object.__setattr__(self, "runtime", RuntimeConfig(**self.runtime))
-        if self.indexer_types is not None and not isinstance(self.indexer_types, tuple):
-            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        for f in ("indexer_types", "layer_types"):
+            if getattr(self, f) is not None and not isinstance(getattr(self, f), tuple):
+                object.__setattr__(self, f, tuple(getattr(self, f)))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         if not isinstance(self.eos_token_id, tuple):
@@ -307,9 +330,10 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.runtime={self.runtime!r}: must be a RuntimeConfig")
 
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "moe_intermediate_size"):
+                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
+        need(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0, "qk_rope_head_dim",
+             "must be an int >= 0 (0: NoPE attention, GLM-5.3-Flash)")
         need(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
              f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
         need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "RoPE needs an even rotary width")
@@ -337,6 +361,7 @@ class ModelConfig:
                      'entries must be "full" or "shared"')
                 need(self.indexer_types[0] == "full", "indexer_types",
                      'layer 0 must be "full" (there is no earlier top-k to share)')
+        self._validate_flash(need)
         need(self.num_nextn_predict_layers in (0, 1), "num_nextn_predict_layers",
              "one shared MTP module (GLM-5) or none is supported")
         need(self.mtp_depth >= 0 and (self.mtp_depth == 0 or self.num_nextn_predict_layers == 1), "mtp_depth",
@@ -363,3 +388,28 @@ class ModelConfig:
              'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none") or in the decode '
              'dispatch (moe_ep="gather")')
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
+
+    def _validate_flash(self, need) -> None:
+        """GLM-5.3-Flash's fields: KDA layers, the pooled indexer, hyper-connections, the SwiGLU clamp."""
+        if self.layer_types is not None:
+            need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+                 f"needs one entry per layer ({self.num_hidden_layers})")
+            need(all(t in ("mla", "kda") for t in self.layer_types), "layer_types", 'entries must be "mla" or "kda"')
+            for f in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+                need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
+            need("kda" not in self.layer_types or self.runtime.decode_cache_write == "layer", "decode_cache_write",
+                 '"rows" writes latent rows only; KDA layers carry a recurrent state: use "layer"')
+        if self.index_kpool is not None:
+            need(isinstance(self.index_kpool, int) and self.index_kpool >= 1, "index_kpool", "must be an int >= 1")
+            need(self.index_topk % self.index_kpool == 0, "index_kpool", f"must divide index_topk={self.index_topk}")
+            need(self.qk_rope_head_dim == 0, "index_kpool", "the pooled indexer runs without RoPE (qk_rope_head_dim=0)")
+            need(self.indexer_types is None, "index_kpool", "the pooled indexer runs in every MLA layer")
+            need(self.runtime.indexer_loss == "none", "index_kpool", "the pooled indexer's KL loss is not implemented")
+        need(isinstance(self.hc_mult, int) and self.hc_mult >= 0, "hc_mult", "must be an int >= 0")
+        need(self.hc_mult == 0 or self.num_nextn_predict_layers == 0, "hc_mult",
+             "an MTP module over hyper-connection streams is not implemented")
+        need(self.hc_mult == 0 or self.hc_sinkhorn_iters >= 1, "hc_sinkhorn_iters", "must be >= 1")
+        if self.swiglu_limit is not None:
+            need(self.swiglu_limit > 0, "swiglu_limit", "must be positive")
+            need(self.runtime.moe_impl != "blocked" and self.quant == "none", "swiglu_limit",
+                 'the clamped SwiGLU runs in the grouped-matmul experts (moe_impl != "blocked", quant="none")')

@@ -14,9 +14,12 @@ import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from glm5_jax.model import hyper_connections
 from glm5_jax.model.attention import (ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAMES, Q_LATENT_NAME, SELECTION_NAME,
-                                      MLAttention)
+                                      AttentionOutput, MLAttention)
 from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.hyper_connections import ACT_BTND, HyperConnection
+from glm5_jax.model.kda_layer import KDAttention
 from glm5_jax.model.kv_cache import write_stacked_rows
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
@@ -124,25 +127,48 @@ class StackOutput(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE -> `LayerOutput`."""
+    """Pre-norm block: h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)); FFN dense or MoE -> `LayerOutput`.
+
+    Attention is MLA + DSA, or KDA (``kind.attention == "kda"``: a KDA layer passes the selection on). With
+    ``cfg.hc_mult`` streams the residual stream is [B, T, N, D] and each block reads and writes it through
+    its hyper-connection mixers (glm5_jax/model/hyper_connections.py) instead of adding to it.
+    """
     cfg: ModelConfig
     kind: LayerKind
 
     @nn.compact
     def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
-        a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="input_norm")(h_BTD)
-        attn = MLAttention(cfg, self.kind.indexer, name="attention")(a, positions_BT, segment_ids_BT, selection,
-                                                                    cache)
-        h_BTD = constrain(h_BTD + checkpoint_name(attn.out, ATTENTION_OUT_NAME), ACT_BTD)
-        m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(h_BTD)
+        around_attention, around_ffn = self._residual("attn_hc"), self._residual("ffn_hc")
+        x, add = around_attention(h_BTD)
+        a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="input_norm")(x)
+        if self.kind.attention == "kda":
+            out, new_cache = KDAttention(cfg, name="attention")(a, segment_ids_BT, positions_BT, cache)
+            attn = AttentionOutput(out, selection, None, new_cache)
+        else:
+            attn = MLAttention(cfg, self.kind.indexer, name="attention")(a, positions_BT, segment_ids_BT, selection,
+                                                                        cache)
+        h_BTD = add(checkpoint_name(attn.out, ATTENTION_OUT_NAME))
+        x, add = around_ffn(h_BTD)
+        m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(x)
         moe_aux = None
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
             ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
         stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, attn.indexer_kl)
-        return LayerOutput(constrain(h_BTD + ffn_out, ACT_BTD), attn.selection, stats, attn.cache)
+        return LayerOutput(add(ffn_out), attn.selection, stats, attn.cache)
+
+    def _residual(self, hc_name):
+        """h -> (the block's input, out -> the next h): a plain residual add, or hyper-connections."""
+        if not self.cfg.hc_mult:
+            return lambda h: (h, lambda out: constrain(h + out, ACT_BTD))
+        mixers = HyperConnection(self.cfg, name=hc_name)
+
+        def around(h_BTND):
+            post, comb, block_in = mixers(h_BTND)
+            return block_in, lambda out: constrain(hyper_connections.merge(post, comb, out, h_BTND), ACT_BTND)
+        return around
 
 
 class LayerGroup(nn.Module):

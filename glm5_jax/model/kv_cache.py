@@ -13,7 +13,10 @@ Layout (a plain pytree, so it can be donated, sharded or inspected):
     {"decoder": {segment: {"layer_i": {"latent": [repeats, B, S, C], "index_key": [repeats, B, S, d_I]}}},
      "mtp": ({"latent": [B, S, C], "index_key": [B, S, d_I]},) * mtp_depth}
 
-Shared-index layers have no ``index_key`` (they reuse the previous full layer's selection). Each MTP
+Shared-index layers have no ``index_key`` (they reuse the previous full layer's selection). With the pooled
+indexer (GLM-5.3-Flash) ``index_key`` holds [key; pool gate score], 2 x d_I. A GLM-5.3-Flash KDA layer keeps
+no slots but a fixed-size state (glm5_jax/model/kda_layer.py): ``kda_conv`` [B, W-1, 3 H K] (the conv's last
+inputs), ``kda_state`` [B, H, K, V] fp32 (the recurrent state) and ``kda_seen`` [B] (positions absorbed). Each MTP
 depth applies the one shared MTP block to different hidden states, so each depth has its own cache.
 
 Every leaf's logical axes are ``([layers,] batch, cache_seq, None)``: `constrain_cache` lays a cache out
@@ -30,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.layer_plan import plan_segments
+from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, LAYERS
 
 # Logical axes of one layer's [B, S, X] leaf; decoder leaves carry their segment's repeats in front
@@ -39,23 +42,32 @@ from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, LAYERS
 LAYER_AXES = (BATCH, CACHE_SEQ, None)
 
 
-def _layer_cache(cfg: ModelConfig, indexer_kind, batch, max_len, dtype, lead=()):
+def _index_key_width(cfg: ModelConfig) -> int:
+    return cfg.index_head_dim * (1 if cfg.index_kpool is None else 2)
+
+
+def _layer_cache(cfg: ModelConfig, kind: LayerKind, batch, max_len, dtype, lead=()):
+    if kind.attention == "kda":
+        H, K = cfg.linear_num_heads, cfg.linear_head_dim
+        return {"kda_conv": jnp.zeros(lead + (batch, cfg.linear_conv_kernel_dim - 1, 3 * H * K), dtype),
+                "kda_state": jnp.zeros(lead + (batch, H, K, K), jnp.float32),
+                "kda_seen": jnp.zeros(lead + (batch,), jnp.int32)}
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     layer = {"latent": jnp.zeros(lead + (batch, max_len, width), dtype)}
-    if indexer_kind == "full":
-        layer["index_key"] = jnp.zeros(lead + (batch, max_len, cfg.index_head_dim), dtype)
+    if kind.indexer == "full":
+        layer["index_key"] = jnp.zeros(lead + (batch, max_len, _index_key_width(cfg)), dtype)
     return layer
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *, mtp: bool = False) -> dict:
     """A zero cache with ``max_len`` slots per row; ``dtype`` defaults to the model's compute dtype."""
     dtype = jnp.dtype(dtype or cfg.jnp_dtype)
-    decoder = {seg.name: {f"layer_{u}": _layer_cache(cfg, kind.indexer, batch, max_len, dtype, (seg.repeats,))
+    decoder = {seg.name: {f"layer_{u}": _layer_cache(cfg, kind, batch, max_len, dtype, (seg.repeats,))
                           for u, kind in enumerate(seg.unit)}
                for seg in plan_segments(cfg)}
     cache = {"decoder": decoder}
     if mtp:
-        kind = "full" if cfg.use_indexer else "none"
+        kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
         cache["mtp"] = tuple(_layer_cache(cfg, kind, batch, max_len, dtype) for _ in range(cfg.mtp_depth))
     return cache
 
@@ -64,7 +76,8 @@ def cache_bytes_per_token(cfg: ModelConfig, dtype=None, *, mtp: bool = False) ->
     """Bytes one token occupies in the cache across all layers (~110 KB for GLM-5 in bf16)."""
     itemsize = np.dtype(jnp.dtype(dtype or cfg.jnp_dtype)).itemsize
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    per_layer = [width + (cfg.index_head_dim if t == "full" else 0) for t in cfg.layer_indexer_types]
+    per_layer = [width + (_index_key_width(cfg) if t == "full" else 0)
+                 for t, a in zip(cfg.layer_indexer_types, cfg.layer_attention_types) if a == "mla"]
     if mtp and cfg.num_nextn_predict_layers:
         per_layer += [width + (cfg.index_head_dim if cfg.use_indexer else 0)] * cfg.mtp_depth
     return int(sum(per_layer) * itemsize)
@@ -92,17 +105,28 @@ def cache_slots(cache_BSX):
     return (jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)), jnp.ones((B, S), jnp.int32))
 
 
-def leaf_axes(x) -> tuple:
-    """Logical axis names of one cache leaf: [repeats,] B, S, X."""
-    return (LAYERS,) * (x.ndim - 3) + LAYER_AXES
+# a KDA layer's state leaves (no slot axis): batch, then unsharded state dims
+KDA_LEAF_AXES = {"kda_conv": (BATCH, None, None), "kda_state": (BATCH, None, None, None), "kda_seen": (BATCH,)}
+
+
+def leaf_axes(x, name: str | None = None) -> tuple:
+    """Logical axis names of one cache leaf: [repeats,] B, S, X (a KDA leaf ``name``: `KDA_LEAF_AXES`)."""
+    axes = KDA_LEAF_AXES.get(name, LAYER_AXES)
+    return (LAYERS,) * (x.ndim - len(axes)) + axes
+
+
+def _leaf_name(path):
+    return getattr(path[-1], "key", None) if path else None
 
 
 def constrain_cache(cache):
     """``cache`` laid out by the logical rules in context (``cache_seq`` on the slot axis); a no-op
     without a mesh and rules."""
-    return jax.tree.map(lambda x: nn.with_logical_constraint(x, leaf_axes(x)), cache)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: nn.with_logical_constraint(x, leaf_axes(x, _leaf_name(p))), cache)
 
 
 def cache_shardings(cache, mesh, rules) -> dict:
     """NamedShardings of every cache leaf under ``rules`` (e.g. to ``jax.device_put`` a cache)."""
-    return jax.tree.map(lambda x: NamedSharding(mesh, nn.logical_to_mesh_axes(leaf_axes(x), rules)), cache)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, nn.logical_to_mesh_axes(leaf_axes(x, _leaf_name(p)), rules)), cache)

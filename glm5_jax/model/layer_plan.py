@@ -6,7 +6,9 @@ previous full layer's top-k, docs/architecture.md#cross-layer-index-sharing). La
 run by one `nn.scan`
 so compile time does not grow with depth. A repeating pattern (GLM-5.2's S S S F ...) becomes one
 scanned *group* of several layers, so even irregular sharing compiles as a handful of scans.
-GLM-5 itself is two segments: 3 dense layers, then 75 MoE layers.
+GLM-5 itself is two segments: 3 dense layers, then 75 MoE layers. GLM-5.3-Flash's layers also differ in
+their attention (KDA in three of every four layers, MLA in the fourth): 3 dense KDA layers, one MLA, ten
+scanned groups of (KDA, KDA, KDA, MLA) and one last KDA layer.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ MAX_GROUP = 8  # longest repeating unit searched for
 class LayerKind:
     mlp: str       # "dense" | "moe"
     indexer: str   # "full" | "shared" | "none"
+    attention: str = "mla"   # "mla" (MLA + DSA) | "kda" (GLM-5.3-Flash's linear attention, no indexer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +43,8 @@ class Segment:
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[LayerKind, ...]:
-    return tuple(LayerKind("dense" if i < cfg.first_k_dense_replace else "moe", t)
-                 for i, t in enumerate(cfg.layer_indexer_types))
+    return tuple(LayerKind("dense" if i < cfg.first_k_dense_replace else "moe", "none" if a == "kda" else t, a)
+                 for i, (t, a) in enumerate(zip(cfg.layer_indexer_types, cfg.layer_attention_types)))
 
 
 def _best_unit(kinds, start):

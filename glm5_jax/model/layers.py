@@ -133,8 +133,16 @@ class LayerNorm(nn.Module):
 SWIGLU_SAVED_NAMES = ("mlp_gate_out", "mlp_up_out")
 
 
+def swiglu(gate, up, limit=None):
+    """silu(gate) * up; with ``limit`` (GLM-5.3-Flash's clamped SwiGLU) gate <= limit and |up| <= limit first."""
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
-    """(silu(x Wg) * (x Wu)) Wd — the dense FFN of the first layers and the shared expert."""
+    """(silu(x Wg) * (x Wu)) Wd — the dense FFN of the first layers and the shared expert (clamped by
+    ``cfg.swiglu_limit``)."""
     cfg: ModelConfig
     width: int
 
@@ -148,5 +156,5 @@ class SwiGLU(nn.Module):
         impl = cfg.runtime.projection_impl
         gate, up = (checkpoint_name(einsum("btd,df->btf", x_BTD, w, dt, jnp.float32, impl), name)
                     for w, name in zip((w_gate, w_up), SWIGLU_SAVED_NAMES))
-        h = constrain((jax.nn.silu(gate) * up).astype(dt), (BATCH, SEQ, ACT_MLP))
+        h = constrain(swiglu(gate, up, cfg.swiglu_limit).astype(dt), (BATCH, SEQ, ACT_MLP))
         return einsum("btf,fd->btd", h, w_down, dt, impl=impl)

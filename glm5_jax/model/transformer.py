@@ -42,9 +42,11 @@ import numpy as np
 from flax import struct
 
 from glm5_jax.data.batch import Batch
+from glm5_jax.model import hyper_connections, pooled_indexer
 from glm5_jax.model.attention import masked_flash_core
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
+from glm5_jax.model.hyper_connections import ACT_BTND
 from glm5_jax.model.layer_plan import LayerKind
 from glm5_jax.model.layer_stats import LayerStats, concatenate
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
@@ -91,6 +93,8 @@ def empty_selection(cfg: ModelConfig, B, T, num_keys=None, decoding=False):
     selection mask [B, T, keys] where the sparse core is the masked flash kernel (`masked_flash_core`)."""
     S = T if num_keys is None else num_keys
     k = min(cfg.index_topk, S) if cfg.use_indexer else 1
+    if cfg.index_kpool is not None:
+        k = pooled_indexer.selection_width(cfg, S)
     empty = jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
     return empty + (jnp.zeros((B, T, S), jnp.int8),) if masked_flash_core(cfg, S, decoding) else empty
 
@@ -150,10 +154,14 @@ class Transformer(nn.Module):
     def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None) -> MainOutput:
         B, T = tokens_BT.shape
         num_keys = T if cache is None else _cache_len(cache)
-        stack = self.decoder(self.embed(tokens_BT), positions, segment_ids,
-                             empty_selection(self.cfg, B, T, num_keys, cache is not None), cache)
-        h_normed = self.final_norm(stack.h)
-        return MainOutput(self.head(_rows_at(h_normed, logits_at)), stack.h, h_normed, stack.stats, stack.cache)
+        h = self.embed(tokens_BT)
+        if self.cfg.hc_mult:      # hyper-connections: N copies in, their mean out
+            h = constrain(hyper_connections.expand(h, self.cfg.hc_mult), ACT_BTND)
+        stack = self.decoder(h, positions, segment_ids, empty_selection(self.cfg, B, T, num_keys, cache is not None),
+                             cache)
+        h = hyper_connections.hyper_head(stack.h) if self.cfg.hc_mult else stack.h
+        h_normed = self.final_norm(h)
+        return MainOutput(self.head(_rows_at(h_normed, logits_at)), h, h_normed, stack.stats, stack.cache)
 
     def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False) -> ModelOutput:
         """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training)."""
@@ -219,8 +227,9 @@ def _cache_len(cache):
     """Number of slots S of a decoder cache ({segment: {layer_i: {"latent": [repeats, B, S, C], ...}}})."""
     for seg in cache.values():
         for layer in seg.values():
-            return layer["latent"].shape[-2]
-    raise ValueError("decode cache holds no layers")
+            if "latent" in layer:      # KDA layers (GLM-5.3-Flash) keep a state, no slots
+                return layer["latent"].shape[-2]
+    raise ValueError("decode cache holds no MLA layers")
 
 
 def routing_bias_rows_of_model(cfg: ModelConfig):

@@ -24,6 +24,9 @@ KV = "kv"                    # per-head widths (qk_nope, qk_rope, v) and the lat
 INDEX_DIM = "index_dim"      # the indexer's head width
 MTP_CONCAT = "mtp_concat"    # the MTP module's [embedding; hidden] concatenation
 LAYERS = "layers"            # the stacked-layer axis of a scanned segment
+KDA_QKV = "kda_qkv"          # a KDA layer's flat heads x head width (q, k, v, gates; head-major)
+HC_EMBED = "hc_embed"        # the hyper-connections' flattened streams x model width
 
 ALL = (BATCH, SEQ, CACHE_SEQ, ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, EMBED, VOCAB, HEADS, INDEX_HEADS, MLP, EXP,
-       MLP_MOE, Q_LORA, KV_LORA, KV, INDEX_DIM, MTP_CONCAT, LAYERS)
+       MLP_MOE, Q_LORA, KV_LORA, KV, INDEX_DIM, MTP_CONCAT, LAYERS, KDA_QKV,
+       HC_EMBED)

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
-                                    INDEX_DIM, INDEX_HEADS, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
+                                    HC_EMBED, INDEX_DIM, INDEX_HEADS, KDA_QKV, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
                                     VOCAB)
 
 DATA, FSDP, CONTEXT, EXPERT, TENSOR = MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
@@ -54,6 +54,8 @@ DEFAULT_RULES = (
     (KV, None),
     (INDEX_DIM, None),
     (MTP_CONCAT, None),
+    (KDA_QKV, TENSOR),                  # flat heads x width, head-major: split like the attention heads
+    (HC_EMBED, None),                   # hyper-connection mixers: [(2 + n) n] columns, small, replicated
     (LAYERS, None),
 )
 

@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh
 
 from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
-                                    INDEX_DIM, INDEX_HEADS, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
+                                    HC_EMBED, INDEX_DIM, INDEX_HEADS, KDA_QKV, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
                                     VOCAB)
 from glm5_jax.parallel.mesh import (CONTEXT, DATA, EXPERT, FSDP, MESH_AXES, TENSOR, MeshConfig, MeshError,
                                     build_mesh)
@@ -48,6 +48,8 @@ SAMPLING_RULES = (
     (KV, None),
     (INDEX_DIM, None),
     (MTP_CONCAT, None),
+    (KDA_QKV, TENSOR),
+    (HC_EMBED, None),
     (LAYERS, None),
 )
 

@@ -126,6 +126,9 @@ class Engine:
                  prefill_chunk: int = PREFILL_CHUNK, profiler: StepProfiler | None = None, mesh=None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        if "kda" in cfg.layer_attention_types:
+            raise ValueError("the engine reuses cached prompt prefixes and slot rows, which a recurrent KDA state "
+                             "(GLM-5.3-Flash) cannot rewind: generate with glm5_jax.generate (docs/glm53_flash.md)")
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk={prefill_chunk}: must be >= 0 (0 = a whole prompt per call)")
         if not 2 <= max_seq_len < cfg.max_position_embeddings:

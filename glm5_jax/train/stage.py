@@ -40,6 +40,8 @@ class StageSpec:
         indexer_loss = self.indexer_loss
         if self.name == "sparse" and not model_cfg.use_indexer:      # no indexer (deepseek_v3): nothing to train
             indexer_loss = "none"
+        if model_cfg.index_kpool is not None:   # the pooled indexer (GLM-5.3-Flash) has no KL loss yet: untrained
+            indexer_loss = "none"
         return model_cfg.replace(attention_mode=self.attention_mode, indexer_loss=indexer_loss)
 
     def trainable_labels(self, params):

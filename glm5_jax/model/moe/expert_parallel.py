@@ -151,7 +151,7 @@ def _take_token_rows_bwd(slot_NK, dy_S):
 take_token_rows.defvjp(_take_token_rows_fwd, _take_token_rows_bwd)
 
 
-def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align=1):
+def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align=1, limit=None):
     """Capacity-padded all_to_all transport. Shapes are per shard. The weights are [El, F, D] each, or
     (expert chunks) tuples of c chunks of [El / c, F, D], chunk j every shard's j-th share of its local experts:
     each chunk then has its own send buffer, dispatch -> grouped SwiGLU -> combine, so one chunk's all_to_all
@@ -185,7 +185,7 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, ali
             jnp.arange(n * K, dtype=jnp.int32), mode="drop")
         send = take_token_rows(rows, assignment_of_slot // K, slot.reshape(n, K))
         returned.append(_a2a_expert_chunk(send, recv_counts[:, j * Ec:(j + 1) * Ec], *w_j, ep=ep, mlp=mlp, cap=cap,
-                                          dtype=dtype, impl=impl, align=align))   # my slots again
+                                          dtype=dtype, impl=impl, align=align, limit=limit))
         slots.append(slot)
         assignments.append(assignment_of_slot)
     y_assign = take_rows_of_chunks(returned, slots, assignments)
@@ -212,7 +212,7 @@ def _take_rows_of_chunks_bwd(inverse_list, dy):
 take_rows_of_chunks.defvjp(_take_rows_of_chunks_fwd, _take_rows_of_chunks_bwd)
 
 
-def _a2a_expert_chunk(send, recv_counts_SE, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align):
+def _a2a_expert_chunk(send, recv_counts_SE, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align, limit=None):
     """One chunk's dispatch -> grouped SwiGLU -> combine: ``send`` [dest, El, C] rows (El: this chunk's local
     experts) -> the rows returned to their slots."""
     n_ep, El = recv_counts_SE.shape
@@ -229,7 +229,7 @@ def _a2a_expert_chunk(send, recv_counts_SE, w_gate, w_up, w_down, *, ep, mlp, ca
         jnp.arange(R, dtype=jnp.int32), mode="drop")
     packed = take_unique_rows(recv, recv_row_of_packed, packed_slot.reshape(-1), align > 1)
     y = _reduce_partial_widths(swiglu_rows(packed.reshape(Rp, D), group_sizes, w_gate, w_up, w_down, dtype,
-                                           impl, gate_up_transposed=True, out_dtype=dtype), mlp, dtype)
+                                           impl, gate_up_transposed=True, out_dtype=dtype, limit=limit), mlp, dtype)
     back = take_unique_rows(tile_rows(y), packed_slot.reshape(-1), recv_row_of_packed)   # [src, El, C] rows
     return jax.lax.all_to_all(back, ep, 0, 0, tiled=True) if ep else back
 
@@ -262,7 +262,7 @@ def _packed_slots(counts_SE, cap, align=1):
     return jnp.where(c < counts_SE[:, :, None], slot, rows).astype(jnp.int32), padded_E.astype(jnp.int32), rows
 
 
-def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align=1):
+def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, align=1, limit=None):
     """ragged_all_to_all transport of the kept rows only (same kept set as `_a2a_experts`)."""
     n, K = idx.shape
     El, D = w_gate.shape[0], x.shape[-1]
@@ -294,7 +294,7 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
     by_expert_order = jnp.argsort(local_e, stable=True)
     y = _reduce_partial_widths(
         swiglu_rows(recv[by_expert_order], cnt.sum(0).astype(jnp.int32), w_gate, w_up, w_down, dtype, impl,
-                    gate_up_transposed=True, out_dtype=dtype), mlp, dtype)
+                    gate_up_transposed=True, out_dtype=dtype, limit=limit), mlp, dtype)
     y_recv = jnp.zeros((R, D), dtype).at[by_expert_order].set(y)
     recv_offsets = _exclusive_cumsum(recv_sizes)
     back_offsets = _exclusive_cumsum(sent, axis=1)[:, me]                 # my rows' offsets in each source
@@ -389,7 +389,8 @@ def expert_parallel_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD
         # (gate, up, down) per chunk -> per weight, a tuple over the chunks, each gathered from its FSDP shards
         per_chunk = zip(*(iter(w_EFD),) * 3)
         wg_EFD, wu_EFD, wd_EFD = (tuple(map(gather_width, ws)) for ws in zip(*per_chunk))
-        common = dict(ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl, align=cfg.runtime.moe_group_align)
+        common = dict(ep=ep, mlp=mlp, cap=cap, dtype=cfg.jnp_dtype, impl=impl, align=cfg.runtime.moe_group_align,
+                      limit=cfg.swiglu_limit)
         if by_experts:   # the chunks are inside the transport
             y, dropped = body(x, idx, wg_EFD, wu_EFD, wd_EFD, **common)
             return y, jax.lax.psum(dropped, batch) if batch else dropped

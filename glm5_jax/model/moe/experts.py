@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from glm5_jax.model.layers import swiglu
 from pallas_kernels.grouped_matmul.ops import grouped_matmul
 from pallas_kernels.impls import GMM_IMPLS
 
@@ -36,13 +37,14 @@ def sort_by_expert(expert_idx_NK, n_experts):
 
 
 def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl, gate_up_transposed=False,
-                out_dtype=jnp.float32):
+                out_dtype=jnp.float32, limit=None):
     """SwiGLU of rows sorted by expert -> [M, D] in ``out_dtype``; rows past sum(group_sizes) come out zero.
     With ``gate_up_transposed`` the gate and up weights come as [E, F, D] (their gradients too).
 
     Every product accumulates in fp32; the gate and up products leave the grouped matmul in ``dtype`` (the
     compute dtype: in bf16 they and what a remat policy keeps of them are half the bytes of fp32, and the
-    SwiGLU's result is rounded to it anyway before the down product)."""
+    SwiGLU's result is rounded to it anyway before the down product). ``limit``: the clamped SwiGLU
+    (`glm5_jax.model.layers.swiglu`)."""
     def gmm(lhs, rhs, transpose_rhs=False, out=dtype):
         return grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes_E, impl=impl,
                               transpose_rhs=transpose_rhs, out_dtype=out)
@@ -51,16 +53,16 @@ def swiglu_rows(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, im
 
     gate, up = (checkpoint_name(gmm(x_MD, w, gate_up_transposed), name)
                 for w, name in zip((w_gate_EDF, w_up_EDF), EXPERT_SAVED_NAMES))
-    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    h = swiglu(gate.astype(jnp.float32), up.astype(jnp.float32), limit).astype(dtype)
     return gmm(h, w_down_EFD, out=out_dtype)
 
 
-def sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl):
+def sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl, limit=None):
     """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) via sort-by-expert + grouped matmuls -> [N, K, D] fp32."""
     N, K = expert_idx_NK.shape
     order, group_sizes = sort_by_expert(expert_idx_NK, w_gate_EDF.shape[0])
     y_sorted = swiglu_rows(x_ND.astype(dtype)[order // K], group_sizes, w_gate_EDF, w_up_EDF, w_down_EFD,
-                           dtype, impl)
+                           dtype, impl, limit=limit)
     return y_sorted[jnp.argsort(order)].reshape(N, K, -1)
 
 

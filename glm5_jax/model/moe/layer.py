@@ -46,20 +46,21 @@ def route(scores_NE, bias_E, cfg: ModelConfig):
     return expert_idx.astype(jnp.int32), gates * cfg.routed_scaling_factor
 
 
-def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl=RAGGED_DOT):
+def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl=RAGGED_DOT, limit=None):
     """y[n, k] = SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, K, D] (fp32), by ``impl`` (a ``ModelConfig.moe_impl``).
 
     On a multi-device mesh (no expert parallelism) the Pallas kernels run per token shard with the expert
     weights gathered whole; "auto" there stays with ragged_dot, which XLA partitions itself.
     """
     if impl == BLOCKED:
+        assert limit is None, "the blocked experts have no clamped SwiGLU (ModelConfig validates this)"
         return blocked_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
     if impl == AUTO and multi_device_mesh_in_context():
         impl = RAGGED_DOT
     if impl not in KERNEL_IMPLS:
-        return sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl)
+        return sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl, limit)
     tokens, experts = (BATCH, None), (None, None, None)
-    per_shard = logical_shard_map(lambda *a: sorted_swiglu(*a, dtype, impl), (tokens, tokens) + (experts,) * 3,
+    per_shard = logical_shard_map(lambda *a: sorted_swiglu(*a, dtype, impl, limit), (tokens, tokens) + (experts,) * 3,
                                   (BATCH, None, None))
     return per_shard(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
@@ -106,9 +107,9 @@ class MoE(nn.Module):
         elif isinstance(w_gate, int4_weights.Int4Weight):              # packed INT4 experts, Pallas kernel
             y_NKD = int4_swiglu.grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg)
         elif self.is_initializing():   # only the variables matter; init's dummy batch need not split over the mesh
-            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, RAGGED_DOT)
+            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, RAGGED_DOT, cfg.swiglu_limit)
         elif cfg.runtime.moe_ep == "none":
-            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.runtime.moe_impl)
+            y_NKD = grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg.runtime.moe_impl, cfg.swiglu_limit)
         else:   # expert parallel over the mesh in context (glm5_jax/model/moe/expert_parallel.py)
             y_NKD, dropped = expert_parallel_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, cfg)
         if not gathered:

@@ -1,0 +1,42 @@
+"""GLM-5.3-Flash (transformers' glm5_next, the language model; docs/glm53_flash.md): 45 layers, KDA linear
+attention in three of every four, NoPE MLA with the pooled DSA indexer in the fourth, mHC hyper-connections
+(4 streams), 288 routed experts (top-8) + 1 shared with a clamped SwiGLU; ~320B parameters.
+
+`model_config()` is Glm5NextTextConfig's defaults (what `glm5_jax.hf.config.config_from_hf` reads from the
+hub config.json). `get_config()` is a pod run: 512 v5p chips, FSDP 16 x expert-parallel 32. It has not been
+compiled ahead of time yet (docs/glm53_flash.md: what is left).
+"""
+from glm5_jax.data import DataConfig
+from glm5_jax.model.config import ModelConfig, RuntimeConfig
+from glm5_jax.parallel.mesh import MeshConfig
+from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
+
+LAYERS = 45
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=154880, hidden_size=4096, num_hidden_layers=LAYERS, first_k_dense_replace=3,
+        intermediate_size=12288, num_attention_heads=64,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256, qk_rope_head_dim=0, v_head_dim=256,
+        index_n_heads=32, index_head_dim=128, index_topk=2048, index_kpool=16, index_kpool_always_select_tail=True,
+        layer_types=tuple("mla" if i % 4 == 3 else "kda" for i in range(LAYERS)),
+        linear_num_heads=64, linear_head_dim=128, linear_conv_kernel_dim=4, linear_lower_bound=-5.0,
+        hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20, swiglu_limit=10.0,
+        rms_norm_eps=1e-5, latent_norm_eps=1e-5,
+        n_routed_experts=288, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        num_nextn_predict_layers=0, mtp_depth=0, max_position_embeddings=1048576,
+        eos_token_id=(), pad_token_id=154820, bos_token_id=None,
+        runtime=RuntimeConfig(dtype="bfloat16", param_dtype="float32"),
+    )
+
+
+def get_config() -> ExperimentConfig:
+    """512 v5p chips: FSDP 16 x expert-parallel 32 (9 routed experts per chip), no tensor or context split
+    (the pooled indexer does not run context-parallel yet); 512 sequences of 4096 tokens per step."""
+    model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25)
+    data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=512)
+    train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
+    return ExperimentConfig(model=model, data=data, train=train,
+                            mesh=MeshConfig(data=1, fsdp=16, context=1, expert=32, tensor=1))
