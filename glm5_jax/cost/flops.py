@@ -40,7 +40,7 @@ def selected_keys(cfg) -> int:
 
 
 def kda_core_fwd(cfg) -> float:
-    """Forward FLOPs per token of the KDA layers' recurrence (glm5_jax/model/kda_core.py): per head four
+    """Forward FLOPs per token of the KDA layers' recurrence (pallas_kernels/kda): per head four
     state-sized products (decay, S^T k, the rank-1 update, S^T q) of K x V multiply-adds."""
     kda = len(cfg.layer_attention_types) - mla_layers(cfg)
     return 2 * 4 * cfg.linear_num_heads * cfg.linear_head_dim * cfg.linear_head_dim * kda

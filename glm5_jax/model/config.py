@@ -63,6 +63,7 @@ class RuntimeConfig:
     dtype: Dtype = "float32"                 # activation / matmul dtype (a JAX/numpy dtype works too)
     param_dtype: Dtype = "float32"           # master weights
     attention_impl: AttentionImpl = "xla"    # pallas_kernels/sparse_mla/ops.py: reference | xla | pallas(_interpret)
+    kda_impl: AttentionImpl = "xla"          # KDA layers' chunked core, pallas_kernels/kda/ops.py: same names
     mla_form: MlaForm = "absorbed"           # "absorbed" (latent MQA) or "mha" (naive per-head form, a cross-check)
     # routed experts' grouped matmul: "auto" (the Pallas kernel when lowered for TPU, else ragged_dot),
     # "ragged_dot" (XLA reference), "gmm" / "gmm_interpret" (Pallas TPU kernel / its interpreter), "blocked"

@@ -5,7 +5,7 @@ transformers' ``Glm5NextTextLinearAttention``), read top to bottom:
     conv      a depthwise causal conv (``linear_conv_kernel_dim`` taps, fp32) over [q; k; v], then SiLU
     gates     g = lower_bound * sigmoid(exp(A_log) (x F_a F_b + dt_bias))   (log-space decay per key channel)
               beta = sigmoid(x W_b)                                        (per head)
-    core      o = KDA(L2(q), L2(k), v, g, beta)                   (glm5_jax/model/kda_core.py)
+    core      o = KDA(L2(q), L2(k), v, g, beta)                   (pallas_kernels/kda)
     output    RMSNorm_head(o) * sigmoid(x G_a G_b), then W_o
 
 Padding tokens (segment id 0) enter as zeros, as transformers masks them. The conv and the recurrent
@@ -21,10 +21,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.model import kda_core
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import einsum, logical_param, normal_init
 from glm5_jax.parallel.axes import EMBED, KDA_QKV, KV
+from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
 
 
 def l2_normalize(x, eps=1e-6):
@@ -115,15 +115,15 @@ class KDAttention(nn.Module):
         beta = jax.nn.sigmoid(einsum("btd,dh->bth", x, w_b, dt, impl=proj)).astype(f32)
 
         if cache is None:
-            o, _ = kda_core.chunk_kda(q, k, v, g, beta, segment_ids_BT=segment_ids_BT)
+            o, _ = chunk_kda(q, k, v, g, beta, segment_ids_BT=segment_ids_BT, impl=cfg.runtime.kda_impl)
         else:   # inactive tokens: no decay (g = 0), no write (beta = 0) leave the state exactly as it is
             g, beta = jnp.where(active[..., None, None], g, 0.0), jnp.where(active[..., None], beta, 0.0)
             if T == 1:
-                o, state = kda_core.kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                                    cache["kda_state"])
+                o, state = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["kda_state"])
                 o = o[:, None]
             else:
-                o, state = kda_core.chunk_kda(q, k, v, g, beta, initial_state_BHKV=cache["kda_state"])
+                o, state = chunk_kda(q, k, v, g, beta, initial_state_BHKV=cache["kda_state"],
+                                     impl=cfg.runtime.kda_impl)
             cache = dict(cache, kda_conv=history.astype(cache["kda_conv"].dtype), kda_state=state, kda_seen=seen)
 
         gate = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_ga, dt, impl=proj), w_gb, dt, f32, impl=proj)
