@@ -40,6 +40,13 @@ class RLConfig:
     # the model's dtype, so e.g. "bfloat16" against a float32 model measures the sampler/learner precision
     # mismatch (the per-version keep_fraction and ratio_dev = mean |r - 1| in rl_metrics.jsonl)
     sampler_dtype: str = ""
+    # the policy handoff (docs/rl.md#weights-only-policy-handoff): a version carries the sampler's weights only,
+    # in handoff_dtype ("": sampler_dtype, else the model's compute dtype), the routed experts INT4-packed when
+    # handoff_int4_experts (generators then run the quant="int4" model); the learner's own resume state is
+    # saved every learner_state_every versions (and at the last) in <workdir>/learner/
+    handoff_dtype: str = ""
+    handoff_int4_experts: bool = False
+    learner_state_every: int = 1
     # loss (docs/training.md#policy-losses): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
     loss: str = "dis"
     eps_low: float = 0.2
@@ -80,6 +87,8 @@ class RLConfig:
         need(0 < self.top_p <= 1, "top_p", "must lie in (0, 1]")
         need(self.top_k >= 0, "top_k", "must be >= 0")
         need(self.sampler_dtype in ("", *DTYPES), "sampler_dtype", f"must be '' or one of {DTYPES}")
+        need(self.handoff_dtype in ("", *DTYPES), "handoff_dtype", f"must be '' or one of {DTYPES}")
+        need(self.learner_state_every >= 1, "learner_state_every", "must be >= 1")
         need(self.eval_every >= 0, "eval_every", "must be >= 0")
         need(self.profile_start >= 0 and self.profile_steps >= 0, "profile_steps",
              "profile_start and profile_steps must be >= 0")

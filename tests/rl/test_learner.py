@@ -145,7 +145,7 @@ def test_optimizer_reset_on_publish(setup, tmp_path):
     learner = _start_run(tmp_path, exp, variables, {o: batches[o] for o in (0, 1)}, num_versions=2,
                          reset_optimizer_on_publish=True)
     learner.run()
-    restored, opt_state, meta = Learner(learner.exp, str(tmp_path), SFT, "/unused").writer.restore(
+    restored, opt_state, meta = Learner(learner.exp, str(tmp_path), SFT, "/unused").state.restore(
         2, learner.policy.abstract_variables, learner.abstract_opt_state)
     adam = opt_state[1][0]
     assert int(adam.count) == 0 and meta["version"] == 2
