@@ -147,7 +147,7 @@ class Learner:
         self.tx = make_optimizer(self.rl)
         self.writer = PolicyWriter(self.workdir, self.rl.keep_versions)
         self.state = LearnerCheckpoints(self.workdir)
-        self.handoff = {"dtype": self.rl.handoff_dtype or self.rl.sampler_dtype or self.policy.cfg.dtype,
+        self.handoff = {"dtype": self.rl.handoff_dtype or self.rl.sampler_dtype or self.policy.cfg.jnp_dtype.name,
                         "int4_experts": self.rl.handoff_int4_experts}
         self.metrics_path = storage.join(self.workdir, METRICS)
         self._train = train_step_fn(self.policy.cfg, self.rl)
