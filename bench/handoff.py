@@ -24,9 +24,11 @@ import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")   # 4 learner + 2 sampler devices
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
