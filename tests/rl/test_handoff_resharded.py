@@ -16,8 +16,8 @@ from glm5_jax.checkpoint.handoff import (PolicyReader, PolicyWriter, sampler_abs
 from glm5_jax.model.moe.int4_weights import quantize_params
 from glm5_jax.parallel.mesh import DEFAULT_RULES, MeshConfig, build_mesh
 from glm5_jax.parallel.sampling import SAMPLING_RULES
-from glm5_jax.rl.learner import rollout_sampler
 from glm5_jax.rl.config import RLConfig
+from glm5_jax.rl.learner import rollout_sampler
 from glm5_jax.rl.policy import Policy, completion_logprobs, rl_model_config
 
 # K = 64 = 8 groups of 8 input channels: the smallest width INT4 packs (one int32 word per 8 groups)
@@ -81,6 +81,11 @@ def test_bf16_version_is_the_learners_weights_cast(handoff):
     want = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16)), variables["params"])
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(restored["params"]))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored["params"]), want)
+    # a generator whose target keeps its model's fp32 parameters gets the same values, upcast by orbax
+    upcast = reader.restore_variables(BF16, generator.abstract_variables)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(upcast["params"]))
+    jax.tree.map(lambda a, w: np.testing.assert_array_equal(np.asarray(a), w.astype(np.float32)),
+                 upcast["params"], want)
     # the routing bias only selects experts: it keeps the learner's dtype and bits
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored["moe_bias"]),
                  jax.tree.map(np.asarray, variables["moe_bias"]))
