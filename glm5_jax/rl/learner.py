@@ -315,14 +315,16 @@ class Learner:
 
     # ------------------------------------------------------------------ files
     def _publish(self, version, variables, opt_state, meta):
-        # the model config travels with every version, so the policy alone can be served or exported
         meta = {**meta, "model_config": config_to_json(self.policy.cfg), "handoff": self.handoff}
         # a version re-trained after a restart from an older learner state is already published (the same
         # bits: the update is deterministic)
         if not is_committed(self.writer.directory, version):
-            weights = sampler_variables(variables, jnp.dtype(self.handoff["dtype"]),
-                                        self.policy.cfg if self.handoff["int4_experts"] else None)
-            self.writer.publish(version, weights, meta)
+            int4 = self.handoff["int4_experts"]
+            weights = sampler_variables(variables, jnp.dtype(self.handoff["dtype"]), self.policy.cfg if int4 else None)
+            # the config of the model the version's tree belongs to travels with it, so the policy alone can
+            # be served or exported
+            served_cfg = self.policy.cfg.replace(quant="int4") if int4 else self.policy.cfg
+            self.writer.publish(version, weights, {**meta, "model_config": config_to_json(served_cfg)})
         if version % self.rl.learner_state_every == 0 or version == self.rl.num_versions:
             self.state.save(version, variables, opt_state, meta)
             # save() returns once the previous learner state has committed (orbax finishes it first)
@@ -330,7 +332,7 @@ class Learner:
             self._published_next_ordinal = meta["next_ordinal"]
 
     def _collect_garbage(self):
-        """Deletes ready/ files that the watermark of a committed version covers.
+        """Deletes ready/ files that the watermark of a committed learner state covers.
 
         Background: docs/training.md#files-are-deleted-only-behind-a-committed-watermark.
         """
