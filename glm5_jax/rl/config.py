@@ -45,6 +45,13 @@ class RLConfig:
     # "data:2,expert:2,tensor:2": weights resident, experts over expert, heads over tensor), not the learner's
     # training mesh; "": one device
     sampler_mesh: str = ""
+    # the policy handoff (docs/rl.md#weights-only-policy-handoff): a version carries the sampler's weights only,
+    # in handoff_dtype ("": sampler_dtype, else the model's compute dtype), the routed experts INT4-packed when
+    # handoff_int4_experts (generators then run the quant="int4" model); the learner's own resume state is
+    # saved every learner_state_every versions (and at the last) in <workdir>/learner/
+    handoff_dtype: str = ""
+    handoff_int4_experts: bool = False
+    learner_state_every: int = 1
     # loss (docs/training.md#policy-losses): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
     loss: str = "dis"
     eps_low: float = 0.2
@@ -86,6 +93,8 @@ class RLConfig:
         need(self.top_k >= 0, "top_k", "must be >= 0")
         need(self.sampler_dtype in ("", *DTYPES), "sampler_dtype", f"must be '' or one of {DTYPES}")
         parse_mesh_spec(self.sampler_mesh)         # MeshError naming what is wrong with the spec
+        need(self.handoff_dtype in ("", *DTYPES), "handoff_dtype", f"must be '' or one of {DTYPES}")
+        need(self.learner_state_every >= 1, "learner_state_every", "must be >= 1")
         need(self.eval_every >= 0, "eval_every", "must be >= 0")
         need(self.profile_start >= 0 and self.profile_steps >= 0, "profile_steps",
              "profile_start and profile_steps must be >= 0")

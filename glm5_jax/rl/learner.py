@@ -8,12 +8,15 @@ in increasing o. For each batch:
 * a file that fails its checksum is moved to rollouts/rejected/ and counted (`rejected_corrupt`);
 * a batch sampled with a version older than current − tau is dropped and counted (`dropped_stale`,
   the GLM-5 report);
-* otherwise one update with the configured loss; version v+1 is published as one orbax step holding
-  params, optimizer state and meta {watermark, ledger of every consumed ordinal, counters, RNG, the
-  model config} (docs/training.md#params-optimiser-and-meta-commit-together).
-Rollout files are deleted only once a *committed* version's watermark covers them
+* otherwise one update with the configured loss; version v+1 is published as one orbax step holding the
+  sampler's weights (glm5_jax.checkpoint.handoff.sampler_variables) and meta {watermark, ledger of every
+  consumed ordinal, counters, RNG, the model config}; every rl.learner_state_every versions the learner's
+  own state (variables, optimizer state, the same meta) is saved to <workdir>/learner/ as one orbax step
+  (docs/training.md#params-optimiser-and-meta-commit-together, docs/rl.md#weights-only-policy-handoff).
+Rollout files are deleted only once a *committed learner state's* watermark covers them
 (docs/training.md#files-are-deleted-only-behind-a-committed-watermark), so a learner
-killed at any moment resumes from its latest committed version and re-reads what it needs.
+killed at any moment resumes from its latest committed learner state and re-reads what it needs; the
+versions it re-trains that are already published are not written again (the update is deterministic).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import numpy as np
 import optax
 
 from glm5_jax import storage
-from glm5_jax.checkpoint.handoff import PolicyWriter
+from glm5_jax.checkpoint.handoff import LearnerCheckpoints, PolicyWriter, is_committed, sampler_variables
 from glm5_jax.checkpoint.stored_config import config_to_json
 from glm5_jax.generate.decoding import Sampler, generate
 from glm5_jax.parallel.mesh import build_mesh
@@ -143,14 +146,17 @@ class Learner:
         rollout_sampler(self.rl).validate(self.policy.cfg.vocab_size)
         self.tx = make_optimizer(self.rl)
         self.writer = PolicyWriter(self.workdir, self.rl.keep_versions)
+        self.state = LearnerCheckpoints(self.workdir)
+        self.handoff = {"dtype": self.rl.handoff_dtype or self.rl.sampler_dtype or self.policy.cfg.jnp_dtype.name,
+                        "int4_experts": self.rl.handoff_int4_experts}
         self.metrics_path = storage.join(self.workdir, METRICS)
         self._train = train_step_fn(self.policy.cfg, self.rl)
         self.abstract_opt_state = self.policy.abstract_opt_state(self.tx)
         self._opt_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_opt_state)
         self.profiler = StepProfiler(storage.join(self.workdir, "tb"), self.rl.profile_start, self.rl.profile_steps,
                                      name="rl_update", before_stop=self.writer.wait)
-        self._committed_next_ordinal = 0     # next_ordinal of the newest version known to be committed
-        self._published_next_ordinal = 0     # ... of the newest version whose save was started
+        self._committed_next_ordinal = 0     # next_ordinal of the newest learner state known to be committed
+        self._published_next_ordinal = 0     # ... of the newest learner state whose save was started
 
     # ------------------------------------------------------------------ state
     def _fresh_meta(self) -> dict:
@@ -160,8 +166,8 @@ class Learner:
                 "rng": np.asarray(jax.random.PRNGKey(self.rl.seed)).tolist()}   # unused by the update itself
 
     def start(self):
-        """(variables, opt_state, meta) of the latest committed version, or version 0 = the SFT policy."""
-        latest = self.writer.latest_version()
+        """(variables, opt_state, meta) of the latest committed learner state, or version 0 = the SFT policy."""
+        latest = self.state.latest_version()
         if latest is None:
             from glm5_jax.rl.sft import ensure_sft, load_sft_variables
 
@@ -174,8 +180,8 @@ class Learner:
             self._log_version(variables, meta, meta["record"])
             log.info("published version 0 (the SFT policy)")
             return variables, opt_state, meta
-        variables, opt_state, meta = self.writer.restore(latest, self.policy.abstract_variables,
-                                                         self.abstract_opt_state)
+        variables, opt_state, meta = self.state.restore(latest, self.policy.abstract_variables,
+                                                        self.abstract_opt_state)
         if meta["num_generators"] != self.rl.num_generators:
             raise ValueError(f"{self.workdir} was run with {meta['num_generators']} generators; rl.num_generators="
                              f"{self.rl.num_generators} would change the batch order. Use a new workdir.")
@@ -288,10 +294,12 @@ class Learner:
             self._log_version(variables, meta, {**meta["record"], "handoff_seconds": handoff_seconds})
         self.profiler.stop()
         self.writer.wait()
+        self.state.wait()
         self._committed_next_ordinal = self._published_next_ordinal
         self._collect_garbage()
         self._write_summary(variables, meta)
         self.writer.close()
+        self.state.close()
 
     def _advance(self, meta, entry, *, version=None, staleness=0, dropped=0, rejected=0) -> dict:
         meta = dict(meta)
@@ -307,14 +315,24 @@ class Learner:
 
     # ------------------------------------------------------------------ files
     def _publish(self, version, variables, opt_state, meta):
-        # the model config travels with every version, so the policy alone can be served or exported
-        self.writer.publish(version, variables, opt_state, {**meta, "model_config": config_to_json(self.policy.cfg)})
-        # publish() returns once the previous save has committed (orbax finishes it first)
-        self._committed_next_ordinal = self._published_next_ordinal
-        self._published_next_ordinal = meta["next_ordinal"]
+        meta = {**meta, "model_config": config_to_json(self.policy.cfg), "handoff": self.handoff}
+        # a version re-trained after a restart from an older learner state is already published (the same
+        # bits: the update is deterministic)
+        if not is_committed(self.writer.directory, version):
+            int4 = self.handoff["int4_experts"]
+            weights = sampler_variables(variables, jnp.dtype(self.handoff["dtype"]), self.policy.cfg if int4 else None)
+            # the config of the model the version's tree belongs to travels with it, so the policy alone can
+            # be served or exported
+            served_cfg = self.policy.cfg.replace(quant="int4") if int4 else self.policy.cfg
+            self.writer.publish(version, weights, {**meta, "model_config": config_to_json(served_cfg)})
+        if version % self.rl.learner_state_every == 0 or version == self.rl.num_versions:
+            self.state.save(version, variables, opt_state, meta)
+            # save() returns once the previous learner state has committed (orbax finishes it first)
+            self._committed_next_ordinal = self._published_next_ordinal
+            self._published_next_ordinal = meta["next_ordinal"]
 
     def _collect_garbage(self):
-        """Deletes ready/ files that the watermark of a committed version covers.
+        """Deletes ready/ files that the watermark of a committed learner state covers.
 
         Background: docs/training.md#files-are-deleted-only-behind-a-committed-watermark.
         """

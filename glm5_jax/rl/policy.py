@@ -36,9 +36,11 @@ def sampler_model_config(sft_model_cfg, sampler_dtype: str = ""):
 
 
 def sampling_policy(rl_cfg, sft_model_cfg) -> "Policy":
-    """The sampler's model (`sampler_model_config`) on its own sampling mesh (``rl.sampler_mesh``, one device
+    """The sampler's model (`sampler_model_config`; packed INT4 experts when ``rl.handoff_int4_experts``) on its own sampling mesh (``rl.sampler_mesh``, one device
     when empty), laid out by SAMPLING_RULES; MeshError when the mesh cannot split the model."""
     cfg = sampler_model_config(sft_model_cfg, rl_cfg.sampler_dtype)
+    if rl_cfg.handoff_int4_experts:            # versions carry packed INT4 experts: the model that reads them
+        cfg = cfg.replace(quant="int4")
     mesh = sampling_mesh(rl_cfg.sampler_mesh)
     check_sampling_fits(mesh, cfg)
     return Policy(cfg, mesh, SAMPLING_RULES)

@@ -21,7 +21,7 @@ def _abstract():
 def test_uncommitted_steps_are_never_read(tmp_path):
     writer = PolicyWriter(str(tmp_path), max_to_keep=5)
     for v in range(2):
-        writer.publish(v, _vars(v), {"count": jnp.array(v)}, {"version": v})
+        writer.publish(v, _vars(v), {"version": v})
     writer.wait()
     policy = os.path.join(str(tmp_path), "policy")
     # a step being written (orbax's temporary name) and a step directory without its commit marker
@@ -44,7 +44,7 @@ def test_reader_survives_concurrent_publish_and_deletion(tmp_path, caplog):
     The reader touches only the committed step it reads, so orbax never warns about another step's
     missing metadata (a step being finalised or deleted)."""
     writer = PolicyWriter(str(tmp_path), max_to_keep=2)
-    writer.publish(0, _vars(0), {"count": jnp.array(0)}, {"version": 0})
+    writer.publish(0, _vars(0), {"version": 0})
     writer.wait()
     reader, seen, errors = PolicyReader(str(tmp_path)), [], []
     done = threading.Event()
@@ -62,7 +62,7 @@ def test_reader_survives_concurrent_publish_and_deletion(tmp_path, caplog):
     t = threading.Thread(target=poll)
     t.start()
     for v in range(1, 25):
-        writer.publish(v, _vars(v), {"count": jnp.array(v)}, {"version": v})
+        writer.publish(v, _vars(v), {"version": v})
     writer.wait()
     done.set()
     t.join()
@@ -75,7 +75,7 @@ def test_reader_survives_concurrent_publish_and_deletion(tmp_path, caplog):
 def test_writer_uses_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     writer = PolicyWriter("rel_run", max_to_keep=3)           # orbax would silently fail on a relative dir
-    writer.publish(0, _vars(0), {"count": jnp.array(0)}, {"version": 0})
+    writer.publish(0, _vars(0), {"version": 0})
     writer.wait()
     assert writer.latest_version() == 0 and os.path.isabs(writer.directory)
     writer.close()

@@ -43,7 +43,7 @@ def learner(workdir):
         got, sha = ro.read_batch(path)
         ledger.append({"ordinal": ordinal, "generator": g, "seq": seq, "sha256": sha})
         w = w + float(got.rewards.sum())
-        writer.publish(ordinal + 1, {"params": {"w": w}}, {"count": np.int32(ordinal + 1)},
+        writer.publish(ordinal + 1, {"params": {"w": w}},
                        {"version": ordinal + 1, "ledger": list(ledger)})   # saved asynchronously: a copy
         storage.remove(path)
     writer.wait()

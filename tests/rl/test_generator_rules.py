@@ -51,7 +51,7 @@ def test_restarted_generator_resumes_after_disk_and_watermark(tmp_path, watermar
     exp = RLExperiment(rl=RLConfig(num_generators=2, tau=2))
     sft = ExperimentConfig(model=tiny_model_config(), data=DataConfig(source="sort", seq_len=16, batch_size=16))
     writer = PolicyWriter(str(tmp_path), max_to_keep=3)
-    writer.publish(0, {"params": {"w": jnp.zeros(2)}}, {"count": jnp.zeros(())}, {"num_generators": 2,
+    writer.publish(0, {"params": {"w": jnp.zeros(2)}}, {"num_generators": 2,
                                                              "watermark": {"0": 0, "1": watermark_seq}})
     writer.wait()
     dirs = ro.RolloutDirs(str(tmp_path))

@@ -69,6 +69,7 @@ def _start_run(workdir, exp, variables, batches, **rl_changes):
     if learner.writer.latest_version() is None:     # version 0: the starting policy (instead of an SFT run)
         learner._publish(0, variables, jax.jit(learner.tx.init)(variables["params"]), learner._fresh_meta())
         learner.writer.wait()
+        learner.state.wait()
     return learner
 
 
@@ -92,8 +93,12 @@ def test_top_k_beyond_the_vocabulary_is_refused():
         Learner(exp, "/nonexistent-unused", SFT, "/nonexistent-unused")
 
 
-def test_drops_rejects_and_crash_resume_are_exact(setup, tmp_path):
+@pytest.mark.parametrize("state_every", [1, 2])
+def test_drops_rejects_and_crash_resume_are_exact(setup, tmp_path, state_every):
+    """With rl.learner_state_every=2 the crash at version 3 resumes from the learner state of version 2 and
+    re-trains version 3, which is already published (not written again)."""
     exp, variables, batches = setup
+    exp = dataclasses.replace(exp, rl=dataclasses.replace(exp.rl, learner_state_every=state_every))
     clean = _start_run(tmp_path / "clean", exp, variables, batches)
     clean.run()
     summary = json.loads((tmp_path / "clean" / SUMMARY).read_text())
@@ -123,8 +128,10 @@ def test_drops_rejects_and_crash_resume_are_exact(setup, tmp_path):
     with pytest.raises(RuntimeError, match="simulated kill"):
         crashing.run()
     crashing.writer.close()
+    crashing.state.close()
     resumed = Learner(crashing.exp, str(tmp_path / "crash"), SFT, "/nonexistent-unused")
     assert resumed.writer.latest_version() in (2, 3)
+    assert resumed.state.latest_version() in ((2, 3) if state_every == 1 else (2,))
     resumed.run()
     again = json.loads((tmp_path / "crash" / SUMMARY).read_text())
     assert again["params_sha256"] == summary["params_sha256"]
@@ -145,7 +152,7 @@ def test_optimizer_reset_on_publish(setup, tmp_path):
     learner = _start_run(tmp_path, exp, variables, {o: batches[o] for o in (0, 1)}, num_versions=2,
                          reset_optimizer_on_publish=True)
     learner.run()
-    restored, opt_state, meta = Learner(learner.exp, str(tmp_path), SFT, "/unused").writer.restore(
+    restored, opt_state, meta = Learner(learner.exp, str(tmp_path), SFT, "/unused").state.restore(
         2, learner.policy.abstract_variables, learner.abstract_opt_state)
     adam = opt_state[1][0]
     assert int(adam.count) == 0 and meta["version"] == 2

@@ -135,7 +135,7 @@ def test_reload_follows_an_rl_runs_policy_versions(engine, tmp_path):
     watcher = WeightsWatcher(engine, PolicySource(str(tmp_path), engine.variables), SERVE_CFG, step=-1)
     assert not watcher.poll()                                  # no policy published yet
     writer = PolicyWriter(str(tmp_path), max_to_keep=3)
-    writer.publish(4, new, {"count": np.zeros((), np.int32)}, {"version": 4})
+    writer.publish(4, new, {"version": 4})
     writer.wait()
     writer.close()
     assert watcher.poll() and engine.generate(Request([1, 2], 1), timeout=60).weights_version == 4
