@@ -16,12 +16,20 @@ Model (`CollectiveModel.seconds`), per chip, all groups of the collective runnin
   moves 2 x link bandwidth / (its busiest link's load) bytes per second per chip. So groups whose
   members are several hops apart, or that share links with neighbouring groups, get a fraction of a
   link, and a pair of neighbours gets its one link in each direction;
-* all-to-all / ragged-all-to-all: bytes x the mean hop count between members / (link bandwidth x links
-  per chip on the spanned dims): a balanced load over the links (this also covers interleaved groups,
-  whose longer routes share the links evenly);
+* all-to-all / ragged-all-to-all, ``all_to_all_link_model``:
+  "busiest_link": every member sends each other member bytes / n, routed dimension by dimension (dims in
+  order, each the shorter way round, a tie split half each way), the messages of ALL groups loading the
+  directed links they cross; the collective takes (bytes / n) x its busiest link's message count / link
+  bandwidth. "balanced" (the earlier model, optimistic): bytes x the mean hop count between members /
+  (link bandwidth x links per chip on the spanned dims), as if every link carried the same load. A
+  32-chip group on an 8 x 4 block of an 8x16x16 torus (its 4 positions on a 16-long dim: no wraparound
+  inside the block) loads its busiest link with 32 messages where the balanced load is 26;
 * collective-permute: operand bytes x the longest hop distance of its pairs / link bandwidth;
 * plus the step latency x the algorithm's steps: a ring over n positions per dim takes the sum over
   dims of (n_d - 1) steps (twice for all-reduce), an all-to-all n - 1, a permute 1;
+* ``sparsecore_factor``: a collective the SparseCores run (`CollectiveOp.offloaded`) of a kind in
+  ``sparsecore_kinds`` takes that factor x its link time (the public v5p recipes tell libtpu's scheduler
+  to expect an offloaded reduce-scatter to take 3x: ``--xla_tpu_sparse_core_reduce_scatter_latency_multiplier=3``);
 * no contention between different collectives that run at the same time, no DCN (one slice).
 """
 from __future__ import annotations
@@ -44,7 +52,12 @@ class CollectiveModel:
     algorithm step."""
 
     def __init__(self, device_coords, torus_dims, link_bandwidth: float = V5P_LINK_BYTES_PER_S,
-                 step_latency: float = 0.0):
+                 step_latency: float = 0.0, all_to_all_link_model: str = "balanced", sparsecore_factor: float = 1.0,
+                 sparsecore_kinds: tuple = ("reduce-scatter",)):
+        if all_to_all_link_model not in ("balanced", "busiest_link"):
+            raise ValueError(f"all_to_all_link_model={all_to_all_link_model!r}: 'balanced' or 'busiest_link'")
+        self.all_to_all_link_model = all_to_all_link_model
+        self.sparsecore_factor, self.sparsecore_kinds = sparsecore_factor, tuple(sparsecore_kinds)
         self.coords = np.asarray(device_coords, dtype=np.int64)      # [partitions, 3]
         self.torus_dims = tuple(torus_dims)
         self.wraparound = min(self.torus_dims) >= MIN_WRAPAROUND_DIM
@@ -112,7 +125,54 @@ class CollectiveModel:
                 total += 2 * self.link_bandwidth / max(load.values())
         return total
 
+    @functools.lru_cache(maxsize=None)
+    def all_to_all_busiest_link(self, groups: tuple) -> float:
+        """Messages on the busiest directed link when every member of every group sends one message to
+        each other member of its group, routed dimension by dimension (module docstring)."""
+        load = {}                                   # (dim, link's start coords, direction) -> messages
+
+        def add(at, d, step, weight):
+            key = (d, tuple(at), step)
+            load[key] = load.get(key, 0.0) + weight
+
+        def route(at, dst, d, weight):
+            if d == len(self.torus_dims):
+                return
+            size, here = self.torus_dims[d], int(at[d])
+            ahead = (int(dst[d]) - here) % size
+            if ahead == 0:
+                return route(at, dst, d + 1, weight)
+            if not self.wraparound:
+                ways = [(1, ahead)] if dst[d] > here else [(-1, here - int(dst[d]))]
+            elif ahead != size - ahead:
+                ways = [(1, ahead)] if ahead < size - ahead else [(-1, size - ahead)]
+            else:
+                ways = [(1, ahead), (-1, ahead)]
+            for step, hops in ways:
+                pos = list(at)
+                for _ in range(hops):
+                    link = list(pos)
+                    if step < 0:
+                        link[d] = (pos[d] - 1) % size       # a link is named by its lower end
+                    add(link, d, step, weight / len(ways))
+                    pos[d] = (pos[d] + step) % size
+                route(pos, dst, d + 1, weight / len(ways))
+
+        for g in groups:
+            c = self.coords[list(g)]
+            for i in range(len(g)):
+                for j in range(len(g)):
+                    if i != j:
+                        route([int(v) for v in c[i]], c[j], 0, 1.0)
+        return max(load.values(), default=0.0)
+
     def seconds(self, op) -> float:
+        base = self._link_seconds(op)
+        if op.offloaded and op.kind in self.sparsecore_kinds:
+            return base * self.sparsecore_factor
+        return base
+
+    def _link_seconds(self, op) -> float:
         if not op.groups:
             return 0.0
         n = group_size(op.kind, op.groups)
@@ -125,7 +185,11 @@ class CollectiveModel:
         members = next(g for g in op.groups if len(set(g)) > 1)
         links, mean_hops, _, steps = self._group_geometry(tuple(members))
         if op.kind in ("all-to-all", "ragged-all-to-all"):
-            return moved * mean_hops / (self.link_bandwidth * links) + (n - 1) * self.step_latency
+            latency = (n - 1) * self.step_latency
+            if self.all_to_all_link_model == "busiest_link":
+                groups = tuple(tuple(g) for g in op.groups if len(set(g)) > 1)
+                return op.nbytes / n * self.all_to_all_busiest_link(groups) / self.link_bandwidth + latency
+            return moved * mean_hops / (self.link_bandwidth * links) + latency
         groups = tuple(tuple(g) for g in op.groups if len(set(g)) > 1)
         latency = steps * self.step_latency * (2 if op.kind == "all-reduce" else 1)
         return moved / self.ring_bandwidth(groups) + latency

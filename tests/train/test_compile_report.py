@@ -53,7 +53,7 @@ def compile_only(tmp_path, overrides, remat="full"):
     assert report["topology"] == "v5p:2x2x1" and report["num_devices"] == 4
     assert report["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 1}
     assert report["moe_ep"] == "a2a" and report["remat_policy"] == remat
-    assert report["hbm_bytes_per_device"] == 95 * 2**30
+    assert report["hbm_bytes_per_device"] == int(95.74 * 2**30)
     return report
 
 
@@ -75,7 +75,7 @@ def check_memory_and_flops(report, n_params, trained_share=1.0):
     assert mem["alias"] > 0.9 * mem["argument"]          # the state is donated: outputs reuse it
     assert mem["temp"] > 0
     assert mem["total"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
-    assert report["fits"] == (mem["total"] <= 95 * 2**30)
+    assert report["fits"] == (mem["total"] <= int(95.74 * 2**30))
     assert report["flops_source"] == "hlo_matmuls_and_kernel_cost_estimates_x_loop_trip_counts"
     assert None not in report["hlo_loop_trip_counts"]   # every loop's trip count was read
     assert report["uncounted_custom_calls"] == []

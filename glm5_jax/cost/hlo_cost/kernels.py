@@ -90,6 +90,22 @@ def _grouped_matmul_cost(kind: str, shape: str, operand_shapes: list[str], flops
     return flops * scale, int((nbytes - out) * scale + out)
 
 
+def dynamic_grid_bound(operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None) -> float:
+    """The iterations of a kernel's dynamic grid axis: a megablox grouped matmul's visited row tiles under
+    ``load`` (`grouped_matmul_tiles`), the most its grid may visit without one; 1 for other kernels."""
+    if not _GROUPED_MATMUL.search(attrs):
+        return 1.0
+    arrays = [a for t in operand_shapes for a in arrays_of(t)]
+    if len(arrays) < 7 or arrays[1][0] != "s32" or len(arrays[5][1]) != 2:
+        return 1.0
+    groups, most_tiles, m = math.prod(arrays[1][1]) - 1, math.prod(arrays[2][1]), arrays[5][1][0]
+    tiles_m = most_tiles - groups + 1
+    if load is None or groups < 1 or tiles_m < 1 or m % tiles_m:
+        return float(most_tiles)
+    rows = m if load.rows is None else min(load.rows, m)
+    return min(most_tiles, grouped_matmul_tiles(rows, m // tiles_m, groups, load.aligned))
+
+
 def custom_call_cost(shape: str, operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None):
     """(FLOPs, bytes or None) of a Mosaic custom call (`kernel_cost`); a megablox grouped matmul, given
     ``load``, charged the row tiles it visits (`_grouped_matmul_cost`). None: no known cost."""
