@@ -38,12 +38,13 @@ def _rule(model: StepCostModel, name: str) -> StepCostModel:
     if name in rules:
         return dataclasses.replace(model, rules=rules[name])
     return {"4a all-to-all busiest link": dataclasses.replace(model, all_to_all_link_model="busiest_link"),
+            "4c multi-dim rings per dimension": dataclasses.replace(model, ring_dims="per_dimension"),
             "5 SparseCore reduce-scatter 3x": dataclasses.replace(model, sparsecore_rate=None),
             "6 busiest chip's expert load": dataclasses.replace(model, expert_load="busiest")}[name]
 
 
 RULES = ("1 kernel core split", "2a grid-step cost", "2b per-op fixed cost", "3 kernel bytes by grid",
-         "4a all-to-all busiest link", "4b collectives' HBM passes", "5 SparseCore reduce-scatter 3x",
+         "4a all-to-all busiest link", "4b collectives' HBM passes", "4c multi-dim rings per dimension", "5 SparseCore reduce-scatter 3x",
          "6 busiest chip's expert load")
 
 

@@ -76,11 +76,13 @@ class StepCostModel:
     all_to_all_link_model: str = "busiest_link"
     sparsecore_rate: float | None = None
     expert_load: str = "busiest"
+    sparsecore_kinds: tuple = ("reduce-scatter",)     # the offloaded collectives the rate applies to
+    ring_dims: str = "per_dimension"                   # a multi-dim ring group (glm5_jax.cost.ici)
 
 
 # the model before the conservative rules: every kernel on both cores at its declared bytes, balanced
 # all-to-all links, SparseCore collectives at the link rate, the mean expert load
-OPTIMISTIC = StepCostModel(CostRules(), "balanced", 1.0, "mean")
+OPTIMISTIC = StepCostModel(CostRules(), "balanced", 1.0, "mean", ring_dims="add")
 
 log = logging.getLogger("glm5_jax.compile")
 
@@ -276,7 +278,7 @@ def cost_model_record(cost_model: StepCostModel, chip, comm_model) -> dict:
             "grid_step_seconds": rules.grid_step_seconds, "op_fixed_seconds": rules.op_fixed_seconds,
             "kernel_bytes": "by grid" if rules.kernel_grid_bytes else "declared",
             "collective_hbm_passes": rules.collective_hbm_passes,
-            "all_to_all_link_model": cost_model.all_to_all_link_model,
+            "all_to_all_link_model": cost_model.all_to_all_link_model, "ring_dims": cost_model.ring_dims,
             "sparsecore_rate": comm_model.sparsecore_factor if comm_model is not None else None,
             "expert_load": cost_model.expert_load, "hbm_limit_gib": round(chip.hbm_bytes / 2**30, 2)}
 
@@ -291,7 +293,8 @@ def step_timing(topology: str, mesh, cost_model: StepCostModel = StepCostModel()
         else chip.sparsecore_reduce_scatter_factor
     model = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology),
                             link_bandwidth=chip.achievable_link_bandwidth, step_latency=chip.ici_step_latency,
-                            all_to_all_link_model=cost_model.all_to_all_link_model, sparsecore_factor=sparsecore)
+                            all_to_all_link_model=cost_model.all_to_all_link_model, sparsecore_factor=sparsecore,
+                            sparsecore_kinds=cost_model.sparsecore_kinds, ring_dims=cost_model.ring_dims)
     return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, model.seconds), model
 
 

@@ -125,6 +125,22 @@ def test_all_to_all_by_its_busiest_link():
     assert busiest.seconds(pair) == pytest.approx(1.0) and balanced.seconds(pair) == pytest.approx(0.5)
 
 
+def test_multi_dim_ring_per_dimension():
+    """An FSDP all-gather over 4 positions 4 hops apart (on a 16-ring, 4 such groups interleaved: each link
+    carries 4 ring edges, 2 x 85 / 4 GB/s per chip) x 16 neighbours (2 x 85 GB/s). Dims added: 212.5 GB/s.
+    One ring per dim, the 4-position dim first: it carries 3/63 of the bytes at 42.5 GB/s, the 16-position
+    dim 60/63 at 170 GB/s, the busiest of the two: 63/60 x 170 = 178.5 GB/s (the other order is slower)."""
+    coords = [(x, y, 0) for x in range(16) for y in range(16)]
+    at = {c: i for i, c in enumerate(coords)}
+    groups = tuple(tuple(at[(o + 4 * k, y, 0)] for k in range(4) for y in range(16)) for o in range(4))
+    op = CollectiveOp("all-gather", 64 * 64, groups, False, "fsdp")
+    moved = 64 * 63
+    add = CollectiveModel(coords, (16, 16, 4), link_bandwidth=85e9)
+    per_dim = CollectiveModel(coords, (16, 16, 4), link_bandwidth=85e9, ring_dims="per_dimension")
+    assert moved / add.seconds(op) == pytest.approx(212.5e9)
+    assert moved / per_dim.seconds(op) == pytest.approx(178.5e9)
+
+
 def test_busiest_chip_expert_load():
     """The grouped matmuls of a synchronous step run at the busiest chip's load: its capacity buffer,
     moe_capacity_factor x the mean routed rows."""
