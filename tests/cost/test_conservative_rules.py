@@ -53,6 +53,8 @@ def test_grid_rules_on_a_v5p_grouped_matmul():
     # blocks: lhs [128, 256] and one group's rhs [256, 256] change every step, the output [128, 256] with
     # its (n, row) tile: each of the 3 x 11 steps moves all three
     assert grid.window_bytes(11) == 3 * 11 * (TM * K + K * TN + TM * TN) * 2
+    # the weights block is looked up in the group-id table (row tile -> group): each step taken to fetch it
+    assert [table for _, _, table in grid.windows] == [True, True, True]
     assert grid.busiest_core_share(2) == pytest.approx(2 / 3)     # 3 n tiles: 2 on one core, 1 on the other
     base = _kernel_row(hlo_cost(text, timing=TIMING, top=50))
     # one core runs 2 of the 3 n tiles: 2/3 of the work at one core's rate = 4/3 of the two-core time

@@ -106,6 +106,22 @@ def dynamic_grid_bound(operand_shapes: list[str], attrs: str, load: GroupedMatmu
     return min(most_tiles, grouped_matmul_tiles(rows, m // tiles_m, groups, load.aligned))
 
 
+# the project's flash-attention kernels (pallas_kernels/flash_attention) run a causal block schedule from
+# scalar-prefetch tables over their innermost grid axis: a skipped step repeats the last needed block, so of
+# n steps per outer block a causal sequence fetches (n + 1) / 2 on average (a zig-zag context shard too)
+_BLOCK_SCHEDULE = re.compile(r"flash_attention")
+
+
+def table_fraction(grid, attrs: str) -> float:
+    """The share of its grid steps at which a kernel's table-indexed blocks change (`KernelGrid.window_bytes`):
+    the causal share (n + 1) / 2n of the project's flash-attention schedules (n: the innermost axis's steps),
+    1 (every step) for other kernels."""
+    if not _BLOCK_SCHEDULE.search(attrs) or not grid.bounds or not grid.bounds[-1]:
+        return 1.0
+    n = grid.bounds[-1]
+    return (n + 1) / (2 * n)
+
+
 def custom_call_cost(shape: str, operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None):
     """(FLOPs, bytes or None) of a Mosaic custom call (`kernel_cost`); a megablox grouped matmul, given
     ``load``, charged the row tiles it visits (`_grouped_matmul_cost`). None: no known cost."""

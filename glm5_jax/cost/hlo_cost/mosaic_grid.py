@@ -8,8 +8,10 @@ From those (`KernelGrid`): the grid steps, how the parallel iterations split ove
 bytes the pipeline moves: Pallas fetches an operand's block again whenever its block index changes
 between consecutive grid steps (the last grid axis varies fastest), so a block whose index map reads grid
 axes up to axis j moves prod(bounds[:j + 1]) times (e.g. a flash-attention forward re-reads K / V for
-every query block). An index that depends on an axis only through data (a scalar-prefetch lookup) is
-taken to change with it: an upper bound when consecutive steps look up the same block.
+every query block). An index read from a scalar-prefetch table (``data_dependent``) changes only where
+the table's entries do: `window_bytes` takes the share of such steps that fetch (``table_fraction``, e.g.
+the causal share of a block-sparse attention schedule whose skipped steps repeat the last needed block);
+1 is an upper bound (megablox's weights block is looked up per row tile, the same for a group's tiles).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class KernelGrid:
     the kernel moves itself (memory space ANY, its own DMAs: not counted here)."""
     bounds: tuple
     parallel: tuple
-    windows: tuple
+    windows: tuple          # (block bytes, last grid axis its index reads (-1: none), read from a table)
     unwindowed: int = 0
 
     def _bounds(self, dynamic: float) -> list[float]:
@@ -43,10 +45,12 @@ class KernelGrid:
         """Grid steps; a dynamic axis runs ``dynamic`` iterations."""
         return float(math.prod(self._bounds(dynamic)))
 
-    def window_bytes(self, dynamic: float = 1.0) -> float:
-        """HBM bytes the pipeline moves: each block x the times its index changes (module docstring)."""
+    def window_bytes(self, dynamic: float = 1.0, table_fraction: float = 1.0) -> float:
+        """HBM bytes the pipeline moves: each block x the times its index changes, a block looked up in a
+        table x ``table_fraction`` of those (module docstring)."""
         b = self._bounds(dynamic)
-        return float(sum(nbytes * math.prod(b[:last + 1]) for nbytes, last in self.windows))
+        return float(sum(nbytes * math.prod(b[:last + 1]) * (table_fraction if table else 1.0)
+                         for nbytes, last, table in self.windows))
 
     def busiest_core_share(self, cores: int, dynamic: float = 1.0) -> float:
         """The share of the grid the busiest of ``cores`` TensorCores runs: the parallel axes' iterations
@@ -65,9 +69,10 @@ def _element_bytes(memref: str) -> float | None:
     return _ELEMENT_BYTES.get(m.group(1)) if m else None
 
 
-def _index_dependencies(transform: str, grid_axes: int) -> int:
-    """The last grid axis a ``transform_i`` index map's results depend on (-1: none): the union of its
-    returned values' dependencies, each op's result depending on its operands."""
+def _index_dependencies(transform: str, grid_axes: int) -> tuple[int, bool]:
+    """(the last grid axis a ``transform_i`` index map's results depend on (-1: none), whether one is read
+    from a table): the union of its returned values' dependencies, each op's result depending on its
+    operands, a load from a table marking its result."""
     deps: dict[str, set] = {f"%arg{i}": {i} for i in range(grid_axes)}
     returned: set = set()
     for line in transform.splitlines():
@@ -80,9 +85,11 @@ def _index_dependencies(transform: str, grid_axes: int) -> int:
             continue
         lhs, rhs = line.split("=", 1)
         used = set().union(*[deps.get(v, set()) for v in _SSA.findall(rhs.split(") :")[0])])
+        if "memref.load" in rhs:
+            used = used | {"table"}
         for r in _SSA.findall(lhs):
             deps[r.split("#")[0]] = used
-    return max(returned, default=-1)
+    return max((a for a in returned if a != "table"), default=-1), "table" in returned
 
 
 @functools.lru_cache(maxsize=512)
@@ -127,8 +134,9 @@ def _grid_of_body(body: str) -> KernelGrid | None:
         if shape is None or element is None:
             unwindowed += 1
             continue
-        last = _index_dependencies(transforms.get(transform.group(1), ""), len(bounds)) if transform else -1
-        windows.append((math.prod(int(v) for v in shape.group(1).split(",")) * element, last))
+        last, table = _index_dependencies(transforms.get(transform.group(1), ""), len(bounds)) if transform \
+            else (-1, False)
+        windows.append((math.prod(int(v) for v in shape.group(1).split(",")) * element, last, table))
     return KernelGrid(bounds, parallel, tuple(windows), unwindowed)
 
 

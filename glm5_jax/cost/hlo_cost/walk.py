@@ -12,7 +12,7 @@ from glm5_jax.cost.hlo_cost.collective_ops import (ASYNC_COLLECTIVE_DONE, ASYNC_
                                                    ASYNC_COLLECTIVE_START, async_start_of, collective_fusion_part,
                                                    collective_op, reduce_scatter_fusion, ring_hbm_extra_bytes)
 from glm5_jax.cost.hlo_cost.hbm_traffic import instruction_bytes
-from glm5_jax.cost.hlo_cost.kernels import GroupedMatmulLoad, custom_call_cost, dynamic_grid_bound
+from glm5_jax.cost.hlo_cost.kernels import GroupedMatmulLoad, custom_call_cost, dynamic_grid_bound, table_fraction
 from glm5_jax.cost.hlo_cost.mosaic_grid import kernel_grid
 from glm5_jax.cost.hlo_cost.matmul_flops import matmul_flops
 from glm5_jax.cost.hlo_cost.parsing import branch_computations, callees_of, op_name_of, parse_computations
@@ -227,7 +227,7 @@ class _Walk:
         dynamic = dynamic_grid_bound(operand_shapes, attrs, self.grouped_matmul_load)
         nbytes = declared
         if self.rules.kernel_grid_bytes:
-            by_grid = grid.window_bytes(dynamic)
+            by_grid = grid.window_bytes(dynamic, table_fraction(grid, attrs))
             nbytes = by_grid if declared is None or not grid.unwindowed else max(declared, by_grid)
             if f.fused and declared is not None:
                 f.own.add(("extra_bytes", cat), nbytes - declared)
