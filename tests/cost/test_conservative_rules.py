@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from glm5_jax.cost.hlo_cost import CollectiveOp, CostRules, GroupedMatmulLoad, StepTiming, hlo_cost, kernel_grid
+from glm5_jax.cost.hlo_cost.kernels import table_fraction
 from glm5_jax.cost.hlo_cost.rules import GRID_STEP_SECONDS
 from glm5_jax.cost.ici import CollectiveModel
 from tests.cost.test_hlo_collectives import SPARSECORE_STEP
@@ -158,3 +159,38 @@ def test_busiest_chip_expert_load():
     trainer = types.SimpleNamespace(model_cfg=cfg, batch_sharding=sharding)
     assert grouped_matmul_load(exp, trainer, "mean").rows == 8192          # 1024 tokens per chunk x K = 8
     assert grouped_matmul_load(exp, trainer, "busiest").rows == 8192 * 1.25
+
+
+def _flash_forward_hlo(T: int, H: int, D: int, block: int) -> str:
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_kernels.flash_attention import ops as flash_ops
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+    s = SingleDeviceSharding(device)
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+
+    def forward(q, k, v, pos, seg):
+        return flash_ops.flash_attention(q, k, v, pos, pos, seg, seg, scale=D**-0.5, impl="pallas", block=block)[0]
+
+    args = (spec((1, T, H, D)),) * 3 + (spec((1, T), jnp.int32),) * 2
+    return jax.jit(forward).lower(*args).compile().as_text()
+
+
+@_needs_libtpu
+def test_flash_forward_rereads_keys_per_query_block():
+    """One causal sequence of T = 1024 in blocks of 256 (n = 4 per side), 2 heads of 128: grid (batch 1,
+    heads 2, query blocks 4, key steps 4). Per (head, query block) the q block, the out block and its
+    per-row vectors move once (8 times); the k / v blocks and the keys' per-row vectors come from the
+    causal schedule's tables: 4 + 3 + 2 + 1 = 10 of the 16 steps per head fetch (n + 1) / 2n = 5/8 of them."""
+    T, H, D, block = 1024, 2, 128, 256
+    line = next(x for x in _flash_forward_hlo(T, H, D, block).splitlines()
+                if "tpu_custom_call" in x and "flash_attention_fwd" in x)
+    grid = kernel_grid(line)
+    assert grid.bounds == (1, H, 4, 4) and grid.parallel == (True, True, True, False)
+    rows, bf16, s32, f32 = block, 2, 4, 4
+    once = rows * D * bf16 * 2 + rows * s32 * 2 + rows * f32          # q, out; q positions, segments; lse
+    scheduled = rows * D * bf16 * 2 + rows * s32 * 2                  # k, v; key positions, segments
+    assert table_fraction(grid, line) == 5 / 8
+    assert grid.window_bytes(1, table_fraction(grid, line)) == H * 4 * once + H * 10 * scheduled
