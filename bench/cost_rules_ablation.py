@@ -9,9 +9,7 @@ the full conservative model, and the full model with the SparseCores' reduce-sca
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import gzip
 import json
 import os
 import sys
@@ -24,7 +22,6 @@ from glm5_jax.cost.chips import chip_of_topology  # noqa: E402
 from glm5_jax.cost.hlo_cost.rules import GRID_STEP_SECONDS, OP_FIXED_SECONDS  # noqa: E402
 from glm5_jax.train import compile_report  # noqa: E402
 from glm5_jax.train.compile_report import OPTIMISTIC, StepCostModel  # noqa: E402
-from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
 
 
 def _rule(model: StepCostModel, name: str) -> StepCostModel:
@@ -49,11 +46,8 @@ RULES = ("1 kernel core split", "2a grid-step cost", "2b per-op fixed cost", "3 
 
 
 def ablation(config: str, workdir: str, overrides: list[str]) -> list[dict]:
-    report = json.load(open(os.path.join(workdir, "compile_report.json")))
+    report, cfg, trainer, mesh, text = compile_report.load_compiled_step(config, workdir, overrides)
     topology, n = report["topology"], report["num_devices"]
-    cfg = apply_overrides(load_config_file(config), overrides)
-    trainer, mesh, _ = compile_report._setup(cfg, topology)
-    text = gzip.open(os.path.join(workdir, "compiled_step.hlo.gz"), "rt").read()
     peak = chip_of_topology(topology).peak_flops
     rows = []
 
@@ -79,12 +73,7 @@ def ablation(config: str, workdir: str, overrides: list[str]) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = compile_report.compiled_step_parser(__doc__.splitlines()[0]).parse_args()
     rows = ablation(args.config, args.workdir, args.overrides)
     if args.json:
         with open(args.json, "w") as f:

@@ -16,8 +16,6 @@ No compile: needs the work dir's `compiled_step.hlo.gz`.
 """
 from __future__ import annotations
 
-import argparse
-import gzip
 import json
 import os
 import sys
@@ -28,17 +26,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from glm5_jax.train import compile_report  # noqa: E402
 from glm5_jax.train.compile_report import StepCostModel  # noqa: E402
-from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
 
 OFFLOADED_KINDS = ("reduce-scatter", "all-gather", "all-reduce")
 
 
 def sensitivity(config: str, workdir: str, overrides: list[str], factors: list[float]) -> list[dict]:
-    report = json.load(open(os.path.join(workdir, "compile_report.json")))
+    report, cfg, trainer, mesh, text = compile_report.load_compiled_step(config, workdir, overrides)
     topology = report["topology"]
-    cfg = apply_overrides(load_config_file(config), overrides)
-    trainer, mesh, _ = compile_report._setup(cfg, topology)
-    text = gzip.open(os.path.join(workdir, "compiled_step.hlo.gz"), "rt").read()
     rows = []
     for slowed in (("reduce-scatter",), OFFLOADED_KINDS):
         for factor in factors:
@@ -53,12 +47,8 @@ def sensitivity(config: str, workdir: str, overrides: list[str], factors: list[f
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser = compile_report.compiled_step_parser(__doc__.splitlines()[0])
     parser.add_argument("--factors", default="1,2,3")
-    parser.add_argument("--json")
     args = parser.parse_args()
     rows = sensitivity(args.config, args.workdir, args.overrides, [float(f) for f in args.factors.split(",")])
     print("| collectives slowed | factor | comm total s | exposed s | roofline s | est. step s |")

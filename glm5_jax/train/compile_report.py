@@ -256,6 +256,29 @@ def estimate_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str,
     return hlo, hlo.roofline_seconds + (hlo.exposed_comm_seconds if comm_model is not None else 0.0), comm_model, load
 
 
+def compiled_step_parser(description: str):
+    """The arguments of a script that re-reads a `--compile_only` work dir: --config, --workdir, --set, --json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--json")
+    return parser
+
+
+def load_compiled_step(config: str, workdir: str, overrides: list[str]):
+    """(report, config, Trainer, mesh, compiled HLO text) of a `--compile_only` work dir, without compiling."""
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
+
+    report = json.loads(storage.read_text(storage.join(workdir, "compile_report.json")))
+    cfg = apply_overrides(load_config_file(config), overrides)
+    trainer, mesh, _ = _setup(cfg, report["topology"])
+    text = gzip.decompress(storage.read_bytes(storage.join(workdir, "compiled_step.hlo.gz"))).decode()
+    return report, cfg, trainer, mesh, text
+
+
 def reanalyse(exp_cfg, topology: str, workdir: str) -> dict:
     """Recompute the HLO-derived keys of DIR/compile_report.json from DIR/compiled_step.hlo.gz (no
     compile: for a change of the measuring modules) and rewrite the report."""
