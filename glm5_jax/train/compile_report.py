@@ -26,6 +26,12 @@ body times its trip count; XLA's own ``cost_analysis()`` visits each loop body o
   pair) hides behind the roofline time of the instructions the compiled schedule places between its start
   and its done (docs/cost_model.md).
   ``step_seconds_if_all_overlap`` = max(roofline, all communication) is the optimistic bound.
+  ``cost_model``: the conservative rules the estimate is made under (`StepCostModel`, docs/cost_model.md:
+  kernels by the TensorCores their parallel grid axes use, per-grid-step and per-op seconds, kernels'
+  bytes by their grids, ring collectives' HBM passes, all-to-alls by their busiest link, multi-dim rings by
+  their busiest dim, SparseCore reduce-scatters at the chip's rate, the busiest chip's expert load, the HBM
+  limit); ``top_level_ops_per_step``, ``grid_steps_per_step`` and ``kernels_without_grid`` (kernels whose
+  grid could not be read: charged as declared) go with them.
   ``top_instructions``: the compiled instructions with the most roofline seconds per step (loop trips
   multiplied in), with the JAX source each came from (its op_name): where to look first.
   ``mfu`` = model FLOPs / (chips x vendor peak x estimated_step_seconds); the model FLOPs exclude MTP.

@@ -23,7 +23,11 @@ and adds called computations: fusions and calls once, `while` bodies x their tri
 caller, its step the constant the body adds; a loop whose count cannot be read is counted once and
 reported; `trip_counts`), conditionals by their dearest branch (`walk`). With a `categorize` function every
 count is also filed under a category read from the instruction's op_name metadata; with a `StepTiming`,
-seconds (`timing`). The HLO text is read by `parsing`.
+seconds (`timing`). The HLO text is read by `parsing`. With ``rules`` (`CostRules`; `CONSERVATIVE`: all of
+them), the conservative rules of docs/cost_model.md: each Pallas kernel by its grid, read from its
+serialized Mosaic module (`mosaic_grid`: the cores its parallel axes can use, its grid steps, the bytes its
+blocks move), a fixed cost per top-level instruction, ring collectives' HBM passes; without, the model as
+it was (kernels on both cores at their declared bytes).
 
 Checked against hand counts (tests/cost/test_hlo_cost.py, test_hlo_kernels.py, test_hlo_collectives.py,
 test_hbm_bytes.py) and, on GLM-5 train steps compiled for v5p, against the analytic model FLOPs of
