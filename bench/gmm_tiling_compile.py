@@ -7,7 +7,13 @@ in full; the kernels' static estimate counts every row of the buffer once and no
 each product at its own roofline at the chip's achievable rates, for `gmm` and `tgmm` apart (kernel.py takes
 the best of each).
 
-    python bench/gmm_tiling_compile.py [--topology v5p:2x2x1] [--rows 10240 --filled 8192 --experts 8] [--aligned]
+    python bench/gmm_tiling_compile.py [--topology v5p:2x2x1] [--rows 10240 --filled 8192 --experts 8] [--aligned] \
+        [--conservative] [--tilings 256,1024,2048 256,1024,1024]
+
+``--conservative``: under the cost model's conservative rules (glm5_jax.cost.hlo_cost.CONSERVATIVE: each
+kernel by the TensorCores its parallel grid axis can use, 0.35 us per grid step, its bytes by its grid, 1 us
+per top-level instruction); megablox splits only its output-column tiles over v5p's two cores, so a product
+with one (or an odd number of) column tiles leaves a core idle.
 
 Defaults: the 744B config's per-chip shapes (fsdp 32 x context 2 x expert 32, two token chunks through the
 expert all-to-all): 10,240 received rows per chunk (the 1.25 capacity buffer; 8,192 of them routed rows on
@@ -19,6 +25,7 @@ SwiGLU expert pass: gate and up ([rows, D] x [D, F] each), down ([rows, F] x [F,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -31,7 +38,8 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from glm5_jax.cost.chips import chip_of_topology  # noqa: E402
-from glm5_jax.cost.hlo_cost import GroupedMatmulLoad, StepTiming, grouped_matmul_tiles, hlo_cost  # noqa: E402
+from glm5_jax.cost.hlo_cost import (CONSERVATIVE, GroupedMatmulLoad, StepTiming, grouped_matmul_tiles,  # noqa: E402
+                                     hlo_cost)
 from pallas_kernels.grouped_matmul import kernel  # noqa: E402
 
 D, F = 6144, 2048
@@ -71,7 +79,12 @@ def main():
     parser.add_argument("--aligned", action="store_true",
                         help="each expert's rows start on a row tile (the a2a transport's moe_group_align)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--conservative", action="store_true", help="under the conservative cost rules")
+    parser.add_argument("--tilings", nargs="*", default=None, help="rows,K,N each (default: the sweep's)")
     args = parser.parse_args()
+    tilings = [tuple(int(v) for v in t.split(",")) for t in args.tilings] if args.tilings else TILINGS
+    rules = dataclasses.replace(CONSERVATIVE, cores_per_chip=chip_of_topology(args.topology).tensor_cores) \
+        if args.conservative else None
     devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
     mesh = Mesh(np.array(devices).reshape(-1), ("c",))
     chip = chip_of_topology(args.topology)
@@ -83,7 +96,7 @@ def main():
     print(f"{'tiling (rows, K, N)':>20s} | {'kernel':6s} | {'HBM GB':>7s} | {'MXU TFLOP':>9s} | "
           f"{'partial tiles':>13s} | {'roofline ms':>11s}")
     rows = []
-    for tiling in TILINGS:
+    for tiling in tilings:
         per_kernel = {}
         for _, kind, K, N, times in PRODUCTS:
             entry = per_kernel.setdefault(kind, dict(hbm_bytes=0.0, mxu_flops=0.0, roofline_seconds=0.0))
@@ -97,7 +110,7 @@ def main():
             # the row tiles the kernel visits for `filled` routed rows (glm5_jax.cost.hlo_cost: the rows' tiles
             # plus one per group boundary; megablox's own estimate counts 2 M K N over the whole buffer)
             cost = hlo_cost(compiled.as_text(), timing=timing,
-                            grouped_matmul_load=GroupedMatmulLoad(filled, args.aligned))
+                            grouped_matmul_load=GroupedMatmulLoad(filled, args.aligned), rules=rules)
             entry["hbm_bytes"] += times * cost.bytes_accessed
             entry["mxu_flops"] += times * cost.kernel_flops
             entry["roofline_seconds"] += times * cost.roofline_seconds
@@ -114,7 +127,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(topology=args.topology, rows=M, filled=filled, experts=E, aligned=args.aligned, D=D, F=F,
-                           tilings=rows), f, indent=1)
+                           conservative=args.conservative, tilings=rows), f, indent=1)
 
 
 if __name__ == "__main__":

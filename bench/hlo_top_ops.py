@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from glm5_jax.cost.categories import categorize  # noqa: E402
-from glm5_jax.cost.hlo_cost import hlo_cost  # noqa: E402
+from glm5_jax.cost.hlo_cost import CONSERVATIVE, hlo_cost  # noqa: E402
 
 # autodiff / tracing wrappers that say nothing about which op it is
 _WRAPPERS = re.compile(r"^(jit\([^)]*\)/)+")
@@ -30,9 +30,10 @@ def short_name(op_name: str, depth: int) -> str:
     return "/".join(parts[-depth:])
 
 
-def top_ops(hlo_text: str, categories: list[str], depth: int = 4) -> dict:
-    """{category: [(short op name, bytes, flops), ...] sorted by bytes}."""
-    cost = hlo_cost(hlo_text, categorize=lambda n: f"{categorize(n)}\x00{short_name(n, depth)}")
+def top_ops(hlo_text: str, categories: list[str], depth: int = 4, rules=CONSERVATIVE) -> dict:
+    """{category: [(short op name, bytes, flops), ...] sorted by bytes}, under the reports' cost rules (their
+    kernels' grid bytes and collectives' HBM passes: glm5_jax.cost.hlo_cost.CostRules)."""
+    cost = hlo_cost(hlo_text, categorize=lambda n: f"{categorize(n)}\x00{short_name(n, depth)}", rules=rules)
     out: dict = {}
     for field in ("bytes", "flops", "kernel_flops"):
         for key, v in cost.by_category.get(field, {}).items():

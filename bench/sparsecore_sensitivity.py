@@ -1,23 +1,21 @@
 """How the estimated step depends on the SparseCores' collective rate: re-read a compiled step (a
-`--compile_only` work dir, compiled with the `sparsecore_offload` flag set) with the FSDP collectives the
-SparseCores run (all-gathers, reduce-scatters, all-reduces; the all-to-all stays on the TensorCore) taking
-`factor` x the time the cost model's link-load model gives them, and print the exposed communication and
-the estimated step per factor.
+`--compile_only` work dir, compiled with the `sparsecore_offload` flag set) under the report's cost model
+(glm5_jax.train.compile_report.StepCostModel) with the collectives the SparseCores run (`CollectiveOp.offloaded`:
+reduce-scatters alone, then with the all-gathers and all-reduces; the all-to-all stays on the TensorCore)
+taking `factor` x the time the link-load model gives them, and print the exposed communication and the
+estimated step per factor.
 
-The cost model prices an offloaded collective like any other of its groups (docs/cost_model.md): how fast
-the SparseCores drive the links is not public. The public v5p / v6e recipes tell libtpu's scheduler to expect
-an offloaded reduce-scatter to take 3x its estimate and an all-gather 1x
-(`--xla_tpu_sparse_core_reduce_scatter_latency_multiplier=3`, `..._all_gather_latency_multiplier=1`);
-this shows what the estimate becomes under such rates. No compile: needs the work dir's
-`compiled_step.hlo.gz`.
+How fast the SparseCores drive the links is not public. The public v5p / v6e recipes tell libtpu's
+scheduler to expect an offloaded reduce-scatter to take 3x its estimate and an all-gather 1x
+(`--xla_tpu_sparse_core_reduce_scatter_latency_multiplier=3`, `..._all_gather_latency_multiplier=1`): the
+reports' headline takes 3x for reduce-scatters (glm5_jax.cost.chips), and 1x here is the full link rate.
+No compile: needs the work dir's `compiled_step.hlo.gz`.
 
     python bench/sparsecore_sensitivity.py --config=configs/glm5_744b_pretrain.py --workdir=DIR \
         [--set=model.attention_impl=pallas] [--factors=1,2,3] [--json=OUT]
 """
 from __future__ import annotations
 
-import argparse
-import gzip
 import json
 import os
 import sys
@@ -26,45 +24,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from glm5_jax.cost.categories import categorize  # noqa: E402
-from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost  # noqa: E402
 from glm5_jax.train import compile_report  # noqa: E402
-from glm5_jax.train.experiment import apply_overrides, load_config_file  # noqa: E402
+from glm5_jax.train.compile_report import StepCostModel  # noqa: E402
 
 OFFLOADED_KINDS = ("reduce-scatter", "all-gather", "all-reduce")
 
 
 def sensitivity(config: str, workdir: str, overrides: list[str], factors: list[float]) -> list[dict]:
-    report = json.load(open(os.path.join(workdir, "compile_report.json")))
+    report, cfg, trainer, mesh, text = compile_report.load_compiled_step(config, workdir, overrides)
     topology = report["topology"]
-    cfg = apply_overrides(load_config_file(config), overrides)
-    trainer, mesh, _ = compile_report._setup(cfg, topology)
-    timing, model = compile_report.step_timing(topology, mesh)
-    load = compile_report.grouped_matmul_load(cfg, trainer)
-    if model is None:
-        raise ValueError(f"{topology}: no ICI link facts, so no communication time to scale")
-    text = gzip.open(os.path.join(workdir, "compiled_step.hlo.gz"), "rt").read()
     rows = []
     for slowed in (("reduce-scatter",), OFFLOADED_KINDS):
         for factor in factors:
-            def seconds(op, slowed=slowed, factor=factor):
-                return model.seconds(op) * (factor if op.kind in slowed else 1.0)
-            cost = hlo_cost(text, categorize=categorize, num_partitions=report["num_devices"],
-                            timing=StepTiming(timing.peak_flops, timing.hbm_bandwidth, seconds),
-                            grouped_matmul_load=load)
+            model = StepCostModel(sparsecore_rate=factor, sparsecore_kinds=slowed)
+            cost, step, comm, _ = compile_report.estimate_step(cfg, topology, trainer, mesh, text, model)
+            if comm is None:
+                raise ValueError(f"{topology}: no ICI link facts, so no communication time to scale")
             rows.append({"slowed": "+".join(slowed), "factor": factor, "comm_seconds": cost.comm_seconds,
                          "exposed_seconds": cost.exposed_comm_seconds, "roofline_seconds": cost.roofline_seconds,
-                         "step_seconds": cost.roofline_seconds + cost.exposed_comm_seconds})
+                         "step_seconds": step})
     return rows
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser = compile_report.compiled_step_parser(__doc__.splitlines()[0])
     parser.add_argument("--factors", default="1,2,3")
-    parser.add_argument("--json")
     args = parser.parse_args()
     rows = sensitivity(args.config, args.workdir, args.overrides, [float(f) for f in args.factors.split(",")])
     print("| collectives slowed | factor | comm total s | exposed s | roofline s | est. step s |")

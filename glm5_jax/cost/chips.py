@@ -1,10 +1,12 @@
 """TPU chip facts the cost model uses: one row per chip, each number with where it comes from.
 
 Vendor facts (Google Cloud TPU documentation, each version's "System architecture" page):
-* v5p (https://cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16 per chip, 95 GiB of user-allocatable HBM
-  (96 GiB physical) at 2765 GB/s, 1200 GB/s bidirectional ICI per chip over a 3D torus: six ports
-  (+-x, +-y, +-z), so 100 GB/s per port in each direction; slices of 4x4x4 chips and larger have
-  wraparound links on every dimension.
+* v5p (https://cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16 per chip, 96 GiB of HBM at 2765 GB/s, of
+  which libtpu lets a program use 95.74 GiB (it refuses a larger compile with "exceeds available HBM
+  (95.74G)"; the vendor page's "95 GiB user-allocatable" is rounded down), 1200 GB/s bidirectional ICI
+  per chip over a 3D torus: six ports (+-x, +-y, +-z), so 100 GB/s per port in each direction; slices of
+  4x4x4 chips and larger have wraparound links on every dimension; two TensorCores per chip (megacore),
+  over which a Pallas kernel splits the iterations of its "parallel" grid axes.
 * v5e (https://cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GiB HBM at 819 GB/s.
 * v6e (https://cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GiB HBM at 1640 GB/s.
 * TPU7x / Ironwood (libtpu's ``tpu7x`` topologies): 192 GB of HBM per chip (Google's Ironwood
@@ -25,6 +27,11 @@ libtpu 0.0.42 (``bench/chip_rates.py`` reprints them; tests/cost/test_chip_facts
 
 ICI achievable fraction: no public measurement of v5p ICI utilisation was found; the model takes 0.85,
 the same fraction libtpu's model assumes for v5p HBM, and states it as an assumption in every report.
+
+SparseCore collectives (v5p): how fast the SparseCores drive the links is not public; the public v5p
+recipes tell libtpu's scheduler to expect an offloaded reduce-scatter to take 3x its estimate
+(``--xla_tpu_sparse_core_reduce_scatter_latency_multiplier=3``), so reports take 3x for those
+(``sparsecore_reduce_scatter_factor``) and show 1x as a sensitivity row.
 """
 from __future__ import annotations
 
@@ -44,6 +51,8 @@ class ChipSpec:
     ici_fraction: float | None = None         # achievable share of the link bandwidth (an assumption)
     ici_step_latency: float | None = None     # seconds per step of a ring / pairwise collective (assumption)
     min_wraparound_dim: int | None = None     # slices whose every torus dim is >= this have wraparound links
+    sparsecore_reduce_scatter_factor: float = 1.0   # an offloaded reduce-scatter's time / its link time
+    tensor_cores: int = 1                     # TensorCores a device's Pallas grids may split over (megacore)
 
     @property
     def achievable_flops(self) -> float:
@@ -61,8 +70,9 @@ class ChipSpec:
 
 
 CHIPS = {
-    "v5p": ChipSpec(459e12, 95 * GIB, 2765e9, flops_fraction=0.858, hbm_fraction=0.850,
-                    ici_link_bandwidth=100e9, ici_fraction=0.85, ici_step_latency=1e-6, min_wraparound_dim=4),
+    "v5p": ChipSpec(459e12, int(95.74 * GIB), 2765e9, flops_fraction=0.858, hbm_fraction=0.850,
+                    ici_link_bandwidth=100e9, ici_fraction=0.85, ici_step_latency=1e-6, min_wraparound_dim=4,
+                    sparsecore_reduce_scatter_factor=3.0, tensor_cores=2),
     "v5e": ChipSpec(197e12, 16 * GIB, 819e9, flops_fraction=1.0, hbm_fraction=0.901),
     "v6e": ChipSpec(918e12, 32 * GIB, 1640e9, flops_fraction=1.0, hbm_fraction=0.999),
     # per device (one TensorCore); peak = libtpu's own matmul rate, so the fractions are 1 by construction

@@ -26,6 +26,12 @@ body times its trip count; XLA's own ``cost_analysis()`` visits each loop body o
   pair) hides behind the roofline time of the instructions the compiled schedule places between its start
   and its done (docs/cost_model.md).
   ``step_seconds_if_all_overlap`` = max(roofline, all communication) is the optimistic bound.
+  ``cost_model``: the conservative rules the estimate is made under (`StepCostModel`, docs/cost_model.md:
+  kernels by the TensorCores their parallel grid axes use, per-grid-step and per-op seconds, kernels'
+  bytes by their grids, ring collectives' HBM passes, all-to-alls by their busiest link, multi-dim rings by
+  their busiest dim, SparseCore reduce-scatters at the chip's rate, the busiest chip's expert load, the HBM
+  limit); ``top_level_ops_per_step``, ``grid_steps_per_step`` and ``kernels_without_grid`` (kernels whose
+  grid could not be read: charged as declared) go with them.
   ``top_instructions``: the compiled instructions with the most roofline seconds per step (loop trips
   multiplied in), with the JAX source each came from (its op_name): where to look first.
   ``mfu`` = model FLOPs / (chips x vendor peak x estimated_step_seconds); the model FLOPs exclude MTP.
@@ -53,7 +59,7 @@ from glm5_jax import storage
 from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
 from glm5_jax.cost.chips import chip_of_topology
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
-from glm5_jax.cost.hlo_cost import GroupedMatmulLoad, StepTiming, hlo_cost
+from glm5_jax.cost.hlo_cost import CONSERVATIVE, CostRules, GroupedMatmulLoad, StepTiming, hlo_cost
 from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
 from glm5_jax.data.batch import Batch
 from glm5_jax.model.moe.expert_parallel import expected_routed_rows
@@ -62,6 +68,27 @@ from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.train.step import Trainer
 
 TOP_INSTRUCTIONS = 25     # the report's list of the dearest compiled instructions
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostModel:
+    """The rules a report's estimate is made under (docs/cost_model.md), recorded in it as ``cost_model``:
+    the HLO walk's `CostRules` (kernel core split, grid-step and per-op seconds, kernels' bytes by their
+    grids, ring collectives' HBM passes), the all-to-all link model (glm5_jax.cost.ici), the SparseCores'
+    reduce-scatter rate (None: the chip's, glm5_jax.cost.chips; 1.0: the full link rate) and the expert
+    load the routed experts' grouped matmuls run at ("busiest": the busiest chip's, its capacity buffer
+    filled to moe_capacity_factor x the mean; "mean")."""
+    rules: CostRules = CONSERVATIVE
+    all_to_all_link_model: str = "busiest_link"
+    sparsecore_rate: float | None = None
+    expert_load: str = "busiest"
+    sparsecore_kinds: tuple = ("reduce-scatter",)     # the offloaded collectives the rate applies to
+    ring_dims: str = "per_dimension"                   # a multi-dim ring group (glm5_jax.cost.ici)
+
+
+# the model before the conservative rules: every kernel on both cores at its declared bytes, balanced
+# all-to-all links, SparseCore collectives at the link rate, the mean expert load
+OPTIMISTIC = StepCostModel(CostRules(), "balanced", 1.0, "mean", ring_dims="add")
 
 log = logging.getLogger("glm5_jax.compile")
 
@@ -150,14 +177,13 @@ def _setup(exp_cfg, topology: str):
     return Trainer(exp_cfg, mesh), mesh, devices
 
 
-def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) -> dict:
-    """The report's keys that come from the compiled HLO (module docstring)."""
+def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str,
+                 cost_model: StepCostModel = StepCostModel()) -> dict:
+    """The report's keys that come from the compiled HLO (module docstring), under ``cost_model``."""
     chip = chip_of_topology(topology)
     devices = list(mesh.devices.flat)
-    timing, comm_model = step_timing(topology, mesh)
-    load = grouped_matmul_load(exp_cfg, trainer)
-    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=len(devices), top=TOP_INSTRUCTIONS,
-                   grouped_matmul_load=load)
+    hlo, step_seconds, comm_model, load = estimate_step(exp_cfg, topology, trainer, mesh, hlo_text, cost_model,
+                                                        top=TOP_INSTRUCTIONS)
     # as XLA's cost analysis counts: loop bodies once, each kernel as it declares itself
     once = hlo_cost(hlo_text, num_partitions=len(devices), loop_trips=False)
     n = len(devices)
@@ -170,9 +196,9 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
     by_cat = train_flops_by_category(trainer.model_cfg, exp_cfg.data.seq_len, sparse=sparse, params=params,
                                      indexer_loss=indexer_loss)
     comm_s = hlo.comm_seconds if comm_model is not None else 0.0
-    step_seconds = hlo.roofline_seconds + (hlo.exposed_comm_seconds if comm_model is not None else 0.0)
     comm_rows = collective_table(hlo.collectives, comm_model, mesh.axis_names, mesh.devices.shape)
     return {
+        "cost_model": cost_model_record(cost_model, chip, comm_model),
         "optimizer_state": optimizer_state_bytes(trainer, mesh),
         # per chip, from the optimized HLO with loop bodies x trip counts (module docstring)
         "flops": hlo.flops,
@@ -182,6 +208,9 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
         "flops_source": "hlo_matmuls_and_kernel_cost_estimates_x_loop_trip_counts",
         "hlo_loop_trip_counts": [t for _, t in hlo.loops],
         "uncounted_custom_calls": hlo.uncounted_custom_calls,
+        "kernels_without_grid": hlo.kernels_without_grid,
+        "top_level_ops_per_step": hlo.top_level_ops,
+        "grid_steps_per_step": hlo.grid_steps,
         # ours with every loop body counted once, the way XLA's cost_analysis() counts: the two side by side
         "loop_once": {"flops": once.total_flops, "bytes_accessed": once.bytes_accessed},
         "breakdown": breakdown(hlo, by_cat, tokens, n),
@@ -220,6 +249,42 @@ def analyse_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str) 
     }
 
 
+def estimate_step(exp_cfg, topology: str, trainer: Trainer, mesh, hlo_text: str,
+                  cost_model: StepCostModel = StepCostModel(), top: int = 0):
+    """(HloCost, estimated step seconds, CollectiveModel or None, GroupedMatmulLoad) of a compiled step
+    under ``cost_model``: the roofline + the exposed communication."""
+    chip = chip_of_topology(topology)
+    timing, comm_model = step_timing(topology, mesh, cost_model)
+    load = grouped_matmul_load(exp_cfg, trainer, cost_model.expert_load)
+    rules = dataclasses.replace(cost_model.rules, cores_per_chip=chip.tensor_cores)
+    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=mesh.devices.size, top=top,
+                   grouped_matmul_load=load, rules=rules)
+    return hlo, hlo.roofline_seconds + (hlo.exposed_comm_seconds if comm_model is not None else 0.0), comm_model, load
+
+
+def compiled_step_parser(description: str):
+    """The arguments of a script that re-reads a `--compile_only` work dir: --config, --workdir, --set, --json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--json")
+    return parser
+
+
+def load_compiled_step(config: str, workdir: str, overrides: list[str]):
+    """(report, config, Trainer, mesh, compiled HLO text) of a `--compile_only` work dir, without compiling."""
+    from glm5_jax.train.experiment import apply_overrides, load_config_file
+
+    report = json.loads(storage.read_text(storage.join(workdir, "compile_report.json")))
+    cfg = apply_overrides(load_config_file(config), overrides)
+    trainer, mesh, _ = _setup(cfg, report["topology"])
+    text = gzip.decompress(storage.read_bytes(storage.join(workdir, "compiled_step.hlo.gz"))).decode()
+    return report, cfg, trainer, mesh, text
+
+
 def reanalyse(exp_cfg, topology: str, workdir: str) -> dict:
     """Recompute the HLO-derived keys of DIR/compile_report.json from DIR/compiled_step.hlo.gz (no
     compile: for a change of the measuring modules) and rewrite the report."""
@@ -234,14 +299,31 @@ def reanalyse(exp_cfg, topology: str, workdir: str) -> dict:
     return report
 
 
-def step_timing(topology: str, mesh):
+def cost_model_record(cost_model: StepCostModel, chip, comm_model) -> dict:
+    """What a report records of the rules it was made under (docs/cost_model.md)."""
+    rules = cost_model.rules
+    return {"kernel_core_split": f"busiest of {chip.tensor_cores} cores by the parallel grid axes"
+            if rules.kernel_core_split and chip.tensor_cores > 1 else "all cores",
+            "grid_step_seconds": rules.grid_step_seconds, "op_fixed_seconds": rules.op_fixed_seconds,
+            "kernel_bytes": "by grid" if rules.kernel_grid_bytes else "declared",
+            "collective_hbm_passes": rules.collective_hbm_passes,
+            "all_to_all_link_model": cost_model.all_to_all_link_model, "ring_dims": cost_model.ring_dims,
+            "sparsecore_rate": comm_model.sparsecore_factor if comm_model is not None else None,
+            "expert_load": cost_model.expert_load, "hbm_limit_gib": round(chip.hbm_bytes / 2**30, 2)}
+
+
+def step_timing(topology: str, mesh, cost_model: StepCostModel = StepCostModel()):
     """(StepTiming at the chip's achievable rates, CollectiveModel or None): chips without ICI link facts
     (glm5_jax.cost.chips) get no communication time."""
     chip = chip_of_topology(topology)
     if chip.ici_link_bandwidth is None:
         return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, lambda op: 0.0), None
+    sparsecore = cost_model.sparsecore_rate if cost_model.sparsecore_rate is not None \
+        else chip.sparsecore_reduce_scatter_factor
     model = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology),
-                            link_bandwidth=chip.achievable_link_bandwidth, step_latency=chip.ici_step_latency)
+                            link_bandwidth=chip.achievable_link_bandwidth, step_latency=chip.ici_step_latency,
+                            all_to_all_link_model=cost_model.all_to_all_link_model, sparsecore_factor=sparsecore,
+                            sparsecore_kinds=cost_model.sparsecore_kinds, ring_dims=cost_model.ring_dims)
     return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, model.seconds), model
 
 
@@ -260,13 +342,17 @@ def breakdown(hlo, model_per_token: dict, tokens: int, n: int) -> dict:
     return out
 
 
-def grouped_matmul_load(exp_cfg, trainer) -> GroupedMatmulLoad:
-    """What the routed experts' grouped matmuls hold on average for the step's micro-batch on its token
-    shards (glm5_jax.model.moe.expert_parallel.expected_routed_rows) and whether their groups are aligned."""
+def grouped_matmul_load(exp_cfg, trainer, expert_load: str = "mean") -> GroupedMatmulLoad:
+    """What the routed experts' grouped matmuls hold for the step's micro-batch on its token shards
+    (glm5_jax.model.moe.expert_parallel.expected_routed_rows: the mean over shards) and whether their
+    groups are aligned. ``expert_load="busiest"``: a synchronous step waits for its busiest chip, whose
+    buffer the router fills to moe_capacity_factor x the mean (the capacity drops the rest)."""
     micro = (exp_cfg.data.batch_size // exp_cfg.train.grad_accum, exp_cfg.data.seq_len)
     rt = trainer.model_cfg.runtime
-    return GroupedMatmulLoad(expected_routed_rows(math.prod(trainer.batch_sharding.shard_shape(micro)),
-                                                  trainer.model_cfg), rt.moe_group_align > 1)
+    rows = expected_routed_rows(math.prod(trainer.batch_sharding.shard_shape(micro)), trainer.model_cfg)
+    if rows is not None and expert_load == "busiest":
+        rows *= max(1.0, rt.moe_capacity_factor)
+    return GroupedMatmulLoad(rows, rt.moe_group_align > 1)
 
 
 def expert_passes(hlo_text: str, model_flops: float, n: int, load: GroupedMatmulLoad | None = None) -> dict:

@@ -21,20 +21,27 @@ at the 744B config's per-chip shapes: 10,240-row buffers with ~8,192 routed rows
 Mosaic's default scoped limit is 16 MiB; each kernel double-buffers its input and output blocks and keeps
 one fp32 accumulator:
 
-* `gmm` (256, 1024, 2048): lhs 256x1024 (0.5 MiB), rhs 1024x2048 (4 MiB), fp32 out 256x2048 (2 MiB), each x2,
-  + accumulator 2 MiB = 15 MiB. megablox visits only the row tiles its groups cover, and a group boundary
-  inside a row tile costs that whole tile twice (glm5_jax.cost.hlo_cost `grouped_matmul_tiles`): with 8
+* `gmm` (256, 1024, 1024): lhs 256x1024 (0.5 MiB), rhs 1024x1024 (2 MiB), out 256x1024 (0.5 MiB), each
+  x2, + fp32 accumulator 1 MiB = 7 MiB. megablox splits only its output-column tiles over v5p's two
+  TensorCores (its other grid axes are "arbitrary"), so the number of column tiles should be even: at 2048
+  the gate / up products and the down product's input gradient (2048 wide: one tile) run on one core, and
+  the down product and the gate / up input gradients (6144 wide: 3 tiles) take 4/3 of the two-core time;
+  at 1024 every product splits evenly. Under the cost model's conservative rules (docs/cost_model.md) the
+  744B pretraining step's 912 grouped-matmul calls take 1.11 s at 2048 and 0.71 s at 1024 (the lhs is read
+  once more per extra column tile: 1.26 -> 1.40 GB per gate / up call at the busiest chip's 43 row tiles).
+  megablox visits only the row tiles its groups cover, and a group boundary inside a row tile costs that
+  whole tile twice (glm5_jax.cost.hlo_cost `grouped_matmul_tiles`): with 8
   groups the boundaries add 7 tiles, 22% of the routed rows' work at 256 rows, 44% at 512 (the a2a transport
   can start each group on a tile instead, `moe_group_align`: half a tile of padding per group). It reads the lhs
   once per output-column tile and one group's weights per visited row tile. One SwiGLU pass (7 gmm
-  products) at the 744B shapes: 4.93 ms at its roofline, compute-bound (9.4 GB), against 5.73 ms at
+  products) at the 744B shapes, at the earlier model's roofline (both cores for every kernel, no grid-step
+  cost): 4.93 ms, compute-bound (10.2 GB; 9.4 GB at 2048-wide tiles, the same time), against 5.73 ms at
   (512, 1024, 1024) (7.8 GB, 1.44x the routed rows' MXU work); 128 rows is memory-bound (15.7 GB, 6.66 ms).
-  The 2048-wide output tile reads the lhs once for the gate / up products (9.4 against 10.2 GB at 1024).
 * `tgmm` (256, 1024, 1024): lhs^T and d out 256x1024 (0.5 MiB each), out 1024x1024 in the weight dtype
   (2 MiB bf16), each x2, + fp32 accumulator 4 MiB = 10 MiB. Compute-bound at 256 rows (3 products: 2.1 GB,
   1.92 ms against 2.26 at 512 rows). 128 rows would win again on paper (1.74 ms), but a grid step of
-  128 x 1024 x 1024 is 0.7 us of MXU work, about twice the fixed cost of a Pallas grid step, which the
-  cost model does not count. Larger column tiles (2048) run out of scoped VMEM.
+  128 x 1024 x 1024 is 0.7 us of MXU work, about twice the fixed cost of a Pallas grid step (which the
+  cost model's conservative rules count). Larger column tiles (2048) run out of scoped VMEM.
 GLM-5's widths D = 6144 and F = 2048 are multiples of 1024; a dimension at most the preferred tile is taken
 whole.
 """
@@ -46,7 +53,7 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, tg
 
 from pallas_kernels.tpu_utils import pad_axis, round_up
 
-GMM_TILING = (256, 1024, 2048)      # (rows, contraction, output columns) of the forward and input gradient
+GMM_TILING = (256, 1024, 1024)      # (rows, contraction, output columns) of the forward and input gradient
 TGMM_TILING = (256, 1024, 1024)     # (rows, lhs columns, d out columns) of the weight gradient
 
 

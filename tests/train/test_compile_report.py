@@ -53,7 +53,7 @@ def compile_only(tmp_path, overrides, remat="full"):
     assert report["topology"] == "v5p:2x2x1" and report["num_devices"] == 4
     assert report["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 1}
     assert report["moe_ep"] == "a2a" and report["remat_policy"] == remat
-    assert report["hbm_bytes_per_device"] == 95 * 2**30
+    assert report["hbm_bytes_per_device"] == int(95.74 * 2**30)
     return report
 
 
@@ -75,7 +75,7 @@ def check_memory_and_flops(report, n_params, trained_share=1.0):
     assert mem["alias"] > 0.9 * mem["argument"]          # the state is donated: outputs reuse it
     assert mem["temp"] > 0
     assert mem["total"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
-    assert report["fits"] == (mem["total"] <= 95 * 2**30)
+    assert report["fits"] == (mem["total"] <= int(95.74 * 2**30))
     assert report["flops_source"] == "hlo_matmuls_and_kernel_cost_estimates_x_loop_trip_counts"
     assert None not in report["hlo_loop_trip_counts"]   # every loop's trip count was read
     assert report["uncounted_custom_calls"] == []
@@ -94,9 +94,19 @@ def check_memory_and_flops(report, n_params, trained_share=1.0):
     bw = report["achievable_hbm_bytes_per_second"]
     comm = report["communication"]
     assert 0 < comm["exposed_seconds"] <= comm["seconds"] and comm["bytes_per_chip"] > 0
-    # each op at its own roofline: no less than one roofline for the whole step, no more than both sums
+    # each op at its own roofline: no less than one roofline for the whole step, no more than both sums +
+    # what the conservative rules add (a kernel on one of the two cores at most doubles its time, 0.35 us per
+    # grid step, 1 us per top-level instruction)
+    model = report["cost_model"]
+    assert model == {"kernel_core_split": "busiest of 2 cores by the parallel grid axes", "grid_step_seconds": 0.35e-6,
+                     "op_fixed_seconds": 1e-6, "kernel_bytes": "by grid", "collective_hbm_passes": True,
+                     "all_to_all_link_model": "busiest_link", "ring_dims": "per_dimension", "sparsecore_rate": 3.0,
+                     "expert_load": "busiest", "hbm_limit_gib": 95.74}
     compute, memory = report["hlo_flops"] / flops_rate, report["bytes_accessed"] / bw
-    assert max(compute, memory) <= report["roofline_seconds"] * (1 + 1e-9) <= (compute + memory) * (1 + 1e-9)
+    overhead = report["top_level_ops_per_step"] * 1e-6 + report["grid_steps_per_step"] * 0.35e-6
+    # XLA's own ragged-dot lowering carries no Pallas grid: charged as declared
+    assert report["top_level_ops_per_step"] > 0 and all("ragged-dot" in k for k in report["kernels_without_grid"])
+    assert max(compute, memory) <= report["roofline_seconds"] * (1 + 1e-9) <= 2 * (compute + memory) + overhead
     assert math.isclose(sum(c["roofline_seconds"] for c in breakdown.values()), report["roofline_seconds"],
                         rel_tol=1e-9)
     assert math.isclose(report["estimated_step_seconds"], report["roofline_seconds"] + comm["exposed_seconds"])

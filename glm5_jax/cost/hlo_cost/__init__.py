@@ -23,7 +23,11 @@ and adds called computations: fusions and calls once, `while` bodies x their tri
 caller, its step the constant the body adds; a loop whose count cannot be read is counted once and
 reported; `trip_counts`), conditionals by their dearest branch (`walk`). With a `categorize` function every
 count is also filed under a category read from the instruction's op_name metadata; with a `StepTiming`,
-seconds (`timing`). The HLO text is read by `parsing`.
+seconds (`timing`). The HLO text is read by `parsing`. With ``rules`` (`CostRules`; `CONSERVATIVE`: all of
+them), the conservative rules of docs/cost_model.md: each Pallas kernel by its grid, read from its
+serialized Mosaic module (`mosaic_grid`: the cores its parallel axes can use, its grid steps, the bytes its
+blocks move), a fixed cost per top-level instruction, ring collectives' HBM passes; without, the model as
+it was (kernels on both cores at their declared bytes).
 
 Checked against hand counts (tests/cost/test_hlo_cost.py, test_hlo_kernels.py, test_hlo_collectives.py,
 test_hbm_bytes.py) and, on GLM-5 train steps compiled for v5p, against the analytic model FLOPs of
@@ -36,13 +40,16 @@ from glm5_jax.cost.hlo_cost.collective_ops import (ASYNC_COLLECTIVE_DONE, ASYNC_
 from glm5_jax.cost.hlo_cost.hbm_traffic import (gather_read_bytes, scatter_touched_bytes, scatter_window,
                                                 update_slice_bytes)
 from glm5_jax.cost.hlo_cost.kernels import GroupedMatmulLoad, grouped_matmul_tiles
+from glm5_jax.cost.hlo_cost.mosaic_grid import KernelGrid, kernel_grid
 from glm5_jax.cost.hlo_cost.parsing import DTYPE_BYTES, Array, hbm_bytes, laid_out, parse_computations
+from glm5_jax.cost.hlo_cost.rules import CONSERVATIVE, CostRules
 from glm5_jax.cost.hlo_cost.timing import StepTiming, TopInstruction, exposed_async_seconds
 from glm5_jax.cost.hlo_cost.trip_counts import trip_count
 from glm5_jax.cost.hlo_cost.walk import HLO_COMPUTATION_PREFIX, HloCost, hlo_cost
 
-__all__ = ["ASYNC_COLLECTIVE_DONE", "ASYNC_COLLECTIVE_FUSION", "ASYNC_COLLECTIVE_START", "DTYPE_BYTES",
-           "HLO_COMPUTATION_PREFIX", "Array", "CollectiveOp", "GroupedMatmulLoad", "HloCost", "StepTiming",
+__all__ = ["ASYNC_COLLECTIVE_DONE", "ASYNC_COLLECTIVE_FUSION", "ASYNC_COLLECTIVE_START", "CONSERVATIVE", "DTYPE_BYTES",
+           "HLO_COMPUTATION_PREFIX", "Array", "CollectiveOp", "CostRules", "GroupedMatmulLoad", "HloCost",
+           "KernelGrid", "StepTiming", "kernel_grid",
            "TopInstruction", "exposed_async_seconds", "gather_read_bytes", "grouped_matmul_tiles", "hbm_bytes",
            "hlo_cost", "laid_out", "parse_computations", "scatter_touched_bytes", "scatter_window", "trip_count",
            "update_slice_bytes"]

@@ -24,10 +24,11 @@ class CollectiveOp:
     groups: tuple
     is_async: bool
     category: str
+    offloaded: bool = False       # run by the SparseCores (an async call on the "sparsecore" thread)
 
 
 def collective_op(opcode: str, shape: str, operand_shapes: list[str], attrs: str, is_async: bool, category: str,
-                  num_partitions: int, reduce_scatter: bool = False) -> CollectiveOp | None:
+                  num_partitions: int, reduce_scatter: bool = False, offloaded: bool = False) -> CollectiveOp | None:
     """The collective an instruction is (an all-reduce as a reduce-scatter when ``reduce_scatter``), or None."""
     kind = opcode.removesuffix("-start")
     if kind not in COLLECTIVES:
@@ -41,7 +42,7 @@ def collective_op(opcode: str, shape: str, operand_shapes: list[str], attrs: str
         nbytes = dense_bytes(operands[:1])              # the input buffer: an upper bound on what is sent
     else:
         nbytes = dense_bytes(operands)
-    return CollectiveOp(kind, nbytes, collective_groups(attrs, num_partitions), is_async, category)
+    return CollectiveOp(kind, nbytes, collective_groups(attrs, num_partitions), is_async, category, offloaded)
 
 
 # The TPU compiler's async collective fusion writes one asynchronous collective three times: in the fusion
@@ -51,6 +52,20 @@ def collective_op(opcode: str, shape: str, operand_shapes: list[str], attrs: str
 ASYNC_COLLECTIVE_START = "async-collective-start"
 ASYNC_COLLECTIVE_DONE = "async-collective-done"
 ASYNC_COLLECTIVE_FUSION = "async_collective_fusion"
+
+
+def ring_hbm_extra_bytes(op: CollectiveOp, passes: dict) -> float:
+    """HBM bytes a ring collective moves beyond one read of its operand and one write of its result
+    (`passes`: kind -> (x operand, x result), glm5_jax.cost.hlo_cost.rules.RING_HBM_PASSES)."""
+    if op.kind not in passes or not op.groups:
+        return 0.0
+    n = len(op.groups[0])
+    if n <= 1:
+        return 0.0
+    operand = op.nbytes / n if op.kind == "all-gather" else op.nbytes
+    result = op.nbytes / n if op.kind == "reduce-scatter" else op.nbytes
+    x_operand, x_result = passes[op.kind]
+    return max(0.0, x_operand * op.nbytes + x_result * op.nbytes - operand - result)
 
 
 def collectives_in(instrs: dict) -> set[str]:

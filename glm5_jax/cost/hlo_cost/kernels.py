@@ -90,6 +90,38 @@ def _grouped_matmul_cost(kind: str, shape: str, operand_shapes: list[str], flops
     return flops * scale, int((nbytes - out) * scale + out)
 
 
+def dynamic_grid_bound(operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None) -> float:
+    """The iterations of a kernel's dynamic grid axis: a megablox grouped matmul's visited row tiles under
+    ``load`` (`grouped_matmul_tiles`), the most its grid may visit without one; 1 for other kernels."""
+    if not _GROUPED_MATMUL.search(attrs):
+        return 1.0
+    arrays = [a for t in operand_shapes for a in arrays_of(t)]
+    if len(arrays) < 7 or arrays[1][0] != "s32" or len(arrays[5][1]) != 2:
+        return 1.0
+    groups, most_tiles, m = math.prod(arrays[1][1]) - 1, math.prod(arrays[2][1]), arrays[5][1][0]
+    tiles_m = most_tiles - groups + 1
+    if load is None or groups < 1 or tiles_m < 1 or m % tiles_m:
+        return float(most_tiles)
+    rows = m if load.rows is None else min(load.rows, m)
+    return min(most_tiles, grouped_matmul_tiles(rows, m // tiles_m, groups, load.aligned))
+
+
+# the project's flash-attention kernels (pallas_kernels/flash_attention) run a causal block schedule from
+# scalar-prefetch tables over their innermost grid axis: a skipped step repeats the last needed block, so of
+# n steps per outer block a causal sequence fetches (n + 1) / 2 on average (a zig-zag context shard too)
+_BLOCK_SCHEDULE = re.compile(r"flash_attention")
+
+
+def table_fraction(grid, attrs: str) -> float:
+    """The share of its grid steps at which a kernel's table-indexed blocks change (`KernelGrid.window_bytes`):
+    the causal share (n + 1) / 2n of the project's flash-attention schedules (n: the innermost axis's steps),
+    1 (every step) for other kernels."""
+    if not _BLOCK_SCHEDULE.search(attrs) or not grid.bounds or not grid.bounds[-1]:
+        return 1.0
+    n = grid.bounds[-1]
+    return (n + 1) / (2 * n)
+
+
 def custom_call_cost(shape: str, operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None):
     """(FLOPs, bytes or None) of a Mosaic custom call (`kernel_cost`); a megablox grouped matmul, given
     ``load``, charged the row tiles it visits (`_grouped_matmul_cost`). None: no known cost."""

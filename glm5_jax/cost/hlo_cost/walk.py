@@ -10,11 +10,13 @@ import re
 
 from glm5_jax.cost.hlo_cost.collective_ops import (ASYNC_COLLECTIVE_DONE, ASYNC_COLLECTIVE_FUSION,
                                                    ASYNC_COLLECTIVE_START, async_start_of, collective_fusion_part,
-                                                   collective_op, reduce_scatter_fusion)
+                                                   collective_op, reduce_scatter_fusion, ring_hbm_extra_bytes)
 from glm5_jax.cost.hlo_cost.hbm_traffic import instruction_bytes
-from glm5_jax.cost.hlo_cost.kernels import GroupedMatmulLoad, custom_call_cost
+from glm5_jax.cost.hlo_cost.kernels import GroupedMatmulLoad, custom_call_cost, dynamic_grid_bound, table_fraction
+from glm5_jax.cost.hlo_cost.mosaic_grid import kernel_grid
 from glm5_jax.cost.hlo_cost.matmul_flops import matmul_flops
 from glm5_jax.cost.hlo_cost.parsing import branch_computations, callees_of, op_name_of, parse_computations
+from glm5_jax.cost.hlo_cost.rules import RING_HBM_PASSES, CostRules
 from glm5_jax.cost.hlo_cost.timing import StepTiming, exposed_async_seconds, top_instructions
 from glm5_jax.cost.hlo_cost.trip_counts import trip_count
 
@@ -41,6 +43,11 @@ class HloCost:
     roofline_seconds: float = 0.0      # every top-level op at max(its compute, its HBM time) (needs `timing`)
     # the top-level instructions that cost the most roofline time, loop trips multiplied in (needs `timing`)
     top_instructions: list = dataclasses.field(default_factory=list)
+    # with `rules` (`CostRules`): top-level instructions per step, Pallas grid steps per step (all cores),
+    # and the kernels whose grid could not be read from their module (charged as declared, both cores)
+    top_level_ops: float = 0.0
+    grid_steps: float = 0.0
+    kernels_without_grid: list = dataclasses.field(default_factory=list)
 
     @property
     def total_flops(self) -> float:
@@ -112,14 +119,18 @@ class _Frame:
     def own_flops(self) -> float:
         return self.own.total("flops") + self.own.total("kernel_flops")
 
+    def total(self, field: str) -> float:
+        return self.own.total(field) + self.children.total(field)
+
 
 class _Walk:
     """The walk of one module: each computation's `_Tally` per (name, fused, inherited category, mode),
     memoised, and what the result reports besides (loops, kernels of unknown cost, the top instructions)."""
 
     def __init__(self, comps: dict, categorize, timing: StepTiming | None, num_partitions: int,
-                 loop_trips: bool, top: int, grouped_matmul_load: GroupedMatmulLoad | None):
-        self.comps, self.categorize, self.timing = comps, categorize, timing
+                 loop_trips: bool, top: int, grouped_matmul_load: GroupedMatmulLoad | None, rules: CostRules):
+        self.comps, self.categorize, self.timing, self.rules = comps, categorize, timing, rules
+        self.no_grid: list = []
         self.num_partitions, self.loop_trips, self.top = num_partitions, loop_trips, top
         self.grouped_matmul_load = grouped_matmul_load
         self.memo, self.loops, self.uncounted = {}, {}, []
@@ -156,6 +167,7 @@ class _Walk:
         seconds_before, async_before = f.seconds(), f.async_seconds
         cat = self.category_of(attrs, f.inherited)
         flops_before = f.own_flops()
+        extra_before, penalty_before = f.total("extra_bytes"), f.total("kernel_penalty")
         operand_shapes = [f.instrs[o][0] if o in f.instrs else "" for o in operands]
         callees = callees_of(attrs)
         kernel_bytes = self._compute(f, shape, opcode, operand_shapes, attrs, cat)
@@ -167,8 +179,16 @@ class _Walk:
                                   collective_fusion_part(iname, opcode, callees))
             f.own.add(("bytes", cat), nbytes)
         cat = self._callees(f, iname, opcode, operands, attrs, callees, cat)
+        if nbytes is not None:
+            # what the rules add to a top-level instruction: its kernels' grid bytes past their declared
+            # ones, its collectives' ring HBM passes, its kernels' core split and grid steps, one launch
+            extra = f.total("extra_bytes") - extra_before
+            f.own.add(("bytes", cat), extra)
+            f.own.add(("ops", cat), 1.0)
+            nbytes += extra
         if self.timing is not None and nbytes is not None:
-            self._roofline(f, iname, opcode, attrs, cat, nbytes, f.own_flops() - flops_before)
+            self._roofline(f, iname, opcode, attrs, cat, nbytes, f.own_flops() - flops_before,
+                           f.total("kernel_penalty") - penalty_before + self.rules.op_fixed_seconds)
         f.instr_seconds.append(f.seconds() - seconds_before)
         if f.async_seconds > async_before:
             f.started_at[iname] = (index, f.async_seconds - async_before)
@@ -189,18 +209,49 @@ class _Walk:
                 self.uncounted.append(op_name if op_name is not None else f.name)
             else:
                 f.own.add(("kernel_flops", cat), kernel[0])
-                return kernel[1]
+                return self._kernel_grid(f, operand_shapes, attrs, cat, *kernel) if self.rules.reads_grids \
+                    else kernel[1]
         return None
+
+    def _kernel_grid(self, f: _Frame, operand_shapes: list[str], attrs: str, cat: str, flops: float,
+                     declared: int | None) -> float | None:
+        """A kernel under the grid rules (`CostRules`): its bytes from its grid (returned at top level; in a
+        fusion, the excess over its declared bytes is added to the fusion's), its grid steps, and the time
+        its core split and its steps add to its roofline. A kernel whose grid cannot be read keeps its
+        declared cost and is reported."""
+        grid = kernel_grid(attrs)
+        if grid is None:
+            op_name = op_name_of(attrs)
+            self.no_grid.append(op_name if op_name is not None else f.name)
+            return declared
+        dynamic = dynamic_grid_bound(operand_shapes, attrs, self.grouped_matmul_load)
+        nbytes = declared
+        if self.rules.kernel_grid_bytes:
+            by_grid = grid.window_bytes(dynamic, table_fraction(grid, attrs))
+            nbytes = by_grid if declared is None or not grid.unwindowed else max(declared, by_grid)
+            if f.fused and declared is not None:
+                f.own.add(("extra_bytes", cat), nbytes - declared)
+        share = grid.busiest_core_share(self.rules.cores_per_chip, dynamic)
+        steps = grid.steps(dynamic)
+        f.own.add(("grid_steps", cat), steps)
+        if self.timing is not None:
+            base = max(flops / self.timing.peak_flops, (nbytes or 0) / self.timing.hbm_bandwidth)
+            core_excess = base * (share * self.rules.cores_per_chip - 1) if self.rules.kernel_core_split else 0.0
+            f.own.add(("kernel_penalty", cat), core_excess + steps * share * self.rules.grid_step_seconds)
+        return nbytes
 
     def _collective(self, f: _Frame, shape: str, opcode: str, operand_shapes: list[str], attrs: str, cat: str):
         """Counts the collective an instruction is, and its seconds as issued sync or async at this level."""
         if f.mode == "skip":
             return
-        coll = collective_op(opcode, shape, operand_shapes, attrs, f.mode == "async" or opcode.endswith("-start"),
-                             cat, self.num_partitions, reduce_scatter=f.reduce_scatter)
+        coll = collective_op(opcode, shape, operand_shapes, attrs,
+                             f.mode in ("async", "sparsecore") or opcode.endswith("-start"), cat, self.num_partitions,
+                             reduce_scatter=f.reduce_scatter, offloaded=f.mode == "sparsecore")
         if coll is None:
             return
         f.own.collectives[coll] = f.own.collectives.get(coll, 0.0) + 1
+        if self.rules.collective_hbm_passes:
+            f.own.add(("extra_bytes", cat), ring_hbm_extra_bytes(coll, RING_HBM_PASSES))
         if self.timing is not None:
             seconds = self.timing.collective_seconds(coll)
             f.own.comm_seconds += seconds
@@ -220,7 +271,7 @@ class _Walk:
         elif opcode == "conditional":
             self._conditional(f, attrs, callees, cat)
         elif opcode in ("call", "async-start", "call-start") and ("calls" in callees or "to_apply" in callees):
-            self._call(f, opcode, callees.get("calls") or callees["to_apply"], cat)
+            self._call(f, opcode, attrs, callees.get("calls") or callees["to_apply"], cat)
         return cat
 
     def _fusion(self, f: _Frame, iname: str, attrs: str, called: str, cat: str) -> str:
@@ -260,20 +311,25 @@ class _Walk:
             self.add_run(f.name, taken, 1)
             f.children.merge(tallies[taken])
 
-    def _call(self, f: _Frame, opcode: str, called: str, cat: str):
-        """A call once; an async call's (call-start, async-start) collectives overlap this computation."""
-        sub_mode = "async" if f.mode == "sync" and opcode != "call" else f.mode
+    def _call(self, f: _Frame, opcode: str, attrs: str, called: str, cat: str):
+        """A call once; an async call's (call-start, async-start) collectives overlap this computation (on
+        the SparseCores' execution thread: offloaded)."""
+        sub_mode = f.mode
+        if f.mode == "sync" and opcode != "call":
+            sub_mode = "sparsecore" if 'async_execution_thread="sparsecore"' in attrs else "async"
         sub = self.cost(called, f.fused, cat, sub_mode)
         if not f.fused:
             self.add_run(f.name, called, 1)
         f.children.merge(sub)
-        if sub_mode == "async" and f.mode == "sync":    # its collectives overlap this computation's compute
+        if sub_mode in ("async", "sparsecore") and f.mode == "sync":    # they overlap this computation
             f.children.exposed_comm_seconds -= sub.exposed_comm_seconds
             f.async_seconds += sub.comm_seconds
 
-    def _roofline(self, f: _Frame, iname: str, opcode: str, attrs: str, cat: str, nbytes: float, op_flops: float):
-        """A top-level instruction's roofline seconds, max(its compute time, its HBM time)."""
-        op_seconds = max(op_flops / self.timing.peak_flops, nbytes / self.timing.hbm_bandwidth)
+    def _roofline(self, f: _Frame, iname: str, opcode: str, attrs: str, cat: str, nbytes: float, op_flops: float,
+                  overhead: float = 0.0):
+        """A top-level instruction's roofline seconds, max(its compute time, its HBM time), + the
+        ``overhead`` the rules add (its kernels' core split and grid steps, its launch)."""
+        op_seconds = max(op_flops / self.timing.peak_flops, nbytes / self.timing.hbm_bandwidth) + overhead
         f.own.add(("seconds", cat), op_seconds)
         if self.top and not f.fused and f.name not in self.own_instrs_done:
             self.own_instrs.setdefault(f.name, []).append(
@@ -301,13 +357,15 @@ class _Walk:
                        collectives=tally.collectives, comm_seconds=tally.comm_seconds,
                        exposed_comm_seconds=tally.exposed_comm_seconds,
                        uncounted_custom_calls=sorted(set(self.uncounted)),
+                       top_level_ops=tally.total("ops"), grid_steps=tally.total("grid_steps"),
+                       kernels_without_grid=sorted(set(self.no_grid)),
                        top_instructions=top_instructions(self.own_instrs, self.runs, entry, self.top)
                        if self.top and self.timing is not None else [])
 
 
 def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
              num_partitions: int | None = None, loop_trips: bool = True, top: int = 0,
-             grouped_matmul_load: GroupedMatmulLoad | None = None) -> HloCost:
+             grouped_matmul_load: GroupedMatmulLoad | None = None, rules: CostRules | None = None) -> HloCost:
     """Cost of one execution of the module's ENTRY, per device. `categorize(op_name) -> str` files every
     instruction under a category from its metadata (instructions without one take their caller's);
     `timing` adds communication seconds with this overlap rule: an asynchronous collective (a start/done
@@ -320,7 +378,8 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
     the n top-level instructions with the most roofline seconds per step (`TopInstruction`).
     ``grouped_matmul_load``: what the megablox grouped matmuls' groups hold (`GroupedMatmulLoad`); each
     such call is then charged the row tiles it visits (`custom_call_cost`), not its declared estimate
-    over the whole buffer (None: as declared)."""
+    over the whole buffer (None: as declared). ``rules``: the conservative rules to apply (`CostRules`;
+    None: none of them, the model as it was; glm5_jax.cost.hlo_cost.CONSERVATIVE: all)."""
     comps, entry = parse_computations(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -328,5 +387,5 @@ def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
         m = re.search(r"num_partitions=(\d+)", hlo_text[:2000])
         num_partitions = int(m.group(1)) if m else 1
     walk = _Walk(comps, categorize or (lambda op_name: "all"), timing, num_partitions, loop_trips, top,
-                 grouped_matmul_load)
+                 grouped_matmul_load, rules or CostRules())
     return walk.result(walk.cost(entry, False, "other"), entry)

@@ -1,0 +1,196 @@
+"""The cost model's conservative rules (glm5_jax.cost.hlo_cost.CostRules, glm5_jax.cost.ici, the report's
+expert load), each against a hand count: a megablox grouped matmul compiled for v5p (its grid read from
+the kernel's module: core split, grid steps, bytes by its blocks), hand-built HLO (per-op cost, ring
+collectives' HBM passes, SparseCore rate) and hand-placed all-to-all groups (busiest link)."""
+import dataclasses
+import importlib.util
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from glm5_jax.cost.hlo_cost import CollectiveOp, CostRules, GroupedMatmulLoad, StepTiming, hlo_cost, kernel_grid
+from glm5_jax.cost.hlo_cost.kernels import table_fraction
+from glm5_jax.cost.hlo_cost.rules import GRID_STEP_SECONDS
+from glm5_jax.cost.ici import CollectiveModel
+from tests.cost.test_hlo_collectives import SPARSECORE_STEP
+
+_needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                   reason="libtpu is not importable (pip install -r requirements-tpu.txt)")
+
+# a per-chip megablox gmm: m = 1024 rows in tiles of 128 (8 tiles), 4 groups (so at most L = 11 row tiles),
+# k = 256 (one tile), n in tiles of 256: megablox marks only its n-tile axis "parallel"
+M, K, G, TM, TN = 1024, 256, 4, 128, 256
+TIMING = StepTiming(3.94e14, 2.35e12, lambda op: 0.0)
+
+
+def _gmm_hlo(n: int) -> str:
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_kernels.grouped_matmul import kernel
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+    s = SingleDeviceSharding(device)
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+    fn = lambda a, b, g: kernel.gmm(a, b, g, out_dtype=jnp.bfloat16, tiling=(TM, K, TN))  # noqa: E731
+    with jax.default_matmul_precision("default"):
+        return jax.jit(fn).lower(spec((M, K)), spec((G, K, n)), spec((G,), jnp.int32)).compile().as_text()
+
+
+def _kernel_row(cost):
+    (row,) = [t for t in cost.top_instructions if t.opcode == "custom-call" and "gmm" in t.op_name]
+    return row
+
+
+@_needs_libtpu
+def test_grid_rules_on_a_v5p_grouped_matmul():
+    text = _gmm_hlo(3 * TN)
+    line = next(x for x in text.splitlines() if "tpu_custom_call" in x and "jit(gmm)" in x)
+    grid = kernel_grid(line)
+    # grid (n tiles, row tiles: dynamic, k tiles), only the n axis parallel
+    assert grid.bounds == (3, None, 1) and grid.parallel == (True, False, False)
+    # blocks: lhs [128, 256] and one group's rhs [256, 256] change every step, the output [128, 256] with
+    # its (n, row) tile: each of the 3 x 11 steps moves all three
+    assert grid.window_bytes(11) == 3 * 11 * (TM * K + K * TN + TM * TN) * 2
+    # the weights block is looked up in the group-id table (row tile -> group): each step taken to fetch it
+    assert [table for _, _, table in grid.windows] == [True, True, True]
+    assert grid.busiest_core_share(2) == pytest.approx(2 / 3)     # 3 n tiles: 2 on one core, 1 on the other
+    base = _kernel_row(hlo_cost(text, timing=TIMING, top=50))
+    # one core runs 2 of the 3 n tiles: 2/3 of the work at one core's rate = 4/3 of the two-core time
+    split = _kernel_row(hlo_cost(text, timing=TIMING, top=50, rules=CostRules(kernel_core_split=True)))
+    assert split.seconds == pytest.approx(base.seconds * 4 / 3)
+    # 0.35 us per step on the busiest core: 2 n tiles x the 7 row tiles 512 routed rows visit (4 + 3 boundaries)
+    load = GroupedMatmulLoad(512)
+    steps = _kernel_row(hlo_cost(text, timing=TIMING, top=50, grouped_matmul_load=load,
+                                 rules=CostRules(grid_step_seconds=GRID_STEP_SECONDS)))
+    visited = _kernel_row(hlo_cost(text, timing=TIMING, top=50, grouped_matmul_load=load))
+    assert steps.seconds == pytest.approx(visited.seconds + 2 * 7 * GRID_STEP_SECONDS)
+    # bytes by the grid: 3 n tiles x 7 visited row tiles, each step its three blocks
+    by_grid = hlo_cost(text, timing=TIMING, top=50, grouped_matmul_load=load, rules=CostRules(kernel_grid_bytes=True))
+    assert _kernel_row(by_grid).bytes == 3 * 7 * (TM * K + K * TN + TM * TN) * 2
+    assert by_grid.grid_steps == 3 * 7 and by_grid.kernels_without_grid == []
+
+
+@_needs_libtpu
+def test_one_parallel_tile_runs_on_one_core():
+    text = _gmm_hlo(TN)
+    base = _kernel_row(hlo_cost(text, timing=TIMING, top=50))
+    split = _kernel_row(hlo_cost(text, timing=TIMING, top=50, rules=CostRules(kernel_core_split=True)))
+    assert split.seconds == pytest.approx(2 * base.seconds)
+    # a chip with one TensorCore: no split to lose
+    one = _kernel_row(hlo_cost(text, timing=TIMING, top=50, rules=CostRules(kernel_core_split=True, cores_per_chip=1)))
+    assert one.seconds == pytest.approx(base.seconds)
+
+
+def test_per_op_cost_and_ring_hbm_passes_on_hand_built_hlo():
+    f32 = 4
+    timing = StepTiming(1e30, 1e30, lambda op: 0.0)
+    # top-level ops: the dot and the SparseCores' reduce-scatter (parameters, the token, the tuple, the
+    # async call's start and done launch nothing of their own)
+    cost = hlo_cost(SPARSECORE_STEP, timing=timing, rules=CostRules(op_fixed_seconds=1e-6))
+    assert cost.top_level_ops == 2 and cost.roofline_seconds == pytest.approx(2e-6)
+    # the ring reduce-scatter reads its own chunk, reads the received one and writes the sum each step:
+    # 3 x its operand, where one read of the operand and one write of the result count 1 + 1/4
+    plain = hlo_cost(SPARSECORE_STEP)
+    passes = hlo_cost(SPARSECORE_STEP, rules=CostRules(collective_hbm_passes=True))
+    operand = f32 * 4096 * 128
+    assert passes.bytes_accessed - plain.bytes_accessed == 3 * operand - (operand + operand // 4)
+
+
+def test_sparsecore_reduce_scatter_at_its_conservative_rate():
+    (op, _), = hlo_cost(SPARSECORE_STEP).collectives.items()
+    assert op.offloaded and op.kind == "reduce-scatter"
+    coords = [(i, 0, 0) for i in range(4)]
+    link = CollectiveModel(coords, (4, 4, 4), link_bandwidth=1.0)
+    slow = CollectiveModel(coords, (4, 4, 4), link_bandwidth=1.0, sparsecore_factor=3.0)
+    assert slow.seconds(op) == pytest.approx(3 * link.seconds(op))
+    # a TensorCore reduce-scatter of the same groups keeps the link rate
+    on_tc = dataclasses.replace(op, offloaded=False)
+    assert slow.seconds(on_tc) == pytest.approx(link.seconds(on_tc))
+
+
+def test_all_to_all_by_its_busiest_link():
+    """32 chips on an 8 x 4 block of an 8x16x16 torus: the 8-long side wraps round, the 4 positions of the
+    16-long side do not. Routed x first (a ring of 8): a directed x link carries, per source row, the pairs
+    1, 2, 3 apart crossing it (1 + 2 + 3) and half of the 4-apart ones (2), to each of 4 destination rows:
+    8 x 4 = 32 messages; the balanced model spreads 31 messages x 3.355 mean hops over 4 links: 26."""
+    coords = [(x, y, 0) for y in range(4) for x in range(8)]
+    op = CollectiveOp("all-to-all", 32, (tuple(range(32)),), False, "moe")
+    balanced = CollectiveModel(coords, (8, 16, 16), link_bandwidth=1.0)
+    busiest = CollectiveModel(coords, (8, 16, 16), link_bandwidth=1.0, all_to_all_link_model="busiest_link")
+    assert balanced.seconds(op) == pytest.approx(26.0)
+    assert busiest.seconds(op) == pytest.approx(32.0)       # 32 messages of 32 / 32 bytes on one link
+    # two neighbours: one message each way on their one link; the balanced model credits the pair with
+    # both links of its dim (one each way round the ring), half the time
+    pair = CollectiveOp("all-to-all", 2, ((0, 1),), False, "moe")
+    assert busiest.seconds(pair) == pytest.approx(1.0) and balanced.seconds(pair) == pytest.approx(0.5)
+
+
+def test_multi_dim_ring_per_dimension():
+    """An FSDP all-gather over 4 positions 4 hops apart (on a 16-ring, 4 such groups interleaved: each link
+    carries 4 ring edges, 2 x 85 / 4 GB/s per chip) x 16 neighbours (2 x 85 GB/s). Dims added: 212.5 GB/s.
+    One ring per dim, the 4-position dim first: it carries 3/63 of the bytes at 42.5 GB/s, the 16-position
+    dim 60/63 at 170 GB/s, the busiest of the two: 63/60 x 170 = 178.5 GB/s (the other order is slower)."""
+    coords = [(x, y, 0) for x in range(16) for y in range(16)]
+    at = {c: i for i, c in enumerate(coords)}
+    groups = tuple(tuple(at[(o + 4 * k, y, 0)] for k in range(4) for y in range(16)) for o in range(4))
+    op = CollectiveOp("all-gather", 64 * 64, groups, False, "fsdp")
+    moved = 64 * 63
+    add = CollectiveModel(coords, (16, 16, 4), link_bandwidth=85e9)
+    per_dim = CollectiveModel(coords, (16, 16, 4), link_bandwidth=85e9, ring_dims="per_dimension")
+    assert moved / add.seconds(op) == pytest.approx(212.5e9)
+    assert moved / per_dim.seconds(op) == pytest.approx(178.5e9)
+
+
+def test_busiest_chip_expert_load():
+    """The grouped matmuls of a synchronous step run at the busiest chip's load: its capacity buffer,
+    moe_capacity_factor x the mean routed rows."""
+    from glm5_jax.model.config import ModelConfig
+    from glm5_jax.train.compile_report import grouped_matmul_load
+
+    cfg = ModelConfig(n_routed_experts=256, num_experts_per_tok=8)
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, moe_ep="a2a", moe_capacity_factor=1.25,
+                                                               moe_a2a_chunks=2))
+    exp = types.SimpleNamespace(data=types.SimpleNamespace(batch_size=8, seq_len=4096),
+                                train=types.SimpleNamespace(grad_accum=1))
+    sharding = types.SimpleNamespace(shard_shape=lambda shape: (1, shape[1] // 2))    # 2048 tokens per shard
+    trainer = types.SimpleNamespace(model_cfg=cfg, batch_sharding=sharding)
+    assert grouped_matmul_load(exp, trainer, "mean").rows == 8192          # 1024 tokens per chunk x K = 8
+    assert grouped_matmul_load(exp, trainer, "busiest").rows == 8192 * 1.25
+
+
+def _flash_forward_hlo(T: int, H: int, D: int, block: int) -> str:
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_kernels.flash_attention import ops as flash_ops
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+    s = SingleDeviceSharding(device)
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+
+    def forward(q, k, v, pos, seg):
+        return flash_ops.flash_attention(q, k, v, pos, pos, seg, seg, scale=D**-0.5, impl="pallas", block=block)[0]
+
+    args = (spec((1, T, H, D)),) * 3 + (spec((1, T), jnp.int32),) * 2
+    return jax.jit(forward).lower(*args).compile().as_text()
+
+
+@_needs_libtpu
+def test_flash_forward_rereads_keys_per_query_block():
+    """One causal sequence of T = 1024 in blocks of 256 (n = 4 per side), 2 heads of 128: grid (batch 1,
+    heads 2, query blocks 4, key steps 4). Per (head, query block) the q block, the out block and its
+    per-row vectors move once (8 times); the k / v blocks and the keys' per-row vectors come from the
+    causal schedule's tables: 4 + 3 + 2 + 1 = 10 of the 16 steps per head fetch (n + 1) / 2n = 5/8 of them."""
+    T, H, D, block = 1024, 2, 128, 256
+    line = next(x for x in _flash_forward_hlo(T, H, D, block).splitlines()
+                if "tpu_custom_call" in x and "flash_attention_fwd" in x)
+    grid = kernel_grid(line)
+    assert grid.bounds == (1, H, 4, 4) and grid.parallel == (True, True, True, False)
+    rows, bf16, s32, f32 = block, 2, 4, 4
+    once = rows * D * bf16 * 2 + rows * s32 * 2 + rows * f32          # q, out; q positions, segments; lse
+    scheduled = rows * D * bf16 * 2 + rows * s32 * 2                  # k, v; key positions, segments
+    assert table_fraction(grid, line) == 5 / 8
+    assert grid.window_bytes(1, table_fraction(grid, line)) == H * 4 * once + H * 10 * scheduled
