@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from glm5_jax.cost.chips import chip_of_topology  # noqa: E402
 from glm5_jax.cost.hlo_cost.rules import GRID_STEP_SECONDS, OP_FIXED_SECONDS  # noqa: E402
 from glm5_jax.train import compile_report  # noqa: E402
-from glm5_jax.train.compile_report import OPTIMISTIC, StepCostModel  # noqa: E402
+from glm5_jax.cost.step_model import OPTIMISTIC, StepCostModel  # noqa: E402
 
 
 def _rule(model: StepCostModel, name: str) -> StepCostModel:

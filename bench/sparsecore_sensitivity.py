@@ -1,6 +1,6 @@
 """How the estimated step depends on the SparseCores' collective rate: re-read a compiled step (a
 `--compile_only` work dir, compiled with the `sparsecore_offload` flag set) under the report's cost model
-(glm5_jax.train.compile_report.StepCostModel) with the collectives the SparseCores run (`CollectiveOp.offloaded`:
+(glm5_jax.cost.step_model.StepCostModel) with the collectives the SparseCores run (`CollectiveOp.offloaded`:
 reduce-scatters alone, then with the all-gathers and all-reduces; the all-to-all stays on the TensorCore)
 taking `factor` x the time the link-load model gives them, and print the exposed communication and the
 estimated step per factor.
@@ -25,7 +25,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from glm5_jax.train import compile_report  # noqa: E402
-from glm5_jax.train.compile_report import StepCostModel  # noqa: E402
+from glm5_jax.cost.step_model import StepCostModel  # noqa: E402
 
 OFFLOADED_KINDS = ("reduce-scatter", "all-gather", "all-reduce")
 

@@ -59,8 +59,9 @@ from glm5_jax import storage
 from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
 from glm5_jax.cost.chips import chip_of_topology
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
-from glm5_jax.cost.hlo_cost import CONSERVATIVE, CostRules, GroupedMatmulLoad, StepTiming, hlo_cost
-from glm5_jax.cost.ici import CollectiveModel, collective_table, torus_dims
+from glm5_jax.cost.hlo_cost import GroupedMatmulLoad, hlo_cost
+from glm5_jax.cost.ici import collective_table
+from glm5_jax.cost.step_model import StepCostModel, cost_model_record, step_timing
 from glm5_jax.data.batch import Batch
 from glm5_jax.model.moe.expert_parallel import expected_routed_rows
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
@@ -69,26 +70,6 @@ from glm5_jax.train.step import Trainer
 
 TOP_INSTRUCTIONS = 25     # the report's list of the dearest compiled instructions
 
-
-@dataclasses.dataclass(frozen=True)
-class StepCostModel:
-    """The rules a report's estimate is made under (docs/cost_model.md), recorded in it as ``cost_model``:
-    the HLO walk's `CostRules` (kernel core split, grid-step and per-op seconds, kernels' bytes by their
-    grids, ring collectives' HBM passes), the all-to-all link model (glm5_jax.cost.ici), the SparseCores'
-    reduce-scatter rate (None: the chip's, glm5_jax.cost.chips; 1.0: the full link rate) and the expert
-    load the routed experts' grouped matmuls run at ("busiest": the busiest chip's, its capacity buffer
-    filled to moe_capacity_factor x the mean; "mean")."""
-    rules: CostRules = CONSERVATIVE
-    all_to_all_link_model: str = "busiest_link"
-    sparsecore_rate: float | None = None
-    expert_load: str = "busiest"
-    sparsecore_kinds: tuple = ("reduce-scatter",)     # the offloaded collectives the rate applies to
-    ring_dims: str = "per_dimension"                   # a multi-dim ring group (glm5_jax.cost.ici)
-
-
-# the model before the conservative rules: every kernel on both cores at its declared bytes, balanced
-# all-to-all links, SparseCore collectives at the link rate, the mean expert load
-OPTIMISTIC = StepCostModel(CostRules(), "balanced", 1.0, "mean", ring_dims="add")
 
 log = logging.getLogger("glm5_jax.compile")
 
@@ -297,34 +278,6 @@ def reanalyse(exp_cfg, topology: str, workdir: str) -> dict:
     report.update(analyse_step(exp_cfg, topology, trainer, mesh, hlo_text))
     storage.write_atomically(path, json.dumps(report, indent=1).encode())
     return report
-
-
-def cost_model_record(cost_model: StepCostModel, chip, comm_model) -> dict:
-    """What a report records of the rules it was made under (docs/cost_model.md)."""
-    rules = cost_model.rules
-    return {"kernel_core_split": f"busiest of {chip.tensor_cores} cores by the parallel grid axes"
-            if rules.kernel_core_split and chip.tensor_cores > 1 else "all cores",
-            "grid_step_seconds": rules.grid_step_seconds, "op_fixed_seconds": rules.op_fixed_seconds,
-            "kernel_bytes": "by grid" if rules.kernel_grid_bytes else "declared",
-            "collective_hbm_passes": rules.collective_hbm_passes,
-            "all_to_all_link_model": cost_model.all_to_all_link_model, "ring_dims": cost_model.ring_dims,
-            "sparsecore_rate": comm_model.sparsecore_factor if comm_model is not None else None,
-            "expert_load": cost_model.expert_load, "hbm_limit_gib": round(chip.hbm_bytes / 2**30, 2)}
-
-
-def step_timing(topology: str, mesh, cost_model: StepCostModel = StepCostModel()):
-    """(StepTiming at the chip's achievable rates, CollectiveModel or None): chips without ICI link facts
-    (glm5_jax.cost.chips) get no communication time."""
-    chip = chip_of_topology(topology)
-    if chip.ici_link_bandwidth is None:
-        return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, lambda op: 0.0), None
-    sparsecore = cost_model.sparsecore_rate if cost_model.sparsecore_rate is not None \
-        else chip.sparsecore_reduce_scatter_factor
-    model = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology),
-                            link_bandwidth=chip.achievable_link_bandwidth, step_latency=chip.ici_step_latency,
-                            all_to_all_link_model=cost_model.all_to_all_link_model, sparsecore_factor=sparsecore,
-                            sparsecore_kinds=cost_model.sparsecore_kinds, ring_dims=cost_model.ring_dims)
-    return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, model.seconds), model
 
 
 def breakdown(hlo, model_per_token: dict, tokens: int, n: int) -> dict:
