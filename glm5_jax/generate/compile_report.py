@@ -10,9 +10,11 @@ compiles it with libtpu for the topology and appends one record to the JSON list
 
 * ``memory_gib``: per chip, XLA's memory analysis (arguments + outputs - aliased + temps); ``fits`` against the
   chip's HBM (v5p: 95.74 GiB).
-* ``estimated_step_seconds``: glm5_jax.cost.hlo_cost on the compiled HLO (every op at max(FLOPs / achievable
-  FLOP/s, bytes / achievable HBM bytes/s), loop bodies x trip counts, plus the exposed communication of the
-  ICI model), divided by ``steps``; ``tokens_per_second_per_chip`` = batch / chips / that.
+* ``estimated_step_seconds``: glm5_jax.cost.hlo_cost on the compiled HLO under the training reports'
+  conservative rules (``cost_model``; docs/cost_model.md: kernels on the cores their parallel grid axes can
+  use, per grid step and per op fixed costs, collectives by their busiest link; every op at max(FLOPs /
+  achievable FLOP/s, bytes / achievable HBM bytes/s), loop bodies x trip counts, plus the exposed
+  communication of the ICI model), divided by ``steps``; ``tokens_per_second_per_chip`` = batch / chips / that.
 * ``hbm_roofline_seconds``: the bytes a decode step must read per chip, by hand (`step_read_bytes`), over the
   chip's achievable HBM bandwidth: the resident weights a step touches (every non-expert weight shard; the
   local routed experts the step's tokens choose, expected under uniform routing; the embedding rows of its
@@ -24,6 +26,7 @@ compiles it with libtpu for the topology and appends one record to the JSON list
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import logging
@@ -39,8 +42,8 @@ import numpy as np
 from glm5_jax import storage
 from glm5_jax.cost.categories import categorize
 from glm5_jax.cost.chips import chip_of_topology
-from glm5_jax.cost.hlo_cost import StepTiming, hlo_cost
-from glm5_jax.cost.ici import CollectiveModel, torus_dims
+from glm5_jax.cost.hlo_cost import hlo_cost
+from glm5_jax.cost.step_model import StepCostModel, cost_model_record, step_timing
 from glm5_jax.generate.decode_program import decode_model_config, decode_rules, lower_decode
 from glm5_jax.model.moe.decode_dispatch import touched_share
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
@@ -65,13 +68,11 @@ def topology_devices(topology: str):
     return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
 
 
-def _timing(topology: str, mesh) -> StepTiming:
-    chip = chip_of_topology(topology)
-    comm = lambda op: 0.0
-    if chip.ici_link_bandwidth is not None:
-        comm = CollectiveModel([d.coords for d in mesh.devices.flat], torus_dims(topology),
-                               link_bandwidth=chip.achievable_link_bandwidth, step_latency=chip.ici_step_latency).seconds
-    return StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, comm)
+# the training reports' conservative rules (docs/cost_model.md); the routed experts run at the INT4 kernel's
+# declared blocks (the expected used blocks of the decode dispatch, moe/decode_dispatch.py), not a training
+# capacity buffer
+COST_MODEL = StepCostModel()
+EXPERT_LOAD = "the expert kernel's declared blocks (expected used blocks of the decode dispatch)"
 
 
 def _shards(mesh, rules, name: str) -> int:
@@ -169,7 +170,10 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
 def step_costs(hlo_text: str, topology: str, mesh, batch: int, steps: int, roofline: float) -> dict:
     """The HLO-derived keys of a record: per decode step (the program's cost / ``steps``)."""
     n = mesh.devices.size
-    hlo = hlo_cost(hlo_text, categorize=categorize, timing=_timing(topology, mesh), num_partitions=n, top=8)
+    chip = chip_of_topology(topology)
+    timing, comm_model = step_timing(topology, mesh, COST_MODEL)
+    rules = dataclasses.replace(COST_MODEL.rules, cores_per_chip=chip.tensor_cores)
+    hlo = hlo_cost(hlo_text, categorize=categorize, timing=timing, num_partitions=n, top=8, rules=rules)
     per_step = lambda v: v / steps
     step = per_step(hlo.roofline_seconds + hlo.exposed_comm_seconds)
     cats = sorted(hlo.by_category.get("seconds", {}).items(), key=lambda kv: -kv[1])
@@ -188,6 +192,7 @@ def step_costs(hlo_text: str, topology: str, mesh, batch: int, steps: int, roofl
                              for t in hlo.top_instructions],
         "loop_trip_counts": [t for _, t in hlo.loops],
         "uncounted_custom_calls": hlo.uncounted_custom_calls,
+        "cost_model": {**cost_model_record(COST_MODEL, chip, comm_model), "expert_load": EXPERT_LOAD},
     }
 
 
