@@ -24,7 +24,7 @@ def test_generator_on_its_own_mesh_samples_the_one_device_batch(tmp_path):
     cfg = sampler_model_config(sft.model)
     variables = meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(2), jnp.zeros((1, 8), jnp.int32)))
     writer = PolicyWriter(str(tmp_path), max_to_keep=3)
-    writer.publish(0, variables, {"count": jnp.zeros(())}, {"num_generators": 1, "watermark": {"0": 0}})
+    writer.publish(0, variables, {"num_generators": 1, "watermark": {"0": 0}})
     writer.wait()
     # 3 prompts x 2 samples = 6 rows on 4 batch shards: padded, the padding dropped
     rl = RLConfig(prompts_per_batch=3, group_size=2, temperature=1.0, max_new_tokens=7)
