@@ -3,8 +3,8 @@ attention in three of every four, NoPE MLA with the pooled DSA indexer in the fo
 (4 streams), 288 routed experts (top-8) + 1 shared with a clamped SwiGLU; ~320B parameters.
 
 `model_config()` is Glm5NextTextConfig's defaults (what `glm5_jax.hf.config.config_from_hf` reads from the
-hub config.json). `get_config()` is a pod run: 512 v5p chips, FSDP 16 x expert-parallel 32. It has not been
-compiled ahead of time yet (docs/glm53_flash.md: what is left).
+hub config.json). `get_config()` is a pod run: 512 v5p chips, FSDP 16 x expert-parallel 32, for an ahead-of-time compile
+with `--set=model.kda_impl=pallas` (docs/glm53_flash.md#compiled-for-tpu-v5p).
 """
 from glm5_jax.data import DataConfig
 from glm5_jax.model.config import ModelConfig, RuntimeConfig

@@ -110,10 +110,15 @@ def test_forward_and_gradients_match_recurrence(impl):
     """Three 16-token chunks (two 8-row sub-chunks each), two documents and right padding, T = 40 padded."""
     q, k, v, g, beta, init = make_inputs(1, 40, 2, 16, 8)
     seg = packed_segments(1, 40, [13, 23], pad=4)
-    (o, S), grads = outputs_and_grads(impl, q, k, v, g, beta, init, seg, chunk=16)
-    (o_want, S_want), grads_want = outputs_and_grads(None, q, k, v, g, beta, init, seg, chunk=16)
-    assert_close(o, o_want, 2e-5)
-    assert_close(S, S_want, 2e-5)
+    assert_matches_recurrence(*outputs_and_grads(impl, q, k, v, g, beta, init, seg, chunk=16),
+                              q, k, v, g, beta, init, seg)
+
+
+def assert_matches_recurrence(outputs, grads, q, k, v, g, beta, init, seg):
+    """(o, final state) and the input gradients of `outputs_and_grads` equal the per-token recurrence's."""
+    (o_want, S_want), grads_want = outputs_and_grads(None, q, k, v, g, beta, init, seg, chunk=None)
+    assert_close(outputs[0], o_want, 2e-5)
+    assert_close(outputs[1], S_want, 2e-5)
     for name, got, want in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, grads_want):
         assert np.abs(np.asarray(want)).max() > 1e-3, name
         assert_close(got, want, 1e-4)

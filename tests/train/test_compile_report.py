@@ -39,13 +39,13 @@ REDUCED = ["model.first_k_dense_replace=1", "model.num_hidden_layers=2", "model.
            "model.index_topk=64", "data.batch_size=4", "data.seq_len=128"] + MESH
 
 
-def compile_only(tmp_path, overrides, remat="full"):
+def compile_only(tmp_path, overrides, remat="full", config="glm5_744b.py"):
     """train.py --compile_only for v5p:2x2x1 (the hand counts below are for full remat; the config's own
     policy is "moe_saveable")."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     overrides = list(overrides) + [f"model.remat_policy={remat}"]
-    args = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={os.path.join(ROOT, 'configs', 'glm5_744b.py')}",
+    args = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={os.path.join(ROOT, 'configs', config)}",
             "--compile_only", "--topology=v5p:2x2x1", f"--workdir={tmp_path}"] + [f"--set={s}" for s in overrides]
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -57,12 +57,12 @@ def compile_only(tmp_path, overrides, remat="full"):
     return report
 
 
-def state_param_count(overrides):
+def state_param_count(overrides, config="glm5_744b.py"):
     """Parameters of the model the overrides describe (main stack + MTP), counted here from the config."""
     from glm5_jax.model.param_count import count_params
     from glm5_jax.train.experiment import apply_overrides, load_config_file
 
-    cfg = apply_overrides(load_config_file(os.path.join(ROOT, "configs", "glm5_744b.py")), overrides).model
+    cfg = apply_overrides(load_config_file(os.path.join(ROOT, "configs", config)), overrides).model
     counts = count_params(cfg)
     return counts["total"] + counts["mtp"]
 
@@ -237,3 +237,29 @@ def test_compile_only_dense_stage_on_v5p_runs_the_flash_kernel(tmp_path):
     with gzip.open(tmp_path / "compiled_step.hlo.gz", "rt") as f:
         text = f.read()
     assert "flash_attention_fwd" in text and "flash_attention_bwd" in text
+
+
+# configs/tiny_flash.py cut to one (KDA, KDA, KDA, MLA) group, 128-token rows, one row per chip
+TINY_FLASH = ["model.num_hidden_layers=4", "model.layer_types=('kda','kda','kda','mla')", "data.batch_size=4",
+              "data.seq_len=128", "model.kda_impl=pallas", "model.moe_ep=a2a", "train.tpu_flags=none"] + MESH
+
+
+def test_compile_only_tiny_flash_runs_the_kda_kernels_per_shard(tmp_path):
+    """GLM-5.3-Flash's step (configs/tiny_flash.py structure) with kda_impl="pallas" compiled for v5p:2x2x1:
+    the KDA kernels run per (batch, head) shard under shard_map (each call sees one row of the 4: batch split
+    over fsdp x expert), their declared FLOPs are filed under the attention core, and the report adds up."""
+    import gzip
+
+    report = compile_only(tmp_path, TINY_FLASH, config="tiny_flash.py")
+    assert report["num_hidden_layers"] == 4
+    check_memory_and_flops(report, state_param_count(TINY_FLASH, "tiny_flash.py"), trained_share=0.95)
+    with gzip.open(tmp_path / "compiled_step.hlo.gz", "rt") as f:
+        text = f.read()
+    assert "kda_fwd" in text and "kda_bwd" in text
+    # one kernel call over a shard: B = 1 row, H = 4 heads, T = 128 tokens (2 chunks of C = 64), K = V = 32
+    # padded to 128 lanes; the forward declares one pass of FLOPs (pallas_kernels/kda/kernel.py `_cost`), the
+    # backward three. 3 KDA layers, each: forward, remat forward, backward = 1 + 1 + 3 passes.
+    B, H, T, C, K, V = 1, 4, 128, 64, 128, 128
+    unit = B * H * T * (4 * C * K + 2 * C * C + 2 * C * (K + V) + 6 * K * V)
+    core = report["breakdown"]["attention_core"]
+    assert core["kernel_flops"] == 3 * (1 + 1 + 3) * unit, core["kernel_flops"] / unit
