@@ -11,7 +11,8 @@ prefill), built apart so a compile report can lower it with abstract, sharded pa
 `decode_model_config` gives the inference settings: bf16 weights, the absorbed form, the DSA sparse stage,
 layers that read the cache and return their new rows (``decode_cache_write="rows"``,
 glm5_jax/model/decode_rows.py: no per-step copy of the cache), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
-bf16 or packed INT4 through the Pallas kernel.
+bf16 or packed INT4 through the Pallas kernel, each layer's INT4 experts read in place from the stacked
+[layers, ...] parameters (``decode_stacked_experts``, glm5_jax/model/moe/int4_weights.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding
 
 from glm5_jax.generate.decoding import decode_config
 from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache
+from glm5_jax.model.moe.int4_weights import stack_expert_variables
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
@@ -45,7 +47,7 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      moe_capacity_factor=DISPATCH_CAPACITY)
     if experts == "int4":
-        cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul)
+        cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True)
     return cfg
 
 
@@ -63,6 +65,8 @@ def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
     model = Transformer(cfg)
     B = token_B.shape[0]
     ones = jnp.ones((B, 1), jnp.int32)
+    if cfg.runtime.decode_stacked_experts:      # each layer reads its packed experts from the stacked arrays
+        variables = stack_expert_variables(variables)
 
     def step(s, carry):
         token, cache, out = carry

@@ -105,6 +105,10 @@ class RuntimeConfig:
     # layer reads the cache as it was and returns its new rows, written after the layer scan in place; main stack
     # only: glm5_jax/model/decode_rows.py)
     decode_cache_write: DecodeCacheWrite = "layer"
+    # decode with packed INT4 experts through the Pallas kernel (moe_ep="gather"): the layer scan hands each layer
+    # the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel instead of
+    # a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
+    decode_stacked_experts: bool = False
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):

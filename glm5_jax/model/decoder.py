@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
@@ -26,6 +27,7 @@ from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.model.layers import ACT_BTD, SWIGLU_SAVED_NAMES, RMSNorm, SwiGLU, constrain
 from glm5_jax.model.mha_form import QUERY_NAME
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, EXPERT_ROWS_NAME, EXPERT_SAVED_NAMES
+from glm5_jax.model.moe.int4_weights import STACKED_EXPERTS
 from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
 from glm5_jax.parallel.axes import EMBED, LAYERS
 
@@ -137,7 +139,9 @@ class DecoderLayer(nn.Module):
     kind: LayerKind
 
     @nn.compact
-    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None, layer_index=None):
+        """``layer_index``: this layer's index in its scan, given with ``decode_stacked_experts`` (the MoE then
+        reads the stacked experts, glm5_jax/model/moe/int4_weights.py)."""
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         around_attention, around_ffn = self._residual("attn_hc"), self._residual("ffn_hc")
         x, add = around_attention(h_BTD)
@@ -155,7 +159,7 @@ class DecoderLayer(nn.Module):
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
-            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0)
+            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0, layer_index)
         stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, attn.indexer_kl)
         return LayerOutput(add(ffn_out), attn.selection, stats, attn.cache)
 
@@ -175,13 +179,14 @@ class LayerGroup(nn.Module):
     """The repeating unit of a segment: consecutive layers of the given kinds (scan body).
 
     Returns the new carry and (`LayerStats` stacked over the unit's layers [len(unit), ...], decode
-    cache). A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out.
+    cache). A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out;
+    so is the repeat's index ``repeat`` with ``decode_stacked_experts`` (None otherwise).
     """
     cfg: ModelConfig
     unit: tuple
 
     @nn.compact
-    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None):
+    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None, repeat=None):
         h, selection = carry
         # Positions and segment ids are the same for every layer. Left loop-invariant, JAX's scan
         # linearisation hoists all work that depends on them alone out of the layer loop and stores it
@@ -192,7 +197,7 @@ class LayerGroup(nn.Module):
         for i, kind in enumerate(self.unit):
             layer_cache = None if cache is None else cache[f"layer_{i}"]
             out = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(h, positions_BT, segment_ids_BT, selection,
-                                                                  layer_cache)
+                                                                  layer_cache, repeat)
             h, selection = out.h, out.selection
             unit_stats.append(out.stats)
             if out.cache is not None:
@@ -211,13 +216,17 @@ class DecoderStack(nn.Module):
         if cfg.runtime.remat_policy != "none":
             group_cls = nn.remat(LayerGroup, policy=REMAT_POLICIES[cfg.runtime.remat_policy], prevent_cse=False)
         carry, segment_stats, new_cache = (h_BTD, selection), [], {}
+        # decode_stacked_experts: the stacked packed experts go to every layer whole, with the repeat's index
+        stacked = cfg.runtime.decode_stacked_experts and cache is not None and not self.is_initializing()
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
-                              split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0),
+                              variable_broadcast=STACKED_EXPERTS if stacked else False,
+                              split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0, 0),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})
             seg_cache = None if cache is None else cache[seg.name]
+            repeat = jnp.arange(seg.repeats, dtype=jnp.int32) if stacked else None
             carry, (stats, seg_cache) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
-                                                                              seg_cache)
+                                                                              seg_cache, repeat)
             # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u
             segment_stats.append(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stats))
             if cache is not None and cfg.runtime.decode_cache_write == "rows":    # the layers returned their new rows

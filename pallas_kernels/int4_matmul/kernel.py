@@ -7,6 +7,10 @@ contraction rows is rebuilt from its G packed rows: nibble j of those words is s
 chunk (layout in packing.py), so a shift, a mask, a subtract and one broadcast scale row per
 group give the fp32 weights q * s, cast to the activation dtype for the MXU; products accumulate in an
 fp32 VMEM scratch over the k tiles. Blocks past ``n_used`` (padding) write zeros without computing.
+
+Weights may carry a leading layers axis ([L, E, K/8, N], a scanned model's stacked parameters) with the
+layer to use as a third scalar: the BlockSpecs then read that layer's tiles straight from the stacked
+array, so a layer loop needs no per-layer copy of its weights for the custom call.
 """
 import functools
 
@@ -30,7 +34,7 @@ def _tile(size, preferred, multiple):
     return size
 
 
-def _kernel(block_expert_ref, n_used_ref, x_ref, packed_ref, scale_ref, y_ref, acc_ref, *, group_size):
+def _kernel(layer_ref, block_expert_ref, n_used_ref, x_ref, packed_ref, scale_ref, y_ref, acc_ref, *, group_size):
     i, k = pl.program_id(0), pl.program_id(2)
     G = group_size
 
@@ -66,34 +70,38 @@ def cost_estimate(n_blocks, m, K, N, group_size, x_itemsize, scale_itemsize) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "tile_n", "tile_k", "interpret", "cost_blocks"))
-def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size, tile_n=512,
-                      tile_k=1024, interpret=False, cost_blocks=None):
+def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, layer=None, *, group_size,
+                      tile_n=512, tile_k=1024, interpret=False, cost_blocks=None):
     """[n, m, K] activations x packed INT4 [E, K, N] (block i uses expert block_expert[i]) -> [n, m, N] fp32.
 
-    ``cost_blocks``: the row blocks expected to hold rows (n_used is known only at run time), for the
-    kernel's declared cost estimate; default all n."""
+    With ``layer`` (int32 scalar) the weights are stacked [L, E, K/8, N] / [L, E, K/G, N] and layer
+    ``layer`` is used, read in place. ``cost_blocks``: the row blocks expected to hold rows (n_used is known
+    only at run time), for the kernel's declared cost estimate; default all n."""
+    if layer is None:                     # one layer: a leading axis of 1 (a bitcast, no copy)
+        packed_EkN, scale_EgN, layer = packed_EkN[None], scale_EgN[None], 0
     n, m, K = x_nmK.shape
-    E, _, N = packed_EkN.shape
+    L, E, _, N = packed_EkN.shape
     G = group_size
     chunk = PER_WORD * G
-    if K % chunk or packed_EkN.shape[1] * PER_WORD != K or scale_EgN.shape != (E, K // G, N):
+    if K % chunk or packed_EkN.shape[2] * PER_WORD != K or scale_EgN.shape != (L, E, K // G, N):
         raise ValueError(f"int4_block_matmul: x {x_nmK.shape}, packed {packed_EkN.shape}, scale "
                          f"{scale_EgN.shape} do not describe K={K} in groups of {G} (K a multiple of {chunk})")
     tk = _tile(K, tile_k, chunk)
     tn = _tile(N, tile_n, 128)
-    scale_EcjN = scale_EgN.reshape(E, K // chunk, PER_WORD, N)          # [chunk, group-in-chunk] split
+    scale_EcjN = scale_EgN.reshape(L, E, K // chunk, PER_WORD, N)       # [chunk, group-in-chunk] split
     grid = (n, N // tn, K // tk)
     return pl.pallas_call(
         functools.partial(_kernel, group_size=G),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=grid,
             in_specs=[
-                pl.BlockSpec((None, m, tk), lambda i, j, k, be, nu: (i, 0, k)),
-                pl.BlockSpec((None, tk // PER_WORD, tn), lambda i, j, k, be, nu: (be[i], k, j)),
-                pl.BlockSpec((None, tk // chunk, PER_WORD, tn), lambda i, j, k, be, nu: (be[i], k, 0, j)),
+                pl.BlockSpec((None, m, tk), lambda i, j, k, ly, be, nu: (i, 0, k)),
+                pl.BlockSpec((None, None, tk // PER_WORD, tn), lambda i, j, k, ly, be, nu: (ly[0], be[i], k, j)),
+                pl.BlockSpec((None, None, tk // chunk, PER_WORD, tn),
+                             lambda i, j, k, ly, be, nu: (ly[0], be[i], k, 0, j)),
             ],
-            out_specs=pl.BlockSpec((None, m, tn), lambda i, j, k, be, nu: (i, 0, j)),
+            out_specs=pl.BlockSpec((None, m, tn), lambda i, j, k, ly, be, nu: (i, 0, j)),
             scratch_shapes=[pltpu.VMEM((m, tn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((n, m, N), jnp.float32),
@@ -101,5 +109,5 @@ def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, g
         cost_estimate=cost_estimate(n if cost_blocks is None else min(n, cost_blocks), m, K, N, G,
                                     x_nmK.dtype.itemsize, scale_EgN.dtype.itemsize),
         interpret=interpret,
-    )(block_expert_n.astype(jnp.int32), jnp.reshape(n_used, (1,)).astype(jnp.int32), x_nmK, packed_EkN,
-      scale_EcjN)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), block_expert_n.astype(jnp.int32),
+      jnp.reshape(n_used, (1,)).astype(jnp.int32), x_nmK, packed_EkN, scale_EcjN)

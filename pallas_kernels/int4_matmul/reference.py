@@ -14,8 +14,10 @@ def dequantized_weights(packed_EkN, scale_EgN, group_size, dtype):
     return packing.dequantize_packed(packed_EkN, scale_EgN, group_size, jnp.float32).astype(dtype)
 
 
-def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size):
-    """[n, m, K] x INT4 [E, K, N] per block -> [n, m, N] fp32."""
+def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, layer=None, *, group_size):
+    """[n, m, K] x INT4 [E, K, N] per block -> [n, m, N] fp32; with ``layer``, weights stacked [L, E, ...]."""
+    if layer is not None:
+        packed_EkN, scale_EgN = packed_EkN[layer], scale_EgN[layer]
     w_EKN = dequantized_weights(packed_EkN, scale_EgN, group_size, x_nmK.dtype)
     y = jnp.einsum("nmk,nkf->nmf", x_nmK, w_EKN[block_expert_n], preferred_element_type=jnp.float32)
     used = jnp.arange(x_nmK.shape[0]) < n_used

@@ -54,3 +54,36 @@ def test_decode_program_steps_equal_layer_write():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
                  want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
+
+
+def test_stacked_int4_experts_equal_the_per_layer_slices():
+    """decode_stacked_experts (each layer's packed experts read from the stacked arrays by the layer index, the
+    INT4 kernel interpreted, experts over a data:2,expert:4 sampling mesh): the same tokens and cache as
+    the per-layer parameter slices."""
+    import flax.linen as nn
+    from glm5_jax.generate.decode_program import decode_model_config, decode_rules
+    from glm5_jax.model.moe.int4_weights import quantize_params
+    from glm5_jax.parallel.mesh import build_mesh
+    from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
+
+    # all layers "full": the three MoE layers are one scanned segment of 3 repeats (layer index 0, 1, 2)
+    base = TINY.replace(moe_intermediate_size=64, quant_group_size=8, mtp_depth=0, num_nextn_predict_layers=0,
+                        initializer_range=0.3, indexer_types=("full",) * 4)
+    params = quantize_params(init_variables(base)["params"], base)
+    variables = {**init_variables(base), "params": params}
+    cfg = decode_model_config(base, "int4", quant_matmul="pallas_interpret", moe_impl="ragged_dot")
+    assert cfg.runtime.decode_stacked_experts
+    mesh = build_mesh(parse_mesh_spec("data:2,expert:4", SAMPLING_RULES), jax.devices()[:8])
+    token = jnp.array([3, 77], jnp.int32)
+    start = jnp.zeros((B,), jnp.int32)
+
+    def run(c):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(B, mesh)):
+            return jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(
+                variables, token, start, init_cache(c, B, S)["decoder"])
+
+    want_tokens, want_cache = run(cfg.replace(decode_stacked_experts=False))
+    got_tokens, got_cache = run(cfg)
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token

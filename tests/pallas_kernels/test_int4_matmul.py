@@ -66,3 +66,22 @@ def test_model_on_packed_experts_through_the_kernel_matches_xla_int4():
 
     np.testing.assert_allclose(logits(cfg.replace(quant="int4", quant_matmul="pallas_interpret")),
                                logits(cfg.replace(quant="int4")), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_layers_read_in_place_equal_the_layer_slice():
+    """Weights stacked over layers [L, E, ...] with the layer index: the same numbers as the layer's slice."""
+    x, be, n_used, packed, scale = operands(jnp.float32)
+    stacked_p = jnp.stack([packed[::-1], packed, packed[::-1] * 0])      # layer 1 is `packed`
+    stacked_s = jnp.stack([scale[::-1], scale, scale[::-1]])
+    want = ops.int4_block_matmul(x, be, n_used, packed, scale, group_size=G, impl="xla")
+    for impl in ("xla", "pallas_interpret"):
+        got = jax.jit(lambda x, layer: ops.int4_block_matmul(x, be, n_used, stacked_p, stacked_s, group_size=G,
+                                                             impl=impl, layer=layer))(x, jnp.int32(1))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        other = ops.int4_block_matmul(x, be, n_used, stacked_p, stacked_s, group_size=G, impl=impl,
+                                      layer=jnp.int32(0))
+        assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-2      # another layer, other numbers
+    dx = jax.grad(lambda x: jnp.sum(ops.int4_block_matmul(x, be, n_used, stacked_p, stacked_s, group_size=G,
+                                                          impl="pallas_interpret", layer=jnp.int32(1))))(x)
+    want_dx = jax.grad(lambda x: jnp.sum(ops.int4_block_matmul(x, be, n_used, packed, scale, group_size=G)))(x)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)

@@ -44,3 +44,34 @@ def test_int4_expert_matmul_compiles_for_v5p(K, N):
     # per chip: packed weights are K*N/2 bytes per expert, a quarter of bf16
     assert mem.argument_size_in_bytes < BLOCKS * M * K * 2 + E_PER_CHIP * (K * N // 2 + K // G * N * 2) + 4096
     assert 0 < total < V5P_HBM_BYTES
+
+
+def test_stacked_layers_compile_without_a_per_layer_weight_copy():
+    """A loop over layers reading stacked [L, E, K/8, N] weights by the layer index (as the decode's layer scan
+    does): the kernel's BlockSpecs read the stacked array in place, so no temporary holds a layer's weights
+    (the sliced form copies each layer's E_PER_CHIP experts, K*N/2 bytes each, before the custom call)."""
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
+    mesh = Mesh(np.array(topology.devices).reshape(-1), ("exp",))
+    L, K, N = 4, D, F
+    rows, experts = P("exp"), P(None, "exp")
+
+    def abstract(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    args = (abstract((4 * BLOCKS, M, K), jnp.bfloat16, rows), abstract((4 * BLOCKS,), jnp.int32, rows),
+            abstract((4,), jnp.int32, rows),
+            abstract((L, 4 * E_PER_CHIP, K // 8, N), jnp.int32, experts),
+            abstract((L, 4 * E_PER_CHIP, K // G, N), jnp.bfloat16, experts))
+
+    def layers(x, block_expert, n_used, packed, scale):
+        def layer(i, acc):
+            return acc + ops.int4_block_matmul(x, block_expert, n_used[0], packed, scale, group_size=G,
+                                               impl="pallas", layer=i)
+        return jax.lax.fori_loop(0, L, layer, jnp.zeros(x.shape[:2] + (N,), jnp.float32))
+
+    sharded = jax.shard_map(layers, mesh=mesh, in_specs=(rows, rows, rows, experts, experts), out_specs=rows,
+                            check_vma=False)
+    compiled = jax.jit(sharded).lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    one_layer_packed = E_PER_CHIP * K * N // 2
+    assert compiled.memory_analysis().temp_size_in_bytes < one_layer_packed

@@ -79,7 +79,7 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
     def mm(x, w):
         return int4_ops.int4_block_matmul(x, block_expert, n_used, w.packed, w.scale,
                                           group_size=cfg.quant_group_size, impl=cfg.runtime.quant_matmul,
-                                          cost_blocks=cost_blocks)
+                                          cost_blocks=cost_blocks, layer=w.layer)
 
     h = (jax.nn.silu(mm(x_blocks, w_gate)) * mm(x_blocks, w_up)).astype(dtype)
     y_blocks = mm(h, w_down)
@@ -95,7 +95,7 @@ def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: flo
 def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
     """The routed experts' gate-weighted sum sum_k gates[n, k] SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, D] fp32, the
     experts resident on the chips of the expert axis (module docstring). Weights: [E, D, F], [E, D, F], [E, F, D]
-    arrays or `Int4Weight`s.
+    arrays or `Int4Weight`s (possibly stacked over layers with their layer index, read in place).
 
     A chip takes at most `local_capacity` (``RuntimeConfig.moe_capacity_factor`` x its expected share) of the
     gathered assignments, its own experts' first in token order; assignments past it (none while routing is
@@ -128,8 +128,11 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
         take = order[:cap]                                          # this chip's assignments first
         kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
         sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
-        weights = (int4_weights.Int4Weight(*w[0:2]), int4_weights.Int4Weight(*w[2:4]),
-                   int4_weights.Int4Weight(*w[4:6])) if len(w) == 6 else w
+        if len(w) >= 6:                             # packed (words, scale) pairs, then the layer if stacked
+            layer = w[6] if len(w) == 7 else None
+            weights = tuple(int4_weights.Int4Weight(*w[i:i + 2], layer) for i in (0, 2, 4))
+        else:
+            weights = w
         y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
         y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
         y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
@@ -145,6 +148,9 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
     if isinstance(w_gate, int4_weights.Int4Weight):
         operands = (w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, w_down.packed, w_down.scale)
         specs = (in_up, in_up, in_up, in_up, in_down, in_down)
+        if w_gate.layer is not None:               # stacked [L, E, ...]: the layer axis whole on every chip
+            operands += (w_gate.layer,)
+            specs = tuple(P(None, *s) for s in specs) + (P(),)
     else:
         operands, specs = (w_gate, w_up, w_down), (in_up, in_up, in_down)
     y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=P(batch or None, None),

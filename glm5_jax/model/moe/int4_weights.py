@@ -6,6 +6,11 @@
 * ``int4``: packed parameters ``{name}_packed`` (int32, eight values a word) and ``{name}_scale``, made
   by `quantize_params`; dequantised for the XLA matmul (``quant_matmul="xla"``: the same numbers as
   ``int4_qat``'s forward) or handed packed to the Pallas dequantise-matmul (`Int4Weight`).
+
+At decode (``RuntimeConfig.decode_stacked_experts``) the main stack's packed experts leave the scanned
+"params" for the `STACKED_EXPERTS` collection (`stack_expert_variables`), which the layer scan hands every
+layer whole: each layer's `Int4Weight` is the stacked [layers, E, ...] arrays and its layer index, which the
+kernel reads in place (a scanned parameter is a slice, copied before a custom call can read it).
 """
 from __future__ import annotations
 
@@ -24,16 +29,26 @@ EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")   # the routed experts' [
 MOE_MODULE = "moe"                                       # parameter-tree key of every MoE layer
 
 
+STACKED_EXPERTS = "stacked_experts"     # variable collection of the decode's stacked packed experts
+DECODER_PARAMS = "decoder"              # the main (scanned) stack's key in "params"
+
+
 class Int4Weight(NamedTuple):
-    """A packed [E, K, N] weight: int32 words [E, K/8, N] and scales [E, K/G, N]."""
+    """A packed [E, K, N] weight: int32 words [E, K/8, N] and scales [E, K/G, N]; or, with ``layer`` (int32
+    scalar), all layers' [L, E, ...] and the layer to use."""
     packed: jax.Array
     scale: jax.Array
+    layer: jax.Array | None = None
 
 
-def expert_weight(module: nn.Module, name: str, shape, axes, init, cfg: ModelConfig):
+def expert_weight(module: nn.Module, name: str, shape, axes, init, cfg: ModelConfig, layer=None):
     """Declare routed-expert weight `name` of `shape` [E, K, N] on `module`; return what the grouped
-    matmul multiplies by: an array, or an `Int4Weight` for the Pallas INT4 matmul."""
+    matmul multiplies by: an array, or an `Int4Weight` for the Pallas INT4 matmul. ``layer``: the scanned
+    layer's index, given at decode with ``decode_stacked_experts`` (the stacked weights, module docstring)."""
     group, scale_dtype, pdt = cfg.quant_group_size, cfg.quant_scale_dtype, cfg.jnp_param_dtype
+    if layer is not None and not module.is_initializing():
+        return Int4Weight(module.get_variable(STACKED_EXPERTS, f"{name}_packed"),
+                          module.get_variable(STACKED_EXPERTS, f"{name}_scale"), layer)
     if cfg.quant == "int4":
         packed_shape, scale_shape = int4.packed_shapes(shape, group)
         packed = logical_param(module, f"{name}_packed", packed_shape, axes, nn.initializers.zeros, jnp.int32)
@@ -69,6 +84,27 @@ def quantize_params(params, cfg: ModelConfig):
         raise ValueError(f"quantize_params: no {MOE_MODULE!r} module in the parameter tree (top keys "
                          f"{sorted(params)})")
     return walk(dict(params), None)
+
+
+def stack_expert_variables(variables):
+    """``variables`` with the main stack's packed experts moved from "params" to `STACKED_EXPERTS` (same paths
+    under the stack's key): what a ``decode_stacked_experts`` model reads (module docstring)."""
+    def split(tree, key):
+        kept, moved = {}, {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                kept[k], sub = split(v, k)
+                if sub:
+                    moved[k] = sub
+            elif key == MOE_MODULE and k.endswith(("_packed", "_scale")) and k.rsplit("_", 1)[0] in EXPERT_WEIGHTS:
+                moved[k] = v
+            else:
+                kept[k] = v
+        return kept, moved
+
+    params = dict(variables["params"])
+    params[DECODER_PARAMS], moved = split(params[DECODER_PARAMS], DECODER_PARAMS)
+    return {**variables, "params": params, STACKED_EXPERTS: {DECODER_PARAMS: moved}}
 
 
 def _dict_paths(tree, prefix=()):

@@ -80,7 +80,8 @@ class MoE(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, token_mask_BT):
+    def __call__(self, x_BTD, token_mask_BT, layer_index=None):
+        """``layer_index``: the scanned layer's index, with ``decode_stacked_experts`` (int4_weights.py)."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -92,9 +93,12 @@ class MoE(nn.Module):
                              jax.random.PRNGKey(0), (E,), jnp.float32)
         # routed-expert weights under ModelConfig.quant (glm5_jax/model/moe/int4_weights.py): fp, fake-quantised
         # INT4 (QAT), dequantised INT4, or packed INT4 for the Pallas dequantise-matmul
-        w_gate = int4_weights.expert_weight(self, "gate_proj", (E, D, F), (EXP, EMBED, MLP_MOE), init, cfg)
-        w_up = int4_weights.expert_weight(self, "up_proj", (E, D, F), (EXP, EMBED, MLP_MOE), init, cfg)
-        w_down = int4_weights.expert_weight(self, "down_proj", (E, F, D), (EXP, MLP_MOE, EMBED), init, cfg)
+        w_gate = int4_weights.expert_weight(self, "gate_proj", (E, D, F), (EXP, EMBED, MLP_MOE), init, cfg,
+                                            layer_index)
+        w_up = int4_weights.expert_weight(self, "up_proj", (E, D, F), (EXP, EMBED, MLP_MOE), init, cfg,
+                                          layer_index)
+        w_down = int4_weights.expert_weight(self, "down_proj", (E, F, D), (EXP, MLP_MOE, EMBED), init, cfg,
+                                            layer_index)
 
         x_ND = x_BTD.reshape(B * T, D)
         scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
