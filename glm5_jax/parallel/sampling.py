@@ -22,36 +22,20 @@ import math
 import jax
 from jax.sharding import Mesh
 
-from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
-                                    HC_EMBED, INDEX_DIM, INDEX_HEADS, KDA_QKV, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
-                                    VOCAB)
-from glm5_jax.parallel.mesh import (CONTEXT, DATA, EXPERT, FSDP, MESH_AXES, TENSOR, MeshConfig, MeshError,
-                                    build_mesh)
+from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, EMBED, KV_LORA, Q_LORA, SEQ
+from glm5_jax.parallel.mesh import (CONTEXT, DEFAULT_RULES, MESH_AXES, MeshConfig, MeshError, build_mesh)
 
-SAMPLING_RULES = (
-    (BATCH, (DATA, FSDP, EXPERT)),      # rows: over every axis that does not split the model
-    (SEQ, None),                        # prompt tokens of a prefill chunk stay on their row's chip
-    (CACHE_SEQ, CONTEXT),               # decode-cache slots of a long request
-    (ACT_EMBED, None),
-    (ACT_HEADS, TENSOR),
-    (ACT_MLP, TENSOR),
-    (ACT_VOCAB, TENSOR),
-    (EMBED, None),                      # no FSDP: weights stay resident, never gathered per step
-    (VOCAB, TENSOR),
-    (HEADS, TENSOR),
-    (INDEX_HEADS, TENSOR),
-    (MLP, TENSOR),
-    (EXP, EXPERT),
-    (MLP_MOE, TENSOR),
-    (Q_LORA, None),
-    (KV_LORA, None),
-    (KV, None),
-    (INDEX_DIM, None),
-    (MTP_CONCAT, None),
-    (KDA_QKV, TENSOR),
-    (HC_EMBED, None),
-    (LAYERS, None),
-)
+# The training rules with what sampling changes: no FSDP (weights stay resident, never gathered per step) and
+# a prefill chunk's tokens kept on their row's chip; rows still split over data x fsdp x expert, heads / FFN
+# widths / vocabulary over tensor, routed experts over expert, cache slots over context.
+SAMPLING_OVERRIDES = {
+    SEQ: None,
+    CACHE_SEQ: CONTEXT,
+    EMBED: None,
+    Q_LORA: None,
+    KV_LORA: None,
+}
+SAMPLING_RULES = tuple((name, SAMPLING_OVERRIDES.get(name, axes)) for name, axes in DEFAULT_RULES)
 
 
 def parse_mesh_spec(spec: str, rules=SAMPLING_RULES) -> MeshConfig:
