@@ -22,7 +22,7 @@ import math
 import jax
 from jax.sharding import Mesh
 
-from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, EMBED, KV_LORA, Q_LORA, SEQ
+from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, EMBED, EXP, HEADS, INDEX_HEADS, KV_LORA, MLP, MLP_MOE, Q_LORA, SEQ, VOCAB
 from glm5_jax.parallel.mesh import (CONTEXT, DEFAULT_RULES, MESH_AXES, MeshConfig, MeshError, build_mesh)
 
 # The training rules with what sampling changes: no FSDP (weights stay resident, never gathered per step) and
