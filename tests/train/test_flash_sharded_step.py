@@ -41,5 +41,7 @@ def test_sharded_flash_step_equals_single_device_step():
     a = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params_a)}
     b = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params_b)}
     assert any("kda" not in k and "q_conv" in k for k in a) and any("attn_hc" in k for k in a)
+    # one Adam step of learning rate 1e-2 moves a weight by up to ~1e-2; the sharded step's other reduction
+    # order moves a weight whose gradient is near eps by ~2e-6 (0.02% of a step): a wrong layout moves it ~1e-2
     for name in a:
-        np.testing.assert_allclose(b[name], a[name], atol=2e-6, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(b[name], a[name], atol=1e-5, rtol=1e-5, err_msg=name)
