@@ -88,3 +88,11 @@ def chip_of_topology(topology: str) -> ChipSpec:
     if kind not in CHIPS:
         raise ValueError(f"--topology={topology}: unknown chip {kind!r}; known: {sorted(CHIPS)}")
     return CHIPS[kind]
+
+
+def topology_devices(topology: str):
+    """The devices of a TPU topology such as ``v5p:8x16x16`` (libtpu's description: no TPU needed), for an
+    ahead-of-time compile from any host."""
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices

@@ -30,7 +30,6 @@ import dataclasses
 import gzip
 import json
 import logging
-import math
 import os
 import runpy
 import time
@@ -41,14 +40,14 @@ import numpy as np
 
 from glm5_jax import storage
 from glm5_jax.cost.categories import categorize
-from glm5_jax.cost.chips import chip_of_topology
+from glm5_jax.cost.chips import chip_of_topology, topology_devices
 from glm5_jax.cost.hlo_cost import hlo_cost
 from glm5_jax.cost.step_model import StepCostModel, cost_model_record, step_timing
 from glm5_jax.generate.decode_program import decode_model_config, decode_rules, lower_decode
 from glm5_jax.model.moe.decode_dispatch import touched_share
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
-from glm5_jax.parallel.sampling import parse_mesh_spec
+from glm5_jax.parallel.sampling import axis_shards, parse_mesh_spec
 from glm5_jax.parallel.shard_map import logical_mesh_axes
 
 GIB = 2 ** 30
@@ -62,22 +61,11 @@ def model_from_file(path: str):
     return scope["model_config"]() if "model_config" in scope else scope["get_config"]().model
 
 
-def topology_devices(topology: str):
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
-
-
 # the training reports' conservative rules (docs/cost_model.md); the routed experts run at the INT4 kernel's
 # declared blocks (the expected used blocks of the decode dispatch, moe/decode_dispatch.py), not a training
 # capacity buffer
 COST_MODEL = StepCostModel()
 EXPERT_LOAD = "the expert kernel's declared blocks (expected used blocks of the decode dispatch)"
-
-
-def _shards(mesh, rules, name: str) -> int:
-    with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
-        return math.prod(mesh.shape[a] for a in logical_mesh_axes(name))
 
 
 def _leaf_bytes(x) -> int:
@@ -88,7 +76,7 @@ def step_read_bytes(cfg, variables, cache, mesh, rules, batch: int, context: int
     """Bytes one decode step must read per chip (module docstring): {"weights", "routed_experts", "embedding",
     "cache", "total"}. ``variables`` / ``cache``: the abstract sharded inputs."""
     n_ep = mesh.shape["expert"]
-    row_shards = _shards(mesh, rules, BATCH) if batch % _shards(mesh, rules, BATCH) == 0 else 1
+    row_shards = axis_shards(mesh, BATCH, rules) if batch % axis_shards(mesh, BATCH, rules) == 0 else 1
     rows = batch // row_shards                                   # rows whose attention runs on a chip
     # tokens a chip's experts see: its expert group's rows (all of them when the batch is replicated)
     seen = rows * (n_ep if row_shards > 1 and "expert" in _batch_axes(mesh, rules) else 1)
@@ -106,8 +94,8 @@ def step_read_bytes(cfg, variables, cache, mesh, rules, batch: int, context: int
             embedding += rows * cfg.hidden_size * x.dtype.itemsize
         else:
             weights += nbytes
-    slots = context // _shards(mesh, rules, CACHE_SEQ)
-    selected = min(cfg.index_topk, context) / _shards(mesh, rules, CACHE_SEQ)
+    slots = context // axis_shards(mesh, CACHE_SEQ, rules)
+    selected = min(cfg.index_topk, context) / axis_shards(mesh, CACHE_SEQ, rules)
     itemsize = np.dtype(cfg.jnp_dtype).itemsize
     latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     n_full = sum(t == "full" for t in cfg.layer_indexer_types)

@@ -16,7 +16,6 @@ bf16 or packed INT4 through the Pallas kernel, each layer's INT4 experts read in
 """
 from __future__ import annotations
 
-import math
 
 import flax.linen as nn
 import jax
@@ -30,8 +29,7 @@ from glm5_jax.model.moe.int4_weights import stack_expert_variables
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
-from glm5_jax.parallel.shard_map import logical_mesh_axes
-from glm5_jax.parallel.sampling import SAMPLING_RULES
+from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards, replicated_rows
 
 EXPERTS = ("bf16", "int4")
 DISPATCH_CAPACITY = 2.0     # a chip's experts take up to 2x their expected share of the step's assignments
@@ -53,11 +51,7 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
 
 def decode_rules(batch: int, mesh, rules=SAMPLING_RULES):
     """``rules``, except that a batch that does not split over the batch axes (batch 1) is replicated."""
-    with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
-        shards = math.prod(mesh.shape[a] for a in logical_mesh_axes(BATCH))
-    if batch % shards == 0:
-        return rules
-    return tuple((name, None) if name == BATCH else (name, axes) for name, axes in rules)
+    return rules if batch % axis_shards(mesh, BATCH, rules) == 0 else replicated_rows(rules)
 
 
 def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):

@@ -62,7 +62,12 @@ def parse_mesh_spec(spec: str, rules=SAMPLING_RULES) -> MeshConfig:
 
 # a program over one batch row (the server's prefill of one slot): the row is replicated, heads, widths,
 # experts and cache slots split as above (a row cannot split over the batch axes)
-ONE_ROW_RULES = tuple((name, None) if name == BATCH else (name, axes) for name, axes in SAMPLING_RULES)
+def replicated_rows(rules):
+    """``rules`` with the batch axis replicated (a batch that cannot split over the batch axes)."""
+    return tuple((name, None) if name == BATCH else (name, axes) for name, axes in rules)
+
+
+ONE_ROW_RULES = replicated_rows(SAMPLING_RULES)
 
 
 def sampling_mesh(spec: str = "", devices=None) -> Mesh:

@@ -57,7 +57,7 @@ import numpy as np
 
 from glm5_jax import storage
 from glm5_jax.cost.categories import CATEGORIES, EXPERT_PASSES, categorize, expert_pass
-from glm5_jax.cost.chips import chip_of_topology
+from glm5_jax.cost.chips import chip_of_topology, topology_devices
 from glm5_jax.cost.flops import train_flops_by_category, train_flops_per_token
 from glm5_jax.cost.hlo_cost import GroupedMatmulLoad, hlo_cost
 from glm5_jax.cost.ici import collective_table
@@ -72,12 +72,6 @@ TOP_INSTRUCTIONS = 25     # the report's list of the dearest compiled instructio
 
 
 log = logging.getLogger("glm5_jax.compile")
-
-
-def topology_devices(topology: str):
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
 
 
 def abstract_batch(trainer: Trainer, batch_size: int, seq_len: int) -> Batch:

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 # how many custom calls name it, plus what the report needs.
 SCRIPT = r"""
 import collections, json, re, sys
-from glm5_jax.train.compile_report import abstract_batch, topology_devices
+from glm5_jax.cost.chips import topology_devices
+from glm5_jax.train.compile_report import abstract_batch
 from glm5_jax.train.experiment import apply_overrides, load_config_file
 from glm5_jax.parallel.mesh import build_mesh
 from glm5_jax.train.step import Trainer
