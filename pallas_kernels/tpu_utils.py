@@ -20,6 +20,15 @@ def mxu_precision(*operands):
     return jax.lax.Precision.DEFAULT
 
 
+def smem_row_length(n: int) -> int:
+    """Length of a rank-1 block of at least ``n`` elements that Mosaic accepts as one row of a longer flat
+    array: a power of two of at least 128 words up to 1024, a multiple of 1024 beyond (its rank-1 block
+    rule; e.g. a per-query index row of 2,560 slots is laid out in rows of 3,072)."""
+    if n <= 1024:
+        return max(LANES, 1 << (max(n, 1) - 1).bit_length())
+    return round_up(n, 1024)
+
+
 def pad_axis(x, axis, size, value=0):
     """x padded at the end of `axis` to `size` with `value` (block shapes must tile the array)."""
     pad = size - x.shape[axis]

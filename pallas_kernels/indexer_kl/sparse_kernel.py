@@ -210,7 +210,8 @@ class _Call(NamedTuple):
     K_pad: int
     block_k: int
     resident: bool          # ik kept in VMEM (fp32 [S_pad, D] per batch row) instead of row DMAs from HBM
-    idx_flat: jax.Array     # int32 [B * T_pad * K_pad]
+    idx_row: int            # slots per query in idx_flat (sparse_mla.kernel._prepare)
+    idx_flat: jax.Array     # int32 [B * T_pad * idx_row]
     valid: jax.Array        # int32 [B, T_pad, K_pad]
     iq: jax.Array           # [B, T_pad, H, D] in the common dtype of iq and ik
     iw: jax.Array           # fp32 [B, T_pad, H]
@@ -240,7 +241,7 @@ def _call(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, block_k, resi
     ik = (pad_axis(ik_BSD.astype(dtype).astype(jnp.float32), 1, round_up(S, 8)) if resident
           else ik_BSD.astype(dtype)[:, :, None, :])
     return _Call(B=B, T=T, S=S, H=H, D=D, K=d.K, T_pad=d.T_pad, K_pad=d.K_pad, block_k=d.block_k, resident=resident,
-                 idx_flat=d.idx_flat, valid=d.valid, iq=pad_axis(iq_BTHD.astype(dtype), 1, d.T_pad),
+                 idx_row=d.idx_row, idx_flat=d.idx_flat, valid=d.valid, iq=pad_axis(iq_BTHD.astype(dtype), 1, d.T_pad),
                  iw=pad_axis(iw_BTH.astype(jnp.float32), 1, d.T_pad), p=p, ik=ik)
 
 
@@ -273,8 +274,8 @@ def _keys_bytes(c: _Call):
 
 
 def _bytes_per_query_common(c: _Call):
-    """Per query, what both kernels read besides the keys: idx (to SMEM), valid, p, q, w."""
-    return 4 * c.K_pad * 3 + c.H * c.D * c.iq.dtype.itemsize + 4 * c.H
+    """Per query, what both kernels read besides the keys: idx (its SMEM row), valid, p, q, w."""
+    return 4 * (c.idx_row + 2 * c.K_pad) + c.H * c.D * c.iq.dtype.itemsize + 4 * c.H
 
 
 def _fwd_cost(c: _Call):
@@ -315,7 +316,7 @@ def _common_specs(c: _Call, query_block):
         b, t = query_block(*g)
         return (b * c.T_pad + t * TQ + g[-2],)
 
-    return [pl.BlockSpec((c.K_pad,), idx_block, memory_space=pltpu.SMEM),
+    return [pl.BlockSpec((c.idx_row,), idx_block, memory_space=pltpu.SMEM),
             pl.BlockSpec((1, 1, c.H, c.D), per_query),
             rows_of((c.H,)), rows_of((c.K_pad,)), rows_of((c.K_pad,))], rows_of
 

@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kernel_math import column_to_row, mm, mm_nt, row_to_column
 from pallas_kernels.row_scatter.packing import pack_bf16_pairs, packed_width
-from pallas_kernels.tpu_utils import LANES, pad_axis, round_up
+from pallas_kernels.tpu_utils import LANES, pad_axis, round_up, smem_row_length
 
 QUERIES_PER_BLOCK = 8  # TQ
 
@@ -202,20 +202,24 @@ class _Padded(NamedTuple):
     T_pad: int
     K_pad: int
     block_k: int
-    idx_flat: jax.Array        # int32 [B * T_pad * K_pad]; invalid / padded slots point at row 0
+    idx_row: int               # slots per query in idx_flat: K_pad rounded to a rank-1 SMEM block (smem_row_length)
+    idx_flat: jax.Array        # int32 [B * T_pad * idx_row]; invalid / padded slots point at row 0
     valid: jax.Array           # int32 [B, T_pad, K_pad]
 
 
 def _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k) -> _Padded:
-    """Pad T to TQ and k to block_k; invalid/padded slots point at row 0 (gathered, then masked)."""
+    """Pad T to TQ and k to block_k; invalid/padded slots point at row 0 (gathered, then masked). The flat
+    index array holds each query's slots in a row of `smem_row_length` (K_pad) entries, the SMEM block one
+    query streams; the entries past K_pad are never read."""
     B, T, H, C = q_BTHC.shape
     K = idx_BTK.shape[2]
     block_k = min(block_k, round_up(K, 128))
     T_pad, K_pad = round_up(T, QUERIES_PER_BLOCK), round_up(K, block_k)
     valid = pad_axis(pad_axis(valid_BTK, 2, K_pad, False), 1, T_pad, False)
     idx = jnp.where(valid, jnp.clip(pad_axis(pad_axis(idx_BTK, 2, K_pad), 1, T_pad), 0, S - 1), 0)
-    return _Padded(B=B, T=T, H=H, C=C, K=K, T_pad=T_pad, K_pad=K_pad, block_k=block_k,
-                   idx_flat=idx.astype(jnp.int32).reshape(-1), valid=valid.astype(jnp.int32))
+    idx_row = smem_row_length(K_pad)
+    return _Padded(B=B, T=T, H=H, C=C, K=K, T_pad=T_pad, K_pad=K_pad, block_k=block_k, idx_row=idx_row,
+                   idx_flat=pad_axis(idx.astype(jnp.int32), 2, idx_row).reshape(-1), valid=valid.astype(jnp.int32))
 
 
 def _grid_and_common_specs(d):
@@ -223,7 +227,7 @@ def _grid_and_common_specs(d):
     TQ, block_k, T_pad = QUERIES_PER_BLOCK, d.block_k, d.T_pad
     grid = (d.B, T_pad // TQ, TQ, d.K_pad // block_k)
     per_query = lambda b, t, i, kb: (b, t * TQ + i, 0, 0)  # noqa: E731
-    idx_spec = pl.BlockSpec((d.K_pad,), lambda b, t, i, kb: (b * T_pad + t * TQ + i,),
+    idx_spec = pl.BlockSpec((d.idx_row,), lambda b, t, i, kb: (b * T_pad + t * TQ + i,),
                             memory_space=pltpu.SMEM)
     valid_spec = pl.BlockSpec((1, TQ, block_k), lambda b, t, i, kb: (b, t, kb))
     per_query_row_block = pl.BlockSpec((1, TQ, d.H), lambda b, t, i, kb: (b, t, 0))

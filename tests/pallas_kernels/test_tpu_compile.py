@@ -270,3 +270,24 @@ def test_warmup_indexer_kl_compiles_with_its_gradients_kept_by_remat(mesh):
             abstract(mesh, (n, T, S), jnp.int8, BATCH))
     text = compile_and_check(mesh, layers, args, (BATCH,) * len(args), (BATCH,) * 3).as_text()
     assert "indexer_kl_warmup_grads" in text
+
+
+def test_sparse_mla_compiles_at_pooled_slot_counts(mesh):
+    """GLM-5.3-Flash's NoPE MLA (C = V = kv_lora 512) over the pooled indexer's slots: top-2048 tokens in
+    groups of 16 plus the always-selected tail, 2,560 slots a query. 2,560 is no rank-1 SMEM block length
+    (a power of two, or a multiple of 1024), so each query's index row is laid out in 3,072 entries."""
+    t, k, c = 1024, 2560, 512
+    args = (abstract(mesh, (1, t, H, c), jnp.bfloat16, QUERIES), abstract(mesh, (1, t, c), jnp.bfloat16, P()),
+            abstract(mesh, (1, t, k), jnp.int32, QUERIES), abstract(mesh, (1, t, k), jnp.bool_, QUERIES))
+
+    def forward_backward(q, kv, idx, valid):
+        def fwd(a, b):
+            attended = sparse_ops.sparse_mla(a, b, idx, valid, scale=c**-0.5, v_dim=c, impl="pallas")
+            return attended.out, attended.lse
+        (out, lse), vjp = jax.vjp(fwd, q, kv)
+        dq, dkv = vjp((out, jnp.zeros_like(lse)))
+        return out, dq, jax.lax.psum(dkv.astype(jnp.float32), "q")
+
+    compiled = compile_and_check(mesh, forward_backward, args, (QUERIES, P(), QUERIES, QUERIES),
+                                 (QUERIES, QUERIES, P()))
+    assert "sparse_mla_fwd" in compiled.as_text()
