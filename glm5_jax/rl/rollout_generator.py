@@ -189,6 +189,7 @@ class Generator:
                 time.sleep(rl.poll_seconds)
             batch = self.sample(seq, version)
             ro.write_batch(self.dirs, self.gen, seq, batch)
-            log.info("wrote seq %d (ordinal %d) with version %d: reward %.3f, %.2f s", seq, ordinal, version,
-                     float(np.mean(batch.rewards)), batch.meta["sample_seconds"])
+            log.info("wrote seq %d (ordinal %d) with version %d (tokens from versions %s): reward %.3f, %.2f s", seq,
+                     ordinal, version, batch.meta.get("token_versions"), float(np.mean(batch.rewards)),
+                     batch.meta["sample_seconds"])
             seq += 1
