@@ -119,7 +119,8 @@ def compare(args, sft, modes, results):
         seconds, version = seconds_to_target(curve, args.target, args.window)
         tau = 2 if label == "async" else 0
         first = curve[0][1]            # elapsed at version 1: servers up, compiled, one batch trained
-        results[label] = {"overrides": mode, "generators": generators, "seconds_to_target": seconds, "version_at_target": version,
+        results[label] = {"overrides": mode, "generators": generators, "seconds_to_target": seconds,
+                          "version_at_target": version,
                           "seconds_to_target_after_v1": None if seconds is None else seconds - first,
                           "seconds_for_all_versions": r["metrics"][-1]["elapsed"], "wall_seconds": r["wall_seconds"],
                           "curve": curve, **check_ledger(r["summary"], tau)}

@@ -191,8 +191,9 @@ class ServerPolicy:
 def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict, *, completion_width: int = 0,
                       turns_width: int = 0) -> RolloutBatch:
     """The learner's batch: one row per episode; ``versions`` holds each turn's weights version (-1 pad,
-    which the learner's staleness check ignores), ``token_versions`` each token's (-1 on the environment's). ``completion_width`` / ``turns_width`` pad to a fixed
-    shape (0: the longest episode), so every batch of a run has one shape and the update compiles once."""
+    which the learner's staleness check ignores), ``token_versions`` each token's (-1 on the environment's).
+    ``completion_width`` / ``turns_width`` pad to a fixed shape (0: the longest episode), so every batch of a
+    run has one shape and the update compiles once."""
     P = max(len(e.prompt) for e in episodes)
     C = max(max(len(e.completion) for e in episodes), completion_width, 1)
     K = max(max(len(e.weights_versions) for e in episodes), turns_width, 1)

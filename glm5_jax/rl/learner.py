@@ -320,9 +320,9 @@ class Learner:
             version += 1
             meta = self._advance(meta, {**entry, "status": "used"}, version=version, staleness=staleness)
             # the metrics of a version travel in its meta, so a learner killed after the publish logs them
-            meta["record"] = {"mean_reward": float(np.mean(batch.rewards)), "staleness": staleness, **stats, **token_stats,
-                              "sample_seconds": batch.meta.get("sample_seconds"), "train_seconds": train_seconds,
-                              "wait_seconds": wait_seconds, "time": time.time()}
+            meta["record"] = {"mean_reward": float(np.mean(batch.rewards)), "staleness": staleness, **stats,
+                              **token_stats, "sample_seconds": batch.meta.get("sample_seconds"),
+                              "train_seconds": train_seconds, "wait_seconds": wait_seconds, "time": time.time()}
             t0 = time.perf_counter()
             self._publish(version, variables, opt_state, meta)
             handoff_seconds = time.perf_counter() - t0
