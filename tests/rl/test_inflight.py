@@ -14,6 +14,7 @@ from glm5_jax.model.kv_cache import init_cache
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.sampling import SAMPLING_RULES, sampling_mesh
 from glm5_jax.rl import rollouts as ro
+from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.inflight import sample_inflight
 from glm5_jax.rl.learner import fresh_tokens, mask_stale_tokens
 from glm5_jax.rl.loss import policy_loss
@@ -150,3 +151,9 @@ def test_records_without_token_versions_fall_back_to_the_rows_oldest_version():
         group_ids=np.zeros(2, np.int32), versions=np.array([[5, 6, -1], [7, -1, -1]], np.int32), meta={})
     np.testing.assert_array_equal(v.per_token_versions(), [[5] * 4, [7] * 4])
     np.testing.assert_array_equal(fresh_tokens(8, v.per_token_versions(), 2), [[0] * 4, [1] * 4])
+
+
+def test_lockstep_refuses_inflight_updates():
+    RLConfig(inflight_updates=True, lockstep=False).validate()
+    with pytest.raises(ValueError, match="inflight_updates"):
+        RLConfig(inflight_updates=True, lockstep=True).validate()
