@@ -1,13 +1,15 @@
 """Multi-turn RL through a policy server (configs/rl_guess.py): the demo, asynchrony vs lockstep, and the kill test.
 
     python bench/agentic_rl.py --out=bench/results/agentic_rl.json [--workdir=/tmp/glm5_agentic_bench] [--kills=10]
-        [--parts=compare,kill] [--set=agentic.step_latency_s=0.3]
+        [--parts=compare,kill] [--set=agentic.step_latency_s=0.3] [--async_generators=3]
 
 Every run goes through the supervisor: learner, policy server, router and 2 generators as processes,
 number guessing played over HTTP with agentic.step_latency_s of tool latency per step.
 1. SFT on the noisy teacher (made once, shared), then a 2-version warm-up that fills a shared XLA
    compilation cache, so every timed run starts equally warm.
-2. async (tau=2) and lockstep (tau=0: batch o played by exactly version o) runs of the same config and
+2. async (tau=2, in-flight weight updates: the server swaps versions between decode steps and keeps the
+   episodes' cache rows, the learner bounds staleness per token; --async_generators generators) and lockstep
+   (tau=0: batch o played by exactly version o; 2 generators) runs of the same config and
    seeds (episodes are a function of the batch ordinal): success rate per version (the mean reward of the
    batch a version was trained on, averaged over --window versions) and seconds from version 0 until it
    first reaches --target.
@@ -77,6 +79,9 @@ def main():
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--set", action="append", default=[],
                         help="extra config override, e.g. agentic.step_latency_s=0.3")
+    parser.add_argument("--async_generators", type=int, default=3,
+                        help="generators of the async run: with tau=2 up to 3 batches are played at once "
+                             "(back-pressure: batch o starts while o <= consumed + tau); lockstep plays one")
     parser.add_argument("--parts", default="compare,kill", help="which parts to run: compare (demo + async vs "
                         "lockstep), kill")
     args = parser.parse_args()
@@ -93,7 +98,8 @@ def main():
     warm = run(os.path.join(args.workdir, "warmup"), sft + ["rl.num_versions=2"])
     print(f"warm-up done ({warm['wall_seconds']:.0f} s)", flush=True)
 
-    modes = {"async": ["rl.tau=2", "rl.lockstep=False"], "lockstep": ["rl.tau=0", "rl.lockstep=True"]}
+    modes = {"async": ["rl.tau=2", "rl.lockstep=False", "rl.inflight_updates=True"],
+             "lockstep": ["rl.tau=0", "rl.lockstep=True"]}
     parts = args.parts.split(",")
     if "compare" in parts:
         compare(args, sft, modes, results)
@@ -106,12 +112,15 @@ def main():
 
 def compare(args, sft, modes, results):
     for label, mode in modes.items():
-        r = run(os.path.join(args.workdir, label), sft + mode + [f"rl.num_versions={args.versions}"])
+        generators = args.async_generators if label == "async" else 2
+        r = run(os.path.join(args.workdir, label), sft + mode + [f"rl.num_versions={args.versions}"],
+                generators=generators)
         curve = success_curve(r["metrics"], args.window)
         seconds, version = seconds_to_target(curve, args.target, args.window)
         tau = 2 if label == "async" else 0
         first = curve[0][1]            # elapsed at version 1: servers up, compiled, one batch trained
-        results[label] = {"overrides": mode, "seconds_to_target": seconds, "version_at_target": version,
+        results[label] = {"overrides": mode, "generators": generators, "seconds_to_target": seconds,
+                          "version_at_target": version,
                           "seconds_to_target_after_v1": None if seconds is None else seconds - first,
                           "seconds_for_all_versions": r["metrics"][-1]["elapsed"], "wall_seconds": r["wall_seconds"],
                           "curve": curve, **check_ledger(r["summary"], tau)}
@@ -136,7 +145,8 @@ def print_compare(results, versions):
     print("|---|---|---|---|---|---|---|")
     for label in modes:
         r = results[label]
-        print(f"| {label} ({' '.join(r['overrides'])}) | {fmt(r['seconds_to_target'])} | "
+        print(f"| {label} ({' '.join(r['overrides'])}, {r.get('generators', 2)} generators) | "
+              f"{fmt(r['seconds_to_target'])} | "
               f"{fmt(r['seconds_to_target_after_v1'])} | {r['version_at_target']} | "
               f"{r['seconds_for_all_versions']:.1f} | {r['staleness_max']} | {r['dropped_stale']} |")
     print(f"\nspeedup to target, lockstep / async: {fmt(results['speedup_seconds_to_target'])}x from version 0, "

@@ -18,6 +18,8 @@ episodes for the same ordinal. Every episode runs in its own thread: while one w
 Each turn asks the server for weights at least as new as the version the batch was started with
 (`min_weights_version`), so the staleness bound holds: the learner drops a batch whose oldest turn is
 more than rl.tau versions behind. In lockstep (rl.tau = 0) batch o must be played entirely by version o.
+With rl.inflight_updates the server swaps versions between decode steps and keeps the episode's cache rows,
+each token records its version, and the learner masks tokens more than rl.tau behind instead.
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ class EpisodeGenerator(Generator):
                             "max_turns": ag.max_turns},
                 "seed": rl.seed, "episodes": [int(s) for s in seeds[::rl.group_size]],
                 "turns": [e.turns for e in episodes], "turn_versions": turn_versions,
+                "token_versions": sorted({v for e in episodes for v in e.token_versions if v >= 0}),
                 "retries": sum(r for _, r in played), "step_latency_s": ag.step_latency_s,
                 "sample_seconds": time.perf_counter() - t0, "written_at": time.time()}
         group_ids = ordinal * rl.prompts_per_batch + np.arange(len(seeds)) // rl.group_size

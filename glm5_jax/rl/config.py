@@ -30,6 +30,11 @@ class RLConfig:
     tau: int = 2                        # staleness bound (τ in the GLM-5 report; AReaL's η): version lag allowed
     lockstep: bool = False              # batch o uses exactly version max(0, o - tau): bit-reproducible
     num_generators: int = 1             # fixed for a run (it defines the global batch order)
+    # in-flight weight updates (PipelineRL, AReaL's interruptible rollouts; docs/rl.md#in-flight-weight-updates):
+    # a generator swaps to a newer version between decode steps, keeping the cache rows computed so far, each
+    # token records the version that sampled it, and the learner masks tokens more than tau versions behind
+    # (per token) instead of dropping whole batches; False: a batch is sampled under one version
+    inflight_updates: bool = False
     # sampling (TITO: the learner trains on exactly these tokens and their recorded logprobs)
     prompts_per_batch: int = 32
     group_size: int = 8                 # G completions per prompt (GRPO group)
@@ -84,6 +89,8 @@ class RLConfig:
                   "eval_prompts", "max_ready"):
             need(getattr(self, f) >= 1, f, "must be >= 1")
         need(self.tau >= 0, "tau", "must be >= 0")
+        need(not (self.inflight_updates and self.lockstep), "inflight_updates",
+             "lockstep batches are sampled under exactly one version: use rl.lockstep=False")
         need(self.group_size >= 2, "group_size", "a GRPO group needs >= 2 completions")
         need(self.loss in LOSSES, "loss", f"must be one of {LOSSES}")
         need(0 <= self.eps_low < 1 and self.eps_high > 0, "eps_low", "need 0 <= eps_low < 1 and eps_high > 0")

@@ -46,8 +46,9 @@ class Environment(abc.ABC):
 class Sampled:
     token_ids: list[int]
     logprobs: list[float]
-    weights_version: int | None = None
+    weights_version: int | None = None          # the version the turn was admitted with
     cached_tokens: int = 0
+    token_versions: list[int] | None = None     # per token, the version that sampled it (None: weights_version)
 
 
 # policy(context_ids, max_tokens, stop_token_ids) -> Sampled
@@ -63,6 +64,7 @@ class Episode:
     reward: float = 0.0
     turns: int = 0
     weights_versions: list[int] = dataclasses.field(default_factory=list)
+    token_versions: list[int] = dataclasses.field(default_factory=list)  # per completion token, -1 on env's
     cached_tokens: list[int] = dataclasses.field(default_factory=list)  # per turn, as the server reported
     context_lengths: list[int] = dataclasses.field(default_factory=list)  # per turn: tokens the policy saw
     action_lengths: list[int] = dataclasses.field(default_factory=list)
@@ -83,7 +85,10 @@ def run_episode(policy: Policy, env: Environment, seed: int, *, max_turns: int, 
         episode.completion += out.token_ids
         episode.logprobs += out.logprobs
         episode.loss_mask += [1.0] * len(out.token_ids)
-        episode.weights_versions.append(-1 if out.weights_version is None else out.weights_version)
+        turn_version = -1 if out.weights_version is None else out.weights_version
+        episode.weights_versions.append(turn_version)
+        episode.token_versions += (list(out.token_versions) if out.token_versions is not None
+                                   else [turn_version] * len(out.token_ids))
         episode.cached_tokens.append(out.cached_tokens)
         result = env.step(list(out.token_ids))
         episode.reward += result.reward
@@ -92,6 +97,7 @@ def run_episode(policy: Policy, env: Environment, seed: int, *, max_turns: int, 
         episode.completion += result.observation
         episode.logprobs += [0.0] * len(result.observation)
         episode.loss_mask += [0.0] * len(result.observation)
+        episode.token_versions += [-1] * len(result.observation)
     return episode
 
 
@@ -175,7 +181,7 @@ class ServerPolicy:
         out = r.json()
         choice = out["choices"][0]
         return Sampled(choice["token_ids"], choice["logprobs"], choice["weights_version"],
-                       out["usage"]["prompt_tokens_details"]["cached_tokens"])
+                       out["usage"]["prompt_tokens_details"]["cached_tokens"], choice.get("token_weights_versions"))
 
     def close(self):
         if self._own_client:
@@ -185,8 +191,9 @@ class ServerPolicy:
 def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict, *, completion_width: int = 0,
                       turns_width: int = 0) -> RolloutBatch:
     """The learner's batch: one row per episode; ``versions`` holds each turn's weights version (-1 pad,
-    which the learner's staleness check ignores). ``completion_width`` / ``turns_width`` pad to a fixed
-    shape (0: the longest episode), so every batch of a run has one shape and the update compiles once."""
+    which the learner's staleness check ignores), ``token_versions`` each token's (-1 on the environment's).
+    ``completion_width`` / ``turns_width`` pad to a fixed shape (0: the longest episode), so every batch of a
+    run has one shape and the update compiles once."""
     P = max(len(e.prompt) for e in episodes)
     C = max(max(len(e.completion) for e in episodes), completion_width, 1)
     K = max(max(len(e.weights_versions) for e in episodes), turns_width, 1)
@@ -197,11 +204,12 @@ def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict, *, complet
         completion_lengths=np.array([len(e.completion) for e in episodes], np.int32),
         logprobs=np.zeros((n, C), np.float32), loss_mask=np.zeros((n, C), np.float32),
         rewards=np.array([e.reward for e in episodes], np.float32), group_ids=np.asarray(group_ids, np.int32),
-        versions=np.full((n, K), -1, np.int32), meta=meta)
+        versions=np.full((n, K), -1, np.int32), meta=meta, token_versions=np.full((n, C), -1, np.int32))
     for i, e in enumerate(episodes):
         batch.prompt_tokens[i, :len(e.prompt)] = e.prompt
         batch.completion_tokens[i, :len(e.completion)] = e.completion
         batch.logprobs[i, :len(e.logprobs)] = e.logprobs
         batch.loss_mask[i, :len(e.loss_mask)] = e.loss_mask
         batch.versions[i, :len(e.weights_versions)] = e.weights_versions
+        batch.token_versions[i, :len(e.token_versions)] = e.token_versions
     return batch.validate()

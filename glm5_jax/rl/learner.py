@@ -7,7 +7,8 @@ consumed strictly
 in increasing o. For each batch:
 * a file that fails its checksum is moved to rollouts/rejected/ and counted (`rejected_corrupt`);
 * a batch sampled with a version older than current − tau is dropped and counted (`dropped_stale`,
-  the GLM-5 report);
+  the GLM-5 report); with rl.inflight_updates the rule is per token: tokens sampled more than tau versions
+  behind leave the loss, and only a batch with no token left is dropped;
 * otherwise one update with the configured loss; version v+1 is published as one orbax step holding the
   sampler's weights (glm5_jax.checkpoint.handoff.sampler_variables) and meta {watermark, ledger of every
   consumed ordinal, counters, RNG, the model config}; every rl.learner_state_every versions the learner's
@@ -20,6 +21,7 @@ versions it re-trains that are already published are not written again (the upda
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -80,6 +82,28 @@ def staleness_of(version: int, batch_versions) -> int:
 def admit(version: int, batch_versions, tau: int) -> bool:
     """As in the GLM-5 report: a sample is dropped if w' - w0 > tau."""
     return staleness_of(version, batch_versions) <= tau
+
+
+def fresh_tokens(version: int, token_versions_NC, tau: int) -> np.ndarray:
+    """float32 [N, C]: 1 on tokens sampled at most tau versions behind `version`, the per-token staleness rule
+    of in-flight weight updates (docs/rl.md#in-flight-weight-updates); 0 on older tokens and on -1 (not
+    sampled by the policy)."""
+    v = np.asarray(token_versions_NC)
+    return ((v >= 0) & (version - v <= tau)).astype(np.float32)
+
+
+def mask_stale_tokens(batch: ro.RolloutBatch, version: int, tau: int) -> tuple[ro.RolloutBatch, dict]:
+    """(the batch with tokens more than tau versions behind `version` taken out of its loss mask, counts):
+    tokens {in the loss, masked as stale}, the oldest version and the mean staleness of the tokens kept
+    (None when none is)."""
+    versions = batch.per_token_versions()
+    fresh = fresh_tokens(version, versions, tau)
+    in_loss = batch.loss_mask > 0
+    kept = in_loss & (fresh > 0)
+    counts = {"loss_tokens": int(in_loss.sum()), "stale_tokens": int((in_loss & ~kept).sum()),
+              "oldest_kept": int(versions[kept].min()) if kept.any() else None,
+              "token_staleness_mean": float(np.mean(version - versions[kept])) if kept.any() else None}
+    return dataclasses.replace(batch, loss_mask=batch.loss_mask * fresh), counts
 
 
 def watermark(next_ordinal: int, num_generators: int) -> dict[str, int]:
@@ -268,10 +292,22 @@ class Learner:
                 continue
             sampled_with = oldest_version(batch.versions)
             staleness = staleness_of(version, batch.versions)
+            admitted, token_stats = admit(version, batch.versions, rl.tau), {}
+            if rl.inflight_updates:
+                # per token: tokens more than tau behind leave the loss; the batch is dropped only when no
+                # token of its loss is left. sampled_with = the oldest version among the tokens trained on.
+                batch, counts = mask_stale_tokens(batch, version, rl.tau)
+                entry.update(oldest_version=sampled_with, stale_tokens=counts["stale_tokens"])
+                if counts["loss_tokens"]:
+                    admitted = counts["oldest_kept"] is not None
+                if counts["oldest_kept"] is not None:
+                    sampled_with, staleness = counts["oldest_kept"], version - counts["oldest_kept"]
+                token_stats = {"stale_token_fraction": counts["stale_tokens"] / max(counts["loss_tokens"], 1),
+                               "token_staleness_mean": counts["token_staleness_mean"]}
             entry.update(sha256=sha, sampled_with=sampled_with, trained_at=version)
             if "episodes" in batch.meta:          # multi-turn: the environment seeds played, turns per episode
                 entry.update(episodes=batch.meta["episodes"], turns=batch.meta["turns"])
-            if not admit(version, batch.versions, rl.tau):
+            if not admitted:
                 log.info("dropping ordinal %d: sampled with version %d, %d > tau=%d behind", ordinal,
                          sampled_with, staleness, rl.tau)
                 meta = self._advance(meta, {**entry, "status": "dropped_stale"}, dropped=1)
@@ -285,8 +321,8 @@ class Learner:
             meta = self._advance(meta, {**entry, "status": "used"}, version=version, staleness=staleness)
             # the metrics of a version travel in its meta, so a learner killed after the publish logs them
             meta["record"] = {"mean_reward": float(np.mean(batch.rewards)), "staleness": staleness, **stats,
-                              "sample_seconds": batch.meta.get("sample_seconds"), "train_seconds": train_seconds,
-                              "wait_seconds": wait_seconds, "time": time.time()}
+                              **token_stats, "sample_seconds": batch.meta.get("sample_seconds"),
+                              "train_seconds": train_seconds, "wait_seconds": wait_seconds, "time": time.time()}
             t0 = time.perf_counter()
             self._publish(version, variables, opt_state, meta)
             handoff_seconds = time.perf_counter() - t0

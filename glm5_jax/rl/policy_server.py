@@ -8,6 +8,11 @@ own sampling mesh (rl.sampler_mesh; one device by default; agentic.server_max_ba
 shards), so the log-probs it returns are the ones the learner recomputes (TITO). It waits for the learner's first
 version, then reloads every `agentic.reload_interval_s`; each answer names the version it was sampled
 with. Restarted after a crash, it starts from the newest committed version.
+
+A reload lands between two decode steps: running requests go on under the new weights on the cache rows the
+old ones wrote, and every token carries the version that sampled it. With rl.inflight_updates the rows of
+finished turns stay reusable across versions too (`Engine(keep_stale_prefix=True)`), so the next turn of an
+episode prefills only its new observation (docs/rl.md#in-flight-weight-updates).
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ def build_engine(exp, sft_cfg, workdir: str):
     seq_len = engine_seq_len(ag, cfg.max_position_embeddings)
     engine = Engine(cfg, variables, max_batch=ag.server_max_batch, max_seq_len=seq_len,
                     eos_ids=stop_token_ids(make_env(exp.rl.task, ag)), weights_version=version,
-                    prefill_buckets=(16,), mesh=policy.mesh if policy.mesh.size > 1 else None)
+                    prefill_buckets=(16,), mesh=policy.mesh if policy.mesh.size > 1 else None,
+                    keep_stale_prefix=exp.rl.inflight_updates)
     engine.warmup((1,))
     engine.start()
     watcher = WeightsWatcher(engine, PolicySource(workdir, variables), cfg, version, ag.reload_interval_s).start()

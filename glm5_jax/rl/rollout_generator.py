@@ -11,7 +11,9 @@ dropped half
 the batches): batch o starts only while o <= consumed + tau, where consumed is the number of ordinals
 the newest committed version has consumed (= its version when nothing was dropped), and while this
 generator has fewer than max_ready unconsumed files. In lockstep mode batch o waits for, and samples
-with, exactly version max(0, o - tau), so the run is bit-reproducible whatever the timing.
+with, exactly version max(0, o - tau), so the run is bit-reproducible whatever the timing. With
+rl.inflight_updates a batch starts with the newest version and swaps to each newer one between decode steps
+(glm5_jax.rl.inflight); every token records the version that sampled it (`token_versions`).
 
 For a multi-turn environment (rl.task in glm5_jax.rl.tasks.ENVIRONMENTS) the same loop runs with
 `glm5_jax.rl.agentic.EpisodeGenerator`, which plays episodes through a policy server (--policy_url).
@@ -26,8 +28,10 @@ import numpy as np
 
 from glm5_jax import storage
 from glm5_jax.checkpoint.handoff import PolicyReader
+from glm5_jax.generate.decoding import Sampler
 from glm5_jax.generate.on_mesh import generate_on_mesh
 from glm5_jax.rl import rollouts as ro
+from glm5_jax.rl.inflight import sample_inflight
 from glm5_jax.rl.policy import sampling_policy
 from glm5_jax.rl.tasks import make_task
 
@@ -62,6 +66,7 @@ class Generator:
         self.reader = PolicyReader(self.workdir)
         self._meta_cache: dict[int, dict] = {}
         self._loaded: tuple[int, dict] | None = None
+        self._last_poll = 0.0
         self._init_sampler(exp, sft_cfg)
 
     def _init_sampler(self, exp, sft_cfg):
@@ -90,6 +95,18 @@ class Generator:
             log.debug("restored version %d in %.3f s", version, time.perf_counter() - t0)
         return self._loaded[1]
 
+    def newer_version(self, current: int):
+        """(newest committed version, its variables) when it is newer than `current`, else None; looked up
+        at most every rl.poll_seconds (asked between decode steps by in-flight sampling)."""
+        now = time.monotonic()
+        if now - self._last_poll < self.rl.poll_seconds:
+            return None
+        self._last_poll = now
+        latest = self.reader.latest_version()
+        if latest is None or latest <= current:
+            return None
+        return latest, self.variables(latest)
+
     def version_for(self, ordinal: int) -> int | None:
         """The version to sample batch `ordinal` with, or None while back-pressure holds it (or the run
         is over: check `finished`)."""
@@ -116,13 +133,22 @@ class Generator:
         prompts = np.repeat(prompts, rl.group_size, axis=0)               # G samples per prompt, contiguous
         prompt_lengths = np.repeat(prompt_lengths, rl.group_size)
         variables = self.variables(version)
-        out = generate_on_mesh(self.policy.cfg, variables, prompts, prompt_lengths, self.policy.mesh,
-                               rules=self.policy.rules, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
-                               top_p=rl.top_p, top_k=rl.top_k, rng=sampling_key(rl.seed, self.gen, seq),
-                               eos_ids=self.task.eos_ids)
-        tokens, lengths, logprobs = (np.asarray(x) for x in jax.device_get((out.tokens, out.lengths, out.logprobs)))
+        if rl.inflight_updates:
+            tokens, lengths, logprobs, token_versions = sample_inflight(
+                self.policy.cfg, self.policy.mesh, self.policy.rules, variables, version, prompts, prompt_lengths,
+                max_new_tokens=rl.max_new_tokens, sampler=Sampler(rl.temperature, rl.top_p, rl.top_k),
+                rng=sampling_key(rl.seed, self.gen, seq), eos_ids=self.task.eos_ids, newer=self.newer_version)
+        else:
+            out = generate_on_mesh(self.policy.cfg, variables, prompts, prompt_lengths, self.policy.mesh,
+                                   rules=self.policy.rules, max_new_tokens=rl.max_new_tokens,
+                                   temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
+                                   rng=sampling_key(rl.seed, self.gen, seq), eos_ids=self.task.eos_ids)
+            tokens, lengths, logprobs = (np.asarray(x) for x in jax.device_get((out.tokens, out.lengths,
+                                                                                out.logprobs)))
         rewards = self.task.rewards(prompts, prompt_lengths, tokens, lengths)
         mask = (np.arange(rl.max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
+        if not rl.inflight_updates:
+            token_versions = np.where(mask > 0, version, -1).astype(np.int32)
         n = len(prompts)
         ordinal = seq * rl.num_generators + self.gen
         return ro.RolloutBatch(
@@ -130,8 +156,9 @@ class Generator:
             completion_tokens=tokens.astype(np.int32), completion_lengths=lengths.astype(np.int32),
             logprobs=logprobs.astype(np.float32), loss_mask=mask, rewards=rewards,
             group_ids=(ordinal * rl.prompts_per_batch + np.arange(n) // rl.group_size).astype(np.int32),
-            versions=np.full((n, 1), version, np.int32),
+            versions=np.full((n, 1), version, np.int32), token_versions=token_versions,
             meta={"generator": self.gen, "seq": seq, "ordinal": ordinal, "version": version,
+                  "token_versions": sorted({int(v) for v in np.unique(token_versions) if v >= 0}),
                   "sampler": {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
                               "max_new_tokens": rl.max_new_tokens, "group_size": rl.group_size},
                   "seed": rl.seed, "sample_seconds": time.perf_counter() - t0, "written_at": time.time()})
@@ -162,6 +189,7 @@ class Generator:
                 time.sleep(rl.poll_seconds)
             batch = self.sample(seq, version)
             ro.write_batch(self.dirs, self.gen, seq, batch)
-            log.info("wrote seq %d (ordinal %d) with version %d: reward %.3f, %.2f s", seq, ordinal, version,
-                     float(np.mean(batch.rewards)), batch.meta["sample_seconds"])
+            log.info("wrote seq %d (ordinal %d) with version %d (tokens from versions %s): reward %.3f, %.2f s", seq,
+                     ordinal, version, batch.meta.get("token_versions"), float(np.mean(batch.rewards)),
+                     batch.meta["sample_seconds"])
             seq += 1

@@ -44,17 +44,38 @@ class RolloutBatch:
     loss_mask: np.ndarray           # float32 [N, C] 1 on model-generated tokens that enter the loss
     rewards: np.ndarray             # float32 [N]
     group_ids: np.ndarray           # int32 [N] samples of one prompt share a group id
-    versions: np.ndarray            # int32 [N, K] policy versions that produced each sample (K = 1 here)
+    versions: np.ndarray            # int32 [N, K] policy versions that produced each sample (single-turn: K = 1,
+                                    # the version it started with; multi-turn: one per turn, -1 padded)
     meta: dict                      # generator, seq, ordinal, sampler settings, timings
+    # int32 [N, C] the version that sampled each completion token (-1 on environment tokens and padding);
+    # optional: records written before in-flight weight updates lack it (`per_token_versions`)
+    token_versions: np.ndarray | None = None
 
     ARRAYS = {"prompt_tokens": (np.int32, 2), "prompt_lengths": (np.int32, 1), "completion_tokens": (np.int32, 2),
               "completion_lengths": (np.int32, 1), "logprobs": (np.float32, 2), "loss_mask": (np.float32, 2),
               "rewards": (np.float32, 1), "group_ids": (np.int32, 1), "versions": (np.int32, 2)}
+    OPTIONAL = {"token_versions": (np.int32, 2)}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The record's arrays: every required field, and each optional one that is present."""
+        return {name: getattr(self, name) for name in (*self.ARRAYS, *self.OPTIONAL)
+                if getattr(self, name) is not None}
+
+    def per_token_versions(self) -> np.ndarray:
+        """int32 [N, C]: the version that sampled each completion token. A record without
+        ``token_versions`` labels every token of a row with the row's oldest version (what the batch-level
+        staleness rule assumed), so a per-token rule never treats an old record as fresher than it was."""
+        if self.token_versions is not None:
+            return self.token_versions
+        v = np.where(self.versions >= 0, self.versions, np.iinfo(np.int32).max).min(axis=1)
+        return np.broadcast_to(v[:, None], self.completion_tokens.shape).astype(np.int32)
 
     def validate(self) -> "RolloutBatch":
         n = None
-        for name, (dtype, ndim) in self.ARRAYS.items():
+        for name, (dtype, ndim) in {**self.ARRAYS, **self.OPTIONAL}.items():
             a = getattr(self, name)
+            if a is None and name in self.OPTIONAL:
+                continue
             if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim:
                 raise CorruptRollout(f"field {name}: expected {np.dtype(dtype).name} with {ndim} dims, got "
                                      f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
@@ -63,8 +84,8 @@ class RolloutBatch:
             if a.shape[0] != n:
                 raise CorruptRollout(f"field {name} has {a.shape[0]} rows, prompt_tokens has {n}")
         C = self.completion_tokens.shape[1]
-        for name in ("logprobs", "loss_mask"):
-            if getattr(self, name).shape[1] != C:
+        for name in ("logprobs", "loss_mask", "token_versions"):
+            if getattr(self, name) is not None and getattr(self, name).shape[1] != C:
                 raise CorruptRollout(f"field {name} has width {getattr(self, name).shape[1]}, completions {C}")
         if np.any(self.completion_lengths < 0) or np.any(self.completion_lengths > C):
             raise CorruptRollout(f"completion_lengths outside [0, {C}]")
@@ -112,8 +133,7 @@ class RolloutDirs:
 def encode(batch: RolloutBatch) -> bytes:
     batch.validate()
     buf = io.BytesIO()
-    arrays = {name: getattr(batch, name) for name in RolloutBatch.ARRAYS}
-    np.savez(buf, meta=np.frombuffer(json.dumps(batch.meta, sort_keys=True).encode(), np.uint8), **arrays)
+    np.savez(buf, meta=np.frombuffer(json.dumps(batch.meta, sort_keys=True).encode(), np.uint8), **batch.arrays())
     payload = buf.getvalue()
     return payload + _TRAILER.pack(hashlib.sha256(payload).digest(), len(payload), MAGIC)
 
@@ -129,9 +149,10 @@ def decode(blob: bytes, where: str = "rollout") -> RolloutBatch:
         raise CorruptRollout(f"{where}: length or checksum mismatch (half-written or damaged)")
     try:
         with np.load(io.BytesIO(payload), allow_pickle=False) as z:
-            if set(z.files) != set(RolloutBatch.ARRAYS) | {"meta"}:
+            optional = set(z.files) - set(RolloutBatch.ARRAYS) - {"meta"}
+            if not set(RolloutBatch.ARRAYS) | {"meta"} <= set(z.files) or optional - set(RolloutBatch.OPTIONAL):
                 raise CorruptRollout(f"{where}: fields {sorted(z.files)}")
-            fields = {name: z[name] for name in RolloutBatch.ARRAYS}
+            fields = {name: z[name] for name in (*RolloutBatch.ARRAYS, *optional)}
             meta = json.loads(z["meta"].tobytes().decode())
     except CorruptRollout:
         raise
@@ -170,10 +191,10 @@ def write_batch(dirs: RolloutDirs, generator: int, seq: int, batch: RolloutBatch
 
 
 def content_sha256(batch: RolloutBatch) -> str:
-    """sha256 of the TITO arrays (not the meta, whose timings differ between identical batches)."""
+    """sha256 of the TITO arrays (not the meta, whose timings differ between identical batches); an absent
+    optional field adds nothing, so a record written before it existed keeps its hash."""
     digest = hashlib.sha256()
-    for name in RolloutBatch.ARRAYS:
-        a = getattr(batch, name)
+    for name, a in batch.arrays().items():
         digest.update(f"{name}|{a.dtype}|{a.shape}|".encode())
         digest.update(np.ascontiguousarray(a).tobytes())
     return digest.hexdigest()

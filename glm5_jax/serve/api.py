@@ -4,7 +4,7 @@
                                  n, seed, echo (with logprobs: the prompt tokens' log-probs, as lm-eval's
                                  loglikelihood requests use with max_tokens=0 or 1), ...
     POST /v1/chat/completions    messages rendered with the tokenizer's chat template
-    POST /v1/tokens              prompt_ids -> token ids + per-token logprobs (+ weights version);
+    POST /v1/tokens              prompt_ids -> token ids + per-token logprobs (+ weights version, and per token);
                                  min_weights_version holds the request until those weights are served
     GET  /v1/models, /health, /metrics (Prometheus text)
 
@@ -439,7 +439,8 @@ async def tokens(body: TokenRequest, http: HttpRequest):
     await server.finish_all(http, streams, requests)
     choices = [{"index": i, "token_ids": [t.id for t in r.tokens], "logprobs": [t.logprob for t in r.tokens],
                 "top_logprobs": [[list(p) for p in t.top] for t in r.tokens] if body.top_logprobs else None,
-                "finish_reason": r.finish_reason, "weights_version": r.weights_version}
+                "finish_reason": r.finish_reason, "weights_version": r.weights_version,
+                "token_weights_versions": [t.weights_version for t in r.tokens]}
                for i, r in enumerate(requests)]
     return {"id": f"tok-{uuid.uuid4().hex}", "object": "tokens", "model": server.model_name,
             "prompt_ids": list(body.prompt_ids), "choices": choices, "usage": _usage(requests)}

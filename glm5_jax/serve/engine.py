@@ -19,8 +19,10 @@ cached prefix, so every position is scored, and with ``max_tokens=0`` it ends af
 
 A freed slot keeps its rows and the token ids they hold, so a later request that extends them (the next
 turn of a conversation, or n samples of one prompt) only prefills what is new. Slots are evicted least
-recently used first. New weights (`set_variables`) are swapped in between steps; cached prefixes computed
-with older weights are dropped.
+recently used first. New weights (`set_variables`) are swapped in between steps (running requests go on with
+them; each token records the version that sampled it); cached prefixes computed with older weights are dropped,
+unless ``keep_stale_prefix`` (RL with in-flight weight updates, docs/rl.md#in-flight-weight-updates: the rows
+stay, as PipelineRL keeps its KV cache across a weight update).
 
 On a sampling ``mesh`` (`glm5_jax.parallel.sampling`) the weights stay resident by SAMPLING_RULES, the
 cache's slots (batch rows) split over the batch axes (``max_batch`` a multiple of them) and its positions
@@ -67,6 +69,7 @@ class Token:
     id: int
     logprob: float
     top: list[tuple[int, float]]     # (id, logprob) of the most likely alternatives, best first
+    weights_version: int | None = None   # the weights that sampled it (set when emitted)
 
 
 @dataclasses.dataclass(eq=False)
@@ -123,7 +126,8 @@ class Engine:
 
     def __init__(self, cfg, variables, *, max_batch: int = 8, max_seq_len: int = 1024, eos_ids=(),
                  cache_dtype=None, weights_version: int = 0, prefill_buckets=None,
-                 prefill_chunk: int = PREFILL_CHUNK, profiler: StepProfiler | None = None, mesh=None):
+                 prefill_chunk: int = PREFILL_CHUNK, profiler: StepProfiler | None = None, mesh=None,
+                 keep_stale_prefix: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
         if "kda" in cfg.layer_attention_types:
@@ -151,6 +155,7 @@ class Engine:
             variables = self._placed(variables)
         self.variables = variables
         self.weights_version = weights_version
+        self.keep_stale_prefix = keep_stale_prefix
         self._cache = init_cache(self.cfg, max_batch, slots, cache_dtype)["decoder"]
         layout = None if mesh is None else cache_shardings(self._cache, mesh, SAMPLING_RULES)
         if layout is not None:
@@ -282,7 +287,7 @@ class Engine:
                     if self._next_variables is not None:
                         (self.variables, self.weights_version), self._next_variables = self._next_variables, None
                         for slot in self._slots:
-                            if slot.request is None:
+                            if slot.request is None and not self.keep_stale_prefix:
                                 slot.tokens = []
                 with self.profiler.step(self.steps_run):
                     self._drop_cancelled()
@@ -435,6 +440,7 @@ class Engine:
     def _emit(self, slot: _Slot, token: Token):
         request = slot.request
         token.top = token.top[:request.num_top]
+        token.weights_version = self.weights_version
         request.tokens.append(token)
         slot.pending = token.id
         self.stats["generated_tokens"] += 1
@@ -450,7 +456,7 @@ class Engine:
         request, slot.request = slot.request, None
         slot.last_used = time.monotonic()
         self.stats[f"finished_{reason}"] += 1
-        if slot.version != self.weights_version:
+        if slot.version != self.weights_version and not self.keep_stale_prefix:
             slot.tokens = []                      # rows from older weights are not a valid prefix
         request.finish_reason = reason
         request.done.set()

@@ -41,6 +41,26 @@ def test_episode_batch_has_a_fixed_shape_and_ignores_version_padding():
     assert n == 3 * long.turns - long.reward
     np.testing.assert_array_equal(batch.loss_mask[1], ([1, 1, 0] * 3)[:n] + [0] * (9 - n))
     np.testing.assert_array_equal(batch.logprobs[1], ([-1, -2, 0] * 3)[:n] + [0] * (9 - n))
+    # a policy that names no per-token versions: each action token carries its turn's version
+    np.testing.assert_array_equal(batch.token_versions[1], ([5, 5, -1] * 3)[:n] + [-1] * (9 - n))
+
+
+def test_per_token_versions_of_a_turn_that_spans_a_swap_reach_the_batch():
+    """A server that swapped weights mid-turn names each token's version; the batch keeps them, environment
+    tokens are -1, and the turn's `versions` entry stays the version it was admitted with."""
+    env = NumberGuess(digits=1)
+    turns = iter([([2, 3], 2), ([3, 3], 3), ([3, 4], 4)])
+
+    def policy(context, max_tokens, stop):
+        versions, admitted = next(turns)
+        return Sampled(env.encode_guess(context.count(1) % 10), [-1.0, -2.0], weights_version=admitted,
+                       token_versions=versions)
+    episode = run_episode(policy, NumberGuess(digits=1), 1, max_turns=3, max_action_tokens=2)
+    batch = episodes_to_batch([episode], [0], {}, completion_width=9, turns_width=3)
+    n = len(episode.completion)
+    want = [2, 3, -1, 3, 3, -1, 3, 4, -1][:n] + [-1] * (9 - n)
+    np.testing.assert_array_equal(batch.token_versions[0], want)
+    assert batch.versions[0].tolist()[:episode.turns] == [2, 3, 4][:episode.turns]
 
 
 def test_seeds_depend_on_the_ordinal_only():

@@ -172,3 +172,32 @@ def test_profile_option_traces_the_chosen_update(setup, tmp_path):
     learner.run()
     traces = glob.glob(str(tmp_path / "tb" / "plugins" / "profile" / "*" / "*.xplane.pb"))
     assert len(traces) == 1 and traced_steps(traces[0], "rl_update") == [1]
+
+
+def test_inflight_updates_mask_stale_tokens_not_batches(setup, tmp_path):
+    """rl.inflight_updates, tau = 1: batch 2 (every token sampled by version 0, trained at 2) is dropped; batch 4
+    (tokens 0-2 by version 0, the rest by version 2 after an in-flight swap; trained at 2) is used with its
+    version-0 tokens out of the loss. The run ends with the params of a run without in-flight updates in
+    which batch 4's loss mask was zeroed on those tokens by hand, and the same ledger statuses."""
+    exp, variables, batches = setup
+    swapped = np.where(np.arange(7)[None] < 3, 0, 2).repeat(8, 0).astype(np.int32)
+    per_token = {0: np.zeros((8, 7), np.int32), 1: np.where(np.arange(7)[None] < 3, 0, 1).repeat(8, 0),
+                 2: np.zeros((8, 7), np.int32), 3: np.ones((8, 7), np.int32), 4: swapped}
+    inflight = {o: dataclasses.replace(batches[o], versions=np.zeros((8, 1), np.int32),
+                                       token_versions=per_token[o].astype(np.int32)) for o in range(5)}
+    learner = _start_run(tmp_path / "inflight", exp, variables, inflight, num_versions=3, inflight_updates=True)
+    learner.run()
+    got = json.loads((tmp_path / "inflight" / SUMMARY).read_text())
+    assert [e["status"] for e in got["consumed"]] == ["used", "used", "dropped_stale", "rejected_corrupt", "used"]
+    last = got["consumed"][4]
+    assert (last["trained_at"], last["sampled_with"], last["oldest_version"], last["stale_tokens"]) == (2, 2, 0, 24)
+    assert got["consumed"][1]["stale_tokens"] == 0 and got["staleness_max"] <= 1
+
+    by_hand = dict(inflight)
+    by_hand[4] = dataclasses.replace(inflight[4], versions=np.full((8, 1), 2, np.int32), token_versions=None,
+                                     loss_mask=inflight[4].loss_mask * (swapped == 2))
+    reference = _start_run(tmp_path / "by_hand", exp, variables, by_hand, num_versions=3)
+    reference.run()
+    want = json.loads((tmp_path / "by_hand" / SUMMARY).read_text())
+    assert [e["status"] for e in want["consumed"]] == [e["status"] for e in got["consumed"]]
+    assert got["params_sha256"] == want["params_sha256"] != _sha(variables)

@@ -1,4 +1,5 @@
 """Rollout files: a truncated, half-written or damaged file is never admitted; whole files round-trip."""
+import hashlib
 import os
 
 import numpy as np
@@ -69,3 +70,28 @@ def test_invalid_fields_are_rejected():
     bad.completion_lengths = np.full(4, 9, np.int32)
     with pytest.raises(ro.CorruptRollout, match="completion_lengths"):
         ro.encode(bad)
+
+
+def test_token_versions_round_trip_and_older_records_still_read(tmp_path):
+    """A record with per-token versions round-trips them (and a truncation of it is still rejected); one
+    without them (written before in-flight updates) reads back with token_versions None and its old hash."""
+    dirs = ro.RolloutDirs(str(tmp_path))
+    old = _batch()
+    with_versions = _batch()
+    with_versions.token_versions = np.array([[3, 3, 4]] * 4, np.int32)
+    back, sha = ro.read_batch(ro.write_batch(dirs, 0, 1, with_versions))
+    np.testing.assert_array_equal(back.token_versions, with_versions.token_versions)
+    assert back.token_versions.dtype == np.int32 and sha != ro.content_sha256(old)
+    back_old, sha_old = ro.read_batch(ro.write_batch(dirs, 0, 2, old))
+    assert back_old.token_versions is None
+    before = hashlib.sha256()                      # the hash as records were hashed before the optional field
+    for name in ro.RolloutBatch.ARRAYS:
+        a = getattr(old, name)
+        before.update(f"{name}|{a.dtype}|{a.shape}|".encode() + np.ascontiguousarray(a).tobytes())
+    assert sha_old == before.hexdigest()
+    blob = ro.encode(with_versions)
+    with pytest.raises(ro.CorruptRollout):
+        ro.decode(blob[:len(blob) // 2])
+    with_versions.token_versions = np.array([[3, 4]] * 4, np.int32)            # not [N, C]
+    with pytest.raises(ro.CorruptRollout, match="token_versions"):
+        ro.encode(with_versions)
