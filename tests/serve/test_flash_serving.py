@@ -2,12 +2,14 @@
 tokens equal `generate`'s, which test_flash_decode ties to transformers' and the full forward."""
 import dataclasses
 
+import jax
 import numpy as np
 import openai
 import pytest
 
 from glm5_jax.generate.decoding import generate
 from glm5_jax.hf.config import config_from_hf
+from glm5_jax.parallel.sampling import sampling_mesh
 from glm5_jax.serve.api import create_app
 from glm5_jax.serve.engine import Engine, Request
 from glm5_jax.serve.threaded import ThreadedServer
@@ -82,3 +84,26 @@ def test_the_http_api_answers_a_completion(engine):
     assert choice.text == tokenizer().decode(want)
     np.testing.assert_allclose(choice.logprobs.token_logprobs, want_lp, atol=1e-5)
     assert out.usage.completion_tokens == len(want)
+
+
+def test_the_engine_on_a_mesh_serves_the_single_device_tokens():
+    """Rows over data, slots over context (65 positions padded to 66), heads over tensor; the KDA state
+    splits by rows like the latent cache."""
+    engine = flash_engine(max_batch=2, mesh=sampling_mesh("data:2,context:2,tensor:2"))
+    leaves = {jax.tree_util.keystr(k): x for k, x in jax.tree_util.tree_leaves_with_path(engine._cache)}
+    rows = ("data", "fsdp", "expert")
+    assert [tuple(x.sharding.spec)[:3] for k, x in leaves.items() if "latent" in k] == [(None, rows, "context")]
+    assert [tuple(x.sharding.spec)[:2] for k, x in leaves.items() if "kda_state" in k] == [(None, rows)]
+    rng = np.random.default_rng(0)
+    base = rng.integers(2, FLASH_CFG.vocab_size, 56).tolist()
+    prompts = [base[:5], base, base[:13]]
+    engine.start()
+    try:
+        requests = [engine.submit(Request(p, REF_NEW, temperature=0.0)) for p in prompts]
+        for r in requests:
+            assert r.done.wait(300)
+    finally:
+        engine.stop()
+    for request, (tokens, logprobs) in zip(requests, greedy_reference(prompts, REF_NEW)):
+        assert [t.id for t in request.tokens] == tokens
+        np.testing.assert_allclose([t.logprob for t in request.tokens], logprobs, atol=1e-5)
