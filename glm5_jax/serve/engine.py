@@ -22,6 +22,12 @@ turn of a conversation, or n samples of one prompt) only prefills what is new. S
 recently used first. New weights (`set_variables`) are swapped in between steps; cached prefixes computed
 with older weights are dropped.
 
+A model with recurrent layers (GLM-5.3-Flash's KDA) keeps each slot's recurrent state beside its latent rows:
+a prefill from position 0 zeroes it, prefill chunks and decode steps advance it. A state cannot be rewound to a
+shared prefix, so such a model reuses no prefix (every prompt is prefilled whole), and a prompt's last chunk
+never overlaps the one before (each token is absorbed once): when its padded bucket would pass the row's end it
+is split into smaller power-of-two chunks instead of shifted back.
+
 On a sampling ``mesh`` (`glm5_jax.parallel.sampling`) the weights stay resident by SAMPLING_RULES, the
 cache's slots (batch rows) split over the batch axes (``max_batch`` a multiple of them) and its positions
 over ``context`` (the row padded to a multiple); a decode step runs every slot under SAMPLING_RULES, a
