@@ -14,7 +14,7 @@ from glm5_jax.serve.api import create_app
 from glm5_jax.serve.engine import Engine, Request
 from glm5_jax.serve.threaded import ThreadedServer
 from hf_reference_flash import TEXT
-from tests.generate.tiny_models import init_variables
+from tests.generate.tiny_models import full_logits, init_variables
 from tests.serve.conftest import MAX_SEQ_LEN, eos_ids, tokenizer
 
 # one KDA layer (dense FFN) and one MLA + pooled-indexer layer (MoE); the BPE of conftest has < 512 ids
@@ -69,6 +69,19 @@ def test_concurrent_requests_equal_generate(engine):
         assert request.cached_tokens == 0
     assert (8, 48, 8) in engine.prefill_calls and (24, 24, 24) in engine.prefill_calls
     assert engine.snapshot()["cache_held_fraction"] == 0      # finished slots hold no reusable prefix
+
+
+def test_prompt_logprobs_equal_the_full_forward(engine):
+    """A 40-token prompt scored in two chunks (24 + 16): the state carries across them and every position's
+    log-probabilities equal the uncached forward's (`Transformer.apply`)."""
+    prompt = np.random.default_rng(1).integers(2, FLASH_CFG.vocab_size, 40).tolist()
+    scored = engine.generate(Request(prompt, 0, temperature=0.0, prompt_logprobs=True, num_top=3), timeout=300)
+    logp = np.asarray(jax.nn.log_softmax(full_logits(FLASH_CFG, init_variables(FLASH_CFG), np.asarray([prompt]))[0]))
+    assert scored.prompt_scores[0] is None and scored.finish_reason == "length"
+    np.testing.assert_allclose([t.logprob for t in scored.prompt_scores[1:]], logp[np.arange(39), prompt[1:]],
+                               atol=1e-5)
+    assert [[i for i, _ in t.top] for t in scored.prompt_scores[1:]] == np.argsort(-logp[:39])[:, :3].tolist()
+    assert (24, 24, 16) in engine.prefill_calls
 
 
 def test_the_http_api_answers_a_completion(engine):
