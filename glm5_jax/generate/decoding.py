@@ -197,7 +197,7 @@ def _chunk_start(c, T, C):
     return jnp.minimum(c * C, T - C).astype(jnp.int32)
 
 
-def _recurrent(cfg) -> bool:
+def has_recurrent_layers(cfg) -> bool:
     """Whether the model has recurrent (KDA) layers: their state absorbs each token once, so an overlapping
     prefill chunk cannot recompute its first tokens' outputs (nor the MLA rows written from them). Such a
     prompt is prefilled in whole chunks instead, padded to a multiple of the chunk."""
@@ -206,7 +206,7 @@ def _recurrent(cfg) -> bool:
 
 def prefill_slots(cfg, T, C) -> int:
     """Cache slots the prefill of a T-token prompt in chunks of C writes."""
-    return -(-T // C) * C if _recurrent(cfg) else T
+    return -(-T // C) * C if has_recurrent_layers(cfg) else T
 
 
 def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
@@ -218,7 +218,7 @@ def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
     positions max(L - K, 0) .. + K - 1 (L = the row's length). Depth d's slots from L - d on need tokens
     past the prompt, which only the first sampled token and the drafts give; `_mtp_window` rewrites them.
     """
-    if _recurrent(model.cfg):
+    if has_recurrent_layers(model.cfg):
         prompt_BT = jnp.pad(prompt_BT, ((0, 0), (0, prefill_slots(model.cfg, prompt_BT.shape[1], C)
                                                   - prompt_BT.shape[1])))
     B, T = prompt_BT.shape

@@ -24,6 +24,12 @@ them; each token records the version that sampled it); cached prefixes computed 
 unless ``keep_stale_prefix`` (RL with in-flight weight updates, docs/rl.md#in-flight-weight-updates: the rows
 stay, as PipelineRL keeps its KV cache across a weight update).
 
+A model with recurrent layers (GLM-5.3-Flash's KDA) keeps each slot's recurrent state beside its latent rows:
+a prefill from position 0 zeroes it, prefill chunks and decode steps advance it. A state cannot be rewound to a
+shared prefix, so such a model reuses no prefix (every prompt is prefilled whole), and a prompt's last chunk
+never overlaps the one before (each token is absorbed once): when its padded bucket would pass the row's end it
+is split into smaller power-of-two chunks instead of shifted back.
+
 On a sampling ``mesh`` (`glm5_jax.parallel.sampling`) the weights stay resident by SAMPLING_RULES, the
 cache's slots (batch rows) split over the batch axes (``max_batch`` a multiple of them) and its positions
 over ``context`` (the row padded to a multiple); a decode step runs every slot under SAMPLING_RULES, a
@@ -45,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.checkpoint.placement import variable_shardings
-from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config
+from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config, has_recurrent_layers
 from glm5_jax.model.kv_cache import cache_shardings, init_cache
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
@@ -130,9 +136,6 @@ class Engine:
                  keep_stale_prefix: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: must be >= 1")
-        if "kda" in cfg.layer_attention_types:
-            raise ValueError("the engine reuses cached prompt prefixes and slot rows, which a recurrent KDA state "
-                             "(GLM-5.3-Flash) cannot rewind: generate with glm5_jax.generate (docs/glm53_flash.md)")
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk={prefill_chunk}: must be >= 0 (0 = a whole prompt per call)")
         if not 2 <= max_seq_len < cfg.max_position_embeddings:
@@ -144,6 +147,8 @@ class Engine:
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.num_top = min(NUM_TOP_LOGPROBS, cfg.vocab_size)
         self.mesh = mesh
+        # recurrent (KDA) layers: a slot's state holds its whole sequence, so no prefix is reused
+        self.recurrent = has_recurrent_layers(cfg)
         slots = max_seq_len + 1                   # the last one: where inactive slots write
         if mesh is not None:
             check_sampling_fits(mesh, self.cfg)
@@ -156,6 +161,7 @@ class Engine:
         self.variables = variables
         self.weights_version = weights_version
         self.keep_stale_prefix = keep_stale_prefix
+        self.row_len = slots
         self._cache = init_cache(self.cfg, max_batch, slots, cache_dtype)["decoder"]
         layout = None if mesh is None else cache_shardings(self._cache, mesh, SAMPLING_RULES)
         if layout is not None:
@@ -175,6 +181,8 @@ class Engine:
         # prompt chunks are padded to one of these lengths (one compiled prefill each)
         self.buckets = sorted({min(b, self.prefill_chunk) for b in prefill_buckets or _powers_of_two(max_seq_len)}
                               | {self.prefill_chunk})
+        # a recurrent model's last chunk, when its bucket would pass the row's end: the largest that fits
+        self._fitting_buckets = sorted(set(self.buckets) | set(_powers_of_two(MIN_PREFILL_BUCKET - 1, 1)))
         self._prefill, self._decode, self._copy = (_programs(self.cfg, self.num_top) if layout is None else
                                                    _programs_on_mesh(self.cfg, self.num_top, layout))
 
@@ -335,7 +343,8 @@ class Engine:
                 if not free or not self._waiting:
                     return
                 request = self._waiting.popleft()
-            slot, reuse = self._choose_slot(request.prompt, free, reuse_prefix=not request.prompt_logprobs)
+            slot, reuse = self._choose_slot(request.prompt, free,
+                                            reuse_prefix=not (request.prompt_logprobs or self.recurrent))
             request.weights_version = self.weights_version
             request.cached_tokens = reuse
             self.stats["requests"] += 1
@@ -384,7 +393,11 @@ class Engine:
         while out is None or start < n:
             end = min(start + self.prefill_chunk, n)
             T = self._bucket(end - start)
-            start = min(start, self.max_seq_len + 1 - T)  # the padded chunk must fit in the slot's row
+            if self.recurrent and start + T > self.row_len:
+                # a recurrent state absorbs each token once: no overlap with the last chunk, a smaller one
+                T = max(b for b in self._fitting_buckets if start + b <= self.row_len)
+                end = min(end, start + T)
+            start = min(start, self.row_len - T)  # the padded chunk must fit in the slot's row
             chunk = np.zeros((1, T), np.int32)
             chunk[0, :end - start] = prompt[start:end]
             args = (self.variables, self._cache, np.int32(slot.index), chunk, np.int32(start), np.int32(end - start),
@@ -456,16 +469,17 @@ class Engine:
         request, slot.request = slot.request, None
         slot.last_used = time.monotonic()
         self.stats[f"finished_{reason}"] += 1
-        if slot.version != self.weights_version and not self.keep_stale_prefix:
-            slot.tokens = []                      # rows from older weights are not a valid prefix
+        if self.recurrent or (slot.version != self.weights_version and not self.keep_stale_prefix):
+            # a recurrent state past the prompt, or rows from older weights (unless kept on purpose): no prefix
+            slot.tokens = []
         request.finish_reason = reason
         request.done.set()
         if request.on_finish:
             request.on_finish(request)
 
 
-def _powers_of_two(limit: int) -> list[int]:
-    return [1 << k for k in range(MIN_PREFILL_BUCKET.bit_length() - 1, limit.bit_length())]
+def _powers_of_two(limit: int, smallest: int = MIN_PREFILL_BUCKET) -> list[int]:
+    return [1 << k for k in range(smallest.bit_length() - 1, limit.bit_length())]
 
 
 @functools.lru_cache(maxsize=8)
@@ -517,8 +531,8 @@ def _prefill(model, num_top, variables, cache, slot, chunk_1T, start, n_real, te
     segments = (jnp.arange(T)[None] < n_real).astype(jnp.int32)
     last_index = jnp.reshape(n_real - 1, (1, 1)).astype(jnp.int32)
     logits_at = last_index if targets_1T is None else jnp.arange(T, dtype=jnp.int32)[None]
-    logits, row = decode_logits(model, variables, chunk_1T, positions, segments, cache_rows.read_row(cache, slot),
-                                logits_at=logits_at)
+    row = cache_rows.restart_recurrent(cache_rows.read_row(cache, slot), start == 0)
+    logits, row = decode_logits(model, variables, chunk_1T, positions, segments, row, logits_at=logits_at)
     cache = cache_rows.write_row(cache, row, slot)
     last = jnp.take(logits[0], last_index[0], axis=0) if targets_1T is not None else logits[0]  # [1, V]
     out = sample_rows(last, temperature[None], top_p[None], top_k[None], key_data[None], index[None], num_top)
