@@ -4,6 +4,7 @@ Positions, not array indices, decide causality, so the same rule serves packed d
 (positions restart per document), right padding (segment 0) and a decode cache whose empty
 slots carry segment 0.
 """
+import jax
 import jax.numpy as jnp
 
 
@@ -18,10 +19,15 @@ def visible_mask(q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS):
 def selection_mask(idx_BTK, valid_BTK, num_keys):
     """Boolean [B, T, num_keys]: key s is among query t's valid selected slots (DSA top-k); slots
     pointing past num_keys are dropped."""
-    B, T, _ = idx_BTK.shape
-    b = jnp.arange(B)[:, None, None]
-    t = jnp.arange(T)[None, :, None]
-    return jnp.zeros((B, T, num_keys), bool).at[b, t, idx_BTK].max(valid_BTK, mode="drop")
+    # The batch and query axes are the scatter's batching dimensions (vmap), not iota index columns. XLA's SPMD
+    # partitioner (jax 0.10.2), scattering indices whose batch splits over one mesh axis into an operand whose
+    # batch splits over another, pads a batch that does not divide its shards with zeros: index (0, 0, 0) and,
+    # for an update computed after the padding (valid = score > -inf), True, so a pad row marks slot 0 of row 0.
+    # With batching dimensions a pad row can only write into its own (pad) row.
+    def one_query(idx_K, valid_K):
+        return jnp.zeros((num_keys,), bool).at[idx_K].max(valid_K, mode="drop")
+
+    return jax.vmap(jax.vmap(one_query))(idx_BTK, valid_BTK)
 
 
 def top_k_mask(scores_BTS, top_scores_BTK, top_idx_BTK):

@@ -8,9 +8,10 @@ weights resident by SAMPLING_RULES, the decode cache's slots over ``context``.
 Any number of prompts works: a batch that does not divide the batch shards is padded with copies of its
 last row (a greedy copy ends when its original does, so the loop runs no longer), which are dropped from
 the result. The prompt width is padded (right, like any shorter prompt) so that the cache's slots divide
-over ``context``. Padding matters for correctness, not only for layout: the XLA SPMD partitioner has been
-seen to compute wrong top-k selections on a batch that does not divide its shards while heads split over
-``tensor``. Rows, their tokens and log-probs are those of the single-device `generate`.
+over ``context``. Padding is for layout: the prompts are placed already split over the batch axes (a split
+needs a dimension that divides) and every shard holds as many rows. An unpadded batch that the program splits
+itself decodes the same (tests/generate/test_generate_on_mesh.py). Rows, their tokens and log-probs are
+those of the single-device `generate`.
 """
 from __future__ import annotations
 

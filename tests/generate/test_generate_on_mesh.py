@@ -3,18 +3,21 @@
 The tiny model has MoE layers (8 routed experts) and DSA (index_topk 8 < prompt + new tokens), so the
 experts split over ``expert``, the heads over ``tensor`` and the decode-time key selection all matter.
 Three prompts on a mesh of 4 batch shards exercise the padded batch; an odd cache length on
-``context:2`` the padded prompt width.
+``context:2`` the padded prompt width. The same three rows unpadded, split by the program itself over the
+4 shards, check the decode step on a batch that does not divide its shards (the DSA selection mask is a
+scatter, which the XLA SPMD partitioner once fed a pad row's indices: pallas_kernels/masking.py).
 """
 import re
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.checkpoint.placement import place_variables
-from glm5_jax.generate.decoding import generate
+from glm5_jax.generate.decoding import generate, prepare_generate
 from glm5_jax.generate.on_mesh import generate_on_mesh
-from glm5_jax.parallel.mesh import MeshError
+from glm5_jax.parallel.mesh import MeshError, mesh_and_rules
 from glm5_jax.parallel.sampling import SAMPLING_RULES, check_sampling_fits, sampling_mesh
 from tests.generate.tiny_models import TINY, init_variables
 
@@ -42,10 +45,28 @@ def test_sharded_greedy_equals_single_device(single_device, spec):
             for a in ((entry,) if isinstance(entry, str) else entry) if mesh.shape[a] > 1}
     assert axes == {"tensor"} | ({"expert"} if "expert" in spec else set())
     got = generate_on_mesh(TINY, variables, prompts(), LENGTHS, mesh, max_new_tokens=N, temperature=0.0)
-    assert np.asarray(got.tokens).shape == (3, N)
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(single_device.tokens))
-    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(single_device.lengths))
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(single_device.logprobs), atol=1e-5, rtol=0)
+    assert_same_generation(got, single_device)
+
+
+@pytest.mark.parametrize("spec", ["data:2,expert:2,tensor:2", "data:2,context:2,tensor:2"])
+def test_unpadded_indivisible_batch_equals_single_device(single_device, spec):
+    """3 rows handed whole to the program, whose rules split the batch over 4 shards (the partitioner pads it)."""
+    mesh = sampling_mesh(spec)
+    whole = NamedSharding(mesh, P())
+    fn, args = prepare_generate(TINY, place_variables(init_variables(TINY), TINY, mesh, SAMPLING_RULES),
+                                jax.device_put(prompts(), whole), jax.device_put(LENGTHS, whole), max_new_tokens=N,
+                                temperature=0.0)
+    with mesh_and_rules(mesh, SAMPLING_RULES):
+        got = fn(*args[:3], jax.device_put(args[3], whole))
+    assert_same_generation(got, single_device)
+
+
+def assert_same_generation(got, want):
+    """Same greedy tokens and lengths, fp32 log-probs within 1e-5."""
+    assert np.asarray(got.tokens).shape == np.asarray(want.tokens).shape
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("spec, message", [

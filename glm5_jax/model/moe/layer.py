@@ -37,7 +37,9 @@ def route(scores_NE, bias_E, cfg: ModelConfig):
         grouped = biased.reshape(N, cfg.n_group, E // cfg.n_group)
         group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                        # top-2 sum per group
         _, kept_groups = jax.lax.top_k(group_score, cfg.topk_group)
-        keep = jnp.zeros((N, cfg.n_group), bool).at[jnp.arange(N)[:, None], kept_groups].set(True)
+        # per token (vmap), not an iota token index: see pallas_kernels/masking.py selection_mask (a token axis
+        # that does not divide its shards must not scatter through padded indices)
+        keep = jax.vmap(lambda g: jnp.zeros((cfg.n_group,), bool).at[g].set(True))(kept_groups)
         biased = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
     _, expert_idx = jax.lax.top_k(biased, cfg.num_experts_per_tok)
     gates = jnp.take_along_axis(scores_NE, expert_idx, axis=-1)                  # unbiased: the bias only selects
