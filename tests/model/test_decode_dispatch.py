@@ -78,3 +78,22 @@ def test_busiest_chip_blocks_against_monte_carlo(n_tokens, n_local, block, trial
     assert formula > blocks.mean() * 1.3
     if n_tokens == 1:                        # batch 1: ~2.5 touched experts on the busiest of 8 chips, not 1
         assert 2.4 < formula < 2.7
+
+
+def test_expert_blocks_fit_their_static_count():
+    """Every split of M rows over E groups, each group padded to whole blocks, fits `max_blocks` (checked over
+    all splits of up to 6 rows into up to 4 groups), and rows in groups of their own reach it: 8 rows over 33
+    groups in 16-row blocks take 8 (the decode chip at batch 1)."""
+    import itertools
+
+    from glm5_jax.model.moe.experts import expert_blocks, max_blocks
+
+    for M, E, block in itertools.product(range(1, 7), range(1, 5), (1, 2, 4)):
+        worst = max(sum(-(-g // block) for g in sizes)
+                    for sizes in itertools.product(range(M + 1), repeat=E) if sum(sizes) == M)
+        assert worst == max_blocks(M, E, block)
+    sizes = jnp.array([1] * 8 + [0] * 25, jnp.int32)
+    x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4) + 1
+    x_blocks, block_expert, n_used, dest = expert_blocks(x, sizes, 16)
+    assert x_blocks.shape == (8, 16, 4) and int(n_used) == 8 and block_expert.tolist() == list(range(8))
+    np.testing.assert_array_equal(np.asarray(x_blocks).reshape(-1, 4)[np.asarray(dest)], x)

@@ -66,12 +66,19 @@ def sorted_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, 
     return y_sorted[jnp.argsort(order)].reshape(N, K, -1)
 
 
+def max_blocks(M: int, E: int, block: int) -> int:
+    """Row blocks M rows in E expert groups can fill, each group padded to whole blocks: the G <= min(E, M)
+    non-empty groups take sum ceil(g / block) <= sum (g + block - 1) / block = (M + G (block - 1)) / block
+    (at most ceil(M / block) + E - 1; a decode chip's 8 rows over 33 groups: 8 blocks, not 33)."""
+    return max(1, (M + min(E, M) * (block - 1)) // block)
+
+
 def expert_blocks(x_MD, group_sizes_E, block):
     """Expert-sorted rows [M, D] -> (x_blocks [n, block, D], block_expert [n], n_used, dest_M): row r
-    sits at flat slot dest_M[r] of the blocks; n = ceil(M / block) + E - 1 (static)."""
+    sits at flat slot dest_M[r] of the blocks; n = `max_blocks` (static)."""
     M, D = x_MD.shape
     E = group_sizes_E.shape[0]
-    n_blocks = -(-M // block) + E - 1
+    n_blocks = max_blocks(M, E, block)
     padded_sizes = -(-group_sizes_E // block) * block
     padded_end = jnp.cumsum(padded_sizes)
     padded_start = padded_end - padded_sizes
