@@ -4,6 +4,9 @@
 Pallas interpreter (CPU tests). The packed weights are frozen integers: the VJP gives the activation
 gradient dx[i] = dy[i] @ dequantize(w[expert[i]])^T (XLA) and no weight gradient. Weights stacked over
 layers ([L, E, ...]) come with the layer to use, which the kernel reads in place (kernel.py).
+
+Blocks from ``n_used`` on are unspecified in the result: the kernel's grid never visits them (kernel.py),
+the reference writes 0. Consumers read rows through `block_rows`, which gives 0 there (for every impl).
 """
 import functools
 
@@ -55,7 +58,15 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def int4_block_matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, *, group_size, impl="xla",
                       cost_blocks=None, layer=None):
-    """y[i] = x[i] @ dequantize(w[block_expert[i]]) for blocks i < n_used, 0 after -> [n, m, N] fp32.
-    ``layer`` (int32 scalar): the weights are stacked [L, E, ...] and layer ``layer``'s are used.
-    ``cost_blocks``: the blocks expected to be used, for the Pallas kernel's declared cost (default all)."""
+    """y[i] = x[i] @ dequantize(w[block_expert[i]]) for blocks i < n_used, unspecified after -> [n, m, N] fp32
+    (read rows with `block_rows`). ``layer`` (int32 scalar): the weights are stacked [L, E, ...] and layer
+    ``layer``'s are used. ``cost_blocks``: the blocks expected to be used (an expectation, may be fractional),
+    for the Pallas kernel's declared cost (default all)."""
     return _matmul(x_nmK, block_expert_n, n_used, packed_EkN, scale_EgN, layer, group_size, impl, cost_blocks)
+
+
+def block_rows(y_nmN, dest_M, n_used):
+    """The rows at flat slots ``dest_M`` of blocks [n, m, N] -> [M, N], 0 for slots in blocks from ``n_used``
+    on (which the kernel never writes): a select on the M gathered rows, not a pass over the blocks."""
+    m, N = y_nmN.shape[1:]
+    return jnp.where((dest_M // m < n_used)[:, None], y_nmN.reshape(-1, N)[dest_M], 0.0)

@@ -1,7 +1,8 @@
 """The cost model's conservative rules (glm5_jax.cost.hlo_cost.CostRules, glm5_jax.cost.ici, the report's
-expert load), each against a hand count: a megablox grouped matmul compiled for v5p (its grid read from
-the kernel's module: core split, grid steps, bytes by its blocks), hand-built HLO (per-op cost, ring
-collectives' HBM passes, SparseCore rate) and hand-placed all-to-all groups (busiest link)."""
+expert load), each against a hand count: a megablox grouped matmul and the INT4 expert kernel compiled for
+v5p (their grids read from the kernels' modules: core split, grid steps over a dynamic axis, bytes by their
+blocks), hand-built HLO (per-op cost, ring collectives' HBM passes, SparseCore rate) and hand-placed
+all-to-all groups (busiest link)."""
 import dataclasses
 import importlib.util
 import types
@@ -82,6 +83,51 @@ def test_one_parallel_tile_runs_on_one_core():
     # a chip with one TensorCore: no split to lose
     one = _kernel_row(hlo_cost(text, timing=TIMING, top=50, rules=CostRules(kernel_core_split=True, cores_per_chip=1)))
     assert one.seconds == pytest.approx(base.seconds)
+
+
+def _int4_hlo(cost_blocks, n=9, m=16, K=512, N=512, E=4, group=32) -> str:
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_kernels.int4_matmul import kernel
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+    s = SingleDeviceSharding(device)
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+
+    def fn(x, block_expert, n_used, packed, scale):
+        return kernel.int4_block_matmul(x, block_expert, n_used, packed, scale, group_size=group, tile_n=128,
+                                        tile_k=256, cost_blocks=cost_blocks)
+
+    return jax.jit(fn).lower(spec((n, m, K)), spec((n,), jnp.int32), spec((), jnp.int32),
+                             spec((E, K // 8, N), jnp.int32), spec((E, K // group, N))).compile().as_text()
+
+
+@_needs_libtpu
+def test_int4_kernel_runs_its_declared_row_blocks():
+    """The INT4 expert kernel ([9 blocks of 16 rows, K = 512] x [512, 512] in 128 x 256 tiles) declaring 2.5
+    used blocks: grid (4 output tiles, row blocks up to n_used: dynamic, 2 contraction tiles), only the
+    output-tile axis parallel. The cost model runs 2.5 row blocks: 4 x 2.5 x 2 = 20 steps, 10 on the busiest
+    core; each step moves an activation block [16, 256] bf16, packed words [32, 128] int32 and scales
+    [1, 8, 128] bf16, each (output tile, row block) one [16, 128] fp32 output block."""
+    text = _int4_hlo(2.5)
+    line = next(x for x in text.splitlines() if "tpu_custom_call" in x)
+    grid = kernel_grid(line)
+    assert grid.name == "int4_block_matmul"
+    assert grid.bounds == (4, None, 2) and grid.parallel == (True, False, False)
+    flops = 2 * 2.5 * 16 * 512 * 512
+    by_grid = hlo_cost(text, timing=TIMING, top=50, rules=CostRules(kernel_grid_bytes=True))
+    assert by_grid.kernel_flops == flops and by_grid.grid_steps == 20
+    step_bytes = 16 * 256 * 2 + 32 * 128 * 4 + 8 * 128 * 2
+    (row,) = [t for t in by_grid.top_instructions if t.opcode == "custom-call"]
+    assert row.bytes == 20 * step_bytes + 4 * 2.5 * 16 * 128 * 4
+    # 0.35 us per step on the busiest core (2 of the 4 output tiles) on top of the kernel's roofline
+    plain = [t for t in hlo_cost(text, timing=TIMING, top=50).top_instructions if t.opcode == "custom-call"][0]
+    steps = hlo_cost(text, timing=TIMING, top=50, rules=CostRules(grid_step_seconds=GRID_STEP_SECONDS))
+    (timed,) = [t for t in steps.top_instructions if t.opcode == "custom-call"]
+    assert timed.seconds == pytest.approx(plain.seconds + 10 * GRID_STEP_SECONDS)
+    # no estimate of its blocks (all 9 declared): every block's steps
+    assert hlo_cost(_int4_hlo(None), rules=CostRules(kernel_grid_bytes=True)).grid_steps == 4 * 9 * 2
 
 
 def test_per_op_cost_and_ring_hbm_passes_on_hand_built_hlo():

@@ -75,3 +75,31 @@ def test_stacked_layers_compile_without_a_per_layer_weight_copy():
     assert "tpu_custom_call" in compiled.as_text()
     one_layer_packed = E_PER_CHIP * K * N // 2
     assert compiled.memory_analysis().temp_size_in_bytes < one_layer_packed
+
+
+@pytest.mark.parametrize("K,N,tiles", [(D, F // 8, (2, None, 1)), (F // 8, D, (2, None, 1))], ids=["gate_up", "down"])
+def test_batch1_blocks_compile_in_one_step_per_core(K, N, tiles):
+    """Decode at batch 1 over expert:8,tensor:8: 16-row blocks, F split 8 ways. The tile rule gives each
+    TensorCore one output tile of an expert's whole weights (gate / up: [6144, 128], down: [256, 3072]); the
+    compiled kernel's grid (read from its Mosaic module) is (2 output tiles, the used row blocks: dynamic, 1),
+    and Mosaic's scoped VMEM stays within the 16 MiB default."""
+    import json
+    import re
+
+    from glm5_jax.cost.hlo_cost import kernel_grid
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+    s = jax.sharding.SingleDeviceSharding(device)
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=s)  # noqa: E731
+
+    def gemm(x, block_expert, n_used, packed, scale):
+        return ops.int4_block_matmul(x, block_expert, n_used, packed, scale, group_size=G, impl="pallas")
+
+    text = jax.jit(gemm).lower(spec((8, 16, K)), spec((8,), jnp.int32), spec((), jnp.int32),
+                               spec((E_PER_CHIP * 4, K // 8, N), jnp.int32),
+                               spec((E_PER_CHIP * 4, K // G, N))).compile().as_text()
+    line = next(x for x in text.splitlines() if "tpu_custom_call" in x)
+    grid = kernel_grid(line)
+    assert grid.bounds == tiles and grid.parallel == (True, False, False)
+    scoped = json.loads(re.search(r'"used_scoped_memory_configs":(\[[^\]]*\])', line).group(1))
+    assert 0 < sum(int(c["size"]) for c in scoped) <= 16 * 2**20

@@ -1,6 +1,7 @@
 """What Mosaic custom calls (Pallas kernels) cost: the `pl.CostEstimate` a kernel declares, the ragged-dot
-lowering's matmul from its shapes, and megablox grouped matmuls by the row tiles their groups visit
-(`GroupedMatmulLoad`, `grouped_matmul_tiles`)."""
+lowering's matmul from its shapes, megablox grouped matmuls by the row tiles their groups visit
+(`GroupedMatmulLoad`, `grouped_matmul_tiles`), and the INT4 expert kernel's dynamic row blocks by the
+blocks it declares (`declared_row_blocks`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,15 @@ import math
 import re
 
 from glm5_jax.cost.hlo_cost.parsing import arrays_of, dense_bytes
+from pallas_kernels.int4_matmul.kernel import NAME as INT4_BLOCK_MATMUL
 
 _COST_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{([^}]*)\}')
+
+
+def _declared(attrs: str) -> dict:
+    """The fields of a kernel's declared cost estimate ({} when it declares none)."""
+    m = _COST_ESTIMATE.search(attrs)
+    return dict(re.findall(r'"(\w+)"\s*:\s*"?(\d+)', m.group(1))) if m else {}
 
 
 def kernel_cost(shape: str, operand_shapes: list[str], attrs: str):
@@ -17,12 +25,10 @@ def kernel_cost(shape: str, operand_shapes: list[str], attrs: str):
     into the backend config's custom_call_config.cost_estimate), else for the ragged-dot lowering
     2 x m x k x n from its shapes (lhs [m, k], rhs [groups, k, n]); a kernel with integer results only
     (e.g. the ragged dot's group metadata) does no matmul; None when none of these applies."""
-    m = _COST_ESTIMATE.search(attrs)
-    if m:
-        fields = dict(re.findall(r'"(\w+)"\s*:\s*"?(\d+)', m.group(1)))
-        if "flops" in fields:
-            nbytes = int(fields["bytes_accessed"]) if "bytes_accessed" in fields else None
-            return float(fields["flops"]), nbytes
+    fields = _declared(attrs)
+    if "flops" in fields:
+        nbytes = int(fields["bytes_accessed"]) if "bytes_accessed" in fields else None
+        return float(fields["flops"]), nbytes
     if all(dt[0] in "sup" for dt, _ in arrays_of(shape)):
         return 0.0, None                            # integer/bool results only: index bookkeeping, no matmul
     if "ragged_dot" in attrs or "ragged-dot" in attrs:
@@ -90,9 +96,28 @@ def _grouped_matmul_cost(kind: str, shape: str, operand_shapes: list[str], flops
     return flops * scale, int((nbytes - out) * scale + out)
 
 
-def dynamic_grid_bound(operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None) -> float:
+def declared_row_blocks(shape: str, operand_shapes: list[str], attrs: str) -> float | None:
+    """The row blocks the INT4 expert kernel (pallas_kernels/int4_matmul, [n, m, K] x [E, K, N] -> [n, m, N])
+    declares it computes: its declared FLOPs / (2 m K N) (kernel.cost_estimate; the decode dispatch declares
+    the busiest chip's expected blocks), within [1, n]; None when the shapes do not read as that kernel's."""
+    xs = [s for dt, s in (a for t in operand_shapes for a in arrays_of(t)) if dt[0] not in "sup" and len(s) == 3]
+    out = arrays_of(shape)
+    flops = float(_declared(attrs).get("flops", 0))
+    if not xs or not out or len(out[0][1]) != 3 or not flops:
+        return None
+    (n, m, K), N = xs[0], out[0][1][-1]
+    return max(1.0, min(float(n), flops / (2.0 * m * K * N)))
+
+
+def dynamic_grid_bound(operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None, shape: str = "",
+                       kernel_name: str = "") -> float:
     """The iterations of a kernel's dynamic grid axis: a megablox grouped matmul's visited row tiles under
-    ``load`` (`grouped_matmul_tiles`), the most its grid may visit without one; 1 for other kernels."""
+    ``load`` (`grouped_matmul_tiles`), the most its grid may visit without one; the INT4 expert kernel's
+    (``kernel_name``, its Mosaic function; ``shape`` its result) declared row blocks (`declared_row_blocks`);
+    1 for other kernels."""
+    if kernel_name == INT4_BLOCK_MATMUL:
+        blocks = declared_row_blocks(shape, operand_shapes, attrs)
+        return 1.0 if blocks is None else blocks
     if not _GROUPED_MATMUL.search(attrs):
         return 1.0
     arrays = [a for t in operand_shapes for a in arrays_of(t)]

@@ -1,6 +1,6 @@
 """The grid a Mosaic kernel (a Pallas TPU kernel) runs, read from the serialized module the TPU lowering
 writes into its custom call's backend config (``custom_call_config.body``: MLIR bytecode, base64): the
-kernel function's ``iteration_bounds`` (a dynamic bound, e.g. megablox's row-tile count, is written as
+kernel function's name, its ``iteration_bounds`` (a dynamic bound, e.g. megablox's row-tile count, is written as
 -2^63), its ``dimension_semantics`` (which grid axes are "parallel", i.e. may be split over a chip's
 TensorCores) and its ``window_params`` (each windowed operand's block shape; its ``transform_i`` index map).
 
@@ -32,11 +32,13 @@ _SSA = re.compile(r"%[\w#]+")
 class KernelGrid:
     """``bounds`` per grid axis (None: dynamic), ``parallel`` per axis, ``windows``: per windowed operand and
     output (block bytes, the last grid axis its block index depends on, -1: none), ``unwindowed``: operands
-    the kernel moves itself (memory space ANY, its own DMAs: not counted here)."""
+    the kernel moves itself (memory space ANY, its own DMAs: not counted here), ``name``: the kernel
+    function's name (the ``pallas_call``'s name)."""
     bounds: tuple
     parallel: tuple
     windows: tuple          # (block bytes, last grid axis its index reads (-1: none), read from a table)
     unwindowed: int = 0
+    name: str = ""
 
     def _bounds(self, dynamic: float) -> list[float]:
         return [dynamic if b is None else b for b in self.bounds]
@@ -106,15 +108,16 @@ def _grid_of_body(body: str) -> KernelGrid | None:
             module = ir.Module.parse(raw)
             funcs = list(module.body.operations)
             main = next(f for f in funcs if "iteration_bounds" in f.attributes)
+            name = str(main.attributes["sym_name"]).strip('"') if "sym_name" in main.attributes else ""
             attrs = {a: str(main.attributes[a]) for a in ("iteration_bounds", "dimension_semantics",
                                                           "window_params", "function_type")}
             attrs["scalar_prefetch"] = str(main.attributes["scalar_prefetch"]) \
                 if "scalar_prefetch" in main.attributes else "0"
             transforms = {}
             for f in funcs:
-                name = str(f.attributes["sym_name"]).strip('"') if "sym_name" in f.attributes else ""
-                if name.startswith("transform_"):
-                    transforms[name] = str(f)
+                fname = str(f.attributes["sym_name"]).strip('"') if "sym_name" in f.attributes else ""
+                if fname.startswith("transform_"):
+                    transforms[fname] = str(f)
     except Exception:       # noqa: BLE001 -- an unreadable module: the kernel keeps its declared cost
         return None
     bounds = tuple(None if int(v) == _DYNAMIC else int(v)
@@ -137,7 +140,7 @@ def _grid_of_body(body: str) -> KernelGrid | None:
         last, table = _index_dependencies(transforms.get(transform.group(1), ""), len(bounds)) if transform \
             else (-1, False)
         windows.append((math.prod(int(v) for v in shape.group(1).split(",")) * element, last, table))
-    return KernelGrid(bounds, parallel, tuple(windows), unwindowed)
+    return KernelGrid(bounds, parallel, tuple(windows), unwindowed, name)
 
 
 def kernel_grid(attrs: str) -> KernelGrid | None:

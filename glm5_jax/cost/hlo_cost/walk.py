@@ -209,11 +209,11 @@ class _Walk:
                 self.uncounted.append(op_name if op_name is not None else f.name)
             else:
                 f.own.add(("kernel_flops", cat), kernel[0])
-                return self._kernel_grid(f, operand_shapes, attrs, cat, *kernel) if self.rules.reads_grids \
+                return self._kernel_grid(f, shape, operand_shapes, attrs, cat, *kernel) if self.rules.reads_grids \
                     else kernel[1]
         return None
 
-    def _kernel_grid(self, f: _Frame, operand_shapes: list[str], attrs: str, cat: str, flops: float,
+    def _kernel_grid(self, f: _Frame, shape: str, operand_shapes: list[str], attrs: str, cat: str, flops: float,
                      declared: int | None) -> float | None:
         """A kernel under the grid rules (`CostRules`): its bytes from its grid (returned at top level; in a
         fusion, the excess over its declared bytes is added to the fusion's), its grid steps, and the time
@@ -224,7 +224,7 @@ class _Walk:
             op_name = op_name_of(attrs)
             self.no_grid.append(op_name if op_name is not None else f.name)
             return declared
-        dynamic = dynamic_grid_bound(operand_shapes, attrs, self.grouped_matmul_load)
+        dynamic = dynamic_grid_bound(operand_shapes, attrs, self.grouped_matmul_load, shape, grid.name)
         nbytes = declared
         if self.rules.kernel_grid_bytes:
             by_grid = grid.window_bytes(dynamic, table_fraction(grid, attrs))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.layers import materialised_on_cpu
-from glm5_jax.model.moe.experts import expert_blocks, sort_by_expert
+from glm5_jax.model.moe.experts import expert_blocks, max_blocks, sort_by_expert
 
 MOE_BLOCK = 128                # rows per block
 # the blocked forward's results (output, gate and up activations), for remat policies to keep
@@ -73,7 +73,7 @@ def _all_experts_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, d
 def _blocked_rows(M, E, block=MOE_BLOCK):
     """Rows the blocked impl computes for M assignments over E experts (its static padded buffer)."""
     block = min(block, M)
-    return (-(-M // block) + E - 1) * block
+    return max_blocks(M, E, block) * block
 
 
 def _blocked_swiglu(x_MD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, block=MOE_BLOCK):

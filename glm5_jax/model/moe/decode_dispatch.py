@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax.model.config import ModelConfig
@@ -55,12 +56,35 @@ def touched_share(n_tokens: int, top_k: int, n_experts: int) -> float:
     return 1.0 - (1.0 - top_k / n_experts) ** n_tokens
 
 
-def expected_blocks(n_tokens: int, top_k: int, n_experts: int, n_local: int, block: int) -> int:
-    """INT4 kernel row blocks a chip holding ``n_local`` experts is expected to compute for ``n_tokens``
-    tokens: its touched experts, each with its expected rows in whole blocks (the kernel's cost hint)."""
-    touched = n_local * touched_share(n_tokens, top_k, n_experts)
-    rows = n_tokens * top_k * n_local / n_experts
-    return max(1, math.ceil(touched * math.ceil(rows / max(touched, 1e-9) / block)))
+def block_count_pmf(n_tokens: int, top_k: int, n_experts: int, block: int) -> np.ndarray:
+    """P(an expert's rows fill b blocks of ``block`` rows), b = 0, 1, ...: under uniform routing (each token
+    chooses ``top_k`` distinct experts of ``n_experts``) an expert's rows R ~ Binomial(n_tokens, K / E) and
+    its blocks are ceil(R / block)."""
+    p = top_k / n_experts
+    r = np.arange(n_tokens + 1)
+    if p >= 1:                                      # every token chooses every expert
+        rows = (r == n_tokens).astype(float)
+    else:
+        log_choose = np.array([math.lgamma(n_tokens + 1) - math.lgamma(k + 1) - math.lgamma(n_tokens - k + 1)
+                               for k in r])
+        rows = np.exp(log_choose + r * math.log(p) + (n_tokens - r) * math.log1p(-p))
+    return np.bincount(-(-r // block), weights=rows)
+
+
+def busiest_chip_blocks(n_tokens: int, top_k: int, n_experts: int, n_local: int, block: int, n_chips: int) -> float:
+    """Expected INT4 kernel row blocks on the BUSIEST of ``n_chips`` chips holding ``n_local`` experts each, for
+    ``n_tokens`` tokens (the kernel's cost hint: a synchronous step waits for that chip, kernel.py's grid
+    runs the used blocks). A chip's blocks B = sum of its experts' ceil(R_e / block) (`block_count_pmf`);
+    taking the experts, and the chips, as independent (their counts are weakly, negatively correlated:
+    within ~1% of a Monte Carlo of the routing at GLM-5's shapes), B has the n_local-fold convolution of one
+    expert's distribution F and E[max over chips] = sum_{b >= 0} (1 - P(B <= b)^n_chips). Batch 1 on 8 chips
+    of 32 of 256 experts, K = 8: B ~ Binomial(32, 1/32), mean 1, E[max] ~ 2.5."""
+    one = block_count_pmf(n_tokens, top_k, n_experts, block)
+    chip = np.array([1.0])
+    for _ in range(n_local):
+        chip = np.convolve(chip, one)
+    cdf = np.minimum(np.cumsum(chip), 1.0)
+    return float(np.sum(1.0 - cdf ** n_chips))
 
 
 def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, block: int, cost_blocks=None):
@@ -72,8 +96,8 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
         impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
         return swiglu_rows(x_sorted_MD, group_sizes[:n_local], w_gate, w_up, w_down, dtype, impl)
     x_blocks, block_expert, _, dest = expert_blocks(x_sorted_MD, group_sizes, block)
-    # only the blocks of local experts run: the kernel skips blocks from n_used on
-    n_used = (jnp.sum(-(-group_sizes[:n_local] // block)) ).astype(jnp.int32)
+    # only the blocks of local experts run: the kernel's grid stops at n_used (later blocks unwritten)
+    n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
     block_expert = jnp.minimum(block_expert, n_local - 1)
 
     def mm(x, w):
@@ -82,8 +106,7 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
                                           cost_blocks=cost_blocks, layer=w.layer)
 
     h = (jax.nn.silu(mm(x_blocks, w_gate)) * mm(x_blocks, w_up)).astype(dtype)
-    y_blocks = mm(h, w_down)
-    return y_blocks.reshape(-1, y_blocks.shape[-1])[dest]
+    return int4_ops.block_rows(mm(h, w_down), dest, n_used)      # 0 in the blocks past n_used
 
 
 def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: float) -> int:
@@ -116,7 +139,10 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
     n_seen = N // math.prod(mesh.shape[a] for a in batch) * math.prod(mesh.shape[a] for a in gather)
     cap = local_capacity(n_seen * K, n_local, E, cfg.runtime.moe_capacity_factor)
     block = int4_block_rows(-(-n_seen * K * n_local // E))
-    cost_blocks = expected_blocks(n_seen, K, E, n_local, block)
+    # chips with their own load: the expert group's, times the token shards outside it (the tensor axis
+    # splits each chip's experts' width, same load)
+    n_chips = n_ep * math.prod(mesh.shape[a] for a in batch if a not in gather)
+    cost_blocks = busiest_chip_blocks(n_seen, K, E, n_local, block, n_chips)
     dt = cfg.jnp_dtype
 
     def body(x, idx, gates, *w):

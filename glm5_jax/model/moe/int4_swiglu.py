@@ -2,7 +2,8 @@
 
 Assignments are sorted by expert and each expert's rows padded to whole blocks of `block` rows, so every
 row block multiplies by one expert's packed weights (pallas_kernels/int4_matmul). At most E - 1 blocks
-of padding; the kernel skips blocks past the last used one. Small batches (decode) use blocks of
+of padding; the kernel's grid stops at the last used block (later blocks are unwritten: rows are read
+through `ops.block_rows`). Small batches (decode) use blocks of
 ceil(N*K / 16) * 16 rows, so each chosen expert's INT4 words are read once per step.
 """
 from __future__ import annotations
@@ -47,5 +48,5 @@ def grouped_swiglu(x_ND, expert_idx_NK, w_gate, w_up, w_down, dtype, cfg: ModelC
                             out_axes=(None,) * 3)
     y_blocks = run(x_blocks, block_expert, n_used, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale,
                    w_down.packed, w_down.scale)
-    y_sorted = y_blocks.reshape(-1, y_blocks.shape[-1])[dest]
+    y_sorted = ops.block_rows(y_blocks, dest, n_used)
     return y_sorted[jnp.argsort(order)].reshape(N, K, -1)
