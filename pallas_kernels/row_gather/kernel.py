@@ -35,7 +35,13 @@ _HIGH_HALF = 0xFFFF0000
 
 
 def _row_of_tile(tile_ref, j, r):
-    """Row r (dynamic) of VMEM tile group tile_ref[j] ([8, C]) as fp32 [1, C]."""
+    """Row r (dynamic) of VMEM tile group tile_ref[j] ([8, C]) as fp32 [1, C]. A row narrower than one lane tile
+    (C < 128) cannot be loaded at a dynamic sublane: the group is then summed over its rows with all but row r
+    masked (one vreg)."""
+    if tile_ref.shape[-1] < LANES:
+        group = tile_ref[j].astype(jnp.float32)
+        pick = jax.lax.broadcasted_iota(jnp.int32, group.shape, 0) == r
+        return jnp.sum(jnp.where(pick, group, 0.0), axis=0, keepdims=True)
     if tile_ref.dtype == jnp.float32:
         return tile_ref[j, pl.ds(r, 1), :]
     words = tile_ref.bitcast(jnp.uint32)[j, pl.ds(r // 2, 1), :]           # the row pair (r & ~1, r | 1)

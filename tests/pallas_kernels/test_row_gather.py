@@ -24,13 +24,15 @@ def _numpy_gather(cache, layer, idx):
     return np.stack([rows[b][np.clip(np.asarray(idx)[b], 0, S - 1)] for b in range(rows.shape[0])])
 
 
-@pytest.mark.parametrize("dtype, B, K, block", [
-    (jnp.bfloat16, 3, 40, 16),     # odd rows x 3 blocks each (K padded to 48): one grid half, row pairs split
-    (jnp.bfloat16, 2, 64, 32),     # 4 blocks: two parallel halves, the look-ahead crosses a batch row
-    (jnp.float32, 2, 24, 16),
+@pytest.mark.parametrize("dtype, B, K, block, C", [
+    (jnp.bfloat16, 3, 40, 16, 576),   # odd rows x 3 blocks each (K padded to 48): one grid half, row pairs split;
+                                      # C = 576: 4.5 lane tiles, as GLM-5's latent row
+    (jnp.bfloat16, 2, 64, 32, 576),   # 4 blocks: two parallel halves, the look-ahead crosses a batch row
+    (jnp.float32, 2, 24, 16, 576),
+    (jnp.bfloat16, 2, 24, 16, 80),    # a row narrower than a lane tile: picked by a masked sum
 ])
-def test_kernel_equals_numpy_gather(dtype, B, K, block):
-    L, S, C = 3, 64, 576                           # C = 576: 4.5 lane tiles, as GLM-5's latent row
+def test_kernel_equals_numpy_gather(dtype, B, K, block, C):
+    L, S = 3, 64
     cache, idx = _cache_and_indices(np.random.default_rng(K), L, B, S, C, K, dtype)
     for layer in (0, 2, 7):                        # 7: clamped to the last layer
         got = jax.jit(lambda c, l, i: kernel.stacked_row_gather(c, l, i, block=block, interpret=True))(
