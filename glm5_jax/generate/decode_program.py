@@ -21,16 +21,17 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Format, Layout
+from jax.experimental.layout import Format, Layout, with_layout_constraint
 from jax.sharding import NamedSharding
 
 from glm5_jax.generate.decoding import decode_config
-from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache
+from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache, leaf_axes
 from glm5_jax.model.moe.int4_weights import stack_expert_variables
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
 from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards, replicated_rows
+from glm5_jax.parallel.shard_map import logical_shard_map
 
 EXPERTS = ("bf16", "int4")
 DISPATCH_CAPACITY = 2.0     # a chip's experts take up to 2x their expected share of the step's assignments
@@ -63,6 +64,18 @@ def _row_major(x) -> Layout:
     return Layout(major_to_minor=tuple(range(x.ndim)))
 
 
+def pin_cache_layout(cfg, cache):
+    """``cache`` held row-major inside the decode loop where the layers read it in place (``decode_cache_read=
+    "pallas"``), per shard (a layout constraint on the sharded array alone gathers it whole); as it is
+    otherwise."""
+    if cfg.runtime.decode_cache_read != "pallas":
+        return cache
+    flat, tree = jax.tree.flatten(cache)
+    axes = tuple(leaf_axes(x) for x in flat)
+    pin = logical_shard_map(lambda *xs: tuple(with_layout_constraint(x, _row_major(x)) for x in xs), axes, axes)
+    return tree.unflatten(pin(*flat))
+
+
 def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
     """``steps`` greedy decode steps -> (tokens [B, steps] int32, the updated cache)."""
     model = Transformer(cfg)
@@ -73,10 +86,10 @@ def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
 
     def step(s, carry):
         token, cache, out = carry
-        logits, _, cache = model.apply(variables, token[:, None], (position_B + s)[:, None], ones, cache,
-                                       method=Transformer.decode)
+        logits, _, cache = model.apply(variables, token[:, None], (position_B + s)[:, None], ones,
+                                       pin_cache_layout(cfg, cache), method=Transformer.decode)
         token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return token, constrain_cache(cache), out.at[:, s].set(token)
+        return token, pin_cache_layout(cfg, constrain_cache(cache)), out.at[:, s].set(token)
 
     out = jnp.zeros((B, steps), jnp.int32)
     _, cache, out = jax.lax.fori_loop(0, steps, step, (token_B, constrain_cache(cache), out))
