@@ -4,6 +4,9 @@
         --context=8192 --experts=int4 [--steps=8] --out=bench/results/decode_744b.json
     python -m glm5_jax.generate.compile_report --points=FILE.json --out=...    (a list of such points)
 
+(a point may also name ``cache_write`` and ``cache_read``: the decode program's RuntimeConfig.decode_cache_write,
+default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place)
+
 Each point lowers `glm5_jax.generate.decode_program` (``steps`` greedy decode steps in one program over a
 cache of ``context`` slots, abstract params sharded by the sampling rules of glm5_jax/parallel/sampling.py),
 compiles it with libtpu for the topology and appends one record to the JSON list ``--out``:
@@ -111,7 +114,8 @@ def _batch_axes(mesh, rules):
 
 
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
-                  quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None) -> dict:
+                  quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None,
+                  cache_read: str = "slice") -> dict:
     """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
     compiled HLO there (gzip)."""
     devices = topology_devices(topology) if devices is None else devices
@@ -122,12 +126,13 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
                           else sizes["data"] * sizes["fsdp"] * sizes["expert"])
     if context % sizes["context"]:
         raise ValueError(f"context={context} does not split over context={sizes['context']}")
-    cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write)
+    cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write, cache_read=cache_read)
     rules = decode_rules(batch, mesh, mesh_cfg.rules)
     chip = chip_of_topology(topology)
     n = len(devices)
     header = {"topology": topology, "chips": n, "mesh": {a: s for a, s in sizes.items() if s > 1}, "batch": batch,
               "context": context, "experts": experts, "steps": steps, "cache_write": cache_write,
+              "cache_read": cfg.runtime.decode_cache_read,
               "hbm_limit_gib": chip.hbm_bytes / GIB}
     t0 = time.perf_counter()
     lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
@@ -237,7 +242,7 @@ def main(argv=None):
         log.info("compiling %s", p)
         r = compile_point(cfg, p["topology"], p["mesh"], p["batch"], p["context"], p["experts"],
                           p.get("steps", args.steps), quant_matmul=args.quant_matmul,
-                          cache_write=p.get("cache_write", "rows"),
+                          cache_write=p.get("cache_write", "rows"), cache_read=p.get("cache_read", "slice"),
                           hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
         records.append(r)
         append_records(args.out, [r])

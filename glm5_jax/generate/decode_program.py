@@ -10,7 +10,8 @@ prefill), built apart so a compile report can lower it with abstract, sharded pa
 
 `decode_model_config` gives the inference settings: bf16 weights, the absorbed form, the DSA sparse stage,
 layers that read the cache and return their new rows (``decode_cache_write="rows"``,
-glm5_jax/model/decode_rows.py: no per-step copy of the cache), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
+glm5_jax/model/decode_rows.py: no per-step copy of the cache; with ``cache_read="pallas"`` each layer's selected
+latent rows gathered from the stacked cache in place, pallas_kernels/row_gather: no per-layer slice), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
 bf16 or packed INT4 through the Pallas kernel, each layer's INT4 experts read in place from the stacked
 [layers, ...] parameters (``decode_stacked_experts``, glm5_jax/model/moe/int4_weights.py).
 """
@@ -20,29 +21,33 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Format, Layout
+from jax.experimental.layout import Format, Layout, with_layout_constraint
 from jax.sharding import NamedSharding
 
 from glm5_jax.generate.decoding import decode_config
-from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache
+from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache, leaf_axes
 from glm5_jax.model.moe.int4_weights import stack_expert_variables
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
 from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards, replicated_rows
+from glm5_jax.parallel.shard_map import logical_shard_map
 
 EXPERTS = ("bf16", "int4")
 DISPATCH_CAPACITY = 2.0     # a chip's experts take up to 2x their expected share of the step's assignments
 
 
 def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
-                        cache_write: str = "rows"):
+                        cache_write: str = "rows", cache_read: str = "slice"):
     """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"; ``cache_write`` the
-    RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan)."""
+    RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan);
+    ``cache_read`` its decode_cache_read ("slice": the layer scan slices each layer's cache; "pallas": each layer
+    gathers its selected rows from the stacked cache in place; with cache_write="layer" always "slice")."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
     cfg = decode_config(cfg).replace(moe_ep="gather", dtype="bfloat16", param_dtype="bfloat16",
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
+                                     decode_cache_read=cache_read if cache_write == "rows" else "slice",
                                      moe_capacity_factor=DISPATCH_CAPACITY)
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True)
@@ -52,6 +57,23 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
 def decode_rules(batch: int, mesh, rules=SAMPLING_RULES):
     """``rules``, except that a batch that does not split over the batch axes (batch 1) is replicated."""
     return rules if batch % axis_shards(mesh, BATCH, rules) == 0 else replicated_rows(rules)
+
+
+def _row_major(x) -> Layout:
+    """The row-major layout of ``x`` (tiles left to the compiler): the layout a Pallas kernel takes."""
+    return Layout(major_to_minor=tuple(range(x.ndim)))
+
+
+def pin_cache_layout(cfg, cache):
+    """``cache`` held row-major inside the decode loop where the layers read it in place (``decode_cache_read=
+    "pallas"``), per shard (a layout constraint on the sharded array alone gathers it whole); as it is
+    otherwise."""
+    if cfg.runtime.decode_cache_read != "pallas":
+        return cache
+    flat, tree = jax.tree.flatten(cache)
+    axes = tuple(leaf_axes(x) for x in flat)
+    pin = logical_shard_map(lambda *xs: tuple(with_layout_constraint(x, _row_major(x)) for x in xs), axes, axes)
+    return tree.unflatten(pin(*flat))
 
 
 def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
@@ -64,10 +86,10 @@ def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
 
     def step(s, carry):
         token, cache, out = carry
-        logits, _, cache = model.apply(variables, token[:, None], (position_B + s)[:, None], ones, cache,
-                                       method=Transformer.decode)
+        logits, _, cache = model.apply(variables, token[:, None], (position_B + s)[:, None], ones,
+                                       pin_cache_layout(cfg, cache), method=Transformer.decode)
         token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        return token, constrain_cache(cache), out.at[:, s].set(token)
+        return token, pin_cache_layout(cfg, constrain_cache(cache)), out.at[:, s].set(token)
 
     out = jnp.zeros((B, steps), jnp.int32)
     _, cache, out = jax.lax.fori_loop(0, steps, step, (token_B, constrain_cache(cache), out))
@@ -91,10 +113,14 @@ def abstract_decode_inputs(cfg, mesh, rules, batch: int, context: int):
 
 
 def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
-    """The jitted decode program lowered with abstract inputs (the cache donated, in and out in the layout the
-    compiler picks: it lives on device between calls, so no layout copy of the whole cache at entry and exit)."""
+    """The jitted decode program lowered with abstract inputs (the cache donated, in and out in one layout: it
+    lives on device between calls, so no layout copy of the whole cache at entry and exit). With the per-layer
+    slices (``decode_cache_read="slice"``) the compiler picks that layout; reading the stacked cache in place
+    (``"pallas"``), the row-major one the row-gather kernel reads (left to pick, XLA lays the latent cache out
+    [B, S, L, C] or slots-minor and copies it whole into the kernel's layout every step; docs/inference.md)."""
     args = abstract_decode_inputs(cfg, mesh, rules, batch, context)
-    cache_formats = jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), args[3])
+    pinned = cfg.runtime.decode_cache_read == "pallas"
+    cache_formats = jax.tree.map(lambda x: Format(_row_major(x) if pinned else Layout.AUTO, x.sharding), args[3])
     fn = jax.jit(lambda v, t, p, c: decode_steps(cfg, steps, v, t, p, c), donate_argnums=(3,),
                  in_shardings=(*(jax.tree.map(lambda x: x.sharding, a) for a in args[:3]), cache_formats),
                  out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)), cache_formats))

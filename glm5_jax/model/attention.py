@@ -48,6 +48,7 @@ from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops, sparse_pallas as indexer_kl_sparse
 from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import selection_mask, visible_mask
+from pallas_kernels.row_gather import ops as row_gather_ops
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
 
 SELECTION_NAME = context_attention.SELECTION_NAME   # the top-k selection, for remat policies
@@ -144,7 +145,7 @@ class MLAttention(nn.Module):
     indexer_kind: str
 
     @nn.compact
-    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None):
+    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None, layer_index=None):
         cfg = self.cfg
         init, pdt, dt, proj = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype, cfg.runtime.projection_impl
         H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -169,7 +170,7 @@ class MLAttention(nn.Module):
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)
         if cache is not None and cfg.runtime.decode_cache_write == "rows":     # glm5_jax/model/decode_rows.py
             return self._decode_rows(a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, latent_BSC, cache,
-                                     (w_uk, w_uv, w_o))
+                                     (w_uk, w_uv, w_o), layer_index)
         kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
         if cache is not None:
             cache = dict(cache, latent=write_rows(cache["latent"], latent_BSC, positions_BT))
@@ -235,9 +236,13 @@ class MLAttention(nn.Module):
         o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
 
-    def _decode_rows(self, a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, new_latent_BTC, cache, weights):
+    def _decode_rows(self, a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, new_latent_BTC, cache, weights,
+                     layer_index=None):
         """Decode against the cache as it was before this step (glm5_jax/model/decode_rows.py) -> AttentionOutput
-        whose cache is only this step's new rows ({"latent": [B, T, C][, "index_key": [B, T, d_I]]})."""
+        whose cache is only this step's new rows ({"latent": [B, T, C][, "index_key": [B, T, d_I]]}). With
+        ``layer_index`` (``decode_cache_read`` other than "slice") ``cache`` is the segment's stacked [layers, B,
+        S, X] cache: the indexer keys of the layer are read at its index, the selected latent rows gathered
+        from the stacked cache in place (`_gather_cached_rows`)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         w_uk, w_uv, w_o = weights
         if cfg.runtime.attention_mode != "sparse" or self.indexer_kind == "none":
@@ -247,16 +252,34 @@ class MLAttention(nn.Module):
         if self.indexer_kind == "full":
             q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT)
             new["index_key"] = k_i.astype(cache["index_key"].dtype)
+            keys = cache["index_key"] if layer_index is None else \
+                jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False)
             with jax.named_scope("lightning_indexer"):
-                selection = decode_rows.topk_with_new_rows(q_i, cache["index_key"], new["index_key"], w_i,
-                                                           positions_BT, cfg.index_topk)
+                selection = decode_rows.topk_with_new_rows(q_i, keys, new["index_key"], w_i, positions_BT,
+                                                           cfg.index_topk)
         q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
         with jax.named_scope("attention_core"):
-            o_lat = decode_rows.attend_with_new_rows(q_abs, cache["latent"], new["latent"], *selection[:2],
+            cached = decode_rows.take_rows(cache["latent"], selection[0]) if layer_index is None else \
+                self._gather_cached_rows(cache["latent"], layer_index, selection[0])
+            o_lat = decode_rows.attend_with_new_rows(q_abs, cached, new["latent"], *selection[:2],
                                                      positions_BT, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
         o = constrain(einsum("bthr,rhv->bthv", o_lat, w_uv, dt), (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=cfg.runtime.projection_impl), selection,
                                None, new)
+
+    def _gather_cached_rows(self, latent_LBSC, layer_index, idx_BTK):
+        """[B, T, k, C]: the rows idx of layer ``layer_index`` of the stacked latent cache, by the
+        ``decode_cache_read`` impl of pallas_kernels/row_gather (a Pallas impl per batch shard, the slots whole)."""
+        B, T, K = idx_BTK.shape
+        impl = self.cfg.runtime.decode_cache_read
+
+        def gather(latent, layer, idx):
+            return row_gather_ops.stacked_row_gather(latent, layer, idx.reshape(idx.shape[0], T * K), impl=impl)
+
+        if impl in PALLAS_IMPLS:
+            gather = logical_shard_map(gather, in_axes=((None, BATCH, None, None), (), (BATCH, None, None)),
+                                       out_axes=(BATCH, None, None))
+        return gather(latent_LBSC, layer_index, idx_BTK).reshape(B, T, K, -1)
 
     def _flash_core(self, q, k, v, positions_BT, segment_ids_BT, allowed_BTS=None):
         """Causal attention in the MHA form over every visible key, or only the ``allowed`` ones (the

@@ -19,6 +19,7 @@ AttentionImpl = Literal["reference", "xla", "pallas", "pallas_interpret"]
 MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
 DecodeCacheWrite = Literal["layer", "rows"]
+DecodeCacheRead = Literal["slice", "xla", "pallas", "pallas_interpret"]   # decode_cache_write="rows" only
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
@@ -105,6 +106,11 @@ class RuntimeConfig:
     # layer reads the cache as it was and returns its new rows, written after the layer scan in place; main stack
     # only: glm5_jax/model/decode_rows.py)
     decode_cache_write: DecodeCacheWrite = "layer"
+    # with decode_cache_write="rows", how a layer reads the stacked [layers, B, S, X] cache: "slice" (the layer
+    # scan slices the layer's cache out: a copy of the layer's whole cache per layer per step) or the scan hands
+    # every layer the stacked cache and its index and the selected latent rows are gathered in place by that
+    # impl of pallas_kernels/row_gather ("xla": the slice and XLA's gather; "pallas": the kernel)
+    decode_cache_read: DecodeCacheRead = "slice"
     # decode with packed INT4 experts through the Pallas kernel (moe_ep="gather"): the layer scan hands each layer
     # the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel instead of
     # a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
@@ -146,6 +152,9 @@ class RuntimeConfig:
             raise ConfigError(f"RuntimeConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
         if self.indexer_loss == "sparse" and self.attention_mode != "sparse":
             raise ConfigError("RuntimeConfig.indexer_loss='sparse': the sparse-stage KL needs attention_mode='sparse'")
+        if self.decode_cache_read != "slice" and self.decode_cache_write != "rows":
+            raise ConfigError(f"RuntimeConfig.decode_cache_read={self.decode_cache_read!r}: reads the stacked cache of "
+                              "the read-only decode path; needs decode_cache_write='rows'")
 
     def replace(self, **changes) -> "RuntimeConfig":
         return dataclasses.replace(self, **changes)

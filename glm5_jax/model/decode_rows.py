@@ -9,11 +9,12 @@ already written:
 
 * selection: indexer scores of the cached keys (slots outside the new rows) and of the new keys (placed at
   their slots), then top-k over the slots: the same scores, so the same selection, as over the written cache;
-* attention: the selected latent rows gathered from the cache, those at new slots taken from the new rows.
+* attention: the selected latent rows gathered from the cache (`take_rows`, or in place from the stacked
+  cache by pallas_kernels/row_gather with ``decode_cache_read``), those at new slots taken from the new rows.
 
 Indexer score: I[t, s] = sum_h w[t, h] ReLU(q[t, h] . k[s]) (docs/architecture.md#lightning-indexer), fp32.
 Shapes: q_i [B, T, H_I, d_I], keys [B, S, d_I] / new [B, T, d_I], w [B, T, H_I]; q_abs [B, T, H, C], latent
-[B, S, C] / new [B, T, C]; idx / valid [B, T, k].
+[B, S, C] / new [B, T, C]; idx / valid [B, T, k]; cached rows [B, T, k, C] (the cache's rows at idx).
 """
 from __future__ import annotations
 
@@ -46,13 +47,18 @@ def topk_with_new_rows(q_BTHD, keys_BSD, new_keys_BTD, w_BTH, positions_BT, topk
     return idx.astype(jnp.int32), top > -jnp.inf
 
 
-def attend_with_new_rows(q_BTHC, latent_BSC, new_latent_BTC, idx_BTK, valid_BTK, positions_BT, *, scale, v_dim):
-    """Absorbed attention of every head over its query's selected rows -> [B, T, H, v_dim] in q's dtype."""
+def take_rows(latent_BSC, idx_BTK):
+    """[B, T, k, C]: the cache's rows at the selected slots (XLA's gather)."""
+    return jax.vmap(lambda rows, i: rows[i])(latent_BSC, idx_BTK)
+
+
+def attend_with_new_rows(q_BTHC, cached_BTKC, new_latent_BTC, idx_BTK, valid_BTK, positions_BT, *, scale, v_dim):
+    """Absorbed attention of every head over its query's selected rows -> [B, T, H, v_dim] in q's dtype;
+    ``cached`` the cache's rows at idx (as it was before the step), those at new slots replaced by new rows."""
     T = positions_BT.shape[1]
-    take = jax.vmap(lambda rows, i: rows[i])
     j = idx_BTK - positions_BT[:, :1, None]
-    rows = jnp.where(((j >= 0) & (j < T))[..., None], take(new_latent_BTC.astype(latent_BSC.dtype), jnp.clip(j, 0, T - 1)),
-                     take(latent_BSC, idx_BTK))                                                  # [B, T, k, C]
+    rows = jnp.where(((j >= 0) & (j < T))[..., None],
+                     take_rows(new_latent_BTC.astype(cached_BTKC.dtype), jnp.clip(j, 0, T - 1)), cached_BTKC)
     logits = jnp.einsum("btkc,bthc->bthk", rows, q_BTHC.astype(rows.dtype), preferred_element_type=jnp.float32)
     logits = jnp.where(valid_BTK[:, :, None, :], logits * scale, -jnp.inf)
     probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))

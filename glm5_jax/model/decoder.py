@@ -141,7 +141,8 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None, layer_index=None):
         """``layer_index``: this layer's index in its scan, given with ``decode_stacked_experts`` (the MoE then
-        reads the stacked experts, glm5_jax/model/moe/int4_weights.py)."""
+        reads the stacked experts, glm5_jax/model/moe/int4_weights.py) or a ``decode_cache_read`` other than
+        "slice" (``cache`` is then the segment's stacked cache, read at that index)."""
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         around_attention, around_ffn = self._residual("attn_hc"), self._residual("ffn_hc")
         x, add = around_attention(h_BTD)
@@ -150,8 +151,9 @@ class DecoderLayer(nn.Module):
             out, new_cache = KDAttention(cfg, name="attention")(a, segment_ids_BT, positions_BT, cache)
             attn = AttentionOutput(out, selection, None, new_cache)
         else:
+            cache_index = layer_index if cfg.runtime.decode_cache_read != "slice" else None
             attn = MLAttention(cfg, self.kind.indexer, name="attention")(a, positions_BT, segment_ids_BT, selection,
-                                                                        cache)
+                                                                        cache, cache_index)
         h_BTD = add(checkpoint_name(attn.out, ATTENTION_OUT_NAME))
         x, add = around_ffn(h_BTD)
         m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(x)
@@ -159,7 +161,8 @@ class DecoderLayer(nn.Module):
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
-            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0, layer_index)
+            experts_index = layer_index if cfg.runtime.decode_stacked_experts else None
+            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0, experts_index)
         stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, attn.indexer_kl)
         return LayerOutput(add(ffn_out), attn.selection, stats, attn.cache)
 
@@ -180,14 +183,19 @@ class LayerGroup(nn.Module):
 
     Returns the new carry and (`LayerStats` stacked over the unit's layers [len(unit), ...], decode
     cache). A decode cache is scanned alongside the parameters: {"layer_i": cache} in, the updated one out;
-    so is the repeat's index ``repeat`` with ``decode_stacked_experts`` (None otherwise).
+    so is the repeat's index ``repeat`` with ``decode_stacked_experts`` or a stacked cache read (None
+    otherwise). With a ``decode_cache_read`` other than "slice" the segment's whole stacked cache comes in the
+    carry instead (h, selection, cache), passed on unchanged: every repeat reads it at its index and returns
+    its new rows, which the stack writes into the loop's output cache after the scan.
     """
     cfg: ModelConfig
     unit: tuple
 
     @nn.compact
     def __call__(self, carry, positions_BT, segment_ids_BT, cache=None, repeat=None):
-        h, selection = carry
+        h, selection, *stacked_cache = carry        # (h, selection[, the segment's stacked cache, passed on])
+        if stacked_cache:
+            cache = stacked_cache[0]
         # Positions and segment ids are the same for every layer. Left loop-invariant, JAX's scan
         # linearisation hoists all work that depends on them alone out of the layer loop and stores it
         # (e.g. the indexer's visibility masks for every query chunk and key-window branch: GBs at
@@ -202,7 +210,7 @@ class LayerGroup(nn.Module):
             unit_stats.append(out.stats)
             if out.cache is not None:
                 new_cache[f"layer_{i}"] = out.cache
-        return (h, selection), (stack(unit_stats), new_cache)
+        return (h, selection, *stacked_cache), (stack(unit_stats), new_cache)
 
 
 class DecoderStack(nn.Module):
@@ -216,21 +224,31 @@ class DecoderStack(nn.Module):
         if cfg.runtime.remat_policy != "none":
             group_cls = nn.remat(LayerGroup, policy=REMAT_POLICIES[cfg.runtime.remat_policy], prevent_cse=False)
         carry, segment_stats, new_cache = (h_BTD, selection), [], {}
-        # decode_stacked_experts: the stacked packed experts go to every layer whole, with the repeat's index
-        stacked = cfg.runtime.decode_stacked_experts and cache is not None and not self.is_initializing()
+        # decode_stacked_experts: the stacked packed experts go to every layer whole, with the repeat's index;
+        # decode_cache_read other than "slice": so does the segment's stacked cache (read in place by the layer)
+        decoding = cache is not None and not self.is_initializing()
+        stacked = cfg.runtime.decode_stacked_experts and decoding
+        stacked_cache = cfg.runtime.decode_cache_read != "slice" and decoding
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
                               variable_broadcast=STACKED_EXPERTS if stacked else False,
-                              split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0, 0),
+                              split_rngs={"params": True},
+                              in_axes=(nn.broadcast, nn.broadcast, 0, 0),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})
             seg_cache = None if cache is None else cache[seg.name]
-            repeat = jnp.arange(seg.repeats, dtype=jnp.int32) if stacked else None
-            carry, (stats, seg_cache) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
-                                                                              seg_cache, repeat)
+            repeat = jnp.arange(seg.repeats, dtype=jnp.int32) if stacked or stacked_cache else None
+            if stacked_cache:       # in the carry (LayerGroup)
+                carry, seg_cache = carry + (seg_cache,), None
+            carry, (stats, rows) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
+                                                                         seg_cache, repeat)
+            if stacked_cache:
+                carry, seg_cache = carry[:2], carry[2]
             # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u
             segment_stats.append(jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), stats))
             if cache is not None and cfg.runtime.decode_cache_write == "rows":    # the layers returned their new rows
-                seg_cache = write_stacked_rows(cache[seg.name], seg_cache, positions_BT)
+                seg_cache = write_stacked_rows(seg_cache if stacked_cache else cache[seg.name], rows, positions_BT)
+            else:
+                seg_cache = rows
             new_cache[seg.name] = seg_cache
         return StackOutput(carry[0], concatenate(segment_stats), None if cache is None else new_cache)
 

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from glm5_jax.cost.hlo_cost import CollectiveOp, CostRules, GroupedMatmulLoad, StepTiming, hlo_cost, kernel_grid
+from glm5_jax.cost.hlo_cost import (CONSERVATIVE, CollectiveOp, CostRules, GroupedMatmulLoad, StepTiming, hlo_cost,
+                                    kernel_grid)
 from glm5_jax.cost.hlo_cost.kernels import table_fraction
 from glm5_jax.cost.hlo_cost.rules import GRID_STEP_SECONDS
 from glm5_jax.cost.ici import CollectiveModel
@@ -240,3 +241,41 @@ def test_flash_forward_rereads_keys_per_query_block():
     scheduled = rows * D * bf16 * 2 + rows * s32 * 2                  # k, v; key positions, segments
     assert table_fraction(grid, line) == 5 / 8
     assert grid.window_bytes(1, table_fraction(grid, line)) == H * 4 * once + H * 10 * scheduled
+
+
+def _row_gather_hlo(L, B, S, C, K, block):
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from pallas_kernels.row_gather import kernel
+
+    # one chip's program (a one-device mesh: Mosaic's lowering reads the chip from the mesh)
+    mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[:1]), ("x",))
+    s = NamedSharding(mesh, P())
+    fn = jax.shard_map(lambda c, layer, i: kernel.stacked_row_gather(c, layer, i, block=block), mesh=mesh,
+                       in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+    return jax.jit(fn).lower(jax.ShapeDtypeStruct((L, B, S, C), jnp.bfloat16, sharding=s),
+                             jax.ShapeDtypeStruct((), jnp.int32, sharding=s),
+                             jax.ShapeDtypeStruct((B, K), jnp.int32, sharding=s)).compile().as_text()
+
+
+@_needs_libtpu
+def test_row_gather_counts_a_tile_group_per_row():
+    """The stacked row gather (pallas_kernels/row_gather) DMAs each selected row's 8-row tile group from the
+    cache it takes whole (memory space ANY: no window); its windows are only the output block and the two
+    index blocks. B = 2 rows x K = 200 selected rows of C = 576 in blocks of 128 (K padded to 256): grid (2
+    halves, 2 blocks). Hand count per (padded) selected row: 8 rows x 5 lane tiles x 128 x 2 bytes read (576
+    padded to 640), 576 x 2 written, 2 x 4 bytes of index; the grid's windows alone see only the last two."""
+    L, B, S, C, K, block = 2, 2, 1024, 576, 200, 128
+    text = _row_gather_hlo(L, B, S, C, K, block)
+    line = next(x for x in text.splitlines() if "tpu_custom_call" in x and "stacked_row_gather" in x)
+    grid = kernel_grid(line)
+    assert grid.bounds == (2, 2) and grid.parallel == (True, False) and grid.unwindowed == 1
+    K = 256
+    windows = B * K * (C * 2 + 2 * 4)
+    assert grid.window_bytes() == windows
+    hand = B * K * 8 * 640 * 2 + windows
+    row = next(t for t in hlo_cost(text, timing=TIMING, top=50, rules=CONSERVATIVE).top_instructions
+               if t.opcode == "custom-call" and "stacked_row_gather" in t.op_name)
+    assert row.bytes == hand                       # the declared bytes, above the windows' (max of the two)

@@ -58,3 +58,16 @@ def test_hbm_roofline_bytes_by_hand(record):
 def test_table_has_one_row_per_record(record):
     text = compile_report.table([record, record])
     assert text.count("| v5p:2x2x1 | expert:2,tensor:2 | 4 | 256 | int4 | True |") == 2
+
+
+def test_stacked_cache_read_compiles_with_the_row_gather_kernel(tmp_path):
+    """cache_read="pallas": the decode program compiles for v5p with the row-gather kernel reading the stacked
+    cache (one call per attention layer of the scan), and the record names the read and counts the kernel."""
+    import gzip
+
+    path = str(tmp_path / "decode.hlo.gz")
+    r = compile_report.compile_point(TINY, "v5p:2x2x1", "expert:2,tensor:2", BATCH, CONTEXT, "int4", STEPS,
+                                     cache_read="pallas", hlo_path=path)
+    assert r["fits"] and r["cache_read"] == "pallas" and not r["uncounted_custom_calls"]
+    text = gzip.open(path, "rt").read()
+    assert "stacked_row_gather" in text and "tpu_custom_call" in text

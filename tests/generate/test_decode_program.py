@@ -56,10 +56,35 @@ def test_decode_program_steps_equal_layer_write():
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
 
 
+def test_stacked_cache_read_equals_the_per_layer_slices():
+    """decode_cache_read (every layer handed the segment's stacked cache and its index; the selected latent
+    rows gathered in place by the row-gather kernel, interpreted): the same tokens as the scan's per-layer
+    cache slices over 10 steps, logits and cache within fp32 tolerance."""
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows")
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    position = jnp.full((B, 1), P, jnp.int32)
+    step = lambda c: jax.jit(lambda v, t, cache: Transformer(c).apply(  # noqa: E731
+        v, t[:, None], position, jnp.ones((B, 1), jnp.int32), cache, method=Transformer.decode)[0])(
+        variables, token, cache)
+    want_tokens, want_cache = run(cfg)
+    want_logits = step(cfg)
+    got_tokens, got_cache = run(cfg.replace(decode_cache_read="pallas_interpret"))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
+                 want_cache)
+    np.testing.assert_allclose(np.asarray(step(cfg.replace(decode_cache_read="pallas_interpret"))),
+                               np.asarray(want_logits), atol=1e-5, rtol=1e-5)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
+
+
 def test_stacked_int4_experts_equal_the_per_layer_slices():
     """decode_stacked_experts (each layer's packed experts read from the stacked arrays by the layer index, the
-    INT4 kernel interpreted, experts over a data:2,expert:4 sampling mesh): the same tokens and cache as
-    the per-layer parameter slices."""
+    INT4 kernel interpreted, experts over a data:2,expert:4 sampling mesh; the cached rows gathered from the
+    stacked bf16 cache by the row-gather kernel, per batch shard): the same tokens and cache as the per-layer
+    parameter slices."""
     import flax.linen as nn
     from glm5_jax.generate.decode_program import decode_model_config, decode_rules
     from glm5_jax.model.moe.int4_weights import quantize_params
@@ -71,8 +96,9 @@ def test_stacked_int4_experts_equal_the_per_layer_slices():
                         initializer_range=0.3, indexer_types=("full",) * 4)
     params = quantize_params(init_variables(base)["params"], base)
     variables = {**init_variables(base), "params": params}
-    cfg = decode_model_config(base, "int4", quant_matmul="pallas_interpret", moe_impl="ragged_dot")
-    assert cfg.runtime.decode_stacked_experts
+    cfg = decode_model_config(base, "int4", quant_matmul="pallas_interpret", moe_impl="ragged_dot",
+                              cache_read="pallas_interpret")
+    assert cfg.runtime.decode_stacked_experts and cfg.jnp_dtype == jnp.bfloat16
     mesh = build_mesh(parse_mesh_spec("data:2,expert:4", SAMPLING_RULES), jax.devices()[:8])
     token = jnp.array([3, 77], jnp.int32)
     start = jnp.zeros((B,), jnp.int32)
