@@ -41,8 +41,9 @@ from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_rope, rope_cos_sin
 from glm5_jax.parallel import context as context_parallel
-from glm5_jax.parallel.axes import ACT_HEADS, BATCH, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA, Q_LORA, SEQ
-from glm5_jax.parallel.shard_map import logical_pmean, logical_shard_map
+from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA,
+                                    Q_LORA, SEQ)
+from glm5_jax.parallel.shard_map import logical_axis_shards, logical_pmean, logical_shard_map
 from pallas_kernels.flash_attention import ops as flash_ops
 from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops, sparse_pallas as indexer_kl_sparse
@@ -277,6 +278,12 @@ class MLAttention(nn.Module):
             return row_gather_ops.stacked_row_gather(latent, layer, idx.reshape(idx.shape[0], T * K), impl=impl)
 
         if impl in PALLAS_IMPLS:
+            if logical_axis_shards(CACHE_SEQ) > 1:
+                # the kernel reads whole rows of its batch shard's slots: a slot-split cache would be gathered
+                # to every chip per layer and step
+                raise ValueError(f"decode_cache_read={impl!r} reads each batch shard's cache slots whole, but the "
+                                 f"rules split '{CACHE_SEQ}' over {logical_axis_shards(CACHE_SEQ)} shards; use "
+                                 "decode_cache_read='slice' for a slot-split (context) cache")
             gather = logical_shard_map(gather, in_axes=((None, BATCH, None, None), (), (BATCH, None, None)),
                                        out_axes=(BATCH, None, None))
         return gather(latent_LBSC, layer_index, idx_BTK).reshape(B, T, K, -1)

@@ -113,3 +113,20 @@ def test_stacked_int4_experts_equal_the_per_layer_slices():
     np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
+
+
+def test_pallas_cache_read_refuses_a_slot_split_cache():
+    """The row-gather kernel reads a batch shard's slots whole: over a context-split cache (cache_seq over
+    `context`) it would gather the cache to every chip per layer and step, so tracing it names the switch."""
+    import flax.linen as nn
+    import pytest
+    from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.parallel.mesh import build_mesh
+    from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
+
+    cfg = decode_config(TINY).replace(decode_cache_write="rows", decode_cache_read="pallas_interpret")
+    mesh = build_mesh(parse_mesh_spec("data:2,context:2", SAMPLING_RULES), jax.devices()[:4])
+    variables = init_variables(TINY)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(B, mesh)), pytest.raises(ValueError, match="slice"):
+        jax.eval_shape(lambda v, t, p, cache: decode_steps(cfg, 2, v, t, p, cache), variables,
+                       jnp.zeros((B,), jnp.int32), jnp.full((B,), P, jnp.int32), init_cache(cfg, B, S)["decoder"])
