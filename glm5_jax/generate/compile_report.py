@@ -191,17 +191,19 @@ def step_costs(hlo_text: str, topology: str, mesh, batch: int, steps: int, roofl
 
 def table(records) -> str:
     """The report's markdown table."""
-    lines = ["| topology | mesh | batch | context | experts | fits | GiB / chip | step ms (est.) | HBM roofline ms "
-             "| est. / roofline | comm ms (exposed) | tokens/s/chip | top categories (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| topology | mesh | batch | context | experts | cache read | fits | GiB / chip | step ms (est.) "
+             "| HBM roofline ms | est. / roofline | comm ms (exposed) | tokens/s/chip | top categories (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         mesh = ",".join(f"{a}:{s}" for a, s in r["mesh"].items())
         if "estimated_step_seconds" not in r:
-            lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} | no "
+            lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
+                         f"| {r.get('cache_read', 'slice')} | no "
                          f"| - | - | {r['hbm_roofline_seconds'] * 1e3:.2f} | - | - | - | {r.get('compile_error', '')[:60]} |")
             continue
         cats = ", ".join(f"{c['category']} {c['seconds'] * 1e3:.2f}" for c in r["top_categories"][:3])
-        lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} | {r['fits']} | "
+        lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
+                     f"| {r.get('cache_read', 'slice')} | {r['fits']} | "
                      f"{r['memory_gib']:.1f} | {r['estimated_step_seconds'] * 1e3:.2f} | "
                      f"{r['hbm_roofline_seconds'] * 1e3:.2f} | {r['over_hbm_roofline']:.2f}x | "
                      f"{r['communication_seconds'] * 1e3:.2f} ({r['exposed_communication_seconds'] * 1e3:.2f}) | "

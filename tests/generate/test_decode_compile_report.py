@@ -57,7 +57,7 @@ def test_hbm_roofline_bytes_by_hand(record):
 
 def test_table_has_one_row_per_record(record):
     text = compile_report.table([record, record])
-    assert text.count("| v5p:2x2x1 | expert:2,tensor:2 | 4 | 256 | int4 | True |") == 2
+    assert text.count("| v5p:2x2x1 | expert:2,tensor:2 | 4 | 256 | int4 | slice | True |") == 2
 
 
 def test_stacked_cache_read_compiles_with_the_row_gather_kernel(tmp_path):
