@@ -93,7 +93,7 @@ def _scan_chunks(q, k, v, g, beta, seg_BT, prev_BT, init_BHKV, *, chunk):
 
     xs = tuple(chunks(x.astype(jnp.float32)) for x in (q, k, v, g, beta[..., None]))
     meta = tuple(jnp.moveaxis(x.astype(jnp.float32).reshape(B, N, chunk, 1), 1, 0) for x in (seg_BT, prev_BT))
-    step = functools.partial(chunk_step, scale=K**-0.5)
+    step = functools.partial(chunk_step, scale=K**-0.5, loop=True)   # XLA compiles one diagonal-column body
     per_head = jax.vmap(step, in_axes=(0, 0, 0, 0, 0, 0, None, None))
     per_row = jax.vmap(per_head, in_axes=(0,) * 8)
 
