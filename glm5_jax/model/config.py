@@ -65,6 +65,9 @@ class RuntimeConfig:
     param_dtype: Dtype = "float32"           # master weights
     attention_impl: AttentionImpl = "xla"    # pallas_kernels/sparse_mla/ops.py: reference | xla | pallas(_interpret)
     kda_impl: AttentionImpl = "xla"          # KDA layers' chunked core, pallas_kernels/kda/ops.py: same names
+    # tokens per KDA chunk (a multiple of 16): the recurrence runs chunk by chunk, exact for any size; the
+    # "xla" / Pallas chunk body is unrolled over the chunk's sub-chunks, so a small chunk compiles faster
+    kda_chunk: int = 64
     mla_form: MlaForm = "absorbed"           # "absorbed" (latent MQA) or "mha" (naive per-head form, a cross-check)
     # routed experts' grouped matmul: "auto" (the Pallas kernel when lowered for TPU, else ragged_dot),
     # "ragged_dot" (XLA reference), "gmm" / "gmm_interpret" (Pallas TPU kernel / its interpreter), "blocked"
@@ -133,6 +136,8 @@ class RuntimeConfig:
                 raise ConfigError(f"RuntimeConfig.{f.name}={getattr(self, f.name)!r}: must be one of {allowed}")
         if not (isinstance(self.attention_q_chunk, int) and self.attention_q_chunk > 0):
             raise ConfigError(f"RuntimeConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
+        if not (isinstance(self.kda_chunk, int) and self.kda_chunk > 0 and self.kda_chunk % 16 == 0):
+            raise ConfigError(f"RuntimeConfig.kda_chunk={self.kda_chunk!r}: must be a positive multiple of 16")
         if not (isinstance(self.attention_block, int) and self.attention_block >= 128
                 and self.attention_block & (self.attention_block - 1) == 0):
             raise ConfigError(f"RuntimeConfig.attention_block={self.attention_block!r}: must be a power of two >= 128")

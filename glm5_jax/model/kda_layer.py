@@ -65,7 +65,7 @@ def cached_conv(x_BTC, w_CW, history_BWC, positions_BT, seen_B):
     return out, gather   # gather(positions) also gives the new history
 
 
-def sharded_chunk_kda(q, k, v, g, beta, *, segment_ids_BT=None, initial_state_BHKV=None, impl):
+def sharded_chunk_kda(q, k, v, g, beta, *, segment_ids_BT=None, initial_state_BHKV=None, impl, chunk_size=64):
     """`chunk_kda` per (batch, head) shard under a multi-device mesh (its Pallas kernels cannot be
     partitioned automatically; rows and heads are independent recurrences), else `chunk_kda` itself.
     Rows split over the batch axes, heads over the heads axes; the sequence is whole on every shard."""
@@ -80,7 +80,8 @@ def sharded_chunk_kda(q, k, v, g, beta, *, segment_ids_BT=None, initial_state_BH
         rest = list(rest)
         seg = rest.pop(0) if segment_ids_BT is not None else None
         init = rest.pop(0) if initial_state_BHKV is not None else None
-        return chunk_kda(q, k, v, g, beta, segment_ids_BT=seg, initial_state_BHKV=init, impl=impl)
+        return chunk_kda(q, k, v, g, beta, segment_ids_BT=seg, initial_state_BHKV=init, chunk_size=chunk_size,
+                         impl=impl)
 
     return logical_shard_map(core, in_axes=(heads,) * 4 + ((BATCH, None, ACT_HEADS),) + tuple(extra_axes),
                              out_axes=(heads, state))(q, k, v, g, beta, *extra)
@@ -138,7 +139,8 @@ class KDAttention(nn.Module):
 
         if cache is None:
             with jax.named_scope("attention_core"):   # the compile report's category of the recurrence
-                o, _ = sharded_chunk_kda(q, k, v, g, beta, segment_ids_BT=segment_ids_BT, impl=cfg.runtime.kda_impl)
+                o, _ = sharded_chunk_kda(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
+                                         impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk)
         else:   # inactive tokens: no decay (g = 0), no write (beta = 0) leave the state exactly as it is
             g, beta = jnp.where(active[..., None, None], g, 0.0), jnp.where(active[..., None], beta, 0.0)
             if T == 1:
@@ -146,7 +148,7 @@ class KDAttention(nn.Module):
                 o = o[:, None]
             else:
                 o, state = sharded_chunk_kda(q, k, v, g, beta, initial_state_BHKV=cache["kda_state"],
-                                             impl=cfg.runtime.kda_impl)
+                                             impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk)
             cache = dict(cache, kda_conv=history.astype(cache["kda_conv"].dtype), kda_state=state, kda_seen=seen)
 
         gate = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_ga, dt, impl=proj), w_gb, dt, f32, impl=proj)

@@ -39,8 +39,10 @@ def _row(x_NK, i):
     return jnp.sum(jnp.where(_iota(x_NK.shape, 0) == i, x_NK, 0.0), axis=0, keepdims=True)
 
 
-def decayed_scores(x_CK, y_CK, G_CK, *, strict, sub):
-    """A[i, j] = sum_k x[i, k] y[j, k] exp(G[i, k] - G[j, k]) for j < i (``strict``) or j <= i, else 0."""
+def decayed_scores(x_CK, y_CK, G_CK, *, strict, sub, loop=False):
+    """A[i, j] = sum_k x[i, k] y[j, k] exp(G[i, k] - G[j, k]) for j < i (``strict``) or j <= i, else 0.
+    ``loop``: the diagonal blocks' columns in a ``lax.fori_loop`` (the same ops; one body for XLA to
+    compile) instead of unrolled (the Pallas kernels)."""
     C = x_CK.shape[0]
     token_C1 = _iota((C, 1), 0)
     col_SC = _iota((sub, C), 1)
@@ -54,11 +56,19 @@ def decayed_scores(x_CK, y_CK, G_CK, *, strict, sub):
             r = Ga[0:1]
             y_from_r = y_CK * jnp.exp(jnp.where(token_C1 < lo, r - G_CK, 0.0))
             block = jnp.where(col_SC < lo, mm_nt(xa * jnp.exp(Ga - r), y_from_r), 0.0)
-        for t in range(sub - 1 if strict else sub):   # the diagonal block, one key column at a time
+
+        def diagonal_column(t, block, lo=lo, xa=xa, ya=ya, Ga=Ga):   # the diagonal block, one key column
             seen = row_S1 > t if strict else row_S1 >= t
             decay = jnp.exp(jnp.where(seen, Ga - _row(Ga, t), 0.0))
             column = jnp.sum(xa * _row(ya, t) * decay, axis=1, keepdims=True)
-            block = jnp.where((col_SC == lo + t) & seen, column, block)
+            return jnp.where((col_SC == lo + t) & seen, column, block)
+
+        columns = sub - 1 if strict else sub
+        if loop:
+            block = jax.lax.fori_loop(0, columns, diagonal_column, block)
+        else:
+            for t in range(columns):
+                block = diagonal_column(t, block)
         blocks.append(block)
     return jnp.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
 
@@ -78,9 +88,10 @@ def unit_lower_inverse(N_CC):
     return T
 
 
-def chunk_step(S_KV, q_CK, k_CK, v_CV, g_CK, beta_C1, seg_C1, prev_C1, *, scale):
+def chunk_step(S_KV, q_CK, k_CK, v_CV, g_CK, beta_C1, seg_C1, prev_C1, *, scale, loop=False):
     """(o [C, V], the state after the chunk [K, V]) from the state before it. ``seg``: the tokens' segment
-    ids, ``prev``: the id of the document the carried state belongs to (the same in every row)."""
+    ids, ``prev``: the id of the document the carried state belongs to (the same in every row). ``loop``:
+    see `decayed_scores`."""
     C = q_CK.shape[0]
     sub = sub_chunk(C)
     row, col = _iota((C, C), 0), _iota((C, C), 1)
@@ -89,8 +100,8 @@ def chunk_step(S_KV, q_CK, k_CK, v_CV, g_CK, beta_C1, seg_C1, prev_C1, *, scale)
     sees_state = seg_C1 == prev_C1                            # [C, 1]: the carried state's document
     seg_last = _row(seg_C1, C - 1)                            # [1, 1]
     q = q_CK * scale
-    a_qk = jnp.where(same, decayed_scores(q, k_CK, G, strict=False, sub=sub), 0.0)
-    a_kk = jnp.where(same, beta_C1 * decayed_scores(k_CK, k_CK, G, strict=True, sub=sub), 0.0)
+    a_qk = jnp.where(same, decayed_scores(q, k_CK, G, strict=False, sub=sub, loop=loop), 0.0)
+    a_kk = jnp.where(same, beta_C1 * decayed_scores(k_CK, k_CK, G, strict=True, sub=sub, loop=loop), 0.0)
     T = unit_lower_inverse(a_kk)
     exp_G = jnp.exp(G)
     w = mm(T, jnp.where(sees_state, beta_C1 * k_CK * exp_G, 0.0))

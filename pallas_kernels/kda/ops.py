@@ -4,7 +4,8 @@ an ``impl`` switch, and the one-token decode step.
 * ``"reference"``: reference.chunk_kda, the readable chunked form (materialises [C, C, K] decays; small
   shapes only), differentiated by JAX.
 * ``"xla"``: the kernels' per-chunk math (chunk_step.py) under ``lax.scan`` over chunks, vmapped over rows
-  and heads, each chunk rematerialised in the backward pass; differentiated by JAX.
+  and heads (the diagonal blocks' columns in a ``fori_loop``: one body to compile), each chunk
+  rematerialised in the backward pass; differentiated by JAX.
 * ``"pallas"`` / ``"pallas_interpret"``: the TPU kernels of kernel.py (Mosaic / the Pallas interpreter on
   CPU) under a custom VJP: the forward saves the state at every chunk start, the backward kernel runs the
   chunks in reverse.
@@ -93,7 +94,7 @@ def _scan_chunks(q, k, v, g, beta, seg_BT, prev_BT, init_BHKV, *, chunk):
 
     xs = tuple(chunks(x.astype(jnp.float32)) for x in (q, k, v, g, beta[..., None]))
     meta = tuple(jnp.moveaxis(x.astype(jnp.float32).reshape(B, N, chunk, 1), 1, 0) for x in (seg_BT, prev_BT))
-    step = functools.partial(chunk_step, scale=K**-0.5)
+    step = functools.partial(chunk_step, scale=K**-0.5, loop=True)
     per_head = jax.vmap(step, in_axes=(0, 0, 0, 0, 0, 0, None, None))
     per_row = jax.vmap(per_head, in_axes=(0,) * 8)
 

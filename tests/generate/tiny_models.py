@@ -17,8 +17,13 @@ TINY = ModelConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, first_k_
 
 
 @functools.lru_cache(maxsize=8)
+def _jitted_init(cfg):   # one compiled init per config, whatever the seed
+    return jax.jit(lambda key: Transformer(cfg).init(key, jnp.zeros((1, 8), jnp.int32)))
+
+
+@functools.lru_cache(maxsize=8)
 def init_variables(cfg, seed=0):
-    return meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32)))
+    return meta.unbox(_jitted_init(cfg)(jax.random.PRNGKey(seed)))
 
 
 def full_logits(cfg, variables, tokens_BT):
