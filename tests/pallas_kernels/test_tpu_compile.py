@@ -273,9 +273,9 @@ def test_warmup_indexer_kl_compiles_with_its_gradients_kept_by_remat(mesh):
 
 
 def test_sparse_mla_compiles_at_pooled_slot_counts(mesh):
-    """GLM-5.3-Flash's NoPE MLA (C = V = kv_lora 512) over the pooled indexer's slots: top-2048 tokens in
-    groups of 16 plus the always-selected tail, 2,560 slots a query. 2,560 is no rank-1 SMEM block length
-    (a power of two, or a multiple of 1024), so each query's index row is laid out in 3,072 entries."""
+    """GLM-5.3-Flash's NoPE MLA (C = V = kv_lora 512) over the pooled indexer's slots: index_topk + 15 = 2,063
+    a query, padded to the kernel's 512-slot blocks: 2,560. That is no rank-1 SMEM block length (a power of
+    two, or a multiple of 1024), so each query's index row is laid out in 3,072 entries."""
     t, k, c = 1024, 2560, 512
     args = (abstract(mesh, (1, t, H, c), jnp.bfloat16, QUERIES), abstract(mesh, (1, t, c), jnp.bfloat16, P()),
             abstract(mesh, (1, t, k), jnp.int32, QUERIES), abstract(mesh, (1, t, k), jnp.bool_, QUERIES))
