@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.model import routing_replay
 from glm5_jax.model.kv_cache import constrain_cache, init_cache
 from glm5_jax.model.transformer import Transformer
 
@@ -49,6 +50,9 @@ class GenerationResult(NamedTuple):
     logprobs: jax.Array    # [B, max_new_tokens] fp32 sampling log-probs of `tokens`, 0 after the end
     drafted: jax.Array     # scalar int32: MTP draft tokens proposed to active rows (speculative only)
     accepted: jax.Array    # scalar int32: of those, accepted by the verifier
+    # with RuntimeConfig.capture_routing: the recorded routing per slot, {segment: {layer_i: {name: [repeats, B,
+    # S, X]}}} (slot = position; glm5_jax/model/routing_replay.py `extract` reads it per layer), else None
+    routing: Any = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -165,6 +169,9 @@ def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_t
                              "mtp_depth >= 1)")
         if not sampler.greedy:
             raise ValueError("speculative=True is implemented for greedy decoding (temperature=0) only")
+        if cfg.runtime.capture_routing:
+            raise ValueError("capture_routing records the main stack's routing per sampled token: not with "
+                             "speculative=True (drafts are verified in windows)")
     if rng is None:
         if not sampler.greedy:
             raise ValueError("sampling with temperature > 0 needs an explicit rng key")
@@ -295,9 +302,9 @@ def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prom
         return step + 1, token, cache, out_tokens, out_logprobs, count, done
 
     state = (jnp.int32(1), token, cache, out_tokens, out_logprobs, count, done)
-    _, _, _, out_tokens, out_logprobs, count, _ = jax.lax.while_loop(cond, body, state)
+    _, _, cache, out_tokens, out_logprobs, count, _ = jax.lax.while_loop(cond, body, state)
     zero = jnp.int32(0)
-    return GenerationResult(out_tokens, count, out_logprobs, zero, zero)
+    return GenerationResult(out_tokens, count, out_logprobs, zero, zero, routing_replay.recorded(cache))
 
 
 def _mtp_drafts(model, variables, K, h_BWD, known_BW, anchor_B, positions_BW, segments_BW, mtp_cache):

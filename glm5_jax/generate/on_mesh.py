@@ -68,8 +68,9 @@ def prepare_generate_on_mesh(cfg, variables, prompt_tokens, prompt_lengths, mesh
 
 def real_rows(result: GenerationResult, rows: int) -> GenerationResult:
     """The first `rows` rows of a padded batch's result (the draft counts cover every row)."""
+    routing = None if result.routing is None else jax.tree.map(lambda x: x[:, :rows], result.routing)
     return result._replace(tokens=result.tokens[:rows], lengths=result.lengths[:rows],
-                           logprobs=result.logprobs[:rows])
+                           logprobs=result.logprobs[:rows], routing=routing)
 
 
 def generate_on_mesh(cfg, variables, prompt_tokens, prompt_lengths, mesh, *, rules=SAMPLING_RULES,

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.model import context_attention, mha_form, pooled_indexer
+from glm5_jax.model import context_attention, mha_form, pooled_indexer, routing_replay
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
@@ -146,7 +146,9 @@ class MLAttention(nn.Module):
     indexer_kind: str
 
     @nn.compact
-    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None, layer_index=None):
+    def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None, layer_index=None,
+                 replay_BTk=None):
+        """``replay_BTk``: a full layer's recorded top-k to attend by (glm5_jax/model/routing_replay.py)."""
         cfg = self.cfg
         init, pdt, dt, proj = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype, cfg.runtime.projection_impl
         H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -188,6 +190,8 @@ class MLAttention(nn.Module):
 
         n_shards = context_parallel.layout_shards(a_BTD.shape[1]) if cfg.runtime.mla_form == "absorbed" else 1
         if cache is None and n_shards > 1:     # the sequence is split over shards (context parallelism)
+            if replay_BTk is not None:
+                raise NotImplementedError("routing replay of the indexer's top-k does not run context-parallel")
             if cfg.index_kpool is not None:
                 raise NotImplementedError("the pooled indexer (index_kpool) does not run context-parallel yet")
             mha = (mha_form.mha_query(q_nope, q_rot, dt), w_kvb) if flash else None
@@ -202,7 +206,7 @@ class MLAttention(nn.Module):
 
         # ---- select
         selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
-                                                       q_abs, latent_BSC, cache, masked)
+                                                       q_abs, latent_BSC, cache, masked, replay_BTk)
         visible = None if flash else visible_mask(positions_BT, kv_positions_BS, segment_ids_BT, kv_segments_BS)
 
         # ---- attend (named scopes: the compile report files the HLO by them)
@@ -331,7 +335,7 @@ class MLAttention(nn.Module):
         return o_lat, selection, indexer_kl
 
     def _select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, q_abs, latent_BSC, cache,
-                masked=False):
+                masked=False, replay_BTk=None):
         """(selection, indexer KL or None, cache): this layer's top-k (full), the previous full layer's
         (shared), or pass-through (none / dense attention); ``masked``: the top-k also as a mask. The KL comes
         as a function of an optional precomputed sparse-stage target (see indexer_kl reference) or of the
@@ -340,7 +344,7 @@ class MLAttention(nn.Module):
         if self.indexer_kind != "full":
             return prev_selection, None, cache
         if cfg.index_kpool is not None:
-            return self._pooled_select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache)
+            return self._pooled_select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache, replay_BTk)
         # The indexer is trained only by its KL loss: its inputs are detached (DeepSeek-V3.2 report,
         # section 2.1); top-k indices carry no gradient, so the LM loss never reaches the indexer.
         q_i, k_i, w_i = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
@@ -355,6 +359,8 @@ class MLAttention(nn.Module):
         if cfg.runtime.attention_mode == "sparse":
             selection = self._indexer_topk(q_i, k_i, w_i, positions_BT, kv_positions_BS, segment_ids_BT,
                                            kv_segments_BS, with_mask=masked, with_lse=with_lse)
+            if replay_BTk is not None:
+                selection = routing_replay.replay_selection(selection, replay_BTk, k_i.shape[1])
             if cache is None:
                 selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
             if with_lse:
@@ -380,7 +386,7 @@ class MLAttention(nn.Module):
                 stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK, lse_BTH=lse)
         return selection, kl, cache
 
-    def _pooled_select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache):
+    def _pooled_select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache, replay_BTk=None):
         """(selection, None, cache) of the pooled indexer; a decode cache's "index_key" holds [key; gate]."""
         cfg = self.cfg
         q_i, k_i, w_i, gate_i, ape = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD),
@@ -397,6 +403,8 @@ class MLAttention(nn.Module):
             return prev_selection, None, cache
         selection = pooled_indexer.pooled_topk(cfg, q_i, w_i, k_i, gate_i, ape, positions_BT, kv_positions_BS,
                                                segment_ids_BT, kv_segments_BS, q_slot_BT)
+        if replay_BTk is not None:
+            selection = routing_replay.replay_selection(selection, replay_BTk, k_i.shape[1])
         if cache is None:
             selection = tuple(checkpoint_name(x, SELECTION_NAME) for x in selection)
         return selection, None, cache

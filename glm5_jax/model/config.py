@@ -118,6 +118,10 @@ class RuntimeConfig:
     # the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel instead of
     # a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
     decode_stacked_experts: bool = False
+    # decoding over a cache: also record, per token, the experts each MoE layer routed it to and the slots each
+    # full-indexer layer selected for it, in the cache beside its rows (glm5_jax/model/routing_replay.py), so a
+    # learner can replay the sampler's routing and top-k instead of recomputing them
+    capture_routing: bool = False
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):
@@ -160,6 +164,10 @@ class RuntimeConfig:
         if self.decode_cache_read != "slice" and self.decode_cache_write != "rows":
             raise ConfigError(f"RuntimeConfig.decode_cache_read={self.decode_cache_read!r}: reads the stacked cache of "
                               "the read-only decode path; needs decode_cache_write='rows'")
+        if self.capture_routing and self.decode_cache_write != "layer":
+            raise ConfigError("RuntimeConfig.capture_routing records routing in the per-layer cache writes "
+                              "(decode_cache_write='layer'), not decode_cache_write="
+                              f"{self.decode_cache_write!r}")
 
     def replace(self, **changes) -> "RuntimeConfig":
         return dataclasses.replace(self, **changes)

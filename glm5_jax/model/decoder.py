@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.model import hyper_connections
+from glm5_jax.model import hyper_connections, routing_replay
 from glm5_jax.model.attention import (ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAMES, Q_LATENT_NAME, SELECTION_NAME,
                                       AttentionOutput, MLAttention)
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.hyper_connections import ACT_BTND, HyperConnection
 from glm5_jax.model.kda_layer import KDAttention
-from glm5_jax.model.kv_cache import write_stacked_rows
+from glm5_jax.model.kv_cache import record_routing, write_stacked_rows
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model.layer_stats import LayerStats, concatenate, stack
 from glm5_jax.model.layers import ACT_BTD, SWIGLU_SAVED_NAMES, RMSNorm, SwiGLU, constrain
@@ -139,10 +139,14 @@ class DecoderLayer(nn.Module):
     kind: LayerKind
 
     @nn.compact
-    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None, layer_index=None):
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None, layer_index=None, replay=None):
         """``layer_index``: this layer's index in its scan, given with ``decode_stacked_experts`` (the MoE then
         reads the stacked experts, glm5_jax/model/moe/int4_weights.py) or a ``decode_cache_read`` other than
-        "slice" (``cache`` is then the segment's stacked cache, read at that index)."""
+        "slice" (``cache`` is then the segment's stacked cache, read at that index). ``replay``: this layer's
+        recorded routing ({"routed_experts": [B, T, K], "selected_slots": [B, T, k]}, either optional) to
+        route and select by; a cache with recording leaves gets this step's routing written
+        (glm5_jax/model/routing_replay.py)."""
+        replay = replay or {}
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         around_attention, around_ffn = self._residual("attn_hc"), self._residual("ffn_hc")
         x, add = around_attention(h_BTD)
@@ -153,7 +157,8 @@ class DecoderLayer(nn.Module):
         else:
             cache_index = layer_index if cfg.runtime.decode_cache_read != "slice" else None
             attn = MLAttention(cfg, self.kind.indexer, name="attention")(a, positions_BT, segment_ids_BT, selection,
-                                                                        cache, cache_index)
+                                                                        cache, cache_index,
+                                                                        replay.get(routing_replay.SELECTED))
         h_BTD = add(checkpoint_name(attn.out, ATTENTION_OUT_NAME))
         x, add = around_ffn(h_BTD)
         m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(x)
@@ -162,9 +167,16 @@ class DecoderLayer(nn.Module):
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
         else:
             experts_index = layer_index if cfg.runtime.decode_stacked_experts else None
-            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0, experts_index)
+            ffn_out, moe_aux = MoE(cfg, name="moe")(m, segment_ids_BT > 0, experts_index,
+                                                    replay.get(routing_replay.EXPERTS))
+            moe_aux = dict(moe_aux)
+        expert_idx = None if moe_aux is None else moe_aux.pop("expert_idx")
         stats = LayerStats.of_layer(cfg.n_routed_experts, moe_aux, attn.indexer_kl)
-        return LayerOutput(add(ffn_out), attn.selection, stats, attn.cache)
+        new_cache = attn.cache
+        if cache is not None:
+            new_cache = record_routing(cache, new_cache, positions_BT, expert_idx,
+                                       attn.selection if self.kind.indexer == "full" else None)
+        return LayerOutput(add(ffn_out), attn.selection, stats, new_cache)
 
     def _residual(self, hc_name):
         """h -> (the block's input, out -> the next h): a plain residual add, or hyper-connections."""
@@ -192,7 +204,7 @@ class LayerGroup(nn.Module):
     unit: tuple
 
     @nn.compact
-    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None, repeat=None):
+    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None, repeat=None, replay=None):
         h, selection, *stacked_cache = carry        # (h, selection[, the segment's stacked cache, passed on])
         if stacked_cache:
             cache = stacked_cache[0]
@@ -204,8 +216,9 @@ class LayerGroup(nn.Module):
         unit_stats, new_cache = [], {}
         for i, kind in enumerate(self.unit):
             layer_cache = None if cache is None else cache[f"layer_{i}"]
+            layer_replay = None if replay is None else replay.get(f"layer_{i}")
             out = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(h, positions_BT, segment_ids_BT, selection,
-                                                                  layer_cache, repeat)
+                                                                  layer_cache, repeat, layer_replay)
             h, selection = out.h, out.selection
             unit_stats.append(out.stats)
             if out.cache is not None:
@@ -218,7 +231,9 @@ class DecoderStack(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None):
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None, replay=None):
+        """``replay``: recorded routing {segment: {layer_i: {name: [repeats, B, T, X]}}} to replay
+        (glm5_jax/model/routing_replay.py; segments and layers without an entry compute their own)."""
         cfg = self.cfg
         group_cls = LayerGroup
         if cfg.runtime.remat_policy != "none":
@@ -233,14 +248,15 @@ class DecoderStack(nn.Module):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
                               variable_broadcast=STACKED_EXPERTS if stacked else False,
                               split_rngs={"params": True},
-                              in_axes=(nn.broadcast, nn.broadcast, 0, 0),
+                              in_axes=(nn.broadcast, nn.broadcast, 0, 0, 0),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})
             seg_cache = None if cache is None else cache[seg.name]
             repeat = jnp.arange(seg.repeats, dtype=jnp.int32) if stacked or stacked_cache else None
             if stacked_cache:       # in the carry (LayerGroup)
                 carry, seg_cache = carry + (seg_cache,), None
+            seg_replay = None if replay is None else replay.get(seg.name)
             carry, (stats, rows) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
-                                                                         seg_cache, repeat)
+                                                                         seg_cache, repeat, seg_replay)
             if stacked_cache:
                 carry, seg_cache = carry[:2], carry[2]
             # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u

@@ -17,7 +17,9 @@ Shared-index layers have no ``index_key`` (they reuse the previous full layer's 
 indexer (GLM-5.3-Flash) ``index_key`` holds [key; pool gate score], 2 x d_I. A GLM-5.3-Flash KDA layer keeps
 no slots but a fixed-size state (glm5_jax/model/kda_layer.py): ``kda_conv`` [B, W-1, 3 H K] (the conv's last
 inputs), ``kda_state`` [B, H, K, V] fp32 (the recurrent state) and ``kda_seen`` [B] (positions absorbed). Each MTP
-depth applies the one shared MTP block to different hidden states, so each depth has its own cache.
+depth applies the one shared MTP block to different hidden states, so each depth has its own cache. With
+``RuntimeConfig.capture_routing`` a layer also records its experts and top-k per slot
+(glm5_jax/model/routing_replay.py: ``routed_experts`` [B, S, K], ``selected_slots`` [B, S, k] int32).
 
 Every leaf's logical axes are ``([layers,] batch, cache_seq, None)``: `constrain_cache` lays a cache out
 by the rules in context, `cache_shardings` gives its NamedShardings. Mapping ``cache_seq`` to a mesh axis
@@ -34,6 +36,7 @@ from jax.sharding import NamedSharding
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
+from glm5_jax.model import routing_replay
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, LAYERS
 
 # Logical axes of one layer's [B, S, X] leaf; decoder leaves carry their segment's repeats in front
@@ -47,6 +50,13 @@ def _index_key_width(cfg: ModelConfig) -> int:
 
 
 def _layer_cache(cfg: ModelConfig, kind: LayerKind, batch, max_len, dtype, lead=()):
+    layer = _attention_cache(cfg, kind, batch, max_len, dtype, lead)
+    if cfg.runtime.capture_routing:     # glm5_jax/model/routing_replay.py
+        layer.update(routing_replay.capture_leaves(cfg, kind, batch, max_len, lead))
+    return layer
+
+
+def _attention_cache(cfg: ModelConfig, kind: LayerKind, batch, max_len, dtype, lead=()):
     if kind.attention == "kda":
         H, K = cfg.linear_num_heads, cfg.linear_head_dim
         return {"kda_conv": jnp.zeros(lead + (batch, cfg.linear_conv_kernel_dim - 1, 3 * H * K), dtype),
@@ -97,6 +107,20 @@ def write_stacked_rows(cache, rows, positions_BT):
         return jax.lax.dynamic_update_slice(c_RSX, r_RTX.astype(c_RSX.dtype), (0, start, 0))
     write = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)
     return jax.tree.map(lambda c, r: write(c, r, positions_BT[:, 0]), cache, rows)
+
+
+def record_routing(cache_in: dict, cache_out: dict, positions_BT, expert_idx_BTK=None, selection=None) -> dict:
+    """``cache_out`` (a layer's updated cache) with this step's routing (experts [B, T, K], the top-k selection)
+    written at the tokens' slots into the recording leaves ``cache_in`` holds (glm5_jax/model/routing_replay.py);
+    unchanged when it holds none."""
+    out = dict(cache_out)
+    if routing_replay.EXPERTS in cache_in and expert_idx_BTK is not None:
+        out[routing_replay.EXPERTS] = write_rows(cache_in[routing_replay.EXPERTS], expert_idx_BTK, positions_BT)
+    if routing_replay.SELECTED in cache_in and selection is not None:
+        idx, valid = selection[:2]
+        recorded = jnp.where(valid, idx, routing_replay.NOT_RECORDED)
+        out[routing_replay.SELECTED] = write_rows(cache_in[routing_replay.SELECTED], recorded, positions_BT)
+    return out
 
 
 def cache_slots(cache_BSX):

@@ -151,34 +151,39 @@ class Transformer(nn.Module):
         return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, cfg.jnp_dtype, jnp.float32,
                                 cfg.runtime.projection_impl), (BATCH, SEQ, ACT_VOCAB))
 
-    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None) -> MainOutput:
+    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None, replay=None) -> MainOutput:
         B, T = tokens_BT.shape
         num_keys = T if cache is None else _cache_len(cache)
         h = self.embed(tokens_BT)
         if self.cfg.hc_mult:      # hyper-connections: N copies in, their mean out
             h = constrain(hyper_connections.expand(h, self.cfg.hc_mult), ACT_BTND)
         stack = self.decoder(h, positions, segment_ids, empty_selection(self.cfg, B, T, num_keys, cache is not None),
-                             cache)
+                             cache, replay)
         h = hyper_connections.hyper_head(stack.h) if self.cfg.hc_mult else stack.h
         h_normed = self.final_norm(h)
         return MainOutput(self.head(_rows_at(h_normed, logits_at)), h, h_normed, stack.stats, stack.cache)
 
-    def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False) -> ModelOutput:
-        """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training)."""
+    def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False, replay=None) -> ModelOutput:
+        """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training). ``replay``:
+        routing recorded by a sampler, replayed instead of recomputed (glm5_jax/model/routing_replay.py;
+        `routing_replay.to_tree`), in natural sequence order."""
         B, T = tokens_BT.shape
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
         batch = Batch(tokens=tokens_BT, segment_ids=segment_ids, positions=positions)
-        return self.forward_laid_out(lay_out_batch(self.cfg, batch), with_mtp)
+        if replay is not None and context_parallel.layout_shards(T) > 1:
+            raise NotImplementedError("routing replay does not run context-parallel (the sequence layout is "
+                                      "permuted over the context shards)")
+        return self.forward_laid_out(lay_out_batch(self.cfg, batch), with_mtp, replay)
 
-    def forward_laid_out(self, inputs: context_parallel.LaidOutBatch, with_mtp=False) -> ModelOutput:
+    def forward_laid_out(self, inputs: context_parallel.LaidOutBatch, with_mtp=False, replay=None) -> ModelOutput:
         """``__call__`` on inputs already in the sequence layout (`lay_out_batch`)."""
         cfg = self.cfg
         tokens, positions, segment_ids = (constrain(x, (BATCH, SEQ))
                                           for x in (inputs.tokens, inputs.positions, inputs.segment_ids))
-        main = self._main(tokens, positions, segment_ids, None)
+        main = self._main(tokens, positions, segment_ids, None, replay=replay)
         logits, h, h_normed, stats = main.logits, main.h, main.h_normed, main.stats
         mtp_logits, mtp_stats = None, []
         if cfg.num_nextn_predict_layers:

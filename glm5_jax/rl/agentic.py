@@ -28,9 +28,12 @@ import time
 
 import numpy as np
 
+from glm5_jax.model import routing_replay
 from glm5_jax.rl import rollouts as ro
+from glm5_jax.rl.config import resolve_sft
 from glm5_jax.rl.env import Environment, Episode, ServerPolicy, ToolLatency, episodes_to_batch, run_episode
 from glm5_jax.rl.number_guess import NumberGuess
+from glm5_jax.rl.policy import replayed, rl_model_config
 from glm5_jax.rl.rollout_generator import Generator
 
 _ENV_SALT, _SAMPLING_SALT, _SFT_SALT = 0xE5, 0x5A, 0x5F
@@ -64,21 +67,33 @@ def sft_seed(seed: int, index: int) -> tuple[int, np.random.Generator]:
     return int(rng.integers(0, 2 ** 31)), rng
 
 
-def empty_batch(exp) -> ro.RolloutBatch:
+def routing_shapes(exp, model_cfg, prompt_width: int) -> dict | None:
+    """The record's routing fields of a run with rl.replay_* ({name: (L, X)} over rows of the prompt width and
+    the episodes' completion width), None without."""
+    names = replayed(exp.rl)
+    if not names:
+        return None
+    return routing_replay.record_shapes(model_cfg, prompt_width + exp.agentic.completion_width, names)
+
+
+def empty_batch(exp, model_cfg) -> ro.RolloutBatch:
     """A batch of the run's shape with nothing in the loss: the learner compiles its update on it while
     the first episodes are played."""
     rl, ag = exp.rl, exp.agentic
     n = rl.prompts_per_batch * rl.group_size
     episode = Episode(prompt=make_env(rl.task, ag).reset(0))
     return episodes_to_batch([episode] * n, np.zeros(n), {}, completion_width=ag.completion_width,
-                             turns_width=ag.max_turns)
+                             turns_width=ag.max_turns,
+                             routing_shapes=routing_shapes(exp, model_cfg, len(episode.prompt)))
 
 
 class EpisodeGenerator(Generator):
     """A generator whose batches are multi-turn episodes played through the policy server at `policy_url`."""
 
     def __init__(self, exp, workdir: str, generator_id: int, policy_url: str):
-        self.policy_url = policy_url
+        self.policy_url, self.exp = policy_url, exp
+        # with rl.replay_*: the model's config, for the record's routing shapes (the server samples)
+        self.model_cfg = rl_model_config(resolve_sft(exp, workdir)[0].model) if replayed(exp.rl) else None
         super().__init__(exp, workdir, generator_id, sft_cfg=None)
 
     def _init_sampler(self, exp, sft_cfg):
@@ -94,7 +109,7 @@ class EpisodeGenerator(Generator):
         env = make_env(self.env_name, ag)
         policy = ServerPolicy(self.policy_url, temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                               seed=sampling_seed(rl.seed, ordinal, row), min_weights_version=version,
-                              retry_s=ag.retry_s, client=self.http)
+                              retry_s=ag.retry_s, client=self.http, return_routing=bool(replayed(rl)))
         episode = run_episode(policy, ToolLatency(env, ag.step_latency_s), env_seed, max_turns=ag.max_turns,
                               max_action_tokens=ag.max_action_tokens, stop_token_ids=stop_token_ids(env))
         return episode, policy.retries
@@ -120,5 +135,7 @@ class EpisodeGenerator(Generator):
                 "retries": sum(r for _, r in played), "step_latency_s": ag.step_latency_s,
                 "sample_seconds": time.perf_counter() - t0, "written_at": time.time()}
         group_ids = ordinal * rl.prompts_per_batch + np.arange(len(seeds)) // rl.group_size
+        prompt_width = max(len(e.prompt) for e in episodes)
         return episodes_to_batch(episodes, group_ids, meta, completion_width=ag.completion_width,
-                                 turns_width=ag.max_turns)
+                                 turns_width=ag.max_turns,
+                                 routing_shapes=routing_shapes(self.exp, self.model_cfg, prompt_width))

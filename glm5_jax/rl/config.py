@@ -56,6 +56,11 @@ class RLConfig:
     # saved every learner_state_every versions (and at the last) in <workdir>/learner/
     handoff_dtype: str = ""
     handoff_int4_experts: bool = False
+    # routing replay (docs/rl.md#routing-replay, glm5_jax/model/routing_replay.py): the sampler records with each
+    # token the experts every MoE layer routed it to (replay_experts) and the slots every full-indexer layer
+    # selected for it (replay_topk); the learner's forward takes those choices instead of recomputing them
+    replay_experts: bool = False
+    replay_topk: bool = False
     learner_state_every: int = 1
     # loss (docs/training.md#policy-losses): "dis" GLM-5 direct double-sided IS, "icepop" GLM-5 reasoning RL, "ppo_clip"
     loss: str = "dis"

@@ -22,7 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from glm5_jax.rl.rollouts import RolloutBatch
+from glm5_jax.model import routing_replay
+from glm5_jax.rl.rollouts import RolloutBatch, routing_fields
+from glm5_jax.serve.protocol import decode_routing
 
 
 @dataclasses.dataclass
@@ -49,6 +51,8 @@ class Sampled:
     weights_version: int | None = None          # the version the turn was admitted with
     cached_tokens: int = 0
     token_versions: list[int] | None = None     # per token, the version that sampled it (None: weights_version)
+    # what the model chose at each position it ran ({name: [positions, L, X]}, glm5_jax/model/routing_replay.py)
+    routing: dict | None = None
 
 
 # policy(context_ids, max_tokens, stop_token_ids) -> Sampled
@@ -68,6 +72,9 @@ class Episode:
     cached_tokens: list[int] = dataclasses.field(default_factory=list)  # per turn, as the server reported
     context_lengths: list[int] = dataclasses.field(default_factory=list)  # per turn: tokens the policy saw
     action_lengths: list[int] = dataclasses.field(default_factory=list)
+    # per position of prompt + completion, the routing the policy recorded when it first ran that position
+    # ({name: [positions, L, X]}; None when the policy returns none)
+    routing: dict | None = None
 
 
 def run_episode(policy: Policy, env: Environment, seed: int, *, max_turns: int, max_action_tokens: int,
@@ -90,6 +97,8 @@ def run_episode(policy: Policy, env: Environment, seed: int, *, max_turns: int, 
         episode.token_versions += (list(out.token_versions) if out.token_versions is not None
                                    else [turn_version] * len(out.token_ids))
         episode.cached_tokens.append(out.cached_tokens)
+        if out.routing is not None:
+            episode.routing = _first_runs(episode.routing, out.routing)
         result = env.step(list(out.token_ids))
         episode.reward += result.reward
         if result.done:
@@ -99,6 +108,14 @@ def run_episode(policy: Policy, env: Environment, seed: int, *, max_turns: int, 
         episode.loss_mask += [0.0] * len(result.observation)
         episode.token_versions += [-1] * len(result.observation)
     return episode
+
+
+def _first_runs(known: dict | None, turn: dict) -> dict:
+    """Each position's routing from the turn that first ran it: ``known`` extended by ``turn``'s later rows
+    (a turn's answer covers the whole context it continued, most of it reused from the server's cache)."""
+    if known is None:
+        return {name: np.array(a) for name, a in turn.items()}
+    return {name: np.concatenate([known[name], turn[name][len(known[name]):]]) for name in known}
 
 
 class ToolLatency(Environment):
@@ -132,7 +149,7 @@ class ServerPolicy:
     def __init__(self, url: str, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, session_id: str | None = None, timeout_s: float = 600.0,
                  min_weights_version: int | None = None, retry_s: float = 0.0, client=None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, return_routing: bool = False):
         import httpx2
 
         from glm5_jax.serve.auth import bearer_headers, resolve_api_key
@@ -143,6 +160,7 @@ class ServerPolicy:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.seed, self.session_id = seed, session_id
         self.min_weights_version, self.retry_s = min_weights_version, retry_s
+        self.return_routing = return_routing
         self.calls = self.retries = 0
         self.headers = bearer_headers(resolve_api_key(api_key))
 
@@ -174,14 +192,18 @@ class ServerPolicy:
             body["session_id"] = self.session_id
         if self.min_weights_version is not None:
             body["min_weights_version"] = self.min_weights_version
+        if self.return_routing:
+            body["return_routing"] = True
         r = self._post(body)
         self.calls += 1
         if r.status_code != 200:
             raise RuntimeError(f"policy server answered {r.status_code}: {r.text}")
         out = r.json()
         choice = out["choices"][0]
+        routing = decode_routing(choice["routing"]) if self.return_routing else None
         return Sampled(choice["token_ids"], choice["logprobs"], choice["weights_version"],
-                       out["usage"]["prompt_tokens_details"]["cached_tokens"], choice.get("token_weights_versions"))
+                       out["usage"]["prompt_tokens_details"]["cached_tokens"], choice.get("token_weights_versions"),
+                       routing)
 
     def close(self):
         if self._own_client:
@@ -189,11 +211,13 @@ class ServerPolicy:
 
 
 def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict, *, completion_width: int = 0,
-                      turns_width: int = 0) -> RolloutBatch:
+                      turns_width: int = 0, routing_shapes: dict | None = None) -> RolloutBatch:
     """The learner's batch: one row per episode; ``versions`` holds each turn's weights version (-1 pad,
     which the learner's staleness check ignores), ``token_versions`` each token's (-1 on the environment's).
     ``completion_width`` / ``turns_width`` pad to a fixed shape (0: the longest episode), so every batch of a
-    run has one shape and the update compiles once."""
+    run has one shape and the update compiles once. ``routing_shapes`` ({name: (L, X)},
+    `routing_replay.record_shapes` of the row width P + C): the record also carries each episode's routing
+    in those shapes, -1 where none was recorded."""
     P = max(len(e.prompt) for e in episodes)
     C = max(max(len(e.completion) for e in episodes), completion_width, 1)
     K = max(max(len(e.weights_versions) for e in episodes), turns_width, 1)
@@ -212,4 +236,14 @@ def episodes_to_batch(episodes: list[Episode], group_ids, meta: dict, *, complet
         batch.loss_mask[i, :len(e.loss_mask)] = e.loss_mask
         batch.versions[i, :len(e.weights_versions)] = e.weights_versions
         batch.token_versions[i, :len(e.token_versions)] = e.token_versions
+    if routing_shapes:
+        fields = {name: np.full((n, P + C, L, X), routing_replay.NOT_RECORDED, np.int32)
+                  for name, (L, X) in routing_shapes.items()}
+        for i, e in enumerate(episodes):
+            for name, a in (e.routing or {}).items():
+                if name in fields:
+                    a = np.asarray(routing_replay.fit_width(np.asarray(a[:P + C]), fields[name].shape[-1]))
+                    fields[name][i, :len(a)] = a
+        for name, a in routing_fields(fields, fields).items():
+            setattr(batch, name, a)
     return batch.validate()

@@ -22,6 +22,7 @@ import numpy as np
 
 from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, _prefill, decode_config, prefill_slots
 from glm5_jax.generate.on_mesh import place_prompts
+from glm5_jax.model import routing_replay
 from glm5_jax.model.kv_cache import constrain_cache, init_cache
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.mesh import mesh_and_rules
@@ -35,6 +36,9 @@ class InflightResult(NamedTuple):
     lengths: np.ndarray          # int32 [B] tokens generated, EOS included
     logprobs: np.ndarray         # float32 [B, N] behaviour log-prob of each token (0 after the end)
     token_versions: np.ndarray   # int32 [B, N] the version that sampled each token (-1 after the end)
+    # with cfg.runtime.capture_routing: the cache's recorded routing ({segment: {layer_i: {name: [repeats, B, S,
+    # X]}}}, glm5_jax/model/routing_replay.py), else None
+    routing: dict | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -94,4 +98,7 @@ def sample_inflight(cfg, mesh, rules, variables, version: int, prompt_tokens, pr
             out_versions[:, s] = np.where(live, version, -1)
             count += live
             done |= np.isin(token_np, eos)
-    return InflightResult(out_tokens[:rows], count[:rows], out_logprobs[:rows], out_versions[:rows])
+    routing = routing_replay.recorded(cache)
+    if routing is not None:
+        routing = jax.tree.map(lambda x: np.asarray(x)[:, :rows], routing)
+    return InflightResult(out_tokens[:rows], count[:rows], out_logprobs[:rows], out_versions[:rows], routing)

@@ -41,7 +41,7 @@ from glm5_jax.platforms import skip_absent_tpu
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.config import RLConfig
 from glm5_jax.rl.loss import group_advantages, policy_loss
-from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, rl_model_config
+from glm5_jax.rl.policy import Policy, completion_logprobs, params_sha256, replayed, rl_model_config
 from glm5_jax.rl.tasks import make_task
 from glm5_jax.telemetry import StepProfiler
 from glm5_jax.train.optim import clipped
@@ -145,7 +145,7 @@ def _train_step_fn(model_cfg, rl):
         def loss_fn(params):
             logp = completion_logprobs(model, {**variables, "params": params}, batch["prompt_tokens"],
                                        batch["prompt_lengths"], batch["completion_tokens"],
-                                       batch["completion_lengths"], rollout_sampler(rl))
+                                       batch["completion_lengths"], rollout_sampler(rl), batch.get("replay"))
             return policy_loss(logp, batch["logprobs"], batch["advantages"], batch["loss_mask"], rl.loss,
                                rl.eps_low, rl.eps_high, rl.icepop_beta)
 
@@ -222,6 +222,12 @@ class Learner:
         arrays = {name: jnp.asarray(getattr(batch, name)) for name in
                   ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_lengths", "logprobs",
                    "loss_mask")}
+        if names := replayed(self.rl):       # the sampler's recorded routing, replayed by the forward
+            missing = [name for name in names if getattr(batch, name) is None]
+            if missing:
+                raise ValueError(f"rl.replay_experts / rl.replay_topk: the rollout batch carries no {missing} (its "
+                                 "generator ran without them: give generators and learner the same rl.replay_*)")
+            arrays["replay"] = {name: jnp.asarray(getattr(batch, name), jnp.int32) for name in names}
         # the same placement every call (restored, freshly initialised and updated trees alike), so the
         # step compiles once; a no-op when the arrays are already there
         variables = jax.device_put(variables, self.policy.shardings)
@@ -269,7 +275,8 @@ class Learner:
             from glm5_jax.rl.agentic import empty_batch
 
             # multi-turn batches have a fixed shape: compile while the servers play the first episodes
-            log.info("update compiled in %.1f s", self.warm_up(variables, opt_state, empty_batch(self.exp)))
+            log.info("update compiled in %.1f s", self.warm_up(variables, opt_state,
+                                                                   empty_batch(self.exp, self.policy.cfg)))
         while version < rl.num_versions:
             ordinal = meta["next_ordinal"]
             generator, seq = split_ordinal(ordinal, rl.num_generators)

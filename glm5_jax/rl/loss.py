@@ -29,7 +29,8 @@ def group_advantages(rewards_N, group_size: int, std_norm: bool = True, eps: flo
 def policy_loss(logp_NC, logp_rollout_NC, adv_N, mask_NC, kind: str = "dis", eps_low: float = 0.2,
                 eps_high: float = 0.2, icepop_beta: float = 2.0):
     """(scalar loss, stats): token-level mean over Σ mask. stats: keep_fraction (tokens with gradient),
-    ratio_dev (mean |r − 1| of π_θ / π_rollout), ratio_max_dev (its max), tokens."""
+    ratio_dev (mean |r − 1| of π_θ / π_rollout), ratio_max_dev (its max), logp_abs_diff (mean |log π_θ −
+    log π_rollout|: the train / inference mismatch on policy), tokens."""
     mask = mask_NC.astype(jnp.float32)
     adv = adv_N[:, None].astype(jnp.float32)
     ratio = jnp.exp(logp_NC - logp_rollout_NC)                       # π_θ / π_rollout
@@ -56,5 +57,6 @@ def policy_loss(logp_NC, logp_rollout_NC, adv_N, mask_NC, kind: str = "dis", eps
     loss = jnp.sum(per_token * mask) / denom
     stats = {"keep_fraction": jnp.sum(keep * mask) / denom,
              "ratio_dev": jnp.sum(jnp.abs(ratio - 1.0) * mask) / denom,
-             "ratio_max_dev": jnp.max(jnp.where(mask > 0, jnp.abs(ratio - 1.0), 0.0)), "tokens": tokens}
+             "ratio_max_dev": jnp.max(jnp.where(mask > 0, jnp.abs(ratio - 1.0), 0.0)),
+             "logp_abs_diff": jnp.sum(jnp.abs(logp_NC - logp_rollout_NC) * mask) / denom, "tokens": tokens}
     return loss, stats

@@ -16,6 +16,7 @@ from flax.core import meta
 
 from glm5_jax.checkpoint.placement import abstract_variables
 from glm5_jax.generate.decoding import Sampler
+from glm5_jax.model import routing_replay
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.mesh import logical_shardings, mesh_and_rules
 from glm5_jax.parallel.sampling import SAMPLING_RULES, check_sampling_fits, sampling_mesh
@@ -27,6 +28,12 @@ def rl_model_config(sft_model_cfg):
     from glm5_jax.generate.decoding import decode_config
 
     return decode_config(sft_model_cfg).replace(attention_mode="sparse", indexer_loss="none")
+
+
+def replayed(rl_cfg) -> tuple[str, ...]:
+    """The routing a run records and replays (`glm5_jax.model.routing_replay` names), from rl.replay_*."""
+    return tuple(name for name, on in ((routing_replay.EXPERTS, rl_cfg.replay_experts),
+                                       (routing_replay.SELECTED, rl_cfg.replay_topk)) if on)
 
 
 def sampler_model_config(sft_model_cfg, sampler_dtype: str = ""):
@@ -41,6 +48,10 @@ def sampling_policy(rl_cfg, sft_model_cfg) -> "Policy":
     cfg = sampler_model_config(sft_model_cfg, rl_cfg.sampler_dtype)
     if rl_cfg.handoff_int4_experts:            # versions carry packed INT4 experts: the model that reads them
         cfg = cfg.replace(quant="int4")
+    if replayed(rl_cfg):                       # the decode cache records each token's experts / top-k
+        if rl_cfg.replay_topk and not cfg.use_indexer:
+            raise ValueError("rl.replay_topk: the model has no DSA indexer whose top-k could be replayed")
+        cfg = cfg.replace(capture_routing=True)
     mesh = sampling_mesh(rl_cfg.sampler_mesh)
     check_sampling_fits(mesh, cfg)
     return Policy(cfg, mesh, SAMPLING_RULES)
@@ -92,18 +103,21 @@ OUTSIDE_SUPPORT_LOGP = -1e9
 
 
 def completion_logprobs(model, variables, prompt_BP, prompt_lengths_B, completion_BC, completion_lengths_B,
-                        sampler: Sampler):
+                        sampler: Sampler, replay=None):
     """log π(c_j | prompt, c_<j) under the sampling distribution `sampler` describes: the logits at
     ``sampler.temperature``, restricted and renormalised to its top-k / top-p set (`Sampler.log_probs`,
     the function the generator samples with), float32 [B, C] (garbage after each end: multiply by a
     mask). The learner's recomputation of the sampler's behaviour log-probs: the policy trained is the
     truncated distribution the generator actually samples from, so on-policy π_θ / π_rollout = 1 at any
-    top_p / top_k. A token outside the learner's kept set gets OUTSIDE_SUPPORT_LOGP (ratio 0)."""
+    top_p / top_k. A token outside the learner's kept set gets OUTSIDE_SUPPORT_LOGP (ratio 0). ``replay``: the
+    sampler's recorded routing per position of these rows ({name: [B, P + C, L, X]}, `routing_replay.extract`),
+    replayed by the forward instead of recomputed."""
     if sampler.greedy:
         raise ValueError("completion_logprobs needs a sampling temperature > 0 (greedy has no sampling log-probs)")
     tokens, segment_ids, predict_at = sequence_layout(prompt_BP, prompt_lengths_B, completion_BC,
                                                       completion_lengths_B)
-    logits_BTV = model.apply(variables, tokens, segment_ids=segment_ids).logits
+    extra = {"replay": routing_replay.to_tree(model.cfg, replay)} if replay else {}
+    logits_BTV = model.apply(variables, tokens, segment_ids=segment_ids, **extra).logits
     logits_BCV = jnp.take_along_axis(logits_BTV, predict_at[..., None], axis=1).astype(jnp.float32)
     logp_BCV = sampler.log_probs(logits_BCV)
     logp_BC = jnp.take_along_axis(logp_BCV, completion_BC[..., None], axis=-1)[..., 0]

@@ -32,7 +32,8 @@ from glm5_jax.generate.decoding import Sampler
 from glm5_jax.generate.on_mesh import generate_on_mesh
 from glm5_jax.rl import rollouts as ro
 from glm5_jax.rl.inflight import sample_inflight
-from glm5_jax.rl.policy import sampling_policy
+from glm5_jax.model import routing_replay
+from glm5_jax.rl.policy import replayed, sampling_policy
 from glm5_jax.rl.tasks import make_task
 
 log = logging.getLogger("glm5_jax.rl")
@@ -134,7 +135,7 @@ class Generator:
         prompt_lengths = np.repeat(prompt_lengths, rl.group_size)
         variables = self.variables(version)
         if rl.inflight_updates:
-            tokens, lengths, logprobs, token_versions = sample_inflight(
+            tokens, lengths, logprobs, token_versions, routing = sample_inflight(
                 self.policy.cfg, self.policy.mesh, self.policy.rules, variables, version, prompts, prompt_lengths,
                 max_new_tokens=rl.max_new_tokens, sampler=Sampler(rl.temperature, rl.top_p, rl.top_k),
                 rng=sampling_key(rl.seed, self.gen, seq), eos_ids=self.task.eos_ids, newer=self.newer_version)
@@ -145,18 +146,24 @@ class Generator:
                                    rng=sampling_key(rl.seed, self.gen, seq), eos_ids=self.task.eos_ids)
             tokens, lengths, logprobs = (np.asarray(x) for x in jax.device_get((out.tokens, out.lengths,
                                                                                 out.logprobs)))
+            routing = jax.device_get(out.routing)
         rewards = self.task.rewards(prompts, prompt_lengths, tokens, lengths)
         mask = (np.arange(rl.max_new_tokens)[None, :] < lengths[:, None]).astype(np.float32)
         if not rl.inflight_updates:
             token_versions = np.where(mask > 0, version, -1).astype(np.int32)
         n = len(prompts)
         ordinal = seq * rl.num_generators + self.gen
+        replay = {}
+        if routing is not None:     # per position of the learner's rows: prompt width + completion width
+            names = replayed(rl)
+            arrays = routing_replay.extract(self.policy.cfg, routing, prompts.shape[1] + rl.max_new_tokens)
+            replay = ro.routing_fields(arrays, names)
         return ro.RolloutBatch(
             prompt_tokens=prompts.astype(np.int32), prompt_lengths=prompt_lengths.astype(np.int32),
             completion_tokens=tokens.astype(np.int32), completion_lengths=lengths.astype(np.int32),
             logprobs=logprobs.astype(np.float32), loss_mask=mask, rewards=rewards,
             group_ids=(ordinal * rl.prompts_per_batch + np.arange(n) // rl.group_size).astype(np.int32),
-            versions=np.full((n, 1), version, np.int32), token_versions=token_versions,
+            versions=np.full((n, 1), version, np.int32), token_versions=token_versions, **replay,
             meta={"generator": self.gen, "seq": seq, "ordinal": ordinal, "version": version,
                   "token_versions": sorted({int(v) for v in np.unique(token_versions) if v >= 0}),
                   "sampler": {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,

@@ -50,11 +50,16 @@ class RolloutBatch:
     # int32 [N, C] the version that sampled each completion token (-1 on environment tokens and padding);
     # optional: records written before in-flight weight updates lack it (`per_token_versions`)
     token_versions: np.ndarray | None = None
+    # routing replay (rl.replay_experts / rl.replay_topk; glm5_jax/model/routing_replay.py), optional, per position
+    # t of the learner's row (prompt, then completion: T = P + C), in model layer order, -1 where not recorded:
+    routed_experts: np.ndarray | None = None    # int16 [N, T, L_moe, K] the experts each MoE layer routed to
+    selected_slots: np.ndarray | None = None    # int16 (int32 past 32767 slots) [N, T, L_full, k] the top-k slots
 
     ARRAYS = {"prompt_tokens": (np.int32, 2), "prompt_lengths": (np.int32, 1), "completion_tokens": (np.int32, 2),
               "completion_lengths": (np.int32, 1), "logprobs": (np.float32, 2), "loss_mask": (np.float32, 2),
               "rewards": (np.float32, 1), "group_ids": (np.int32, 1), "versions": (np.int32, 2)}
-    OPTIONAL = {"token_versions": (np.int32, 2)}
+    OPTIONAL = {"token_versions": (np.int32, 2), "routed_experts": (np.int16, 4),
+                "selected_slots": ((np.int16, np.int32), 4)}
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The record's arrays: every required field, and each optional one that is present."""
@@ -76,8 +81,10 @@ class RolloutBatch:
             a = getattr(self, name)
             if a is None and name in self.OPTIONAL:
                 continue
-            if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim:
-                raise CorruptRollout(f"field {name}: expected {np.dtype(dtype).name} with {ndim} dims, got "
+            dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+            if not isinstance(a, np.ndarray) or a.dtype not in dtypes or a.ndim != ndim:
+                raise CorruptRollout(f"field {name}: expected {'/'.join(np.dtype(d).name for d in dtypes)} with "
+                                     f"{ndim} dims, got "
                                      f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
             if n is None:
                 n = a.shape[0]
@@ -87,6 +94,10 @@ class RolloutBatch:
         for name in ("logprobs", "loss_mask", "token_versions"):
             if getattr(self, name) is not None and getattr(self, name).shape[1] != C:
                 raise CorruptRollout(f"field {name} has width {getattr(self, name).shape[1]}, completions {C}")
+        for name in ("routed_experts", "selected_slots"):
+            if getattr(self, name) is not None and getattr(self, name).shape[1] != self.prompt_tokens.shape[1] + C:
+                raise CorruptRollout(f"field {name} covers {getattr(self, name).shape[1]} positions, the rows "
+                                     f"{self.prompt_tokens.shape[1] + C}")
         if np.any(self.completion_lengths < 0) or np.any(self.completion_lengths > C):
             raise CorruptRollout(f"completion_lengths outside [0, {C}]")
         if np.any(self.prompt_lengths < 1) or np.any(self.prompt_lengths > self.prompt_tokens.shape[1]):
@@ -94,6 +105,16 @@ class RolloutBatch:
         if not np.all(np.isfinite(self.logprobs)):
             raise CorruptRollout("non-finite logprobs")
         return self
+
+
+def routing_fields(arrays: dict, names) -> dict:
+    """The record fields of a sampler's recorded routing (`routing_replay.extract`: {name: [N, T, L, X]}) for
+    ``names``, in the record's compact dtypes: int16, the slots int32 when a row has more than 32767."""
+    fields = {}
+    for name in names:
+        a = np.asarray(arrays[name])
+        fields[name] = a.astype(np.int16 if name == "routed_experts" or a.shape[1] <= 32767 else np.int32)
+    return fields
 
 
 def rollout_name(generator: int, seq: int) -> str:

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException
 from glm5_jax.serve.auth import require_api_key
 from glm5_jax.serve.engine import Engine, Request, RequestError, Token
 from glm5_jax.serve.metrics import prometheus_text
-from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, TokenRequest
+from glm5_jax.serve.protocol import ChatRequest, CompletionRequest, TokenRequest, encode_routing
 from glm5_jax.serve.text import ChatTemplate, TextStream
 
 log = logging.getLogger("glm5_jax.serve")
@@ -427,6 +427,9 @@ async def tokens(body: TokenRequest, http: HttpRequest):
     server.check_alive()
     if body.stream:
         raise RequestError("/v1/tokens does not stream")
+    if body.return_routing and not server.engine.cfg.runtime.capture_routing:
+        raise RequestError("return_routing: this server's model does not record routing (an RL policy server "
+                           "records it with rl.replay_experts / rl.replay_topk)")
     if body.min_weights_version is not None:
         await server.wait_for_weights(body.min_weights_version)
     streams = _Streams()
@@ -440,7 +443,8 @@ async def tokens(body: TokenRequest, http: HttpRequest):
     choices = [{"index": i, "token_ids": [t.id for t in r.tokens], "logprobs": [t.logprob for t in r.tokens],
                 "top_logprobs": [[list(p) for p in t.top] for t in r.tokens] if body.top_logprobs else None,
                 "finish_reason": r.finish_reason, "weights_version": r.weights_version,
-                "token_weights_versions": [t.weights_version for t in r.tokens]}
+                "token_weights_versions": [t.weights_version for t in r.tokens],
+                **({"routing": encode_routing(r.routing)} if body.return_routing else {})}
                for i, r in enumerate(requests)]
     return {"id": f"tok-{uuid.uuid4().hex}", "object": "tokens", "model": server.model_name,
             "prompt_ids": list(body.prompt_ids), "choices": choices, "usage": _usage(requests)}

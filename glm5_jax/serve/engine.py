@@ -52,6 +52,7 @@ import numpy as np
 
 from glm5_jax.checkpoint.placement import variable_shardings
 from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config, has_recurrent_layers
+from glm5_jax.model import routing_replay
 from glm5_jax.model.kv_cache import cache_shardings, init_cache
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
@@ -100,6 +101,10 @@ class Request:
     finish_reason: str | None = None          # "stop", "length" or "abort"
     cached_tokens: int = 0                    # prompt tokens reused from the prefix cache
     weights_version: int | None = None
+    # with cfg.runtime.capture_routing, set when it finishes: what the model chose at every position it ran
+    # (the prompt and each fed token: all but the last), {name: [positions, L, X]} int32 in model layer order
+    # (glm5_jax/model/routing_replay.py `extract`)
+    routing: dict | None = None
     cancelled: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -465,6 +470,12 @@ class Engine:
         elif len(request.tokens) >= request.max_tokens:
             self._finish(slot, "length")
 
+    def _routing_of(self, slot: _Slot) -> dict:
+        """The recorded routing of the slot's held rows (its tokens: positions 0 .. len - 1)."""
+        row = jax.tree.map(lambda x: x[:, slot.index:slot.index + 1], routing_replay.recorded(self._cache))
+        return {name: a[0] for name, a in routing_replay.extract(self.cfg, jax.device_get(row),
+                                                                 len(slot.tokens)).items()}
+
     def _finish(self, slot: _Slot, reason: str):
         request, slot.request = slot.request, None
         slot.last_used = time.monotonic()
@@ -472,6 +483,8 @@ class Engine:
         if self.recurrent or (slot.version != self.weights_version and not self.keep_stale_prefix):
             # a recurrent state past the prompt, or rows from older weights (unless kept on purpose): no prefix
             slot.tokens = []
+        if self.cfg.runtime.capture_routing:
+            request.routing = self._routing_of(slot)
         request.finish_reason = reason
         request.done.set()
         if request.on_finish:

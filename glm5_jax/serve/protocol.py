@@ -5,8 +5,10 @@ integers (``"5"`` is refused, not converted). Unknown fields are ignored, as Ope
 """
 from __future__ import annotations
 
+import base64
 from typing import Literal, Union
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 MAX_N = 16
@@ -108,3 +110,26 @@ class TokenRequest(Sampling):
     # answer only with weights at least this new: the request waits until the server has loaded them
     # (503 after WEIGHTS_WAIT_S); an RL generator's staleness bound and lockstep rely on it
     min_weights_version: int | None = None
+    # also return what the model chose at each position it ran (the prompt and the completion but its last
+    # token): the experts per MoE layer and the DSA top-k per full-indexer layer, for routing replay; needs a
+    # server whose model records them (RuntimeConfig.capture_routing: an RL policy server with rl.replay_*)
+    return_routing: bool = False
+
+
+def encode_routing(routing: dict) -> dict:
+    """/v1/tokens' ``routing`` field: each array ({name: [positions, L, X]} int, `engine.Request.routing`) as
+    {"shape", "dtype": "int16", "data": base64 of its little-endian bytes} (expert ids and slots below 32768)."""
+    out = {}
+    for name, a in routing.items():
+        a = np.asarray(a)
+        if a.size and a.max() > np.iinfo(np.int16).max:
+            raise ValueError(f"routing {name}: a value past int16 ({a.max()})")
+        out[name] = {"shape": list(a.shape), "dtype": "int16",
+                     "data": base64.b64encode(a.astype("<i2").tobytes()).decode()}
+    return out
+
+
+def decode_routing(payload: dict) -> dict:
+    """`encode_routing`'s inverse: {name: int32 array}."""
+    return {name: np.frombuffer(base64.b64decode(v["data"]), "<i2").astype(np.int32).reshape(v["shape"])
+            for name, v in payload.items()}

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from glm5_jax.model import routing_replay
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import SwiGLU, constrain, logical_param, normal_init
 from glm5_jax.model.moe import decode_dispatch, int4_swiglu, int4_weights
@@ -29,8 +30,10 @@ __all__ = ["BIAS_COLLECTION", "BLOCKED_MOE_NAMES", "MoE", "grouped_swiglu", "rou
 BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, never by gradients
 
 
-def route(scores_NE, bias_E, cfg: ModelConfig):
-    """Expert choice: indices [N,K] chosen on sigmoid + bias, gates [N,K] from the unbiased sigmoid."""
+def route(scores_NE, bias_E, cfg: ModelConfig, replay_NK=None):
+    """Expert choice: indices [N,K] chosen on sigmoid + bias, gates [N,K] from the unbiased sigmoid. With
+    ``replay_NK`` the recorded tokens' experts are taken from it (glm5_jax/model/routing_replay.py), their
+    gates still from this forward's scores."""
     N, E = scores_NE.shape
     biased = scores_NE + bias_E
     if cfg.n_group > 1:
@@ -42,6 +45,8 @@ def route(scores_NE, bias_E, cfg: ModelConfig):
         keep = jax.vmap(lambda g: jnp.zeros((cfg.n_group,), bool).at[g].set(True))(kept_groups)
         biased = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
     _, expert_idx = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+    if replay_NK is not None:
+        expert_idx = routing_replay.replay_experts(expert_idx, replay_NK)
     gates = jnp.take_along_axis(scores_NE, expert_idx, axis=-1)                  # unbiased: the bias only selects
     if cfg.norm_topk_prob:
         gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
@@ -82,8 +87,10 @@ class MoE(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, token_mask_BT, layer_index=None):
-        """``layer_index``: the scanned layer's index, with ``decode_stacked_experts`` (int4_weights.py)."""
+    def __call__(self, x_BTD, token_mask_BT, layer_index=None, replay_BTK=None):
+        """``layer_index``: the scanned layer's index, with ``decode_stacked_experts`` (int4_weights.py);
+        ``replay_BTK``: recorded experts to route by (glm5_jax/model/routing_replay.py). The aux dict's
+        "expert_idx" [B, T, K] is the routing used."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -105,7 +112,8 @@ class MoE(nn.Module):
         x_ND = x_BTD.reshape(B * T, D)
         scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
                                         precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32
-        expert_idx, gates = route(scores, nn.unbox(bias.value), cfg)
+        replay = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
+        expert_idx, gates = route(scores, nn.unbox(bias.value), cfg, replay)
         dropped = None
         gathered = cfg.runtime.moe_ep == "gather" and not self.is_initializing()   # decode: moe/decode_dispatch.py
         if gathered:    # the gate-weighted sum comes back, reduce-scattered per token
@@ -132,6 +140,7 @@ class MoE(nn.Module):
             "balance_loss": sequence_balance_loss(scores.reshape(B, T, E), expert_idx.reshape(B, T, -1),
                                                   token_mask_BT, E, cfg.num_experts_per_tok),
         }
+        aux["expert_idx"] = expert_idx.reshape(B, T, -1)
         if dropped is not None:
             aux["dropped"] = dropped.astype(jnp.float32)          # assignments over expert capacity
         return constrain(out.astype(dt), (BATCH, SEQ, ACT_EMBED)), aux
