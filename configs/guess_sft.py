@@ -19,6 +19,7 @@ def get_config() -> ExperimentConfig:
         index_topk=16,                     # every prediction in an episode sees <= 16 keys: the frozen indexer drops none
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
         num_nextn_predict_layers=0, mtp_depth=0, max_position_embeddings=64, initializer_range=0.02,
+        quant_group_size=8,                # INT4 groups that divide the 64-wide experts (rl.handoff_int4_experts)
         eos_token_id=(tokens.end,), pad_token_id=0, bos_token_id=None,
         runtime=RuntimeConfig(remat_policy="none", moe_impl="blocked", mla_form="mha"))
     data = DataConfig(source="number_guess", seq_len=16, batch_size=64)
