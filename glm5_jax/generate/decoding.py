@@ -270,18 +270,34 @@ def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
     return last_logits, cache, mtp
 
 
-def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prompt_BT, lengths_B, rng):
-    """Prefill, then one token per step: step s feeds token s-1 (at position length + s - 1)."""
-    model = Transformer(cfg)
+def start_sampling(model, sampler, N, chunk, variables, prompt_BT, lengths_B, rng, cache_dtype=None):
+    """A cache for the prompts and N new tokens, the prompts prefilled in chunks of ``chunk``, and token 0
+    sampled with key fold_in(rng, 0) -> (cache, token [B], log-prob [B])."""
     B, T = prompt_BT.shape
-    cache = init_cache(cfg, B, max(T + N, prefill_slots(cfg, T, chunk)), cache_dtype)["decoder"]
+    cache = init_cache(model.cfg, B, max(T + N, prefill_slots(model.cfg, T, chunk)), cache_dtype)["decoder"]
     last_logits, cache, _ = _prefill(model, variables, prompt_BT, lengths_B, cache, chunk)
-    token, logprob = sampler.sample(last_logits, jax.random.fold_in(rng, 0))
+    return (cache, *sampler.sample(last_logits, jax.random.fold_in(rng, 0)))
+
+
+def sampling_step(model, sampler, variables, cache, token_B, lengths_B, step, rng):
+    """Decode step s: feed token s - 1 at position length + s - 1, sample token s with key fold_in(rng, s)
+    -> (cache, token [B], log-prob [B])."""
+    positions = (lengths_B + step - 1)[:, None]
+    logits, _, cache = model.apply(variables, token_B[:, None], positions, jnp.ones_like(positions), cache,
+                                   method=Transformer.decode)
+    return (constrain_cache(cache), *sampler.sample(logits[:, 0], jax.random.fold_in(rng, step)))
+
+
+def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prompt_BT, lengths_B, rng):
+    """Prefill, then one token per step (`sampling_step`) until every row has ended or N tokens."""
+    model = Transformer(cfg)
+    B = prompt_BT.shape[0]
+    cache, token, logprob = start_sampling(model, sampler, N, chunk, variables, prompt_BT, lengths_B, rng,
+                                           cache_dtype)
     out_tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(token)
     out_logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(logprob)
     done = _is_eos(token, eos_ids)
     count = jnp.ones((B,), jnp.int32)
-    ones = jnp.ones((B, 1), jnp.int32)
 
     def cond(state):
         step, _, _, _, _, _, done = state
@@ -289,11 +305,7 @@ def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prom
 
     def body(state):
         step, token, cache, out_tokens, out_logprobs, count, done = state
-        positions = (lengths_B + step - 1)[:, None]
-        logits, _, cache = model.apply(variables, token[:, None], positions, ones, cache,
-                                       method=Transformer.decode)
-        cache = constrain_cache(cache)
-        token, logprob = sampler.sample(logits[:, 0], jax.random.fold_in(rng, step))
+        cache, token, logprob = sampling_step(model, sampler, variables, cache, token, lengths_B, step, rng)
         live = ~done
         out_tokens = out_tokens.at[:, step].set(jnp.where(live, token, 0))
         out_logprobs = out_logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, _prefill, decode_config, prefill_slots
+from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config, sampling_step, start_sampling
 from glm5_jax.generate.on_mesh import place_prompts
 from glm5_jax.model import routing_replay
-from glm5_jax.model.kv_cache import constrain_cache, init_cache
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.mesh import mesh_and_rules
 
@@ -43,22 +42,11 @@ class InflightResult(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _programs(cfg, N: int, sampler: Sampler, chunk: int):
-    """(prefill, step) jitted: prefill writes the prompt rows and samples token 0; step s feeds token s-1 at
-    position length + s - 1 and samples token s (`decoding._sampling_loop`'s body, one call per step)."""
+    """(prefill, step) jitted: `decoding.start_sampling` (the prompt rows and token 0) and
+    `decoding.sampling_step` (step s: token s), the two halves of `generate`'s loop, one call per step."""
     model = Transformer(cfg)
-
-    def prefill(variables, prompt_BT, lengths_B, rng):
-        B, T = prompt_BT.shape
-        cache = init_cache(cfg, B, max(T + N, prefill_slots(cfg, T, chunk)))["decoder"]
-        last_logits, cache, _ = _prefill(model, variables, prompt_BT, lengths_B, cache, chunk)
-        return (cache, *sampler.sample(last_logits, jax.random.fold_in(rng, 0)))
-
-    def step(variables, cache, token_B, lengths_B, step, rng):
-        positions = (lengths_B + step - 1)[:, None]
-        logits, _, cache = model.apply(variables, token_B[:, None], positions, jnp.ones_like(positions), cache,
-                                       method=Transformer.decode)
-        return (constrain_cache(cache), *sampler.sample(logits[:, 0], jax.random.fold_in(rng, step)))
-
+    prefill = functools.partial(start_sampling, model, sampler, N, chunk)
+    step = functools.partial(sampling_step, model, sampler)
     return jax.jit(prefill), jax.jit(step, donate_argnums=(1,))
 
 
