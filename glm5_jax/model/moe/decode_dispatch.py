@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.moe import int4_weights
-from glm5_jax.model.moe.experts import expert_blocks, swiglu_rows
+from glm5_jax.model.moe.experts import expert_blocks, max_blocks, swiglu_rows
 from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE
 from glm5_jax.parallel.shard_map import logical_mesh_axes
 from pallas_kernels.impls import BLOCKED, RAGGED_DOT
@@ -36,12 +36,49 @@ INT4_MAX_BLOCK = 128        # rows per INT4 kernel block
 ROW_MULTIPLE = 16           # sublane tile of bf16 activations
 
 
+# at most this many gathered assignments per chip: the INT4 path lays its rows out by all-pairs comparisons
+# (`compare_slots`, a few fusions), not a sort, a bincount, cumulative sums and scatters (~80 small ops)
+COMPARE_MAX_ASSIGNMENTS = 128
+
+
+def local_keys(expert_idx_M, first_expert, n_local):
+    """Each assignment's local expert, ``n_local`` for another chip's."""
+    local = expert_idx_M - first_expert
+    return jnp.where((local >= 0) & (local < n_local), local, n_local)
+
+
 def local_assignments(expert_idx_MK_flat, first_expert, n_local):
     """(order [M]: assignments sorted by local expert, other chips' last; group_sizes [n_local + 1], the last
     one counting the assignments to other chips' experts)."""
-    local = expert_idx_MK_flat - first_expert
-    key = jnp.where((local >= 0) & (local < n_local), local, n_local)
+    key = local_keys(expert_idx_MK_flat, first_expert, n_local)
     return jnp.argsort(key, stable=True), jnp.bincount(key, length=n_local + 1).astype(jnp.int32)
+
+
+def compare_cumsum(x_E):
+    """Inclusive cumulative sum of a short vector as one [E, E] masked sum (fuses; a cumsum is a reduce-window)."""
+    e = jnp.arange(x_E.shape[0])
+    return jnp.sum(jnp.where(e[None, :] <= e[:, None], x_E[None, :], 0), axis=1)
+
+
+def compare_slots(key_M, n_local, cap, block, n_blocks):
+    """The INT4 kernel's row layout of a chip's M assignments from all-pairs comparisons of their local experts
+    ``key_M`` (`local_keys`): what sorting them by expert (stable, `local_assignments`), keeping the first ``cap``
+    local ones and padding each expert's rows to whole blocks (`glm5_jax.model.moe.experts.expert_blocks`)
+    give, in the blocks that run. -> (slot_SM: [n_blocks x block slots, M] True where a kept assignment sits,
+    block_expert [n_blocks], n_used)."""
+    M = key_M.shape[0]
+    i = jnp.arange(M)
+    earlier = i[None, :] < i[:, None]                                       # [i, j]: j before i
+    within = jnp.sum((key_M[None, :] == key_M[:, None]) & earlier, axis=1)  # place among its expert's rows
+    rank = jnp.sum(key_M[None, :] < key_M[:, None], axis=1) + within        # place in the stable sort
+    kept = (key_M < n_local) & (rank < cap)
+    e = jnp.arange(n_local)
+    blocks_E = (jnp.sum((key_M[None, :] == e[:, None]) & kept[None, :], axis=1) + block - 1) // block
+    end_E = compare_cumsum(blocks_E) * block                                # each expert's padded end
+    dest = jnp.sum(jnp.where(e[None, :] < key_M[:, None], blocks_E[None, :], 0), axis=1) * block + within
+    slot_SM = (dest[None, :] == jnp.arange(n_blocks * block)[:, None]) & kept[None, :]
+    block_expert = jnp.sum(end_E[None, :] <= (jnp.arange(n_blocks) * block)[:, None], axis=1)
+    return slot_SM, jnp.minimum(block_expert, n_local - 1).astype(jnp.int32), jnp.sum(blocks_E).astype(jnp.int32)
 
 
 def int4_block_rows(rows: int) -> int:
@@ -99,6 +136,14 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
     # only the blocks of local experts run: the kernel's grid stops at n_used (later blocks unwritten)
     n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
     block_expert = jnp.minimum(block_expert, n_local - 1)
+    y = int4_swiglu_blocks(x_blocks, block_expert, n_used, weights, dtype, cfg, cost_blocks)
+    return int4_ops.block_rows(y, dest, n_used)      # 0 in the blocks past n_used
+
+
+def int4_swiglu_blocks(x_blocks, block_expert, n_used, weights, dtype, cfg: ModelConfig, cost_blocks):
+    """SwiGLU of row blocks [n, block, D] through the INT4 kernel (block i by expert block_expert[i], blocks
+    from n_used on unspecified) -> [n, block, D] fp32."""
+    w_gate, w_up, w_down = weights
 
     def mm(x, w):
         return int4_ops.int4_block_matmul(x, block_expert, n_used, w.packed, w.scale,
@@ -106,7 +151,26 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
                                           cost_blocks=cost_blocks, layer=w.layer)
 
     h = (jax.nn.silu(mm(x_blocks, w_gate)) * mm(x_blocks, w_up)).astype(dtype)
-    return int4_ops.block_rows(mm(h, w_down), dest, n_used)      # 0 in the blocks past n_used
+    return mm(h, w_down)
+
+
+def compare_int4_moe(x_nD, key_M, gates_M, weights, dtype, cfg: ModelConfig, cap, block, cost_blocks):
+    """A chip's routed-expert sum for few assignments (``key_M``: `local_keys` of the n x K choices in token
+    order, ``gates_M`` theirs) -> [n, D] fp32: the sorted path of `gathered_moe`'s body with its rows laid out
+    by `compare_slots` (the same rows in the blocks that run, the same ``cap`` kept), rows moved by one-hot
+    selects (each slot takes one token or none: exact), no gathers or scatters."""
+    n, D = x_nD.shape
+    M = key_M.shape[0]
+    n_local = weights[0].packed.shape[-3]
+    n_blocks = max_blocks(cap, n_local + 1, block)
+    slot_SM, block_expert, n_used = compare_slots(key_M, n_local, cap, block, n_blocks)
+    token_SM = slot_SM[:, :, None] & (jnp.arange(M)[:, None] // (M // n) == jnp.arange(n))[None]
+    slot_token_Sn = jnp.any(token_SM, axis=1)                            # slot s holds a row of token t
+    x_SD = jnp.sum(jnp.where(slot_token_Sn[:, :, None], x_nD.astype(dtype)[None], 0), axis=1, dtype=dtype)
+    y_SD = int4_swiglu_blocks(x_SD.reshape(n_blocks, block, D), block_expert, n_used, weights, dtype, cfg,
+                              cost_blocks).reshape(-1, D)                # unspecified in blocks past n_used
+    gate_S = jnp.sum(jnp.where(slot_SM, gates_M[None, :].astype(jnp.float32), 0.0), axis=1)
+    return jnp.sum(jnp.where(slot_token_Sn.T[:, :, None], y_SD[None] * gate_S[None, :, None], 0.0), axis=1)
 
 
 def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: float) -> int:
@@ -150,18 +214,22 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
             x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
         n, k = idx.shape
         first = (jax.lax.axis_index(ep) if ep else 0) * n_local
-        order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
-        take = order[:cap]                                          # this chip's assignments first
-        kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
-        sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
         if len(w) >= 6:                             # packed (words, scale) pairs, then the layer if stacked
             layer = w[6] if len(w) == 7 else None
             weights = tuple(int4_weights.Int4Weight(*w[i:i + 2], layer) for i in (0, 2, 4))
         else:
             weights = w
-        y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
-        y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
-        y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
+        if len(w) >= 6 and n * k <= COMPARE_MAX_ASSIGNMENTS:
+            key = local_keys(idx.reshape(-1), first, n_local)
+            y = compare_int4_moe(x, key, gates.reshape(-1), weights, dt, cfg, cap, block, cost_blocks).astype(dt)
+        else:
+            order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
+            take = order[:cap]                                          # this chip's assignments first
+            kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
+            sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
+            y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
+            y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
+            y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:
