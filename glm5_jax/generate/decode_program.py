@@ -48,7 +48,7 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
     cfg = decode_config(cfg).replace(moe_ep="gather", dtype="bfloat16", param_dtype="bfloat16",
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      decode_cache_read=cache_read if cache_write == "rows" else "slice",
-                                     moe_capacity_factor=DISPATCH_CAPACITY)
+                                     moe_capacity_factor=DISPATCH_CAPACITY, rope_impl="pair_swap")
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True)
     return cfg

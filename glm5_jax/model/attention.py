@@ -27,6 +27,7 @@ allowed keys (the same distributions, renormalised over the selected set).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -39,7 +40,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
-from glm5_jax.model.rope import apply_rope, rope_cos_sin
+from glm5_jax.model.rope import apply_pair_swap_rope, apply_rope, pair_swap_tables, rope_cos_sin
 from glm5_jax.parallel import context as context_parallel
 from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA,
                                     Q_LORA, SEQ)
@@ -74,14 +75,24 @@ def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:
             and num_keys <= rt.masked_flash_factor * cfg.index_topk and cfg.index_kpool is None)
 
 
-def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
-    if x.shape[-1] == 0:    # NoPE (GLM-5.3-Flash: qk_rope_head_dim = 0)
+def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool, dim=None):
+    """The first ``dim`` channels of x rotated (default all), the rest as they are."""
+    dim = x.shape[-1] if dim is None else dim
+    if dim == 0:    # NoPE (GLM-5.3-Flash: qk_rope_head_dim = 0)
         return x
-    cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
-                            cfg.max_position_embeddings)
+    rope_args = (cfg.rope_theta, cfg.rope_scaling_dict, cfg.max_position_embeddings)
+    if interleaved and cfg.runtime.rope_impl == "pair_swap":      # full width, the rest passed through
+        cos, sin = pair_swap_tables(positions_BT, dim, x.shape[-1], *rope_args)
+        rotate = apply_pair_swap_rope
+    elif dim < x.shape[-1]:
+        return jnp.concatenate([_rope(cfg, x[..., :dim], positions_BT, interleaved=interleaved,
+                                      head_axis=head_axis), x[..., dim:]], -1)
+    else:
+        cos, sin = rope_cos_sin(positions_BT, dim, *rope_args)
+        rotate = functools.partial(apply_rope, interleaved=interleaved)
     if head_axis:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return apply_rope(x, cos, sin, interleaved=interleaved)
+    return rotate(x, cos, sin)
 
 
 class AttentionOutput(NamedTuple):
@@ -117,8 +128,8 @@ class Indexer(nn.Module):
         k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, name="k_norm")(k)
         # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
         rot = dict(interleaved=cfg.indexer_rope_interleave)
-        q = jnp.concatenate([_rope(cfg, q[..., :d_r], positions_BT, head_axis=True, **rot), q[..., d_r:]], -1)
-        k = jnp.concatenate([_rope(cfg, k[..., :d_r], positions_BT, head_axis=False, **rot), k[..., d_r:]], -1)
+        q = _rope(cfg, q, positions_BT, head_axis=True, dim=d_r, **rot)
+        k = _rope(cfg, k, positions_BT, head_axis=False, dim=d_r, **rot)
         # weights_proj runs in fp32 like HF; both positive scales folded into w (ReLU(cx) = cReLU(x)).
         w = jnp.einsum("btd,dh->bth", a_BTD.astype(f32), weights_proj.astype(f32),
                        precision=jax.lax.Precision.HIGHEST) * (h_i ** -0.5 * d_i ** -0.5)

@@ -20,6 +20,7 @@ MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
 DecodeCacheWrite = Literal["layer", "rows"]
 DecodeCacheRead = Literal["slice", "xla", "pallas", "pallas_interpret"]   # decode_cache_write="rows" only
+RopeImpl = Literal["slices", "pair_swap"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
@@ -118,6 +119,11 @@ class RuntimeConfig:
     # the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel instead of
     # a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
     decode_stacked_experts: bool = False
+    # the pair-interleaved rotary embedding (glm5_jax/model/rope.py): "slices" (even / odd channels sliced out,
+    # rotated, stacked back) or "pair_swap" (x * cos + swap_pairs(x) * sin over the full width, the swap a
+    # permutation matmul: a few fusions instead of strided slices, interleaving stacks and layout copies; the
+    # same values). Half-split rope is always "slices"
+    rope_impl: RopeImpl = "slices"
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):
