@@ -265,7 +265,8 @@ class MLAttention(nn.Module):
             q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT)
             new["index_key"] = k_i.astype(cache["index_key"].dtype)
             keys = cache["index_key"] if layer_index is None else \
-                jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False)
+                jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False,
+                                             allow_negative_indices=False)      # a scan index: no wrap ops
             with jax.named_scope("lightning_indexer"):
                 selection = decode_rows.topk_with_new_rows(q_i, keys, new["index_key"], w_i, positions_BT,
                                                            cfg.index_topk)
