@@ -75,6 +75,7 @@ def test_compare_slots_equal_the_sorted_layout(seed):
     slot, got_expert, got_used = compare_slots(local_keys(idx, first, n_local), n_local, cap, block, n_blocks)
     assert int(got_used) == n_used and n_used > 0
     assert got_expert[:n_used].tolist() == jnp.minimum(block_expert, n_local - 1)[:n_used].tolist()
+    slot = slot.reshape(-1, M)                                      # [slots, M]
     got_rows = jnp.sum(jnp.where(slot, jnp.arange(1, M + 1), 0), axis=1)
     assert got_rows[:n_used * block].tolist() == x_blocks.reshape(-1)[:n_used * block].astype(int).tolist()
     assert not bool(jnp.any(slot[n_used * block:]))

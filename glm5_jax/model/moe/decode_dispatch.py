@@ -54,31 +54,29 @@ def local_assignments(expert_idx_MK_flat, first_expert, n_local):
     return jnp.argsort(key, stable=True), jnp.bincount(key, length=n_local + 1).astype(jnp.int32)
 
 
-def compare_cumsum(x_E):
-    """Inclusive cumulative sum of a short vector as one [E, E] masked sum (fuses; a cumsum is a reduce-window)."""
-    e = jnp.arange(x_E.shape[0])
-    return jnp.sum(jnp.where(e[None, :] <= e[:, None], x_E[None, :], 0), axis=1)
-
-
 def compare_slots(key_M, n_local, cap, block, n_blocks):
     """The INT4 kernel's row layout of a chip's M assignments from all-pairs comparisons of their local experts
     ``key_M`` (`local_keys`): what sorting them by expert (stable, `local_assignments`), keeping the first ``cap``
     local ones and padding each expert's rows to whole blocks (`glm5_jax.model.moe.experts.expert_blocks`)
-    give, in the blocks that run. -> (slot_SM: [n_blocks x block slots, M] True where a kept assignment sits,
-    block_expert [n_blocks], n_used)."""
+    give, in the blocks that run. -> (slot_PRM: [n_blocks P, rows per block R, M] True where a kept assignment
+    sits, block_expert [P], n_used).
+
+    An assignment's place among its expert's (``within``) and in the sorted order (``rank``) are counts over
+    the others; the kept ones of an expert are its first, and those at a multiple of ``block`` each open one of
+    its blocks: an assignment's slot is ``block`` x the blocks opened by kept assignments of lower experts, plus
+    ``within``, and the assignment at a used block's first slot names the block's expert."""
     M = key_M.shape[0]
     i = jnp.arange(M)
-    earlier = i[None, :] < i[:, None]                                       # [i, j]: j before i
-    within = jnp.sum((key_M[None, :] == key_M[:, None]) & earlier, axis=1)  # place among its expert's rows
-    rank = jnp.sum(key_M[None, :] < key_M[:, None], axis=1) + within        # place in the stable sort
-    kept = (key_M < n_local) & (rank < cap)
-    e = jnp.arange(n_local)
-    blocks_E = (jnp.sum((key_M[None, :] == e[:, None]) & kept[None, :], axis=1) + block - 1) // block
-    end_E = compare_cumsum(blocks_E) * block                                # each expert's padded end
-    dest = jnp.sum(jnp.where(e[None, :] < key_M[:, None], blocks_E[None, :], 0), axis=1) * block + within
-    slot_SM = (dest[None, :] == jnp.arange(n_blocks * block)[:, None]) & kept[None, :]
-    block_expert = jnp.sum(end_E[None, :] <= (jnp.arange(n_blocks) * block)[:, None], axis=1)
-    return slot_SM, jnp.minimum(block_expert, n_local - 1).astype(jnp.int32), jnp.sum(blocks_E).astype(jnp.int32)
+    lower = key_M[None, :] < key_M[:, None]                                 # [i, j]: j's expert sorts before i's
+    within = jnp.sum((key_M[None, :] == key_M[:, None]) & (i[None, :] < i[:, None]), axis=1)
+    kept = (key_M < n_local) & (jnp.sum(lower, axis=1) + within < cap)      # the first cap in the stable sort
+    opens = kept & (within % block == 0)
+    dest = jnp.sum(lower & opens[None, :], axis=1) * block + within
+    first_P = jnp.arange(n_blocks)[:, None] * block                         # each block's first slot
+    slot_PRM = (dest == (first_P + jnp.arange(block))[:, :, None]) & kept   # in the kernel's block shape
+    first_PM = (dest == first_P) & kept                                     # who sits at each block's first slot
+    block_expert = jnp.where(jnp.any(first_PM, axis=1), jnp.sum(jnp.where(first_PM, key_M, 0), axis=1), n_local - 1)
+    return slot_PRM, block_expert.astype(jnp.int32), jnp.sum(opens).astype(jnp.int32)
 
 
 def int4_block_rows(rows: int) -> int:
@@ -163,14 +161,14 @@ def compare_int4_moe(x_nD, key_M, gates_M, weights, dtype, cfg: ModelConfig, cap
     M = key_M.shape[0]
     n_local = weights[0].packed.shape[-3]
     n_blocks = max_blocks(cap, n_local + 1, block)
-    slot_SM, block_expert, n_used = compare_slots(key_M, n_local, cap, block, n_blocks)
-    token_SM = slot_SM[:, :, None] & (jnp.arange(M)[:, None] // (M // n) == jnp.arange(n))[None]
-    slot_token_Sn = jnp.any(token_SM, axis=1)                            # slot s holds a row of token t
-    x_SD = jnp.sum(jnp.where(slot_token_Sn[:, :, None], x_nD.astype(dtype)[None], 0), axis=1, dtype=dtype)
-    y_SD = int4_swiglu_blocks(x_SD.reshape(n_blocks, block, D), block_expert, n_used, weights, dtype, cfg,
-                              cost_blocks).reshape(-1, D)                # unspecified in blocks past n_used
-    gate_S = jnp.sum(jnp.where(slot_SM, gates_M[None, :].astype(jnp.float32), 0.0), axis=1)
-    return jnp.sum(jnp.where(slot_token_Sn.T[:, :, None], y_SD[None] * gate_S[None, :, None], 0.0), axis=1)
+    slot_PRM, block_expert, n_used = compare_slots(key_M, n_local, cap, block, n_blocks)
+    token_PRMn = slot_PRM[..., None] & (jnp.arange(M)[:, None] // (M // n) == jnp.arange(n))
+    slot_token_PRn = jnp.any(token_PRMn, axis=2)                          # slot (p, r) holds a row of token t
+    x_PRD = jnp.sum(jnp.where(slot_token_PRn[..., None], x_nD.astype(dtype), 0), axis=2, dtype=dtype)
+    y_PRD = int4_swiglu_blocks(x_PRD, block_expert, n_used, weights, dtype, cfg, cost_blocks)   # unspecified
+    gate_PR = jnp.sum(jnp.where(slot_PRM, gates_M.astype(jnp.float32), 0.0), axis=2)         # past n_used
+    y_PRnD = jnp.where(slot_token_PRn[..., None], (y_PRD * gate_PR[..., None])[:, :, None], 0.0)
+    return jnp.sum(y_PRnD, axis=(0, 1))
 
 
 def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: float) -> int:
