@@ -41,6 +41,7 @@ from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_pair_swap_rope, apply_rope, pair_swap_tables, rope_cos_sin
+from glm5_jax.model.stacked_weights import STACKED_WEIGHTS
 from glm5_jax.parallel import context as context_parallel
 from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA,
                                     Q_LORA, SEQ)
@@ -166,9 +167,15 @@ class MLAttention(nn.Module):
         w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), (EMBED, Q_LORA), init, pdt)
         w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), (Q_LORA, HEADS, KV), init, pdt)
         w_kva = logical_param(self, "kv_a_proj", (d, R + dr), (EMBED, KV_LORA), init, pdt)
-        w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), (KV_LORA, HEADS, KV), init, pdt)
+        if layer_index is not None and cfg.runtime.decode_stacked_kv_b:     # glm5_jax/model/stacked_weights.py
+            stacked, w_kvb = self.get_variable(STACKED_WEIGHTS, "kv_b_proj"), None      # decode rows only
+            w_uk, w_uv = (jax.lax.dynamic_slice(stacked, (layer_index, 0, 0, start), (1, R, H, n),
+                                                allow_negative_indices=False)[0]     # each half read in place
+                          for start, n in ((0, dn), (dn, dv)))
+        else:
+            w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), (KV_LORA, HEADS, KV), init, pdt)
+            w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]            # [R, H, dn], [R, H, dv]
         w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, KV, EMBED), init, pdt)
-        w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]                # [R, H, dn], [R, H, dv]
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
         qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, name="q_a_norm")(

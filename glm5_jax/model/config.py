@@ -119,6 +119,10 @@ class RuntimeConfig:
     # the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel instead of
     # a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
     decode_stacked_experts: bool = False
+    # with a decode_cache_read other than "slice" (the layer's index given): the main stack's attention kv_b_proj
+    # read in place from its stacked array by each of its two products instead of a per-layer copy of the
+    # scan's slice (variables from glm5_jax/model/stacked_weights.stack_kv_b_variables)
+    decode_stacked_kv_b: bool = False
     # the pair-interleaved rotary embedding (glm5_jax/model/rope.py): "slices" (even / odd channels sliced out,
     # rotated, stacked back) or "pair_swap" (x * cos + swap_pairs(x) * sin over the full width, the swap a
     # permutation matmul: a few fusions instead of strided slices, interleaving stacks and layout copies; the
