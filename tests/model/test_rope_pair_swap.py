@@ -30,4 +30,5 @@ def test_pair_swap_equals_the_sliced_rotation(scaling, dtype, dim, width):
         x2, x3 = (float(x[0, 2, 0, c]) for c in (2, 3))
         tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
         np.testing.assert_allclose(np.asarray(got[0, 2, 0, 2:4], np.float64),
-                                   [x2 * np.cos(a) - x3 * np.sin(a), x3 * np.cos(a) + x2 * np.sin(a)], rtol=tol, atol=tol)
+                                   [x2 * np.cos(a) - x3 * np.sin(a), x3 * np.cos(a) + x2 * np.sin(a)],
+                                   rtol=tol, atol=tol)
