@@ -28,8 +28,8 @@ from glm5_jax.model.layers import ACT_BTD, SWIGLU_SAVED_NAMES, RMSNorm, SwiGLU, 
 from glm5_jax.model.mha_form import QUERY_NAME
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, EXPERT_ROWS_NAME, EXPERT_SAVED_NAMES
 from glm5_jax.model.moe.int4_weights import STACKED_EXPERTS
-from glm5_jax.model.stacked_weights import STACKED_WEIGHTS
 from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
+from glm5_jax.model.stacked_weights import STACKED_WEIGHTS
 from glm5_jax.parallel.axes import EMBED, LAYERS
 
 _cp = jax.checkpoint_policies
