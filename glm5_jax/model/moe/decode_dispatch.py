@@ -66,14 +66,14 @@ def compare_slots(key_M, n_local, cap, block, n_blocks):
     its blocks: an assignment's slot is ``block`` x the blocks opened by kept assignments of lower experts, plus
     ``within``, and the assignment at a used block's first slot names the block's expert."""
     M = key_M.shape[0]
-    i = jnp.arange(M)
+    i = np.arange(M)                                                        # index tables: host constants
     lower = key_M[None, :] < key_M[:, None]                                 # [i, j]: j's expert sorts before i's
     within = jnp.sum((key_M[None, :] == key_M[:, None]) & (i[None, :] < i[:, None]), axis=1)
     kept = (key_M < n_local) & (jnp.sum(lower, axis=1) + within < cap)      # the first cap in the stable sort
     opens = kept & (within % block == 0)
     dest = jnp.sum(lower & opens[None, :], axis=1) * block + within
-    first_P = jnp.arange(n_blocks)[:, None] * block                         # each block's first slot
-    slot_PRM = (dest == (first_P + jnp.arange(block))[:, :, None]) & kept   # in the kernel's block shape
+    first_P = np.arange(n_blocks)[:, None] * block                          # each block's first slot
+    slot_PRM = (dest == (first_P + np.arange(block))[:, :, None]) & kept    # in the kernel's block shape
     first_PM = (dest == first_P) & kept                                     # who sits at each block's first slot
     block_expert = jnp.where(jnp.any(first_PM, axis=1), jnp.sum(jnp.where(first_PM, key_M, 0), axis=1), n_local - 1)
     return slot_PRM, block_expert.astype(jnp.int32), jnp.sum(opens).astype(jnp.int32)
@@ -162,7 +162,7 @@ def compare_int4_moe(x_nD, key_M, gates_M, weights, dtype, cfg: ModelConfig, cap
     n_local = weights[0].packed.shape[-3]
     n_blocks = max_blocks(cap, n_local + 1, block)
     slot_PRM, block_expert, n_used = compare_slots(key_M, n_local, cap, block, n_blocks)
-    token_PRMn = slot_PRM[..., None] & (jnp.arange(M)[:, None] // (M // n) == jnp.arange(n))
+    token_PRMn = slot_PRM[..., None] & (np.arange(M)[:, None] // (M // n) == np.arange(n))
     slot_token_PRn = jnp.any(token_PRMn, axis=2)                          # slot (p, r) holds a row of token t
     x_PRD = jnp.sum(jnp.where(slot_token_PRn[..., None], x_nD.astype(dtype), 0), axis=2, dtype=dtype)
     y_PRD = int4_swiglu_blocks(x_PRD, block_expert, n_used, weights, dtype, cfg, cost_blocks)   # unspecified
