@@ -27,6 +27,7 @@ allowed keys (the same distributions, renormalised over the selected set).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -39,7 +40,8 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
-from glm5_jax.model.rope import apply_rope, rope_cos_sin
+from glm5_jax.model.rope import apply_pair_swap_rope, apply_rope, pair_swap_tables, rope_cos_sin
+from glm5_jax.model.stacked_weights import STACKED_WEIGHTS
 from glm5_jax.parallel import context as context_parallel
 from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA,
                                     Q_LORA, SEQ)
@@ -74,14 +76,24 @@ def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:
             and num_keys <= rt.masked_flash_factor * cfg.index_topk and cfg.index_kpool is None)
 
 
-def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool):
-    if x.shape[-1] == 0:    # NoPE (GLM-5.3-Flash: qk_rope_head_dim = 0)
+def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool, dim=None):
+    """The first ``dim`` channels of x rotated (default all), the rest as they are."""
+    dim = x.shape[-1] if dim is None else dim
+    if dim == 0:    # NoPE (GLM-5.3-Flash: qk_rope_head_dim = 0)
         return x
-    cos, sin = rope_cos_sin(positions_BT, x.shape[-1], cfg.rope_theta, cfg.rope_scaling_dict,
-                            cfg.max_position_embeddings)
+    rope_args = (cfg.rope_theta, cfg.rope_scaling_dict, cfg.max_position_embeddings)
+    if interleaved and cfg.runtime.rope_impl == "pair_swap":      # full width, the rest passed through
+        cos, sin = pair_swap_tables(positions_BT, dim, x.shape[-1], *rope_args)
+        rotate = apply_pair_swap_rope
+    elif dim < x.shape[-1]:
+        return jnp.concatenate([_rope(cfg, x[..., :dim], positions_BT, interleaved=interleaved,
+                                      head_axis=head_axis), x[..., dim:]], -1)
+    else:
+        cos, sin = rope_cos_sin(positions_BT, dim, *rope_args)
+        rotate = functools.partial(apply_rope, interleaved=interleaved)
     if head_axis:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return apply_rope(x, cos, sin, interleaved=interleaved)
+    return rotate(x, cos, sin)
 
 
 class AttentionOutput(NamedTuple):
@@ -117,8 +129,8 @@ class Indexer(nn.Module):
         k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, name="k_norm")(k)
         # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
         rot = dict(interleaved=cfg.indexer_rope_interleave)
-        q = jnp.concatenate([_rope(cfg, q[..., :d_r], positions_BT, head_axis=True, **rot), q[..., d_r:]], -1)
-        k = jnp.concatenate([_rope(cfg, k[..., :d_r], positions_BT, head_axis=False, **rot), k[..., d_r:]], -1)
+        q = _rope(cfg, q, positions_BT, head_axis=True, dim=d_r, **rot)
+        k = _rope(cfg, k, positions_BT, head_axis=False, dim=d_r, **rot)
         # weights_proj runs in fp32 like HF; both positive scales folded into w (ReLU(cx) = cReLU(x)).
         w = jnp.einsum("btd,dh->bth", a_BTD.astype(f32), weights_proj.astype(f32),
                        precision=jax.lax.Precision.HIGHEST) * (h_i ** -0.5 * d_i ** -0.5)
@@ -157,9 +169,15 @@ class MLAttention(nn.Module):
         w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), (EMBED, Q_LORA), init, pdt)
         w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), (Q_LORA, HEADS, KV), init, pdt)
         w_kva = logical_param(self, "kv_a_proj", (d, R + dr), (EMBED, KV_LORA), init, pdt)
-        w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), (KV_LORA, HEADS, KV), init, pdt)
+        if layer_index is not None and cfg.runtime.decode_stacked_kv_b:     # glm5_jax/model/stacked_weights.py
+            stacked, w_kvb = self.get_variable(STACKED_WEIGHTS, "kv_b_proj"), None      # decode rows only
+            w_uk, w_uv = (jax.lax.dynamic_slice(stacked, (layer_index, 0, 0, start), (1, R, H, n),
+                                                allow_negative_indices=False)[0]     # each half read in place
+                          for start, n in ((0, dn), (dn, dv)))
+        else:
+            w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), (KV_LORA, HEADS, KV), init, pdt)
+            w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]            # [R, H, dn], [R, H, dv]
         w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, KV, EMBED), init, pdt)
-        w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]                # [R, H, dn], [R, H, dv]
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
         qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, name="q_a_norm")(
@@ -258,7 +276,8 @@ class MLAttention(nn.Module):
             q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT)
             new["index_key"] = k_i.astype(cache["index_key"].dtype)
             keys = cache["index_key"] if layer_index is None else \
-                jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False)
+                jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False,
+                                             allow_negative_indices=False)      # a scan index: no wrap ops
             with jax.named_scope("lightning_indexer"):
                 selection = decode_rows.topk_with_new_rows(q_i, keys, new["index_key"], w_i, positions_BT,
                                                            cfg.index_topk)

@@ -20,6 +20,7 @@ MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
 DecodeCacheWrite = Literal["layer", "rows"]
 DecodeCacheRead = Literal["slice", "xla", "pallas", "pallas_interpret"]   # decode_cache_write="rows" only
+RopeImpl = Literal["slices", "pair_swap"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
@@ -122,6 +123,15 @@ class RuntimeConfig:
     # full-indexer layer selected for it, in the cache beside its rows (glm5_jax/model/routing_replay.py), so a
     # learner can replay the sampler's routing and top-k instead of recomputing them
     capture_routing: bool = False
+    # with a decode_cache_read other than "slice" (the layer's index given): the main stack's attention kv_b_proj
+    # read in place from its stacked array by each of its two products instead of a per-layer copy of the
+    # scan's slice (variables from glm5_jax/model/stacked_weights.stack_kv_b_variables)
+    decode_stacked_kv_b: bool = False
+    # the pair-interleaved rotary embedding (glm5_jax/model/rope.py): "slices" (even / odd channels sliced out,
+    # rotated, stacked back) or "pair_swap" (x * cos + swap_pairs(x) * sin over the full width, the swap a
+    # permutation matmul: a few fusions instead of strided slices, interleaving stacks and layout copies; the
+    # same values). Half-split rope is always "slices"
+    rope_impl: RopeImpl = "slices"
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):

@@ -29,6 +29,7 @@ from glm5_jax.model.mha_form import QUERY_NAME
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, EXPERT_ROWS_NAME, EXPERT_SAVED_NAMES
 from glm5_jax.model.moe.int4_weights import STACKED_EXPERTS
 from glm5_jax.model.moe.layer import BIAS_COLLECTION, BLOCKED_MOE_NAMES, MoE
+from glm5_jax.model.stacked_weights import STACKED_WEIGHTS
 from glm5_jax.parallel.axes import EMBED, LAYERS
 
 _cp = jax.checkpoint_policies
@@ -244,9 +245,11 @@ class DecoderStack(nn.Module):
         decoding = cache is not None and not self.is_initializing()
         stacked = cfg.runtime.decode_stacked_experts and decoding
         stacked_cache = cfg.runtime.decode_cache_read != "slice" and decoding
+        stacked_kv_b = cfg.runtime.decode_stacked_kv_b and stacked_cache        # glm5_jax/model/stacked_weights.py
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
-                              variable_broadcast=STACKED_EXPERTS if stacked else False,
+                              variable_broadcast=[c for c, on in ((STACKED_EXPERTS, stacked),
+                                                                  (STACKED_WEIGHTS, stacked_kv_b)) if on] or False,
                               split_rngs={"params": True},
                               in_axes=(nn.broadcast, nn.broadcast, 0, 0, 0),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})

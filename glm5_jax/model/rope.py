@@ -6,7 +6,9 @@ writes it de-interleaved, which permutes q and k identically and so leaves every
 """
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -74,3 +76,31 @@ def apply_rope(x, cos, sin, *, interleaved: bool):
         first, second = x32[..., :half], x32[..., half:]
         out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def _exact_matmul(x, m):
+    """x @ m for a 0/1 or +-1 matrix m with at most one non-zero per column: each output one exact product."""
+    return jnp.einsum("...d,de->...e", x, jnp.asarray(m, x.dtype), preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def pair_swap_tables(positions, dim, width, theta, rope_scaling=None, max_position_embeddings=0):
+    """The pair-interleaved rotation of the first ``dim`` of ``width`` channels as x * cos + swap_pairs(x) * sin
+    (`apply_pair_swap_rope`) -> cos, sin of shape positions.shape + [width], float32: channels 2j and 2j + 1
+    take `rope_cos_sin`'s pair j (the same values, spread by an exact 0/1 matmul: a traced repeat is a
+    broadcast XLA moves back behind the cos), sin signed (-sin on even channels, +sin on odd), channels from
+    ``dim`` on passed through (cos 1, sin 0)."""
+    cos, sin = rope_cos_sin(positions, dim, theta, rope_scaling, max_position_embeddings)
+    channel = np.arange(width)
+    spread = (channel[None, :] // 2 == np.arange(dim // 2)[:, None]) & (channel < dim)[None, :]   # [dim/2, width]
+    sign = np.where(channel % 2 == 0, -1.0, 1.0)
+    return _exact_matmul(cos, spread) + (channel >= dim), _exact_matmul(sin, spread * sign)
+
+
+def apply_pair_swap_rope(x, cos, sin):
+    """x * cos + swap_pairs(x) * sin in fp32 -> x.dtype, with the tables of `pair_swap_tables` (broadcast over x's
+    middle axes like `apply_rope`'s): `apply_rope`'s interleaved rotation term for term (even * cos - odd *
+    sin, odd * cos + even * sin), swap_pairs (x[2j] <-> x[2j + 1]) an exact permutation matmul."""
+    width = x.shape[-1]
+    swapped = _exact_matmul(x, np.arange(width)[:, None] == (np.arange(width) ^ 1)[None, :])
+    return (x.astype(jnp.float32) * cos + swapped * sin).astype(x.dtype)

@@ -4,10 +4,10 @@ Training shards every weight over ``fsdp`` and gathers it once per step, which p
 millions of tokens. A decode step touches every weight for a handful of tokens per chip, so a per-step
 weight gather would cost more than the step's arithmetic. The sampling rules therefore keep weights
 resident: routed experts split over ``expert`` (each chip holds its experts whole), attention heads, FFN
-widths and the vocabulary over ``tensor``, the rest replicated. Rows of the batch split over ``data`` and
-``expert`` (the expert axis also holds batch rows: a token's attention runs on the chip that owns its
-row, its routed experts on the chips that own them), and the decode cache's slot axis over ``context``
-for long requests.
+widths, the vocabulary and the query's down-projection over ``tensor``, the rest replicated. Rows of the
+batch split over ``data`` and ``expert`` (the expert axis also holds batch rows: a token's attention runs
+on the chip that owns its row, its routed experts on the chips that own them), and the decode cache's
+slot axis over ``context`` for long requests.
 
 A sampling mesh is written ``data:2,expert:2,tensor:2`` (`parse_mesh_spec`); unnamed axes are 1, one
 axis may be -1 (the remaining devices). ``fsdp`` is accepted for experiments but is 1 by default.
@@ -23,16 +23,20 @@ import jax
 from jax.sharding import Mesh
 
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, EMBED, EXP, HEADS, INDEX_HEADS, KV_LORA, MLP, MLP_MOE, Q_LORA, SEQ, VOCAB
-from glm5_jax.parallel.mesh import (CONTEXT, DEFAULT_RULES, MESH_AXES, MeshConfig, MeshError, build_mesh)
+from glm5_jax.parallel.mesh import (CONTEXT, DEFAULT_RULES, MESH_AXES, TENSOR, MeshConfig, MeshError, build_mesh)
 
 # The training rules with what sampling changes: no FSDP (weights stay resident, never gathered per step) and
 # a prefill chunk's tokens kept on their row's chip; rows still split over data x fsdp x expert, heads / FFN
-# widths / vocabulary over tensor, routed experts over expert, cache slots over context.
+# widths / vocabulary over tensor, routed experts over expert, cache slots over context. The query's LoRA rank
+# splits over tensor where heads do not already take it (rules apply in order, HEADS first): q_a_proj
+# [D, q_lora] is read 1/tensor per chip instead of whole on every chip (a decode step reads every weight: at
+# 744B it was the largest replicated read), its output all-gathered for the up-projections (the q_a norm's sum
+# of squares is then a sum of per-shard partial sums); q_b_proj and the indexer's wq_b keep heads over tensor.
 SAMPLING_OVERRIDES = {
     SEQ: None,
     CACHE_SEQ: CONTEXT,
     EMBED: None,
-    Q_LORA: None,
+    Q_LORA: TENSOR,
     KV_LORA: None,
 }
 SAMPLING_RULES = tuple((name, SAMPLING_OVERRIDES.get(name, axes)) for name, axes in DEFAULT_RULES)
@@ -112,6 +116,8 @@ def check_sampling_fits(mesh: Mesh, model_cfg, rules=SAMPLING_RULES) -> None:
     if model_cfg.use_indexer:
         need(INDEX_HEADS, model_cfg.index_n_heads, "index_n_heads")
     need(VOCAB, model_cfg.vocab_size, "vocab_size")
+    if model_cfg.q_lora_rank:
+        need(Q_LORA, model_cfg.q_lora_rank, "q_lora_rank")
     if model_cfg.first_k_dense_replace:
         need(MLP, model_cfg.intermediate_size, "intermediate_size")
     if model_cfg.num_moe_layers or model_cfg.num_nextn_predict_layers:

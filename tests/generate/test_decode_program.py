@@ -130,3 +130,37 @@ def test_pallas_cache_read_refuses_a_slot_split_cache():
     with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(B, mesh)), pytest.raises(ValueError, match="slice"):
         jax.eval_shape(lambda v, t, p, cache: decode_steps(cfg, 2, v, t, p, cache), variables,
                        jnp.zeros((B,), jnp.int32), jnp.full((B,), P, jnp.int32), init_cache(cfg, B, S)["decoder"])
+
+
+def test_pair_swap_rope_decodes_the_same_tokens_and_cache():
+    """rope_impl="pair_swap" (what decode_model_config sets): the same tokens and the same cache, bit for bit, as
+    the sliced interleaved rotation, over steps that rotate queries, keys and indexer heads at new positions."""
+    cfg, variables, token, cache = _prefilled()
+    assert cfg.rope_interleave and cfg.indexer_rope_interleave
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    want_tokens, want_cache = run(cfg.replace(decode_cache_write="rows"))
+    got_tokens, got_cache = run(cfg.replace(decode_cache_write="rows", rope_impl="pair_swap"))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
+def test_stacked_kv_b_equals_the_per_layer_slice():
+    """decode_stacked_kv_b (kv_b_proj moved to the stacked-weights collection, each half read at the layer's
+    index): the same tokens and cache, bit for bit, as the scan's per-layer slice of it."""
+    from glm5_jax.model.stacked_weights import STACKED_WEIGHTS, stack_kv_b_variables
+
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows", decode_cache_read="xla")
+    moved = stack_kv_b_variables(variables)[STACKED_WEIGHTS]["decoder"]
+    assert all("kv_b_proj" in seg[layer]["attention"] for seg in moved.values() for layer in seg)
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    want_tokens, want_cache = run(cfg)
+    got_tokens, got_cache = run(cfg.replace(decode_stacked_kv_b=True))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1

@@ -44,6 +44,9 @@ def test_sharded_greedy_equals_single_device(single_device, spec):
     axes = {a for leaf in jax.tree.leaves(variables) for entry in leaf.sharding.spec if entry
             for a in ((entry,) if isinstance(entry, str) else entry) if mesh.shape[a] > 1}
     assert axes == {"tensor"} | ({"expert"} if "expert" in spec else set())
+    # the query's down-projection split over its LoRA rank, its up-projection over heads (sampling.py)
+    attn = variables["params"]["decoder"]["segment_0"]["layer_0"]["attention"]
+    assert tuple(attn["q_a_proj"].sharding.spec)[-1] == "tensor" and "tensor" in attn["q_b_proj"].sharding.spec[-2:]
     got = generate_on_mesh(TINY, variables, prompts(), LENGTHS, mesh, max_new_tokens=N, temperature=0.0)
     assert_same_generation(got, single_device)
 

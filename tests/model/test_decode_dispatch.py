@@ -44,6 +44,43 @@ def test_gather_dispatch_equals_single_device(spec, batch, quant):
     assert np.abs(np.asarray(want)).max() > 1e-2
 
 
+def test_int4_sorted_dispatch_equals_single_device(monkeypatch):
+    """The INT4 path through the sort, bincount and scatters (what more than COMPARE_MAX_ASSIGNMENTS
+    assignments per chip take) on the 8-token case the comparisons take above."""
+    from glm5_jax.model.moe import decode_dispatch
+    monkeypatch.setattr(decode_dispatch, "COMPARE_MAX_ASSIGNMENTS", 0)
+    test_gather_dispatch_equals_single_device("expert:4,tensor:2", 8, "int4")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compare_slots_equal_the_sorted_layout(seed):
+    """`compare_slots` puts the same assignment in every slot of the blocks that run, with the same block
+    experts and used-block count, as sorting by local expert, keeping the first ``cap`` local assignments
+    and padding each expert's rows to whole blocks (`local_assignments` + `expert_blocks`), with the cap
+    binding or not."""
+    from glm5_jax.model.moe.decode_dispatch import compare_slots, local_keys
+    from glm5_jax.model.moe.experts import expert_blocks, max_blocks
+
+    rng = np.random.default_rng(seed)
+    M, n_local, first, block = 24, 4, 4, 4
+    idx = jnp.asarray(rng.integers(0, 12, M), jnp.int32)          # this chip holds experts 4..7
+    cap = int(rng.choice([3, 8, 16, 24]))
+    order, sizes = local_assignments(idx, first, n_local)
+    take = order[:cap]
+    kept = jnp.diff(jnp.minimum(jnp.cumsum(sizes[:n_local]), cap), prepend=0)
+    rows = (take + 1).astype(jnp.float32)[:, None]                  # each row says which assignment it is
+    x_blocks, block_expert, _, _ = expert_blocks(rows, jnp.append(kept, cap - jnp.sum(kept)), block)
+    n_used = int(jnp.sum(-(-kept // block)))
+    n_blocks = max_blocks(cap, n_local + 1, block)
+    slot, got_expert, got_used = compare_slots(local_keys(idx, first, n_local), n_local, cap, block, n_blocks)
+    assert int(got_used) == n_used and n_used > 0
+    assert got_expert[:n_used].tolist() == jnp.minimum(block_expert, n_local - 1)[:n_used].tolist()
+    slot = slot.reshape(-1, M)                                      # [slots, M]
+    got_rows = jnp.sum(jnp.where(slot, jnp.arange(1, M + 1), 0), axis=1)
+    assert got_rows[:n_used * block].tolist() == x_blocks.reshape(-1)[:n_used * block].astype(int).tolist()
+    assert not bool(jnp.any(slot[n_used * block:]))
+
+
 def test_local_assignments_sort_own_experts_first():
     idx = jnp.array([5, 2, 3, 7, 2, 0], jnp.int32)       # chip holding experts 2, 3
     order, sizes = local_assignments(idx, 2, 2)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.moe import int4_weights
-from glm5_jax.model.moe.experts import expert_blocks, swiglu_rows
+from glm5_jax.model.moe.experts import expert_blocks, max_blocks, swiglu_rows
 from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE
 from glm5_jax.parallel.shard_map import logical_mesh_axes
 from pallas_kernels.impls import BLOCKED, RAGGED_DOT
@@ -36,12 +36,47 @@ INT4_MAX_BLOCK = 128        # rows per INT4 kernel block
 ROW_MULTIPLE = 16           # sublane tile of bf16 activations
 
 
+# at most this many gathered assignments per chip: the INT4 path lays its rows out by all-pairs comparisons
+# (`compare_slots`, a few fusions), not a sort, a bincount, cumulative sums and scatters (~80 small ops)
+COMPARE_MAX_ASSIGNMENTS = 128
+
+
+def local_keys(expert_idx_M, first_expert, n_local):
+    """Each assignment's local expert, ``n_local`` for another chip's."""
+    local = expert_idx_M - first_expert
+    return jnp.where((local >= 0) & (local < n_local), local, n_local)
+
+
 def local_assignments(expert_idx_MK_flat, first_expert, n_local):
     """(order [M]: assignments sorted by local expert, other chips' last; group_sizes [n_local + 1], the last
     one counting the assignments to other chips' experts)."""
-    local = expert_idx_MK_flat - first_expert
-    key = jnp.where((local >= 0) & (local < n_local), local, n_local)
+    key = local_keys(expert_idx_MK_flat, first_expert, n_local)
     return jnp.argsort(key, stable=True), jnp.bincount(key, length=n_local + 1).astype(jnp.int32)
+
+
+def compare_slots(key_M, n_local, cap, block, n_blocks):
+    """The INT4 kernel's row layout of a chip's M assignments from all-pairs comparisons of their local experts
+    ``key_M`` (`local_keys`): what sorting them by expert (stable, `local_assignments`), keeping the first ``cap``
+    local ones and padding each expert's rows to whole blocks (`glm5_jax.model.moe.experts.expert_blocks`)
+    give, in the blocks that run. -> (slot_PRM: [n_blocks P, rows per block R, M] True where a kept assignment
+    sits, block_expert [P], n_used).
+
+    An assignment's place among its expert's (``within``) and in the sorted order (``rank``) are counts over
+    the others; the kept ones of an expert are its first, and those at a multiple of ``block`` each open one of
+    its blocks: an assignment's slot is ``block`` x the blocks opened by kept assignments of lower experts, plus
+    ``within``, and the assignment at a used block's first slot names the block's expert."""
+    M = key_M.shape[0]
+    i = np.arange(M)                                                        # index tables: host constants
+    lower = key_M[None, :] < key_M[:, None]                                 # [i, j]: j's expert sorts before i's
+    within = jnp.sum((key_M[None, :] == key_M[:, None]) & (i[None, :] < i[:, None]), axis=1)
+    kept = (key_M < n_local) & (jnp.sum(lower, axis=1) + within < cap)      # the first cap in the stable sort
+    opens = kept & (within % block == 0)
+    dest = jnp.sum(lower & opens[None, :], axis=1) * block + within
+    first_P = np.arange(n_blocks)[:, None] * block                          # each block's first slot
+    slot_PRM = (dest == (first_P + np.arange(block))[:, :, None]) & kept    # in the kernel's block shape
+    first_PM = (dest == first_P) & kept                                     # who sits at each block's first slot
+    block_expert = jnp.where(jnp.any(first_PM, axis=1), jnp.sum(jnp.where(first_PM, key_M, 0), axis=1), n_local - 1)
+    return slot_PRM, block_expert.astype(jnp.int32), jnp.sum(opens).astype(jnp.int32)
 
 
 def int4_block_rows(rows: int) -> int:
@@ -99,6 +134,14 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
     # only the blocks of local experts run: the kernel's grid stops at n_used (later blocks unwritten)
     n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
     block_expert = jnp.minimum(block_expert, n_local - 1)
+    y = int4_swiglu_blocks(x_blocks, block_expert, n_used, weights, dtype, cfg, cost_blocks)
+    return int4_ops.block_rows(y, dest, n_used)      # 0 in the blocks past n_used
+
+
+def int4_swiglu_blocks(x_blocks, block_expert, n_used, weights, dtype, cfg: ModelConfig, cost_blocks):
+    """SwiGLU of row blocks [n, block, D] through the INT4 kernel (block i by expert block_expert[i], blocks
+    from n_used on unspecified) -> [n, block, D] fp32."""
+    w_gate, w_up, w_down = weights
 
     def mm(x, w):
         return int4_ops.int4_block_matmul(x, block_expert, n_used, w.packed, w.scale,
@@ -106,7 +149,26 @@ def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, blo
                                           cost_blocks=cost_blocks, layer=w.layer)
 
     h = (jax.nn.silu(mm(x_blocks, w_gate)) * mm(x_blocks, w_up)).astype(dtype)
-    return int4_ops.block_rows(mm(h, w_down), dest, n_used)      # 0 in the blocks past n_used
+    return mm(h, w_down)
+
+
+def compare_int4_moe(x_nD, key_M, gates_M, weights, dtype, cfg: ModelConfig, cap, block, cost_blocks):
+    """A chip's routed-expert sum for few assignments (``key_M``: `local_keys` of the n x K choices in token
+    order, ``gates_M`` theirs) -> [n, D] fp32: the sorted path of `gathered_moe`'s body with its rows laid out
+    by `compare_slots` (the same rows in the blocks that run, the same ``cap`` kept), rows moved by one-hot
+    selects (each slot takes one token or none: exact), no gathers or scatters."""
+    n, D = x_nD.shape
+    M = key_M.shape[0]
+    n_local = weights[0].packed.shape[-3]
+    n_blocks = max_blocks(cap, n_local + 1, block)
+    slot_PRM, block_expert, n_used = compare_slots(key_M, n_local, cap, block, n_blocks)
+    token_PRMn = slot_PRM[..., None] & (np.arange(M)[:, None] // (M // n) == np.arange(n))
+    slot_token_PRn = jnp.any(token_PRMn, axis=2)                          # slot (p, r) holds a row of token t
+    x_PRD = jnp.sum(jnp.where(slot_token_PRn[..., None], x_nD.astype(dtype), 0), axis=2, dtype=dtype)
+    y_PRD = int4_swiglu_blocks(x_PRD, block_expert, n_used, weights, dtype, cfg, cost_blocks)   # unspecified
+    gate_PR = jnp.sum(jnp.where(slot_PRM, gates_M.astype(jnp.float32), 0.0), axis=2)         # past n_used
+    y_PRnD = jnp.where(slot_token_PRn[..., None], (y_PRD * gate_PR[..., None])[:, :, None], 0.0)
+    return jnp.sum(y_PRnD, axis=(0, 1))
 
 
 def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: float) -> int:
@@ -150,18 +212,22 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
             x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
         n, k = idx.shape
         first = (jax.lax.axis_index(ep) if ep else 0) * n_local
-        order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
-        take = order[:cap]                                          # this chip's assignments first
-        kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
-        sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
         if len(w) >= 6:                             # packed (words, scale) pairs, then the layer if stacked
             layer = w[6] if len(w) == 7 else None
             weights = tuple(int4_weights.Int4Weight(*w[i:i + 2], layer) for i in (0, 2, 4))
         else:
             weights = w
-        y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
-        y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
-        y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
+        if len(w) >= 6 and n * k <= COMPARE_MAX_ASSIGNMENTS:
+            key = local_keys(idx.reshape(-1), first, n_local)
+            y = compare_int4_moe(x, key, gates.reshape(-1), weights, dt, cfg, cap, block, cost_blocks).astype(dt)
+        else:
+            order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
+            take = order[:cap]                                          # this chip's assignments first
+            kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
+            sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
+            y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
+            y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
+            y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:

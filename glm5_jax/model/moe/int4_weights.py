@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import logical_param
+from glm5_jax.model.stacked_weights import move_stack_leaves
 from glm5_jax.quant import int4
 from pallas_kernels.impls import XLA
 
@@ -30,7 +31,6 @@ MOE_MODULE = "moe"                                       # parameter-tree key of
 
 
 STACKED_EXPERTS = "stacked_experts"     # variable collection of the decode's stacked packed experts
-DECODER_PARAMS = "decoder"              # the main (scanned) stack's key in "params"
 
 
 class Int4Weight(NamedTuple):
@@ -89,22 +89,8 @@ def quantize_params(params, cfg: ModelConfig):
 def stack_expert_variables(variables):
     """``variables`` with the main stack's packed experts moved from "params" to `STACKED_EXPERTS` (same paths
     under the stack's key): what a ``decode_stacked_experts`` model reads (module docstring)."""
-    def split(tree, key):
-        kept, moved = {}, {}
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                kept[k], sub = split(v, k)
-                if sub:
-                    moved[k] = sub
-            elif key == MOE_MODULE and k.endswith(("_packed", "_scale")) and k.rsplit("_", 1)[0] in EXPERT_WEIGHTS:
-                moved[k] = v
-            else:
-                kept[k] = v
-        return kept, moved
-
-    params = dict(variables["params"])
-    params[DECODER_PARAMS], moved = split(params[DECODER_PARAMS], DECODER_PARAMS)
-    return {**variables, "params": params, STACKED_EXPERTS: {DECODER_PARAMS: moved}}
+    return move_stack_leaves(variables, STACKED_EXPERTS, lambda module, name: module == MOE_MODULE and name.endswith(
+        ("_packed", "_scale")) and name.rsplit("_", 1)[0] in EXPERT_WEIGHTS)
 
 
 def _dict_paths(tree, prefix=()):
