@@ -19,6 +19,11 @@ blocks in order; block g = p * n + u. The DMAs of block g + 1 are started before
 in flight. Indices outside [0, S) (and a layer outside [0, L)) are clamped into range before the DMA, as
 XLA's gather clamps its start indices: no DMA reads outside the layer's rows; the caller masks what it must
 not use.
+
+Streamed form: when the selected rows' tile groups would cost more HBM bytes than the batch row's whole layer
+slice (K x 8 > S, e.g. 2048 of 8192 slots: twice the slice) and that slice fits VMEM, each grid step b instead
+reads layer ``layer``'s [S, C] rows of batch row b whole (one blocked, double-buffered copy, the layer chosen
+by scalar prefetch) and picks the K rows out of VMEM as above. Same rows, same order: the output is identical.
 """
 import functools
 
@@ -29,6 +34,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu_utils import LANES, pad_axis, round_up
 
+STREAM_MAX_SLICE_BYTES = 12 << 20   # a batch row's [S, C] layer slice in VMEM, double-buffered (v5p: 64 MiB/core)
+STREAM_VMEM_LIMIT = 44 << 20
 TILE_ROWS = 8        # rows of an XLA:TPU HBM tile of a 16- or 32-bit array: the smallest row DMA
 GROUP = 16           # output rows assembled and stored at once (a bf16 VMEM tile's rows: aligned stores)
 _HIGH_HALF = 0xFFFF0000
@@ -47,6 +54,66 @@ def _row_of_tile(tile_ref, j, r):
     words = tile_ref.bitcast(jnp.uint32)[j, pl.ds(r // 2, 1), :]           # the row pair (r & ~1, r | 1)
     bits = jnp.where(r % 2 == 0, words << 16, words & jnp.uint32(_HIGH_HALF))
     return jax.lax.bitcast_convert_type(bits, jnp.float32)                # bf16 bits in the high half: exact
+
+
+def _row_of_slice(rows_ref, r):
+    """Row r (dynamic) of the VMEM slice rows_ref ([1, 1, S, C]: Mosaic bitcasts the block's full rank) as fp32
+    [1, C], read as `_row_of_tile` reads a tile group's row (the 8-row group at r when C < 128)."""
+    if rows_ref.shape[-1] < LANES:
+        group = rows_ref[0, 0, pl.ds(pl.multiple_of((r // TILE_ROWS) * TILE_ROWS, TILE_ROWS), TILE_ROWS), :]
+        pick = jax.lax.broadcasted_iota(jnp.int32, group.shape, 0) == r % TILE_ROWS
+        return jnp.sum(jnp.where(pick, group.astype(jnp.float32), 0.0), axis=0, keepdims=True)
+    if rows_ref.dtype == jnp.float32:
+        return rows_ref[0, 0, pl.ds(r, 1), :]
+    words = rows_ref.bitcast(jnp.uint32)[0, 0, pl.ds(r // 2, 1), :]
+    bits = jnp.where(r % 2 == 0, words << 16, words & jnp.uint32(_HIGH_HALF))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _stream_kernel(layer_ref, idx_ref, rows_ref, out_ref, *, K_pad, S):
+    # idx_ref (SMEM) [K_pad]: batch row b's indices; rows_ref (VMEM) [1, 1, S, C]: its layer slice; out_ref [K_pad, C]
+    def store_group(m, carry):
+        rows = [_row_of_slice(rows_ref, jnp.clip(idx_ref[m * GROUP + i], 0, S - 1)) for i in range(GROUP)]
+        out_ref[pl.ds(pl.multiple_of(m * GROUP, GROUP), GROUP), :] = jnp.concatenate(rows, 0).astype(out_ref.dtype)
+        return carry
+    jax.lax.fori_loop(0, K_pad // GROUP, store_group, 0)
+
+
+def slice_bytes(S: int, C: int, itemsize: int) -> int:
+    """HBM (and VMEM) bytes of one batch row's [S, C] layer slice, C padded to whole 128-lane tiles."""
+    return S * round_up(C, LANES) * itemsize
+
+
+def streams(B: int, S: int, C: int, K_pad: int, itemsize: int) -> bool:
+    """Whether the streamed form reads fewer bytes than the tile-group DMAs (module docstring): K_pad tile groups
+    cost more than the slice, the slice fits VMEM, the batch rows split evenly over a chip's two cores, and K_pad
+    is a power of two (Mosaic's 1-D SMEM index window)."""
+    return (K_pad & (K_pad - 1) == 0 and K_pad * tile_group_bytes(C, itemsize) > slice_bytes(S, C, itemsize)
+            and slice_bytes(S, C, itemsize) <= STREAM_MAX_SLICE_BYTES and B % 2 == 0)
+
+
+def _stream_gather(cache_LBSC, layer, idx, K_pad, interpret):
+    L, B, S, C = cache_LBSC.shape
+    itemsize = cache_LBSC.dtype.itemsize
+    return pl.pallas_call(
+        functools.partial(_stream_kernel, K_pad=K_pad, S=S),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B,),
+            in_specs=[pl.BlockSpec((K_pad,), lambda b, layer_ref: (b,), memory_space=pltpu.SMEM),
+                      pl.BlockSpec((1, 1, S, C),
+                                   lambda b, layer_ref: (jnp.clip(layer_ref[0], 0, L - 1), b, 0, 0))],
+            out_specs=pl.BlockSpec((None, K_pad, C), lambda b, layer_ref: (b, 0, 0)),
+        ),
+        out_shape=jax.ShapeDtypeStruct((B, K_pad, C), cache_LBSC.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=STREAM_VMEM_LIMIT),
+        interpret=interpret,
+        name="stacked_row_gather_streamed",
+        # every batch row's slice read, the K rows of C written, each index read once
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                      bytes_accessed=B * (slice_bytes(S, C, itemsize) + K_pad * (C * itemsize + 4))),
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), idx, cache_LBSC)
 
 
 def _kernel(layer_ref, idx_ref, next_idx_ref, cache_hbm, out_ref, buf, sem, *, n, blocks_per_row, block, S, L):
@@ -105,12 +172,13 @@ def _cost(B, K_pad, C, itemsize):
                            bytes_accessed=B * K_pad * (tile_group_bytes(C, itemsize) + C * itemsize + 8))
 
 
-def stacked_row_gather(cache_LBSC, layer, idx_BK, *, block=128, interpret=False):
+def stacked_row_gather(cache_LBSC, layer, idx_BK, *, block=128, interpret=False, stream=None):
     """[B, K, C]: rows idx[b, k] (clamped into [0, S)) of layer ``layer`` (int32 scalar, clamped into [0, L))
     of ``cache`` [L, B, S, C] (bf16 or fp32, S a multiple of 8). K is padded to a multiple of ``block`` here
     (padding rows gather row 0, DMAs included). Mosaic takes a 1-D SMEM index window of a power of two >= 128
     entries, so ``block`` is one; the interpreter also takes smaller multiples of 16 (K rounded up to 16 at
-    most: small test models)."""
+    most: small test models). ``stream``: the streamed form (module docstring) or the tile-group DMAs; None:
+    the streamed form where `streams`."""
     L, B, S, C = cache_LBSC.shape
     K = idx_BK.shape[1]
     if interpret:
@@ -121,11 +189,13 @@ def stacked_row_gather(cache_LBSC, layer, idx_BK, *, block=128, interpret=False)
                          f"idx [B={B}, K], a block a power of two >= 128 (interpreted: a multiple of {GROUP}); got "
                          f"cache {cache_LBSC.shape} {cache_LBSC.dtype}, idx {idx_BK.shape}, block {block}")
     K_pad = round_up(K, block)
+    idx = pad_axis(idx_BK.astype(jnp.int32), 1, K_pad).reshape(-1)
+    if streams(B, S, C, K_pad, cache_LBSC.dtype.itemsize) if stream is None else stream:
+        return _stream_gather(cache_LBSC, layer, idx, K_pad, interpret)[:, :K]
     blocks_per_row = K_pad // block
     n_blocks = B * blocks_per_row
     P = 2 if n_blocks % 2 == 0 else 1            # two halves: one per TensorCore of a megacore chip
     n = n_blocks // P
-    idx = pad_axis(idx_BK.astype(jnp.int32), 1, K_pad).reshape(-1)
     smem_block = functools.partial(pl.BlockSpec, (block,), memory_space=pltpu.SMEM)
 
     def out_block(p, u, layer_ref):

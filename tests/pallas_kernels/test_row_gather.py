@@ -24,6 +24,7 @@ def _numpy_gather(cache, layer, idx):
     return np.stack([rows[b][np.clip(np.asarray(idx)[b], 0, S - 1)] for b in range(rows.shape[0])])
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dtype, B, K, block, C", [
     (jnp.bfloat16, 3, 40, 16, 576),   # odd rows x 3 blocks each (K padded to 48): one grid half, row pairs split;
                                       # C = 576: 4.5 lane tiles, as GLM-5's latent row
@@ -31,11 +32,13 @@ def _numpy_gather(cache, layer, idx):
     (jnp.float32, 2, 24, 16, 576),
     (jnp.bfloat16, 2, 24, 16, 80),    # a row narrower than a lane tile: picked by a masked sum
 ])
-def test_kernel_equals_numpy_gather(dtype, B, K, block, C):
+def test_kernel_equals_numpy_gather(dtype, B, K, block, C, stream):
+    """Both forms: tile-group DMAs per row, and each batch row's layer slice streamed whole."""
     L, S = 3, 64
     cache, idx = _cache_and_indices(np.random.default_rng(K), L, B, S, C, K, dtype)
     for layer in (0, 2, 7):                        # 7: clamped to the last layer
-        got = jax.jit(lambda c, l, i: kernel.stacked_row_gather(c, l, i, block=block, interpret=True))(
+        got = jax.jit(lambda c, l, i: kernel.stacked_row_gather(c, l, i, block=block, interpret=True,
+                                                                     stream=stream))(
             cache, jnp.int32(layer), idx)
         assert got.shape == (B, K, C) and got.dtype == dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), _numpy_gather(cache, layer, idx))
@@ -56,3 +59,13 @@ def test_ops_impls_agree_and_the_kernel_refuses_gradients():
         jax.grad(loss("pallas_interpret"))(cache)
     with pytest.raises(ValueError, match="unknown impl"):
         ops.stacked_row_gather(cache, layer, idx, impl="triton")
+
+
+def test_streamed_form_is_chosen_where_it_reads_fewer_bytes():
+    """GLM-5's latent rows (C = 576, bf16): at 8K slots, 2048 tile groups (2048 x 8 x 640 x 2 bytes) are twice
+    the slice (8192 x 640 x 2), so the slice streams; at 200K slots (or one batch row, one core) the DMAs stay."""
+    assert kernel.streams(32, 8192, 576, 2048, 2)
+    assert 2048 * kernel.tile_group_bytes(576, 2) == 2 * kernel.slice_bytes(8192, 576, 2)
+    assert not kernel.streams(32, 204800, 576, 2048, 2)     # 8 x K < S, and a slice past VMEM
+    assert not kernel.streams(1, 8192, 576, 2048, 2)
+    assert not kernel.streams(32, 8192, 576, 384, 2)        # no power-of-two index window

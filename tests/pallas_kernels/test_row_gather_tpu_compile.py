@@ -18,11 +18,13 @@ from pallas_kernels.row_gather import kernel, ops  # noqa: E402
 L, B_PER_CHIP, S, C, K = 3, 2, 8192, 576, 2048
 
 
-def test_layer_loop_gathers_from_the_stacked_cache_without_a_layer_copy():
+@pytest.mark.parametrize("stream", [False, True])
+def test_layer_loop_gathers_from_the_stacked_cache_without_a_layer_copy(stream):
     """A loop over layers gathering each layer's selected rows from the stacked [L, B, S, C] cache by the
     layer index (as the decode layer scan does): the kernel reads the stacked buffer in place, so no temporary
-    holds a layer's [B, S, C] slice, and its declared bytes are one 8-row tile group read per selected row
-    plus the row written and its index read twice."""
+    holds a layer's [B, S, C] slice. Declared bytes: tile-group DMAs, one 8-row tile group read per selected
+    row plus the row written and its index read twice; streamed (the default at these shapes), each batch
+    row's [S, C] slice read once plus the rows written and their indices read."""
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
     mesh = Mesh(np.array(topology.devices).reshape(-1), ("batch",))
     B = 4 * B_PER_CHIP
@@ -32,7 +34,7 @@ def test_layer_loop_gathers_from_the_stacked_cache_without_a_layer_copy():
 
     def layers(cache, idx):
         def layer(i, acc):
-            rows_BKC = ops.stacked_row_gather(cache, i, idx[i], impl="pallas")
+            rows_BKC = kernel.stacked_row_gather(cache, i, idx[i], stream=stream)
             return acc + rows_BKC.astype(jnp.float32)
         return jax.lax.fori_loop(0, L, layer, jnp.zeros((cache.shape[1], K, C), jnp.float32))
 
@@ -49,4 +51,6 @@ def test_layer_loop_gathers_from_the_stacked_cache_without_a_layer_copy():
     # declared: per selected row its tile group (8 rows x 640 lanes, 576 padded to 5 lane tiles, bf16), the
     # row written (576 x 2 bytes) and its index read twice
     assert kernel.tile_group_bytes(C, 2) == 8 * 640 * 2
-    assert kernel_cost(line.split("custom-call(")[0], [], line) == (0.0, B_PER_CHIP * K * (8 * 640 * 2 + C * 2 + 8))
+    assert kernel.streams(B_PER_CHIP, S, C, K, 2)
+    want = B_PER_CHIP * (S * 640 * 2 + K * (C * 2 + 4)) if stream else B_PER_CHIP * K * (8 * 640 * 2 + C * 2 + 8)
+    assert kernel_cost(line.split("custom-call(")[0], [], line) == (0.0, want)
