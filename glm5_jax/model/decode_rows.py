@@ -57,8 +57,10 @@ def attend_with_new_rows(q_BTHC, cached_BTKC, new_latent_BTC, idx_BTK, valid_BTK
     ``cached`` the cache's rows at idx (as it was before the step), those at new slots replaced by new rows."""
     T = positions_BT.shape[1]
     j = idx_BTK - positions_BT[:, :1, None]
-    rows = jnp.where(((j >= 0) & (j < T))[..., None],
-                     take_rows(new_latent_BTC.astype(cached_BTKC.dtype), jnp.clip(j, 0, T - 1)), cached_BTKC)
+    new = new_latent_BTC.astype(cached_BTKC.dtype)
+    # one new row per batch row (T = 1): broadcast it, no gather of it into every selected slot
+    new_BTKC = new[:, :, None, :] if T == 1 else take_rows(new, jnp.clip(j, 0, T - 1))
+    rows = jnp.where(((j >= 0) & (j < T))[..., None], new_BTKC, cached_BTKC)
     logits = jnp.einsum("btkc,bthc->bthk", rows, q_BTHC.astype(rows.dtype), preferred_element_type=jnp.float32)
     logits = jnp.where(valid_BTK[:, :, None, :], logits * scale, -jnp.inf)
     probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))

@@ -1,8 +1,8 @@
 """Rows idx[b, k] of layer ``layer`` of a stacked cache [L, B, S, C] -> [B, K, C], behind an ``impl`` switch.
 
 "reference" / "xla": the layer sliced out and XLA's gather (reference.py). "pallas" / "pallas_interpret": the
-Pallas kernel (kernel.py) reading the stacked cache in place, one tile-group DMA per row. Indices outside
-[0, S) and a layer outside [0, L) are clamped into range by both (XLA's gather rule); masking the rows a
+Pallas kernel (kernel.py) reading the stacked cache in place, one tile-group DMA per row (or each batch row's
+layer slice streamed whole where that reads fewer bytes). Indices outside [0, S) and a layer outside [0, L) are clamped into range by both (XLA's gather rule); masking the rows a
 caller must not use is the caller's job.
 
 Not differentiable through the kernel: the decode path that uses it is never differentiated, so the Pallas
