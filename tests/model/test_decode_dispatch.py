@@ -134,3 +134,36 @@ def test_expert_blocks_fit_their_static_count():
     x_blocks, block_expert, n_used, dest = expert_blocks(x, sizes, 16)
     assert x_blocks.shape == (8, 16, 4) and int(n_used) == 8 and block_expert.tolist() == list(range(8))
     np.testing.assert_array_equal(np.asarray(x_blocks).reshape(-1, 4)[np.asarray(dest)], x)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_int4_block_scatter_equals_gathering_the_sorted_rows_first(monkeypatch, seed):
+    """`int4_block_scatter` adds the kernel's row blocks into their tokens straight from the block layout; the
+    same sums, bit for bit, as gathering the rows back into sorted order (`block_rows`, zero past n_used) and
+    adding those. The kernel stands in as a row-wise map with NaN in the blocks it never writes (past
+    n_used), which must not leak."""
+    from glm5_jax.model.moe import decode_dispatch
+    from glm5_jax.model.moe.experts import expert_blocks
+    from pallas_kernels.int4_matmul import ops as int4_ops
+
+    def fake_kernel(x_blocks, block_expert, n_used, *_):
+        y = jnp.sin(x_blocks.astype(jnp.float32) * 3.0) + block_expert[:, None, None]
+        return jnp.where((jnp.arange(x_blocks.shape[0]) < n_used)[:, None, None], y, jnp.nan)
+    monkeypatch.setattr(decode_dispatch, "int4_swiglu_blocks", fake_kernel)
+    rng = np.random.default_rng(seed)
+    n, k, D, E, n_local, block, cap = 24, 4, 8, 16, 4, 16, 40
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(n)]), jnp.int32)
+    gates = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(n, D)), jnp.bfloat16)
+    order, group_sizes = local_assignments(idx.reshape(-1), n_local, n_local)      # the chip of experts 4..7
+    take = order[:cap]
+    kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
+    sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
+    got = decode_dispatch.int4_block_scatter(x[take // k], take, sizes, gates.reshape(-1), k, n, None,
+                                             jnp.bfloat16, None, block, None)
+    x_blocks, block_expert, _, dest = expert_blocks(x[take // k], sizes, block)
+    n_used = jnp.sum(-(-sizes[:n_local] // block)).astype(jnp.int32)
+    y_rows = int4_ops.block_rows(fake_kernel(x_blocks, jnp.minimum(block_expert, n_local - 1), n_used), dest, n_used)
+    want = jnp.zeros((n, D), jnp.float32).at[take // k].add(y_rows * gates.reshape(-1)[take][:, None])
+    assert int(jnp.sum(kept)) > 0 and np.isfinite(np.asarray(got)).all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

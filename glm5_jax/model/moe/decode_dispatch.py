@@ -122,20 +122,35 @@ def busiest_chip_blocks(n_tokens: int, top_k: int, n_experts: int, n_local: int,
     return float(np.sum(1.0 - cdf ** n_chips))
 
 
-def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig, block: int, cost_blocks=None):
+def local_swiglu(x_sorted_MD, group_sizes, weights, dtype, cfg: ModelConfig):
     """SwiGLU of rows sorted by local expert (``group_sizes`` [E_local + 1]: the last group, other chips'
-    experts, is not computed) -> [M, D] fp32, zero past the local groups."""
+    experts, is not computed) through fp (bf16) experts -> [M, D] fp32, zero past the local groups (INT4
+    experts: `int4_block_scatter`)."""
     w_gate, w_up, w_down = weights
+    impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
+    return swiglu_rows(x_sorted_MD, group_sizes[:-1], w_gate, w_up, w_down, dtype, impl)
+
+
+def int4_block_scatter(x_sorted_MD, take_M, group_sizes, gates_NK, k, n, weights, dtype, cfg: ModelConfig, block,
+                       cost_blocks):
+    """sum over a chip's kept assignments m of gates[take[m]] SwiGLU(x_sorted[m]) into token take[m] // k -> [n, D]
+    fp32, INT4 experts: the kernel's row blocks added into their tokens straight from the block layout (the
+    padding rows and the blocks past n_used dropped), not first gathered back into sorted order. The rows are
+    added in the same order as from the sorted rows (blocks follow the sorted order), the non-local group's
+    rows (zeros there) left out. Only the blocks of local experts run: the kernel's grid stops at n_used."""
+    M = x_sorted_MD.shape[0]
     n_local = group_sizes.shape[0] - 1
-    if not isinstance(w_gate, int4_weights.Int4Weight):
-        impl = RAGGED_DOT if cfg.runtime.moe_impl == BLOCKED else cfg.runtime.moe_impl
-        return swiglu_rows(x_sorted_MD, group_sizes[:n_local], w_gate, w_up, w_down, dtype, impl)
     x_blocks, block_expert, _, dest = expert_blocks(x_sorted_MD, group_sizes, block)
-    # only the blocks of local experts run: the kernel's grid stops at n_used (later blocks unwritten)
     n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
-    block_expert = jnp.minimum(block_expert, n_local - 1)
-    y = int4_swiglu_blocks(x_blocks, block_expert, n_used, weights, dtype, cfg, cost_blocks)
-    return int4_ops.block_rows(y, dest, n_used)      # 0 in the blocks past n_used
+    y_blocks = int4_swiglu_blocks(x_blocks, jnp.minimum(block_expert, n_local - 1), n_used, weights, dtype, cfg,
+                                  cost_blocks)
+    R = y_blocks.shape[0] * block
+    src_R = jnp.full((R,), M, jnp.int32).at[dest].set(jnp.arange(M, dtype=jnp.int32))   # sorted row of a slot
+    assignment_R = take_M[jnp.minimum(src_R, M - 1)]
+    used_R = (src_R < M) & (jnp.arange(R) // block < n_used)
+    token_R = jnp.where(used_R, assignment_R // k, n)                 # n: out of range, dropped
+    y_RD = y_blocks.reshape(R, -1) * gates_NK[assignment_R][:, None].astype(jnp.float32)
+    return jnp.zeros((n, y_RD.shape[-1]), jnp.float32).at[token_R].add(y_RD, mode="drop")
 
 
 def int4_swiglu_blocks(x_blocks, block_expert, n_used, weights, dtype, cfg: ModelConfig, cost_blocks):
@@ -225,9 +240,13 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
             take = order[:cap]                                          # this chip's assignments first
             kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
             sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
-            y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg, block, cost_blocks)  # 0 past kept
-            y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)
-            y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
+            if len(w) >= 6:
+                y = int4_block_scatter(x.astype(dt)[take // k], take, sizes, gates.reshape(-1), k, n, weights, dt,
+                                       cfg, block, cost_blocks).astype(dt)
+            else:
+                y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg)
+                y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)     # 0 past kept
+                y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:
