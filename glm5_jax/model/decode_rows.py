@@ -58,8 +58,11 @@ def attend_with_new_rows(q_BTHC, cached_BTKC, new_latent_BTC, idx_BTK, valid_BTK
     T = positions_BT.shape[1]
     j = idx_BTK - positions_BT[:, :1, None]
     new = new_latent_BTC.astype(cached_BTKC.dtype)
-    # one new row per batch row (T = 1): broadcast it, no gather of it into every selected slot
-    new_BTKC = new[:, :, None, :] if T == 1 else take_rows(new, jnp.clip(j, 0, T - 1))
+    # one new row per batch row (T = 1) of several: broadcast it, no gather of it into every selected slot (XLA
+    # fuses the select into both matmuls). A single batch row keeps the gather: XLA then writes the selected
+    # rows once, small enough to stay on chip, and both matmuls read them there (one HBM read, not two).
+    B = positions_BT.shape[0]
+    new_BTKC = new[:, :, None, :] if T == 1 and B > 1 else take_rows(new, jnp.clip(j, 0, T - 1))
     rows = jnp.where(((j >= 0) & (j < T))[..., None], new_BTKC, cached_BTKC)
     logits = jnp.einsum("btkc,bthc->bthk", rows, q_BTHC.astype(rows.dtype), preferred_element_type=jnp.float32)
     logits = jnp.where(valid_BTK[:, :, None, :], logits * scale, -jnp.inf)
