@@ -34,8 +34,10 @@ def model_config() -> ModelConfig:
 
 def get_config() -> ExperimentConfig:
     """512 v5p chips: FSDP 16 x expert-parallel 32 (9 routed experts per chip), no tensor or context split
-    (the pooled indexer does not run context-parallel yet); 512 sequences of 4096 tokens per step."""
-    model = model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25)
+    (the pooled indexer does not run context-parallel yet); 512 sequences of 4096 tokens per step. Remat keeps
+    the routed experts' gate and up products (`experts_saveable`): the strongest policy that fits a v5p chip
+    (docs/glm53_flash.md#compiled-for-tpu-v5p)."""
+    model = model_config().replace(remat_policy="experts_saveable", moe_ep="a2a", moe_capacity_factor=1.25)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=512)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1)
     return ExperimentConfig(model=model, data=data, train=train,

@@ -97,6 +97,10 @@ class RuntimeConfig:
     projection_impl: ProjectionImpl = "xla"
     quant_matmul: QuantMatmul = "xla"        # packed INT4 experts: dequantise + the moe_impl matmul, or the kernel
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
+    # training: the LM head and cross-entropy (main and MTP) computed this many positions of every row at a
+    # time, each chunk's logits recomputed in the backward pass, so no [B, T, V] logits are held (0: whole;
+    # glm5_jax/model/lm_head.py); a T that is no multiple of it is padded
+    loss_chunk_tokens: int = 0
     # Pallas impls, training: the sparse stage attends with the flash kernel (MHA form) over the top-k
     # selection as a [T, S] mask while the keys number at most this x index_topk (glm5_jax/model/attention.py
     # `masked_flash_core`); longer sequences gather each query's rows. 0 always gathers.
@@ -150,6 +154,9 @@ class RuntimeConfig:
                 raise ConfigError(f"RuntimeConfig.{f.name}={getattr(self, f.name)!r}: must be one of {allowed}")
         if not (isinstance(self.attention_q_chunk, int) and self.attention_q_chunk > 0):
             raise ConfigError(f"RuntimeConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
+        if not (isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 0):
+            raise ConfigError(f"RuntimeConfig.loss_chunk_tokens={self.loss_chunk_tokens!r}: must be an int >= 0 "
+                              "(positions per chunk; 0: the whole sequence)")
         if not (isinstance(self.kda_chunk, int) and self.kda_chunk > 0 and self.kda_chunk % 16 == 0):
             raise ConfigError(f"RuntimeConfig.kda_chunk={self.kda_chunk!r}: must be a positive multiple of 16")
         if not (isinstance(self.attention_block, int) and self.attention_block >= 128

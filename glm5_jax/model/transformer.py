@@ -21,6 +21,10 @@ segments. Missing ``positions`` restart at 0 at each segment start. ``apply`` re
 * ``mtp_logits`` [depth, B, T, V] (depth k at position t predicts token t + k + 1) when ``with_mtp``
   and the model has an MTP module with ``mtp_depth`` > 0; None otherwise.
 
+``forward_laid_out(..., nll_only=True)`` (the train step with ``runtime.loss_chunk_tokens`` > 0) returns no
+logits: ``nll`` [B, T] and ``mtp_nll`` [depth, B, T] instead, each position's NLL of its target (the laid-out
+batch's ``ahead_tokens``), computed ``loss_chunk_tokens`` positions at a time (glm5_jax/model/lm_head.py).
+
 Under a mesh that splits the logical "seq" axis (context parallelism, glm5_jax/parallel/context.py) the
 forward runs in the zig-zag sequence layout: ``__call__`` lays its inputs out with `lay_out_batch` (MTP's
 shifted tokens are shifted in natural order first), ``forward_laid_out`` takes them laid out, and
@@ -50,15 +54,18 @@ from glm5_jax.model.hyper_connections import ACT_BTND
 from glm5_jax.model.layer_plan import LayerKind
 from glm5_jax.model.layer_stats import LayerStats, concatenate
 from glm5_jax.model.layers import ACT_BTD, RMSNorm, constrain, einsum, logical_param, normal_init
+from glm5_jax.model.lm_head import chunked_token_nll, head_logits
 from glm5_jax.parallel import context as context_parallel
-from glm5_jax.parallel.axes import ACT_VOCAB, BATCH, EMBED, MTP_CONCAT, SEQ, VOCAB
+from glm5_jax.parallel.axes import BATCH, EMBED, MTP_CONCAT, SEQ, VOCAB
 
 
 @struct.dataclass
 class ModelOutput:
-    logits: jax.Array                  # [B, T, V] fp32
+    logits: jax.Array | None           # [B, T, V] fp32 (None with ``nll_only``)
     stats: LayerStats                  # [num_hidden_layers + num_nextn_predict_layers, ...], MTP last
     mtp_logits: jax.Array | None       # [mtp_depth, B, T, V] fp32, or None when MTP did not run
+    nll: jax.Array | None = None       # [B, T] fp32 NLL of each position's target, with ``nll_only``
+    mtp_nll: jax.Array | None = None   # [mtp_depth, B, T] the same per MTP depth, with ``nll_only`` and MTP
 
 
 class MainOutput(NamedTuple):
@@ -147,11 +154,17 @@ class Transformer(nn.Module):
         return constrain(jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.jnp_dtype), ACT_BTD)
 
     def head(self, h_BTD):
-        cfg = self.cfg
-        return constrain(einsum("btd,dv->btv", h_BTD, self.lm_head, cfg.jnp_dtype, jnp.float32,
-                                cfg.runtime.projection_impl), (BATCH, SEQ, ACT_VOCAB))
+        return head_logits(h_BTD, self.lm_head, self.cfg.jnp_dtype, self.cfg.runtime.projection_impl)
 
-    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None, replay=None) -> MainOutput:
+    def head_nll(self, h_BTD, targets_BT):
+        """[B, T] NLL of `targets` under the head's logits of `h`, ``runtime.loss_chunk_tokens`` positions at
+        a time (all at once when 0); [B, T, V] logits are never held whole (glm5_jax/model/lm_head.py)."""
+        rt = self.cfg.runtime
+        return chunked_token_nll(h_BTD, self.lm_head, targets_BT, chunk=rt.loss_chunk_tokens or h_BTD.shape[1],
+                                 dtype=self.cfg.jnp_dtype, impl=rt.projection_impl)
+
+    def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None, logits=True,
+              replay=None) -> MainOutput:
         B, T = tokens_BT.shape
         num_keys = T if cache is None else _cache_len(cache)
         h = self.embed(tokens_BT)
@@ -161,7 +174,8 @@ class Transformer(nn.Module):
                              cache, replay)
         h = hyper_connections.hyper_head(stack.h) if self.cfg.hc_mult else stack.h
         h_normed = self.final_norm(h)
-        return MainOutput(self.head(_rows_at(h_normed, logits_at)), h, h_normed, stack.stats, stack.cache)
+        return MainOutput(self.head(_rows_at(h_normed, logits_at)) if logits else None, h, h_normed, stack.stats,
+                          stack.cache)
 
     def __call__(self, tokens_BT, positions=None, segment_ids=None, with_mtp=False, replay=None) -> ModelOutput:
         """The forward over whole sequences; ``with_mtp`` also runs the MTP depths (training). ``replay``:
@@ -178,31 +192,43 @@ class Transformer(nn.Module):
                                       "permuted over the context shards)")
         return self.forward_laid_out(lay_out_batch(self.cfg, batch), with_mtp, replay)
 
-    def forward_laid_out(self, inputs: context_parallel.LaidOutBatch, with_mtp=False, replay=None) -> ModelOutput:
-        """``__call__`` on inputs already in the sequence layout (`lay_out_batch`)."""
+    def forward_laid_out(self, inputs: context_parallel.LaidOutBatch, with_mtp=False, replay=None,
+                         nll_only=False) -> ModelOutput:
+        """``__call__`` on inputs already in the sequence layout (`lay_out_batch`). ``nll_only``: no logits,
+        each head's NLL of its targets (``inputs.ahead_tokens``) instead, by `head_nll`."""
         cfg = self.cfg
         tokens, positions, segment_ids = (constrain(x, (BATCH, SEQ))
                                           for x in (inputs.tokens, inputs.positions, inputs.segment_ids))
-        main = self._main(tokens, positions, segment_ids, None, replay=replay)
+        nll_only = nll_only and not self.is_initializing()
+        main = self._main(tokens, positions, segment_ids, None, logits=not nll_only, replay=replay)
         logits, h, h_normed, stats = main.logits, main.h, main.h_normed, main.stats
-        mtp_logits, mtp_stats = None, []
+        nll = self.head_nll(h_normed, constrain(inputs.ahead_tokens[0], (BATCH, SEQ))) if nll_only else None
+        mtp_logits, mtp_nll, mtp_stats = None, None, []
         if cfg.num_nextn_predict_layers:
-            depth_stats, depth_logits = [], []
+            depth_stats, depth_heads = [], []   # per depth: logits, or NLL with nll_only
             if (with_mtp and cfg.mtp_depth > 0) or self.is_initializing():
                 h_prev = h_normed if cfg.mtp_use_normed_hidden else h
-                for depth in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
-                    next_tokens = constrain(inputs.ahead_tokens[depth - 1], (BATCH, SEQ))
+                for k in range(1, max(cfg.mtp_depth, 1) + 1):   # one shared module applied recursively
+                    next_tokens = constrain(inputs.ahead_tokens[k - 1], (BATCH, SEQ))
                     depth = self.mtp(h_prev, self.embed(next_tokens), positions, segment_ids)
                     h_prev = depth.h
-                    depth_logits.append(self.head(depth.h_normed))
+                    if nll_only:        # depth k predicts the tokens k + 1 ahead
+                        targets = constrain(inputs.ahead_tokens[k], (BATCH, SEQ))
+                        depth_heads.append(self.head_nll(depth.h_normed, targets))
+                    else:
+                        depth_heads.append(self.head(depth.h_normed))
                     depth_stats.append(depth.stats)
             if depth_stats and cfg.mtp_depth > 0:
                 # each depth's losses count once; loads add up (they all go through the same router)
                 mtp_stats = [jax.tree.map(lambda x: x[None], functools.reduce(operator.add, depth_stats))]
-                mtp_logits = jnp.stack(depth_logits) if with_mtp else None
+                if with_mtp and nll_only:
+                    mtp_nll = jnp.stack(depth_heads)
+                elif with_mtp:
+                    mtp_logits = jnp.stack(depth_heads)
             else:                                   # the block's row: zeros, masked out
                 mtp_stats = [jax.tree.map(lambda x: jnp.zeros_like(x[:1]), stats)]
-        return ModelOutput(logits=logits, stats=concatenate([stats] + mtp_stats), mtp_logits=mtp_logits)
+        return ModelOutput(logits=logits, stats=concatenate([stats] + mtp_stats), mtp_logits=mtp_logits, nll=nll,
+                           mtp_nll=mtp_nll)
 
     def decode(self, tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
         """Main stack over a decode cache: the rows' tokens sit at contiguous positions (slots).

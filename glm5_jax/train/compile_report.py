@@ -94,7 +94,7 @@ def compile_train_step(exp_cfg, topology: str, hlo_path: str | None = None) -> d
     header = {"topology": topology, "num_devices": len(devices), "mesh": sizes,
               "batch_size": exp_cfg.data.batch_size, "seq_len": exp_cfg.data.seq_len,
               "remat_policy": exp_cfg.model.runtime.remat_policy, "moe_ep": exp_cfg.model.runtime.moe_ep,
-              "hbm_bytes_per_device": hbm,
+              "loss_chunk_tokens": exp_cfg.model.runtime.loss_chunk_tokens, "hbm_bytes_per_device": hbm,
               # the libtpu flags in effect (train.py sets them from train.tpu_flags before libtpu starts)
               "tpu_flags": exp_cfg.train.tpu_flags, "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "")}
     try:

@@ -4,17 +4,27 @@ term and the auxiliary-loss-free routing-bias update (DeepSeek-V3 report, arXiv:
 attention distribution)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import traverse_util
+
+from glm5_jax.model.lm_head import token_nll
 
 
 def cross_entropy(logits_BTV, targets_BT, valid_BT):
     """(sum of token NLL over valid positions, number of valid positions); logits in fp32."""
-    logits = logits_BTV.astype(jnp.float32)
-    nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets_BT[..., None], -1)[..., 0]
+    return masked_nll(token_nll(logits_BTV, targets_BT), valid_BT)
+
+
+def masked_nll(nll_BT, valid_BT):
+    """(sum of the per-position NLL over valid positions, number of valid positions)."""
     mask = valid_BT.astype(jnp.float32)
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    return jnp.sum(nll_BT * mask), jnp.sum(mask)
+
+
+def head_nll(logits_BTV, nll_BT, targets_BT, valid_BT):
+    """`cross_entropy` of a head's logits, or `masked_nll` of the NLL the model computed instead
+    (``nll_only``: no logits, glm5_jax/model/lm_head.py)."""
+    return cross_entropy(logits_BTV, targets_BT, valid_BT) if nll_BT is None else masked_nll(nll_BT, valid_BT)
 
 
 def weighted_terms(train_cfg, model_cfg, stage) -> list[tuple[str, float]]:
@@ -51,18 +61,21 @@ def lm_losses(out, inputs, train_cfg, model_cfg, stage):
     layers, the indexer KL summed over the layers that compute it (logged as their mean). The LM loss is
     logged in every stage; the total adds `weighted_terms`."""
     parts = {}
-    nll, count = cross_entropy(out.logits, inputs.ahead_tokens[0], inputs.ahead_valid[0])     # 1 step ahead
+    nll, count = head_nll(out.logits, out.nll, inputs.ahead_tokens[0], inputs.ahead_valid[0])     # 1 step ahead
     parts["lm_loss"] = nll / jnp.maximum(count, 1.0)
     parts["tokens"] = count
     total = jnp.zeros((), jnp.float32)
     for name, weight in weighted_terms(train_cfg, model_cfg, stage):
         if name == "lm":
             total = total + parts["lm_loss"]
-        elif name == "mtp" and out.mtp_logits is not None:
+        elif name == "mtp" and (out.mtp_logits is not None or out.mtp_nll is not None):
             depth_losses = []
-            for d in range(out.mtp_logits.shape[0]):    # depth d+1 predicts token t + d + 2
+            per_depth = out.mtp_logits if out.mtp_logits is not None else out.mtp_nll
+            for d in range(per_depth.shape[0]):    # depth d+1 predicts token t + d + 2
                 k = d + 2
-                nll_d, count_d = cross_entropy(out.mtp_logits[d], inputs.ahead_tokens[k - 1], inputs.ahead_valid[k - 1])
+                logits_d = None if out.mtp_logits is None else out.mtp_logits[d]
+                nll_d = None if out.mtp_nll is None else out.mtp_nll[d]
+                nll_d, count_d = head_nll(logits_d, nll_d, inputs.ahead_tokens[k - 1], inputs.ahead_valid[k - 1])
                 depth_losses.append(nll_d / jnp.maximum(count_d, 1.0))
             parts["mtp_loss"] = jnp.mean(jnp.stack(depth_losses))          # (1/D) Σ_k L^k
             total = total + weight * parts["mtp_loss"]

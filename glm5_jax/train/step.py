@@ -34,9 +34,11 @@ class TrainState:
 
 def batch_losses(model: Transformer, variables, batch: Batch, train_cfg, stage):
     """(total loss, its parts, the `ModelOutput`) of `model` on a natural-order `batch`, laid out once
-    (`lay_out_batch`) for the model's inputs and the losses' targets; `stage`: a `StageSpec`."""
+    (`lay_out_batch`) for the model's inputs and the losses' targets; `stage`: a `StageSpec`. With
+    ``runtime.loss_chunk_tokens`` the model returns each head's per-token NLL, not its logits."""
     inputs = lay_out_batch(model.cfg, batch)
-    out = model.apply(variables, inputs, with_mtp=True, method=Transformer.forward_laid_out)
+    out = model.apply(variables, inputs, with_mtp=True, nll_only=model.cfg.runtime.loss_chunk_tokens > 0,
+                      method=Transformer.forward_laid_out)
     total, parts = lm_losses(out, inputs, train_cfg, model.cfg, stage)
     return total, parts, out
 
