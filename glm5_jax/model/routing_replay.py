@@ -24,7 +24,6 @@ k selected slots per query, L layers.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
