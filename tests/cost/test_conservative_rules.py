@@ -4,6 +4,7 @@ v5p (their grids read from the kernels' modules: core split, grid steps over a d
 blocks), hand-built HLO (per-op cost, ring collectives' HBM passes, SparseCore rate) and hand-placed
 all-to-all groups (busiest link)."""
 import dataclasses
+import functools
 import importlib.util
 import types
 
@@ -244,6 +245,8 @@ def test_flash_forward_rereads_keys_per_query_block():
 
 
 def _row_gather_hlo(L, B, S, C, K, block):
+    """The compiled per-row form (the tile-group DMAs; not the streamed layer slice, which these shapes would
+    otherwise choose: K x 8 > S)."""
     import numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -253,8 +256,8 @@ def _row_gather_hlo(L, B, S, C, K, block):
     # one chip's program (a one-device mesh: Mosaic's lowering reads the chip from the mesh)
     mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[:1]), ("x",))
     s = NamedSharding(mesh, P())
-    fn = jax.shard_map(lambda c, layer, i: kernel.stacked_row_gather(c, layer, i, block=block), mesh=mesh,
-                       in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+    gather = functools.partial(kernel.stacked_row_gather, block=block, stream=False)
+    fn = jax.shard_map(gather, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
     return jax.jit(fn).lower(jax.ShapeDtypeStruct((L, B, S, C), jnp.bfloat16, sharding=s),
                              jax.ShapeDtypeStruct((), jnp.int32, sharding=s),
                              jax.ShapeDtypeStruct((B, K), jnp.int32, sharding=s)).compile().as_text()
