@@ -30,7 +30,7 @@ from glm5_jax.parallel.mesh import (CONTEXT, DEFAULT_RULES, MESH_AXES, TENSOR, M
 # widths / vocabulary over tensor, routed experts over expert, cache slots over context. The query's LoRA rank
 # splits over tensor where heads do not already take it (rules apply in order, HEADS first): q_a_proj
 # [D, q_lora] is read 1/tensor per chip instead of whole on every chip (a decode step reads every weight: at
-# 744B it was the largest replicated read), its output all-gathered for the up-projections (the q_a norm's sum
+# 744B, whole, it is the largest replicated read), its output all-gathered for the up-projections (the q_a norm's sum
 # of squares is then a sum of per-shard partial sums); q_b_proj and the indexer's wq_b keep heads over tensor.
 SAMPLING_OVERRIDES = {
     SEQ: None,
