@@ -445,6 +445,7 @@ class ModelConfig:
                  '"rows" writes latent rows only; KDA layers carry a recurrent state: use "layer"')
         if self.index_kpool is not None:
             need(isinstance(self.index_kpool, int) and self.index_kpool >= 1, "index_kpool", "must be an int >= 1")
+            need(self.use_indexer, "index_kpool", "the pooled indexer needs use_indexer=True")
             need(self.index_topk % self.index_kpool == 0, "index_kpool", f"must divide index_topk={self.index_topk}")
             need(self.qk_rope_head_dim == 0, "index_kpool", "the pooled indexer runs without RoPE (qk_rope_head_dim=0)")
             need(self.indexer_types is None, "index_kpool", "the pooled indexer runs in every MLA layer")

@@ -46,7 +46,7 @@ import numpy as np
 from flax import struct
 
 from glm5_jax.data.batch import Batch
-from glm5_jax.model import hyper_connections, pooled_indexer
+from glm5_jax.model import hyper_connections, routing_replay
 from glm5_jax.model.attention import masked_flash_core
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.decoder import ROUTING_BIAS_PATH, DecoderLayer, DecoderStack, routing_bias_rows
@@ -99,9 +99,7 @@ def empty_selection(cfg: ModelConfig, B, T, num_keys=None, decoding=False):
     """Top-k carry before the first full layer: (idx, valid) [B, T, min(index_topk, keys)], and the
     selection mask [B, T, keys] where the sparse core is the masked flash kernel (`masked_flash_core`)."""
     S = T if num_keys is None else num_keys
-    k = min(cfg.index_topk, S) if cfg.use_indexer else 1
-    if cfg.index_kpool is not None:
-        k = pooled_indexer.selection_width(cfg, S)
+    k = routing_replay.selection_width(cfg, S) if cfg.use_indexer else 1
     empty = jnp.zeros((B, T, k), jnp.int32), jnp.zeros((B, T, k), bool)
     return empty + (jnp.zeros((B, T, S), jnp.int8),) if masked_flash_core(cfg, S, decoding) else empty
 
