@@ -20,11 +20,12 @@ import re
 from glm5_jax.cost.hlo_cost import HLO_COMPUTATION_PREFIX
 
 CATEGORIES = ("attention_core", "indexer_topk", "indexer_kl", "routed_experts", "shared_mlp", "projections",
-              "lm_head_loss", "mtp", "optimizer", "other")
+              "hyper_connections", "layer_glue", "lm_head_loss", "mtp", "optimizer", "other")
 CATEGORY_TITLES = {
     "attention_core": "attention core", "indexer_topk": "indexer scores + top-k", "indexer_kl": "indexer KL",
     "routed_experts": "routed experts", "shared_mlp": "shared expert + dense MLP",
-    "projections": "projections (MLA + indexer)", "lm_head_loss": "LM head + loss", "mtp": "MTP",
+    "projections": "projections (MLA + indexer)", "hyper_connections": "mHC mixers",
+    "layer_glue": "norms, residuals, layer loop", "lm_head_loss": "LM head + loss", "mtp": "MTP",
     "optimizer": "optimizer", "other": "other",
 }
 _EINSUM = re.compile(r"([a-z]+),([a-z]+)->([a-z]+)")
@@ -32,6 +33,9 @@ _EINSUM = re.compile(r"([a-z]+),([a-z]+)->([a-z]+)")
 _CORE_SCOPES = ("attention_core", "_sparse_core", "sparse_mla", "dense_mla", "_training_sparse_xla", "_masked_dense",
                 "_mha")
 _KL_HEADS = ("closed_call", "while", "cond", "vmap()")
+# the mHC mixers around each block and their merge (glm5_jax/model/decoder.py `_residual("attn_hc" / "ffn_hc")`;
+# steps traced before the merge had its scope: its einsum, glm5_jax/model/hyper_connections.py `merge`)
+_HC_SCOPE = re.compile(r"/(attn_hc|ffn_hc)/|btji,btjd->btid")
 
 
 def _weight_einsum(op_name: str) -> bool:
@@ -72,6 +76,13 @@ def categorize(op_name: str) -> str:
         return "shared_mlp" if "/shared_expert/" in op_name else "routed_experts"
     if "/mlp/" in op_name:
         return "shared_mlp"
+    if _HC_SCOPE.search(op_name):
+        return "hyper_connections"
+    if "/decoder/" in op_name:
+        # what else runs inside the layer stack: norms, residual adds, the scan over layers (its carries,
+        # the stacked activations it saves for the backward pass, the copies XLA makes of them); an
+        # instruction without metadata inside the scan's body inherits this from the loop
+        return "layer_glue"
     if "jvp(Transformer)" in op_name or "embed" in op_name:
         return "other"
     if "jvp(" in op_name:             # the loss, traced outside the model's modules
@@ -90,6 +101,8 @@ def categorize_param(names: list[str]) -> str | None:
         return "mtp"
     if names[0] == "lm_head":
         return "lm_head_loss"
+    if "attn_hc" in names or "ffn_hc" in names:
+        return "hyper_connections"
     if "shared_expert" in names or "mlp" in names:
         return "shared_mlp"
     if "moe" in names:

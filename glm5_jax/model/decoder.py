@@ -185,9 +185,13 @@ class DecoderLayer(nn.Module):
             return lambda h: (h, lambda out: constrain(h + out, ACT_BTD))
         mixers = HyperConnection(self.cfg, name=hc_name)
 
+        def merged(post, comb, out, h_BTND):
+            with jax.named_scope(hc_name):       # filed with the mixers (glm5_jax/cost/categories.py)
+                return constrain(hyper_connections.merge(post, comb, out, h_BTND), ACT_BTND)
+
         def around(h_BTND):
             post, comb, block_in = mixers(h_BTND)
-            return block_in, lambda out: constrain(hyper_connections.merge(post, comb, out, h_BTND), ACT_BTND)
+            return block_in, lambda out: merged(post, comb, out, h_BTND)
         return around
 
 

@@ -243,3 +243,24 @@ def test_sparsecore_offloaded_reduce_scatter_is_async_and_charged_once():
     # scattered result once (the call's aliasing result tuple moves nothing)
     f32 = 4
     assert cost.bytes_accessed == f32 * (2 * 64 * 128 + 128 * 128) + f32 * (4096 + 1024) * 128
+
+
+def test_collective_without_metadata_is_filed_with_what_it_moves():
+    """A reduce-scatter the compiler made (no op_name) takes the category of the gradient it scatters: its
+    first operand with metadata; with none, the category it inherits ("other" at the entry)."""
+    named = SPARSECORE_STEP.replace(
+        "  %token = token[] after-all()\n",
+        '  %token = token[] after-all()\n  %grad = f32[4096,128]{1,0:T(8,128)} multiply(%g, %g), '
+        'metadata={op_name="wgrad"}\n').replace("call-start(%g, %token)", "call-start(%grad, %token)")
+    assert named != SPARSECORE_STEP
+    (op, _), = hlo_cost(named, categorize=lambda name: name).collectives.items()
+    assert op.category == "wgrad"
+    # through an unnamed bitcast of the gradient
+    hop = named.replace("call-start(%grad, %token)", "call-start(%flat, %token)").replace(
+        'metadata={op_name="wgrad"}\n',
+        'metadata={op_name="wgrad"}\n  %flat = f32[4096,128]{1,0:T(8,128)} bitcast(%grad)\n')
+    assert hop.index("%grad = ") < hop.index("%flat = ") < hop.index("call-start(%flat")
+    (op, _), = hlo_cost(hop, categorize=lambda name: name).collectives.items()
+    assert op.category == "wgrad"
+    (op, _), = hlo_cost(SPARSECORE_STEP, categorize=lambda name: name).collectives.items()
+    assert op.category == "other"

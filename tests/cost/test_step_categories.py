@@ -36,6 +36,13 @@ BWD = STEP + "transpose(jvp(Transformer))/Transformer._main/decoder/checkpoint/s
     (FWD + "moe/shared_expert/btd,df->btf/dot_general", "shared_mlp"),
     (STEP + "jvp(Transformer)/Transformer._main/decoder/segment_0/layer_0/mlp/btf,fd->btd/dot_general", "shared_mlp"),
     (STEP + "jvp(Transformer)/Transformer._main/Transformer.head/btd,dv->btv/dot_general", "lm_head_loss"),
+    # what else runs inside the layer stack is not the head's: norms, the scan's carries, mHC mixers
+    (FWD + "input_norm/mul", "layer_glue"),
+    (STEP + "jvp(Transformer)/Transformer._main/decoder/while/body/jit(dynamic_update_index_in_dim)/"
+     "dynamic_update_slice", "layer_glue"),
+    (FWD + "attn_hc/convert_element_type", "hyper_connections"),
+    (BWD + "ffn_hc/dot_general", "hyper_connections"),
+    (FWD + "btji,btjd->btid/dot_general", "hyper_connections"),                     # an unscoped merge
     (STEP + "jvp()/reduce_max", "lm_head_loss"),
     (STEP + "jvp(Transformer)/mtp/block/moe/shared_expert/btd,df->btf/dot_general", "mtp"),
     (STEP + "jvp(Transformer)/Transformer.embed/jit(_take)/gather", "other"),

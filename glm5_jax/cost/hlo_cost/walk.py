@@ -9,8 +9,9 @@ import dataclasses
 import re
 
 from glm5_jax.cost.hlo_cost.collective_ops import (ASYNC_COLLECTIVE_DONE, ASYNC_COLLECTIVE_FUSION,
-                                                   ASYNC_COLLECTIVE_START, async_start_of, collective_fusion_part,
-                                                   collective_op, reduce_scatter_fusion, ring_hbm_extra_bytes)
+                                                   ASYNC_COLLECTIVE_START, COLLECTIVES, async_start_of,
+                                                   collective_fusion_part, collective_op, collectives_in,
+                                                   reduce_scatter_fusion, ring_hbm_extra_bytes)
 from glm5_jax.cost.hlo_cost.hbm_traffic import instruction_bytes
 from glm5_jax.cost.hlo_cost.kernels import GroupedMatmulLoad, custom_call_cost, dynamic_grid_bound, table_fraction
 from glm5_jax.cost.hlo_cost.mosaic_grid import kernel_grid
@@ -123,6 +124,9 @@ class _Frame:
         return self.own.total(field) + self.children.total(field)
 
 
+_UNNAMED_HOPS = 4      # `_Walk.collective_category`: how far back through unnamed producers
+
+
 class _Walk:
     """The walk of one module: each computation's `_Tally` per (name, fused, inherited category, mode),
     memoised, and what the result reports besides (loops, kernels of unknown cost, the top instructions)."""
@@ -148,6 +152,30 @@ class _Walk:
         op_name = op_name_of(attrs)
         return self.categorize(op_name) if op_name is not None else inherited
 
+    def collective_category(self, f: _Frame, opcode: str, operands: list[str], attrs: str, cat: str) -> str:
+        """A collective the compiler made without metadata (a gradient's reduce-scatter, a SparseCore call
+        running one) belongs with what it moves: the category of the first operand whose producer has
+        metadata (through up to `_UNNAMED_HOPS` unnamed bitcasts, copies, ... by their first operand), else
+        the one it inherits."""
+        if op_name_of(attrs) is not None:
+            return cat
+        callees = callees_of(attrs)
+        called = callees.get("calls") or callees.get("to_apply")
+        if opcode.removesuffix("-start") not in COLLECTIVES and \
+                not (called and opcode != "while" and collectives_in(self.comps.get(called, {}))):
+            return cat
+        for o in operands:
+            for _ in range(_UNNAMED_HOPS + 1):
+                if o not in f.instrs:
+                    break
+                op_name = op_name_of(f.instrs[o][4])
+                if op_name is not None:
+                    return self.categorize(op_name)
+                if not f.instrs[o][2]:
+                    break
+                o = f.instrs[o][2][0]
+        return cat
+
     def cost(self, name: str, fused: bool, inherited: str, mode: str = "sync") -> _Tally:
         """The tally of computation `name` reached this way (`_Frame`), its callees included."""
         key = (name, fused, inherited, mode)
@@ -165,7 +193,7 @@ class _Walk:
         """One instruction: its FLOPs, its collective, its HBM bytes (top level only), the computations it
         runs, its roofline seconds; then its place in the schedule for the overlap rule."""
         seconds_before, async_before = f.seconds(), f.async_seconds
-        cat = self.category_of(attrs, f.inherited)
+        cat = self.collective_category(f, opcode, operands, attrs, self.category_of(attrs, f.inherited))
         flops_before = f.own_flops()
         extra_before, penalty_before = f.total("extra_bytes"), f.total("kernel_penalty")
         operand_shapes = [f.instrs[o][0] if o in f.instrs else "" for o in operands]
