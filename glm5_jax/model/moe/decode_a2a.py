@@ -7,8 +7,8 @@ layer and chip, n tokens x K choices, ``chips`` chips in the expert group:
     each (token, choice) -> its expert's chip and its rank among this chip's assignments to that chip ->
     send slots [chips, C] (the first C per destination, in token order; later ones dropped, counted)
     rows [chips, C, D] and each slot's local expert [chips, C]  --all_to_all over the expert axis-->
-    the chip's SwiGLU of each received row by its local expert (`decode_dispatch.chip_expert_sum`: the bf16
-    grouped matmul or the packed INT4 kernel; gates applied at the source)  --all_to_all back-->
+    the chip's SwiGLU of each received row by its local expert (`expert_rows`: the bf16 grouped matmul or
+    the packed INT4 kernel, decode_dispatch's; gates applied at the source)  --all_to_all back-->
     each slot's output -> sum_k gates[n, k] y[n, k] per token [n, D] (fp32)
 
 "gather" moves the expert group's tokens to every chip and their results back ([chips x n, D] twice, which
@@ -30,9 +30,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model.moe.decode_dispatch import (chip_blocks, chip_expert_sum, chip_weights, dispatch_axes,
-                                                 expert_operands, gathered_moe, local_capacity)
-from glm5_jax.model.moe.expert_parallel import rank_within_expert
+from glm5_jax.model.moe import int4_weights
+from glm5_jax.model.moe.decode_dispatch import (chip_blocks, chip_weights, dispatch_axes, expert_operands,
+                                                 gathered_moe, int4_swiglu_blocks, local_capacity, local_swiglu,
+                                                 sort_by_key)
+from glm5_jax.model.moe.experts import block_layout
+from glm5_jax.model.moe.expert_parallel import rank_within_expert, tile_rows
 
 
 def destination_capacity(n_tokens: int, top_k: int, n_experts: int, n_local: int, factor: float) -> int:
@@ -54,6 +57,29 @@ def send_slots(expert_idx_nK, n_local: int, n_dest: int, cap: int):
     slot = jnp.where(kept, dest * cap + rank, n_dest * cap)
     assignment = jnp.full((n_dest * cap,), M, jnp.int32).at[slot].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
     return slot, assignment, jnp.sum(~kept).astype(jnp.int32)
+
+
+def expert_rows(rows_R, key_R, weights, cfg: ModelConfig, block, cost_blocks):
+    """SwiGLU of each received row by its local expert ``key_R`` (n_local: an empty slot) -> [R, ...] in the
+    compute dtype, shaped as ``rows_R`` ([R, D] or `tile_rows`' [R, D / 128, 128]); empty slots' rows unspecified.
+    The rows are gathered straight into the expert-sorted layout the expert products take (the INT4 kernel's
+    row blocks, `block_layout`; the grouped matmul's sorted rows) and each row's output gathered back from it."""
+    R, D, dt = rows_R.shape[0], math.prod(rows_R.shape[1:]), cfg.jnp_dtype
+    int4 = isinstance(weights[0], int4_weights.Int4Weight)
+    n_local = weights[0].packed.shape[-3] if int4 else weights[0].shape[0]
+    order, group_sizes = sort_by_key(key_R, n_local)
+    take = lambda x, rows: x.at[rows].get(mode="clip")                   # noqa: E731   (out of range: unread)
+    if int4:
+        src, block_expert, _, dest = block_layout(group_sizes, R, block)  # src: the sorted row in each slot
+        n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
+        x_blocks = take(rows_R, take(order, src)).astype(dt).reshape(-1, block, D)
+        y = int4_swiglu_blocks(x_blocks, jnp.minimum(block_expert, n_local - 1), n_used, weights, dt, cfg,
+                               cost_blocks).reshape(-1, D)
+    else:
+        dest = jnp.arange(R, dtype=jnp.int32)                           # each sorted row's place
+        y = local_swiglu(take(rows_R, order).astype(dt).reshape(R, D), group_sizes, weights, dt, cfg)
+    slot_of_row = jnp.zeros((R,), jnp.int32).at[order].set(dest)         # received row -> its output row
+    return take(tile_rows(y.astype(dt)), slot_of_row).reshape(rows_R.shape)
 
 
 def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
@@ -79,12 +105,13 @@ def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfi
         D = x.shape[-1]
         slot, assignment, dropped = send_slots(idx, n_local, n_ep, cap)
         filled = assignment < n * K
-        send = x.astype(dt).at[assignment // K].get(mode="clip")               # empty slots: unspecified rows
+        # rows as [R, D / 128, 128] (`tile_rows`: a row gather moves the row's bytes, not its tile neighbours')
+        send = tile_rows(x.astype(dt)).at[assignment // K].get(mode="clip")  # empty slots: unspecified rows
         key = jnp.where(filled, idx.reshape(-1).at[assignment].get(mode="clip") % n_local, n_local)
         to_experts = lambda a: jax.lax.all_to_all(a.reshape(n_ep, cap, *a.shape[1:]), ep, 0, 0,  # noqa: E731
                                                   tiled=True).reshape(a.shape)
-        rows, row_key = to_experts(send), to_experts(key.astype(jnp.int32))      # [R, D], [R]: by source chip
-        y = chip_expert_sum(rows, row_key, jnp.ones((R,), jnp.float32), chip_weights(w), cfg, R, block, cost_blocks)
+        rows, row_key = to_experts(send), to_experts(key.astype(jnp.int32))     # by source chip, then slot
+        y = expert_rows(rows, row_key, chip_weights(w), cfg, block, cost_blocks)
         if mlp:
             y = jax.lax.psum(y, mlp)
         back = to_experts(y)                                                     # each send slot's SwiGLU
