@@ -5,7 +5,8 @@
     python -m glm5_jax.generate.compile_report --points=FILE.json --out=...    (a list of such points)
 
 (a point may also name ``cache_write`` and ``cache_read``: the decode program's RuntimeConfig.decode_cache_write,
-default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place)
+default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place; and ``moe_ep``,
+the decode MoE dispatch: "gather" (default) or "a2a_decode")
 
 Each point lowers `glm5_jax.generate.decode_program` (``steps`` greedy decode steps in one program over a
 cache of ``context`` slots, abstract params sharded by the sampling rules of glm5_jax/parallel/sampling.py),
@@ -115,7 +116,7 @@ def _batch_axes(mesh, rules):
 
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
                   quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None,
-                  cache_read: str = "slice") -> dict:
+                  cache_read: str = "slice", moe_ep: str = "gather") -> dict:
     """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
     compiled HLO there (gzip)."""
     devices = topology_devices(topology) if devices is None else devices
@@ -126,13 +127,14 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
                           else sizes["data"] * sizes["fsdp"] * sizes["expert"])
     if context % sizes["context"]:
         raise ValueError(f"context={context} does not split over context={sizes['context']}")
-    cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write, cache_read=cache_read)
+    cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write, cache_read=cache_read,
+                              moe_ep=moe_ep)
     rules = decode_rules(batch, mesh, mesh_cfg.rules)
     chip = chip_of_topology(topology)
     n = len(devices)
     header = {"topology": topology, "chips": n, "mesh": {a: s for a, s in sizes.items() if s > 1}, "batch": batch,
               "context": context, "experts": experts, "steps": steps, "cache_write": cache_write,
-              "cache_read": cfg.runtime.decode_cache_read,
+              "cache_read": cfg.runtime.decode_cache_read, "moe_ep": moe_ep,
               "hbm_limit_gib": chip.hbm_bytes / GIB}
     t0 = time.perf_counter()
     lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
@@ -191,19 +193,20 @@ def step_costs(hlo_text: str, topology: str, mesh, batch: int, steps: int, roofl
 
 def table(records) -> str:
     """The report's markdown table."""
-    lines = ["| topology | mesh | batch | context | experts | cache read | fits | GiB / chip | step ms (est.) "
-             "| HBM roofline ms | est. / roofline | comm ms (exposed) | tokens/s/chip | top categories (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| topology | mesh | batch | context | experts | cache read | MoE dispatch | fits | GiB / chip "
+             "| step ms (est.) | HBM roofline ms | est. / roofline | comm ms (exposed) | tokens/s/chip "
+             "| top categories (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         mesh = ",".join(f"{a}:{s}" for a, s in r["mesh"].items())
         if "estimated_step_seconds" not in r:
             lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
-                         f"| {r.get('cache_read', 'slice')} | no "
+                         f"| {r.get('cache_read', 'slice')} | {r.get('moe_ep', 'gather')} | no "
                          f"| - | - | {r['hbm_roofline_seconds'] * 1e3:.2f} | - | - | - | {r.get('compile_error', '')[:60]} |")
             continue
         cats = ", ".join(f"{c['category']} {c['seconds'] * 1e3:.2f}" for c in r["top_categories"][:3])
         lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
-                     f"| {r.get('cache_read', 'slice')} | {r['fits']} | "
+                     f"| {r.get('cache_read', 'slice')} | {r.get('moe_ep', 'gather')} | {r['fits']} | "
                      f"{r['memory_gib']:.1f} | {r['estimated_step_seconds'] * 1e3:.2f} | "
                      f"{r['hbm_roofline_seconds'] * 1e3:.2f} | {r['over_hbm_roofline']:.2f}x | "
                      f"{r['communication_seconds'] * 1e3:.2f} ({r['exposed_communication_seconds'] * 1e3:.2f}) | "
@@ -245,6 +248,7 @@ def main(argv=None):
         r = compile_point(cfg, p["topology"], p["mesh"], p["batch"], p["context"], p["experts"],
                           p.get("steps", args.steps), quant_matmul=args.quant_matmul,
                           cache_write=p.get("cache_write", "rows"), cache_read=p.get("cache_read", "slice"),
+                          moe_ep=p.get("moe_ep", "gather"),
                           hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
         records.append(r)
         append_records(args.out, [r])

@@ -11,7 +11,8 @@ prefill), built apart so a compile report can lower it with abstract, sharded pa
 `decode_model_config` gives the inference settings: bf16 weights, the absorbed form, the DSA sparse stage,
 layers that read the cache and return their new rows (``decode_cache_write="rows"``,
 glm5_jax/model/decode_rows.py: no per-step copy of the cache; with ``cache_read="pallas"`` each layer's selected
-latent rows gathered from the stacked cache in place, pallas_kernels/row_gather: no per-layer slice), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py) and routed experts in
+latent rows gathered from the stacked cache in place, pallas_kernels/row_gather: no per-layer slice), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py, or ``"a2a_decode"``,
+glm5_jax/model/moe/decode_a2a.py) and routed experts in
 bf16 or packed INT4 through the Pallas kernel, each layer's INT4 experts read in place from the stacked
 [layers, ...] parameters (``decode_stacked_experts``, glm5_jax/model/moe/int4_weights.py).
 """
@@ -27,6 +28,7 @@ from jax.sharding import NamedSharding
 from glm5_jax.generate.decoding import decode_config
 from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache, leaf_axes
 from glm5_jax.model.moe.int4_weights import stack_expert_variables
+from glm5_jax.model.moe.layer import DECODE_DISPATCHES
 from glm5_jax.model.stacked_weights import stack_kv_b_variables
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
@@ -35,18 +37,23 @@ from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards, replicated_r
 from glm5_jax.parallel.shard_map import logical_shard_map
 
 EXPERTS = ("bf16", "int4")
-DISPATCH_CAPACITY = 2.0     # a chip's experts take up to 2x their expected share of the step's assignments
+# gather: a chip's experts take up to 2x their expected share of the step's assignments; a2a_decode: a chip sends
+# each other chip up to 2x its expected share of its assignments (in 16-row tiles)
+DISPATCH_CAPACITY = 2.0
 
 
 def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
-                        cache_write: str = "rows", cache_read: str = "slice"):
+                        cache_write: str = "rows", cache_read: str = "slice", moe_ep: str = "gather"):
     """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"; ``cache_write`` the
     RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan);
     ``cache_read`` its decode_cache_read ("slice": the layer scan slices each layer's cache; "pallas": each layer
-    gathers its selected rows from the stacked cache in place; with cache_write="layer" always "slice")."""
+    gathers its selected rows from the stacked cache in place; with cache_write="layer" always "slice");
+    ``moe_ep`` the decode MoE dispatch ("gather", few tokens per chip; "a2a_decode", many: moe/decode_a2a.py)."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
-    cfg = decode_config(cfg).replace(moe_ep="gather", dtype="bfloat16", param_dtype="bfloat16",
+    if moe_ep not in DECODE_DISPATCHES:
+        raise ValueError(f"moe_ep={moe_ep!r}: choose one of {DECODE_DISPATCHES}")
+    cfg = decode_config(cfg).replace(moe_ep=moe_ep, dtype="bfloat16", param_dtype="bfloat16",
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      decode_cache_read=cache_read if cache_write == "rows" else "slice",
                                      moe_capacity_factor=DISPATCH_CAPACITY, rope_impl="pair_swap",

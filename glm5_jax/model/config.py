@@ -24,7 +24,7 @@ RopeImpl = Literal["slices", "pair_swap"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
 ProjectionImpl = Literal["xla", "cpu_transposed_grad"]   # glm5_jax.model.layers.einsum
-MoeEp = Literal["none", "a2a", "ragged_a2a", "gather"]
+MoeEp = Literal["none", "a2a", "ragged_a2a", "gather", "a2a_decode"]
 MoeChunkBy = Literal["tokens", "experts"]   # how moe_a2a_chunks splits a shard's expert work
 QuantMatmul = Literal["xla", "pallas", "pallas_interpret"]   # glm5_jax/quant: packed INT4 experts
 RematPolicy = Literal["none", "full", "selection_saveable", "attention_saveable", "attention_expert_out_saveable",
@@ -76,9 +76,13 @@ class RuntimeConfig:
     moe_impl: MoeImpl = "auto"
     # expert parallelism over the mesh axis of the logical "exp" axis (glm5_jax/model/moe/expert_parallel.py):
     # "none" (GSPMD decides), "a2a" (capacity-padded all_to_all), "ragged_a2a" (ragged_all_to_all, TPU/GPU only),
-    # "gather" (decode: the expert group's tokens all-gathered, results reduce-scattered; moe/decode_dispatch.py)
+    # "gather" (decode: the expert group's tokens all-gathered, results reduce-scattered; moe/decode_dispatch.py),
+    # "a2a_decode" (decode: each assignment's row sent to its expert's chip and back by all_to_all, capacity per
+    # destination chip; moe/decode_a2a.py)
     moe_ep: MoeEp = "none"
-    moe_capacity_factor: float = 1.25        # a2a: slots per (source shard, expert) = factor * fair share
+    # a2a: slots per (source shard, expert) = factor * fair share; gather: rows a chip's experts take; a2a_decode:
+    # send slots per destination chip (each: factor * the expected share, in 16-row tiles)
+    moe_capacity_factor: float = 1.25
     # expert parallelism: a shard's tokens cross the all_to_all in this many chunks, each with its own
     # capacity, so one chunk's transport can overlap another's expert matmuls (expert_parallel.py)
     moe_a2a_chunks: int = 1
@@ -119,9 +123,9 @@ class RuntimeConfig:
     # every layer the stacked cache and its index and the selected latent rows are gathered in place by that
     # impl of pallas_kernels/row_gather ("xla": the slice and XLA's gather; "pallas": the kernel)
     decode_cache_read: DecodeCacheRead = "slice"
-    # decode with packed INT4 experts through the Pallas kernel (moe_ep="gather"): the layer scan hands each layer
-    # the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel instead of
-    # a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
+    # decode with packed INT4 experts through the Pallas kernel (moe_ep="gather" / "a2a_decode"): the layer scan
+    # hands each layer the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel
+    # instead of a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
     decode_stacked_experts: bool = False
     # decoding over a cache: also record, per token, the experts each MoE layer routed it to and the slots each
     # full-indexer layer selected for it, in the cache beside its rows (glm5_jax/model/routing_replay.py), so a
@@ -428,9 +432,9 @@ class ModelConfig:
                      f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
         need(self.runtime.quant_matmul == XLA or self.quant == "int4", "quant_matmul",
              'the Pallas INT4 matmul runs on packed weights (quant="int4")')
-        need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep in ("none", "gather"), "quant_matmul",
-             'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none") or in the decode '
-             'dispatch (moe_ep="gather")')
+        need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep in ("none", "gather", "a2a_decode"),
+             "quant_matmul", 'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none") or in a decode '
+             'dispatch (moe_ep="gather" or "a2a_decode")')
         need(not self.tie_word_embeddings, "tie_word_embeddings", "GLM-5 has an untied head; tying is unsupported")
 
     def _validate_flash(self, need) -> None:

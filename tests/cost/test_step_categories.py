@@ -13,6 +13,8 @@ from tests.train.test_train_cli import ROOT
 
 STEP = "jit(_train_step)/"
 FWD = STEP + "jvp(Transformer)/Transformer._main/decoder/while/body/closed_call/segment_1/layer_0/"
+DECODE = "jit(<lambda>)/while/body/closed_call/Transformer.decode/Transformer._main/decoder/while/body/closed_call/" \
+    "segment_1/layer_0/"
 BWD = STEP + "transpose(jvp(Transformer))/Transformer._main/decoder/checkpoint/segment_1/layer_0/"
 
 
@@ -47,6 +49,9 @@ BWD = STEP + "transpose(jvp(Transformer))/Transformer._main/decoder/checkpoint/s
     (STEP + "jvp(Transformer)/mtp/block/moe/shared_expert/btd,df->btf/dot_general", "mtp"),
     (STEP + "jvp(Transformer)/Transformer.embed/jit(_take)/gather", "other"),
     (STEP + "sqrt/", "optimizer"),
+    # a decode program: the layer loop's own while (what metadata-less instructions in its body inherit)
+    ("jit(<lambda>)/while/body/closed_call/Transformer.decode/Transformer._main/decoder/while", "other"),
+    (DECODE + "moe/shard_map/convert_element_type", "routed_experts"),
     (HLO_COMPUTATION_PREFIX + "convolution_select_fusion.3", "routed_experts"),
     (HLO_COMPUTATION_PREFIX + "fused_computation.12", "other"),
 ])

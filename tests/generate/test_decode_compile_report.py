@@ -57,7 +57,7 @@ def test_hbm_roofline_bytes_by_hand(record):
 
 def test_table_has_one_row_per_record(record):
     text = compile_report.table([record, record])
-    assert text.count("| v5p:2x2x1 | expert:2,tensor:2 | 4 | 256 | int4 | slice | True |") == 2
+    assert text.count("| v5p:2x2x1 | expert:2,tensor:2 | 4 | 256 | int4 | slice | gather | True |") == 2
 
 
 def test_stacked_cache_read_compiles_with_the_row_gather_kernel(tmp_path):
@@ -71,3 +71,17 @@ def test_stacked_cache_read_compiles_with_the_row_gather_kernel(tmp_path):
     assert r["fits"] and r["cache_read"] == "pallas" and not r["uncounted_custom_calls"]
     text = gzip.open(path, "rt").read()
     assert "stacked_row_gather" in text and "tpu_custom_call" in text
+
+
+def test_a2a_decode_dispatch_compiles_with_all_to_alls(tmp_path):
+    """moe_ep="a2a_decode": the decode program compiles for v5p with the MoE's rows sent by all-to-alls (the
+    rows, their local experts, the results: three per MoE layer of the scan body) and the record names it."""
+    import gzip
+    import re
+
+    path = str(tmp_path / "decode.hlo.gz")
+    r = compile_report.compile_point(TINY, "v5p:2x2x1", "expert:2,tensor:2", BATCH, CONTEXT, "int4", STEPS,
+                                     moe_ep="a2a_decode", hlo_path=path)
+    assert r["fits"] and r["moe_ep"] == "a2a_decode" and not r["uncounted_custom_calls"]
+    text = gzip.open(path, "rt").read()
+    assert len(re.findall(r"= \S+ all-to-all(?:-start)?\(", text)) >= 3

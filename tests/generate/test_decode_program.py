@@ -4,6 +4,7 @@ each layer writing its cache (itself checked against the full forward in test_ca
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from glm5_jax import Transformer
 from glm5_jax.generate.decode_program import decode_steps
@@ -113,6 +114,50 @@ def test_stacked_int4_experts_equal_the_per_layer_slices():
     np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
+    """The decode program in fp32 over an expert:4,tensor:2 sampling mesh, 8 rows (2 per expert chip), the MoE
+    through moe_ep="a2a_decode" (no assignment dropped at these shapes; INT4 experts through the kernel,
+    interpreted): the same tokens as one device over 4 steps (the XLA grouped matmul, or the same INT4 kernel),
+    and the first step's logits within 1e-5. (Its MoE equals the gather dispatch's within 1e-5:
+    tests/model/test_decode_dispatch.py.)"""
+    import flax.linen as nn
+    from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.model.moe.int4_weights import quantize_params
+    from glm5_jax.parallel.mesh import build_mesh
+    from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
+
+    # experts 128 wide: a half over tensor:2 is still whole INT4 chunks (8 x quant_group_size)
+    base = TINY.replace(moe_intermediate_size=128, quant_group_size=8, mtp_depth=0, num_nextn_predict_layers=0,
+                        initializer_range=0.3)
+    variables = init_variables(base)
+    cfg = decode_config(base)
+    if quant == "int4":
+        variables = {**variables, "params": quantize_params(variables["params"], base)}
+        cfg = cfg.replace(quant="int4", quant_matmul="pallas_interpret")
+    rows, steps = 8, 4
+    token = jnp.asarray(np.random.default_rng(1).integers(2, cfg.vocab_size, rows), jnp.int32)
+    start, position = jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, 1), jnp.int32)
+    mesh = build_mesh(parse_mesh_spec("expert:4,tensor:2", SAMPLING_RULES), jax.devices()[:8])
+
+    def run(c, on_mesh):
+        def program(v, t, cache):
+            logits = Transformer(c).apply(v, t[:, None], position, jnp.ones((rows, 1), jnp.int32), cache,
+                                          method=Transformer.decode)[0]
+            return logits, decode_steps(c, steps, v, t, start, cache)[0]
+        cache = init_cache(c, rows, S)["decoder"]
+        if not on_mesh:
+            return jax.jit(program)(variables, token, cache)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(rows, mesh)):
+            return jax.jit(program)(variables, token, cache)
+
+    want_logits, want_tokens = run(cfg, False)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
+    logits, tokens = run(cfg.replace(moe_ep="a2a_decode"), True)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
 
 
 def test_pallas_cache_read_refuses_a_slot_split_cache():

@@ -1,5 +1,6 @@
-"""The decode dispatch (moe_ep="gather": tokens all-gathered over the expert axis, results reduce-scattered)
-equals the single-device MoE, bf16-style fp experts and packed INT4 experts through the Pallas kernel."""
+"""The decode dispatches (moe_ep="gather": tokens all-gathered over the expert axis, results reduce-scattered;
+moe_ep="a2a_decode": each assignment sent to its expert's chip and back by all_to_all) equal the single-device
+MoE, bf16-style fp experts and packed INT4 experts through the Pallas kernel."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,38 +19,87 @@ from tests.quant.quant_helpers import TINY_Q
 CFG = TINY_Q.replace(initializer_range=0.3, moe_intermediate_size=128)
 
 
-def _moe_out(cfg, params, x, mesh=None):
-    fn = jax.jit(lambda p, x: MoE(cfg).apply(p, x, jnp.ones(x.shape[:2], bool))[0])
+# a2a_decode: send slots per destination chip at the worst case n x min(K, local experts): nothing dropped
+NO_DROPS = CFG.n_routed_experts / CFG.num_experts_per_tok
+
+
+def _moe_apply(cfg, params, x, mesh=None):
+    fn = jax.jit(lambda p, x: MoE(cfg).apply(p, x, jnp.ones(x.shape[:2], bool)))
     if mesh is None:
         return fn(params, x)
     with jax.set_mesh(mesh), nn.logical_axis_rules(SAMPLING_RULES):
         return fn(params, x)
 
 
-@pytest.mark.parametrize("spec,batch", [("expert:4,tensor:2", 8), ("data:2,expert:4", 8), ("expert:4,tensor:2", 1)],
-                         ids=["expert4_tensor2", "data2_expert4", "batch1_replicated"])
+def _moe_out(cfg, params, x, mesh=None):
+    return _moe_apply(cfg, params, x, mesh)[0]
+
+
+def _variables(batch, quant, cfg=CFG):
+    """(config, MoE variables, x [batch, 1, D]): fp experts, or packed INT4 ones."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (batch, 1, cfg.hidden_size), jnp.float32)
+    variables = meta.unbox(MoE(cfg).init(jax.random.PRNGKey(0), x, jnp.ones((batch, 1), bool)))
+    if quant != "int4":
+        return cfg, variables, x
+    packed = quantize_params({"moe": variables["params"]}, cfg.replace(quant="int4_qat"))["moe"]
+    return cfg.replace(quant="int4"), {**variables, "params": packed}, x
+
+
+def _dispatch_config(cfg, moe_ep, quant):
+    return cfg.replace(moe_ep=moe_ep, quant_matmul="pallas_interpret" if quant == "int4" else "xla",
+                       moe_capacity_factor=NO_DROPS if moe_ep == "a2a_decode" else cfg.runtime.moe_capacity_factor)
+
+
+@pytest.mark.parametrize("spec,batch", [("expert:4,tensor:2", 8), ("data:2,expert:4", 8), ("expert:4,tensor:2", 1),
+                                        ("expert:4,tensor:2", 32)],
+                         ids=["expert4_tensor2", "data2_expert4", "batch1_replicated", "expert4_tensor2_8_per_chip"])
 @pytest.mark.parametrize("quant", ["none", "int4"])
-def test_gather_dispatch_equals_single_device(spec, batch, quant):
-    x = jax.random.normal(jax.random.PRNGKey(1), (batch, 1, CFG.hidden_size), jnp.float32)
-    variables = meta.unbox(MoE(CFG).init(jax.random.PRNGKey(0), x, jnp.ones((batch, 1), bool)))
-    cfg = CFG
-    if quant == "int4":
-        cfg = CFG.replace(quant="int4")
-        packed = quantize_params({"moe": variables["params"]}, CFG.replace(quant="int4_qat"))["moe"]
-        variables = {**variables, "params": packed}
+@pytest.mark.parametrize("moe_ep", ["gather", "a2a_decode"])
+def test_decode_dispatch_equals_single_device(spec, batch, quant, moe_ep):
+    # INT4, 8 tokens per chip at D = 128: a2a_decode's rows travel as [rows, D / 128, 128] (`tile_rows`)
+    cfg, variables, x = _variables(batch, quant, CFG.replace(hidden_size=128) if batch == 32 and quant == "int4"
+                                   else CFG)
     want = _moe_out(cfg, variables, x)                 # one device, the model's own grouped matmul
-    gather = cfg.replace(moe_ep="gather", quant_matmul="pallas_interpret" if quant == "int4" else "xla")
-    got = _moe_out(gather, variables, x, build_mesh(parse_mesh_spec(spec, SAMPLING_RULES), jax.devices()[:8]))
+    mesh = build_mesh(parse_mesh_spec(spec, SAMPLING_RULES), jax.devices()[:8])
+    got, aux = _moe_apply(_dispatch_config(cfg, moe_ep, quant), variables, x, mesh)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     assert np.abs(np.asarray(want)).max() > 1e-2
+    if moe_ep == "a2a_decode":
+        assert int(aux["dropped"]) == 0
+        gathered = _moe_out(_dispatch_config(cfg, "gather", quant), variables, x, mesh)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(gathered), rtol=1e-5, atol=1e-5)
 
 
 def test_int4_sorted_dispatch_equals_single_device(monkeypatch):
-    """The INT4 path through the sort, bincount and scatters (what more than COMPARE_MAX_ASSIGNMENTS
+    """The gather's INT4 path through the sort, bincount and scatters (what more than COMPARE_MAX_ASSIGNMENTS
     assignments per chip take) on the 8-token case the comparisons take above."""
     from glm5_jax.model.moe import decode_dispatch
     monkeypatch.setattr(decode_dispatch, "COMPARE_MAX_ASSIGNMENTS", 0)
-    test_gather_dispatch_equals_single_device("expert:4,tensor:2", 8, "int4")
+    test_decode_dispatch_equals_single_device("expert:4,tensor:2", 8, "int4", "gather")
+
+
+def test_a2a_decode_drops_past_capacity_and_counts_them():
+    """Every token routed to experts 0 and 1 (the correction bias), both on chip 0 of expert:4: each chip's 16
+    tokens send it 32 assignments into 16 slots (capacity factor 1: 16 x 2 / 4 expected, one 16-row tile), so
+    its first 8 tokens' are kept, in token order, and its last 8 tokens' dropped, 4 x 16 = 64 in all. Kept
+    tokens come out as on one device, dropped ones without their routed term."""
+    batch, n = 64, 16
+    cfg, variables, x = _variables(batch, "none")
+    bias = jnp.zeros((CFG.n_routed_experts,)).at[:2].set(100.0)
+    variables = {**variables, "moe_bias": {"e_score_correction_bias": bias}}
+    want, want_aux = _moe_apply(cfg, variables, x)
+    assert (np.sort(np.asarray(want_aux["expert_idx"]), axis=-1) == [0, 1]).all()
+    mesh = build_mesh(parse_mesh_spec("expert:4,tensor:2", SAMPLING_RULES), jax.devices()[:8])
+    got, aux = _moe_apply(cfg.replace(moe_ep="a2a_decode", moe_capacity_factor=1.0), variables, x, mesh)
+    assert int(aux["dropped"]) == 64
+    kept = (np.arange(batch) % n) < n // 2
+    np.testing.assert_allclose(np.asarray(got)[kept], np.asarray(want)[kept], rtol=2e-5, atol=2e-5)
+    params = dict(variables["params"])
+    for name in ("gate_proj", "up_proj", "down_proj"):             # routed experts zero: the shared expert alone
+        params[name] = jnp.zeros_like(params[name])
+    shared_only = _moe_out(cfg, {**variables, "params": params}, x)
+    np.testing.assert_allclose(np.asarray(got)[~kept], np.asarray(shared_only)[~kept], rtol=2e-5, atol=2e-5)
+    assert np.abs(np.asarray(want) - np.asarray(shared_only))[~kept].max() > 1e-2
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -50,8 +50,12 @@ def local_keys(expert_idx_M, first_expert, n_local):
 def local_assignments(expert_idx_MK_flat, first_expert, n_local):
     """(order [M]: assignments sorted by local expert, other chips' last; group_sizes [n_local + 1], the last
     one counting the assignments to other chips' experts)."""
-    key = local_keys(expert_idx_MK_flat, first_expert, n_local)
-    return jnp.argsort(key, stable=True), jnp.bincount(key, length=n_local + 1).astype(jnp.int32)
+    return sort_by_key(local_keys(expert_idx_MK_flat, first_expert, n_local), n_local)
+
+
+def sort_by_key(key_M, n_local):
+    """(order: the assignments sorted by their `local_keys` ``key_M``, stable; group_sizes [n_local + 1])."""
+    return jnp.argsort(key_M, stable=True), jnp.bincount(key_M, length=n_local + 1).astype(jnp.int32)
 
 
 def compare_slots(key_M, n_local, cap, block, n_blocks):
@@ -192,6 +196,73 @@ def local_capacity(n_assignments: int, n_local: int, n_experts: int, factor: flo
     return min(n_assignments, -(-math.ceil(factor * n_assignments * n_local / n_experts) // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
+def dispatch_axes(n_tokens: int):
+    """(mesh, ep, mlp, batch): the mesh in context and its axes > 1 of the logical "exp", "mlp_moe" and "batch"
+    axes; ``batch`` empty when the ``n_tokens`` do not split over it (batch 1: every chip holds the token)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError("the decode MoE dispatch needs a mesh in context (jax.set_mesh) and logical axis rules")
+    ep, mlp, batch = (tuple(a for a in logical_mesh_axes(ax) if mesh.shape[a] > 1) for ax in (EXP, MLP_MOE, BATCH))
+    if n_tokens % math.prod(mesh.shape[a] for a in batch):
+        batch = ()
+    return mesh, ep, mlp, batch
+
+
+def chip_blocks(n_seen: int, cfg: ModelConfig, n_local: int, n_chips: int) -> tuple[int, float]:
+    """(rows per INT4 kernel block, the kernel's cost hint: the busiest chip's expected used blocks) for a chip
+    whose experts see the choices of ``n_seen`` tokens, on ``n_chips`` chips with their own load."""
+    K, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    block = int4_block_rows(-(-n_seen * K * n_local // E))
+    return block, busiest_chip_blocks(n_seen, K, E, n_local, block, n_chips)
+
+
+def expert_operands(w_gate, w_up, w_down, ep, mlp):
+    """(operands, in_specs) of the routed-expert weights for a `shard_map` over ``ep`` (experts) and ``mlp``
+    (their F width): [E, D, F], [E, D, F], [E, F, D] arrays, or `Int4Weight`s as (words, scale) pairs and, when
+    stacked over layers, the layer index (`chip_weights` rebuilds them inside)."""
+    in_up, in_down = P(ep or None, None, mlp or None), P(ep or None, mlp or None, None)
+    if not isinstance(w_gate, int4_weights.Int4Weight):
+        return (w_gate, w_up, w_down), (in_up, in_up, in_down)
+    operands = (w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, w_down.packed, w_down.scale)
+    specs = (in_up, in_up, in_up, in_up, in_down, in_down)
+    if w_gate.layer is not None:               # stacked [L, E, ...]: the layer axis whole on every chip
+        operands += (w_gate.layer,)
+        specs = tuple(P(None, *s) for s in specs) + (P(),)
+    return operands, specs
+
+
+def chip_weights(w):
+    """The (gate, up, down) weights inside the `shard_map` from `expert_operands`' operands."""
+    if len(w) < 6:
+        return w
+    layer = w[6] if len(w) == 7 else None       # packed (words, scale) pairs, then the layer if stacked
+    return tuple(int4_weights.Int4Weight(*w[i:i + 2], layer) for i in (0, 2, 4))
+
+
+def chip_expert_sum(x_nD, key_M, gates_M, weights, cfg: ModelConfig, cap, block, cost_blocks):
+    """A chip's routed-expert sum over its first ``cap`` local assignments (in assignment order): row t of the
+    result is sum over assignments m of row t (m // (M / n) == t, ``key_M[m]`` < n_local: `local_keys`) of
+    gates[m] SwiGLU_{key[m]}(x[t]) -> [n, D] in the compute dtype. INT4 experts: the kernel's row layout by
+    comparisons (few assignments, `compare_int4_moe`) or by sorting (`int4_block_scatter`); fp experts: the
+    grouped matmul."""
+    n, M, dt = x_nD.shape[0], key_M.shape[0], cfg.jnp_dtype
+    k = M // n
+    int4 = isinstance(weights[0], int4_weights.Int4Weight)
+    n_local = weights[0].packed.shape[-3] if int4 else weights[0].shape[0]
+    if int4 and M <= COMPARE_MAX_ASSIGNMENTS:
+        return compare_int4_moe(x_nD, key_M, gates_M, weights, dt, cfg, cap, block, cost_blocks).astype(dt)
+    order, group_sizes = sort_by_key(key_M, n_local)
+    take = order[:cap]                                                  # this chip's assignments first
+    kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
+    sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
+    if int4:
+        return int4_block_scatter(x_nD.astype(dt)[take // k], take, sizes, gates_M, k, n, weights, dt, cfg, block,
+                                  cost_blocks).astype(dt)
+    y_rows = local_swiglu(x_nD.astype(dt)[take // k], sizes, weights, dt, cfg)
+    y_rows = y_rows * gates_M[take][:, None].astype(jnp.float32)                   # 0 past kept
+    return jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
+
+
 def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
     """The routed experts' gate-weighted sum sum_k gates[n, k] SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, D] fp32, the
     experts resident on the chips of the expert axis (module docstring). Weights: [E, D, F], [E, D, F], [E, F, D]
@@ -200,53 +271,25 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
     A chip takes at most `local_capacity` (``RuntimeConfig.moe_capacity_factor`` x its expected share) of the
     gathered assignments, its own experts' first in token order; assignments past it (none while routing is
     within the factor of uniform) add nothing."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        raise ValueError("moe_ep='gather' needs a mesh in context (jax.set_mesh) and logical axis rules")
     N, K = expert_idx_NK.shape
     E = cfg.n_routed_experts
-    ep = tuple(a for a in logical_mesh_axes(EXP) if mesh.shape[a] > 1)
-    mlp = tuple(a for a in logical_mesh_axes(MLP_MOE) if mesh.shape[a] > 1)
-    batch = tuple(a for a in logical_mesh_axes(BATCH) if mesh.shape[a] > 1)
-    if N % math.prod(mesh.shape[a] for a in batch):
-        batch = ()                                     # batch 1: every chip holds the token
+    mesh, ep, mlp, batch = dispatch_axes(N)
     gather = tuple(a for a in ep if a in batch)         # token shards the expert group gathers
     n_ep = math.prod(mesh.shape[a] for a in ep)
     n_local = E // n_ep
     n_seen = N // math.prod(mesh.shape[a] for a in batch) * math.prod(mesh.shape[a] for a in gather)
     cap = local_capacity(n_seen * K, n_local, E, cfg.runtime.moe_capacity_factor)
-    block = int4_block_rows(-(-n_seen * K * n_local // E))
     # chips with their own load: the expert group's, times the token shards outside it (the tensor axis
     # splits each chip's experts' width, same load)
-    n_chips = n_ep * math.prod(mesh.shape[a] for a in batch if a not in gather)
-    cost_blocks = busiest_chip_blocks(n_seen, K, E, n_local, block, n_chips)
-    dt = cfg.jnp_dtype
+    block, cost_blocks = chip_blocks(n_seen, cfg, n_local,
+                                     n_ep * math.prod(mesh.shape[a] for a in batch if a not in gather))
 
     def body(x, idx, gates, *w):
         if gather:
             x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
-        n, k = idx.shape
         first = (jax.lax.axis_index(ep) if ep else 0) * n_local
-        if len(w) >= 6:                             # packed (words, scale) pairs, then the layer if stacked
-            layer = w[6] if len(w) == 7 else None
-            weights = tuple(int4_weights.Int4Weight(*w[i:i + 2], layer) for i in (0, 2, 4))
-        else:
-            weights = w
-        if len(w) >= 6 and n * k <= COMPARE_MAX_ASSIGNMENTS:
-            key = local_keys(idx.reshape(-1), first, n_local)
-            y = compare_int4_moe(x, key, gates.reshape(-1), weights, dt, cfg, cap, block, cost_blocks).astype(dt)
-        else:
-            order, group_sizes = local_assignments(idx.reshape(-1), first, n_local)
-            take = order[:cap]                                          # this chip's assignments first
-            kept = jnp.diff(jnp.minimum(jnp.cumsum(group_sizes[:n_local]), cap), prepend=0)
-            sizes = jnp.append(kept, cap - jnp.sum(kept)).astype(jnp.int32)
-            if len(w) >= 6:
-                y = int4_block_scatter(x.astype(dt)[take // k], take, sizes, gates.reshape(-1), k, n, weights, dt,
-                                       cfg, block, cost_blocks).astype(dt)
-            else:
-                y_rows = local_swiglu(x.astype(dt)[take // k], sizes, weights, dt, cfg)
-                y_rows = y_rows * gates.reshape(-1)[take][:, None].astype(jnp.float32)     # 0 past kept
-                y = jnp.zeros((n, y_rows.shape[-1]), jnp.float32).at[take // k].add(y_rows).astype(dt)
+        y = chip_expert_sum(x, local_keys(idx.reshape(-1), first, n_local), gates.reshape(-1), chip_weights(w), cfg,
+                            cap, block, cost_blocks)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:
@@ -255,15 +298,7 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
         return jax.lax.psum(y, rest) if rest else y
 
     tok = P(batch or None, None)
-    in_up, in_down = P(ep or None, None, mlp or None), P(ep or None, mlp or None, None)
-    if isinstance(w_gate, int4_weights.Int4Weight):
-        operands = (w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, w_down.packed, w_down.scale)
-        specs = (in_up, in_up, in_up, in_up, in_down, in_down)
-        if w_gate.layer is not None:               # stacked [L, E, ...]: the layer axis whole on every chip
-            operands += (w_gate.layer,)
-            specs = tuple(P(None, *s) for s in specs) + (P(),)
-    else:
-        operands, specs = (w_gate, w_up, w_down), (in_up, in_up, in_down)
+    operands, specs = expert_operands(w_gate, w_up, w_down, ep, mlp)
     y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=P(batch or None, None),
                       check_vma=False)(x_ND, expert_idx_NK, gates_NK, *operands)
     return y.astype(jnp.float32)

@@ -78,7 +78,7 @@ def expected_routed_rows(tokens_per_shard: int, cfg: ModelConfig) -> float | Non
     return float(tokens_per_shard // chunks * cfg.num_experts_per_tok)
 
 
-def _rank_within_expert(flat_e, n_experts):
+def rank_within_expert(flat_e, n_experts):
     """order (assignments sorted by expert, stable), each assignment's rank among its expert's, counts [E]."""
     counts = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
     order = jnp.argsort(flat_e, stable=True)
@@ -164,7 +164,7 @@ def _a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, impl, ali
     n_ep = jax.lax.axis_size(ep) if ep else 1
     E = El * n_ep
     flat_e = idx.reshape(-1)
-    _, rank, counts = _rank_within_expert(flat_e, E)
+    _, rank, counts = rank_within_expert(flat_e, E)
     kept = rank < cap
     kept_counts = jnp.minimum(counts, cap).reshape(n_ep, El)             # [dest, El] filled slots
     recv_counts = jax.lax.all_to_all(kept_counts, ep, 0, 0, tiled=True) if ep else kept_counts   # [src, El]
@@ -270,7 +270,7 @@ def _ragged_a2a_experts(x, idx, w_gate, w_up, w_down, *, ep, mlp, cap, dtype, im
     E, A, R = El * n_ep, n * K, n_ep * El * cap
     me = jax.lax.axis_index(ep)
     flat_e = idx.reshape(-1)
-    order, rank, counts = _rank_within_expert(flat_e, E)
+    order, rank, counts = rank_within_expert(flat_e, E)
     kept = rank < cap
     kept_counts = jnp.minimum(counts, cap)                                # [E]
     # kept assignments, sorted by expert (hence by destination shard), packed to the front

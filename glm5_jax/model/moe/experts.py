@@ -77,6 +77,14 @@ def expert_blocks(x_MD, group_sizes_E, block):
     """Expert-sorted rows [M, D] -> (x_blocks [n, block, D], block_expert [n], n_used, dest_M): row r
     sits at flat slot dest_M[r] of the blocks; n = `max_blocks` (static)."""
     M, D = x_MD.shape
+    src, block_expert, n_used, dest_M = block_layout(group_sizes_E, M, block)
+    x_blocks = jnp.concatenate([x_MD, jnp.zeros((1, D), x_MD.dtype)])[src].reshape(-1, block, D)
+    return x_blocks, block_expert, n_used, dest_M
+
+
+def block_layout(group_sizes_E, M, block):
+    """`expert_blocks`' layout of M expert-sorted rows without the rows: (src [n * block]: the sorted row in each
+    flat slot, M for a padding slot; block_expert [n]; n_used; dest_M: each row's slot)."""
     E = group_sizes_E.shape[0]
     n_blocks = max_blocks(M, E, block)
     padded_sizes = -(-group_sizes_E // block) * block
@@ -86,9 +94,8 @@ def expert_blocks(x_MD, group_sizes_E, block):
     expert_of_row = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=M)
     dest_M = padded_start[expert_of_row] + jnp.arange(M) - group_start[expert_of_row]
     src = jnp.full((n_blocks * block,), M, jnp.int32).at[dest_M].set(jnp.arange(M, dtype=jnp.int32))
-    x_blocks = jnp.concatenate([x_MD, jnp.zeros((1, D), x_MD.dtype)])[src].reshape(n_blocks, block, D)
     # one [n, E] comparison (a fusion), not the default binary-search loop (~36 tiny ops per call at decode)
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right",
                                                 method="compare_all"), E - 1)
     n_used = (padded_end[-1] // block).astype(jnp.int32)
-    return x_blocks, block_expert.astype(jnp.int32), n_used, dest_M
+    return src, block_expert.astype(jnp.int32), n_used, dest_M

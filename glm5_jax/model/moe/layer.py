@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from glm5_jax.model import routing_replay
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import SwiGLU, constrain, logical_param, normal_init
-from glm5_jax.model.moe import decode_dispatch, int4_swiglu, int4_weights
+from glm5_jax.model.moe import decode_a2a, decode_dispatch, int4_swiglu, int4_weights
 from glm5_jax.model.moe.blocked import BLOCKED_MOE_NAMES, blocked_swiglu
 from glm5_jax.model.moe.expert_parallel import expert_parallel_swiglu
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, KERNEL_IMPLS, sorted_swiglu
@@ -27,6 +27,7 @@ from pallas_kernels.impls import AUTO, BLOCKED, RAGGED_DOT
 
 __all__ = ["BIAS_COLLECTION", "BLOCKED_MOE_NAMES", "MoE", "grouped_swiglu", "route", "sequence_balance_loss"]
 
+DECODE_DISPATCHES = ("gather", "a2a_decode")   # moe_ep values of the decode step's routed experts
 BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, never by gradients
 
 
@@ -115,8 +116,11 @@ class MoE(nn.Module):
         replay = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
         expert_idx, gates = route(scores, nn.unbox(bias.value), cfg, replay)
         dropped = None
-        gathered = cfg.runtime.moe_ep == "gather" and not self.is_initializing()   # decode: moe/decode_dispatch.py
-        if gathered:    # the gate-weighted sum comes back, reduce-scattered per token
+        # decode dispatches (moe/decode_dispatch.py, moe/decode_a2a.py): the gate-weighted sum per token comes back
+        gathered = cfg.runtime.moe_ep in DECODE_DISPATCHES and not self.is_initializing()
+        if gathered and cfg.runtime.moe_ep == "a2a_decode":
+            routed, dropped = decode_a2a.a2a_moe(x_ND, expert_idx, gates, w_gate, w_up, w_down, cfg)
+        elif gathered:
             routed = decode_dispatch.gathered_moe(x_ND, expert_idx, gates, w_gate, w_up, w_down, cfg)
         elif isinstance(w_gate, int4_weights.Int4Weight):              # packed INT4 experts, Pallas kernel
             y_NKD = int4_swiglu.grouped_swiglu(x_ND, expert_idx, w_gate, w_up, w_down, dt, cfg)

@@ -1,0 +1,125 @@
+"""Routed experts for a decode step with many tokens per chip: each assignment sent only to its expert's chip.
+
+``moe_ep="a2a_decode"`` (the sampling mesh, glm5_jax/parallel/sampling.py): experts resident on the chips of
+the expert axis as for ``moe_ep="gather"`` (glm5_jax/model/moe/decode_dispatch.py), tokens split over it. Per
+layer and chip, n tokens x K choices, ``chips`` chips in the expert group:
+
+    each (token, choice) -> its expert's chip and its rank among this chip's assignments to that chip ->
+    send slots [chips, C] (the first C per destination, in token order; later ones dropped, counted)
+    rows [chips, C, D] and each slot's local expert [chips, C]  --all_to_all over the expert axis-->
+    the chip's SwiGLU of each received row by its local expert (`expert_rows`: the bf16 grouped matmul or
+    the packed INT4 kernel, decode_dispatch's; gates applied at the source)  --all_to_all back-->
+    each slot's output -> sum_k gates[n, k] y[n, k] per token [n, D] (fp32)
+
+"gather" moves the expert group's tokens to every chip and their results back ([chips x n, D] twice, which
+XLA:TPU compiles as two all-reduces); here a chip sends and receives [chips x C, D] twice, C =
+`decode_dispatch.local_capacity` of its n K assignments (``moe_capacity_factor`` x the expected n K / chips per
+destination, in whole 16-row tiles; 744B, batch 2048 on 64 chips: 32 x 8 / 64 = 4 expected, C = 16). The
+worst case, n x min(K, local experts) per destination, is a buffer as large as the gather's, so an assignment
+past C for one destination is dropped: its term is zero and it is counted (``dropped``, the MoE aux
+"dropped"). A token's K choices are distinct experts, so with the factor at n_experts / K (C = n x min(K,
+local experts)) none can be dropped. Tokens that do not split over the expert axis (batch 1) take the gather
+dispatch, which then gathers nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax.model.config import ModelConfig
+from glm5_jax.model.moe import int4_weights
+from glm5_jax.model.moe.decode_dispatch import (chip_blocks, chip_weights, dispatch_axes, expert_operands,
+                                                 gathered_moe, int4_swiglu_blocks, local_capacity, local_swiglu,
+                                                 sort_by_key)
+from glm5_jax.model.moe.experts import block_layout
+from glm5_jax.model.moe.expert_parallel import rank_within_expert, tile_rows
+
+
+def destination_capacity(n_tokens: int, top_k: int, n_experts: int, n_local: int, factor: float) -> int:
+    """Send slots per destination chip for a chip's ``n_tokens`` tokens: ``factor`` x the expected share of its
+    assignments in whole sublane tiles (`local_capacity`), at most the worst case n x min(K, n_local) (each
+    token's K experts are distinct)."""
+    return min(local_capacity(n_tokens * top_k, n_local, n_experts, factor), n_tokens * min(top_k, n_local))
+
+
+def send_slots(expert_idx_nK, n_local: int, n_dest: int, cap: int):
+    """Where a chip's assignments go: (slot_M: assignment m's send slot, dest * cap + its rank among the chip's
+    assignments to dest in token order, ``n_dest * cap`` when dropped; assignment_S: the assignment in each
+    slot, n K when empty; dropped: how many ranked past ``cap``)."""
+    flat = expert_idx_nK.reshape(-1)
+    M = flat.shape[0]
+    dest = flat // n_local
+    _, rank, _ = rank_within_expert(dest, n_dest)
+    kept = rank < cap
+    slot = jnp.where(kept, dest * cap + rank, n_dest * cap)
+    assignment = jnp.full((n_dest * cap,), M, jnp.int32).at[slot].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
+    return slot, assignment, jnp.sum(~kept).astype(jnp.int32)
+
+
+def expert_rows(rows_R, key_R, weights, cfg: ModelConfig, block, cost_blocks):
+    """SwiGLU of each received row by its local expert ``key_R`` (n_local: an empty slot) -> [R, ...] in the
+    compute dtype, shaped as ``rows_R`` ([R, D] or `tile_rows`' [R, D / 128, 128]); empty slots' rows unspecified.
+    The rows are gathered straight into the expert-sorted layout the expert products take (the INT4 kernel's
+    row blocks, `block_layout`; the grouped matmul's sorted rows) and each row's output gathered back from it."""
+    R, D, dt = rows_R.shape[0], math.prod(rows_R.shape[1:]), cfg.jnp_dtype
+    int4 = isinstance(weights[0], int4_weights.Int4Weight)
+    n_local = weights[0].packed.shape[-3] if int4 else weights[0].shape[0]
+    order, group_sizes = sort_by_key(key_R, n_local)
+    take = lambda x, rows: x.at[rows].get(mode="clip")                   # noqa: E731   (out of range: unread)
+    if int4:
+        src, block_expert, _, dest = block_layout(group_sizes, R, block)  # src: the sorted row in each slot
+        n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
+        x_blocks = take(rows_R, take(order, src)).astype(dt).reshape(-1, block, D)
+        y = int4_swiglu_blocks(x_blocks, jnp.minimum(block_expert, n_local - 1), n_used, weights, dt, cfg,
+                               cost_blocks).reshape(-1, D)
+    else:
+        dest = jnp.arange(R, dtype=jnp.int32)                           # each sorted row's place
+        y = local_swiglu(take(rows_R, order).astype(dt).reshape(R, D), group_sizes, weights, dt, cfg)
+    slot_of_row = jnp.zeros((R,), jnp.int32).at[order].set(dest)         # received row -> its output row
+    return take(tile_rows(y.astype(dt)), slot_of_row).reshape(rows_R.shape)
+
+
+def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
+    """sum_k gates[n, k] SwiGLU_{expert_idx[n,k]}(x[n]) -> ([N, D] fp32, the assignments dropped over capacity,
+    summed over the token shards), the experts resident on the chips of the expert axis (module docstring).
+    Weights as `decode_dispatch.gathered_moe`'s."""
+    N, K = expert_idx_NK.shape
+    E = cfg.n_routed_experts
+    mesh, ep, mlp, batch = dispatch_axes(N)
+    if not ep or any(a not in batch for a in ep):        # tokens replicated over the expert axis: nothing to send
+        return gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg), jnp.zeros((), jnp.int32)
+    n_ep = math.prod(mesh.shape[a] for a in ep)
+    n_local = E // n_ep
+    n = N // math.prod(mesh.shape[a] for a in batch)                    # tokens per chip
+    cap = destination_capacity(n, K, E, n_local, cfg.runtime.moe_capacity_factor)
+    R = n_ep * cap                                                      # rows a chip receives
+    # a chip's experts take the expert group's n x chips tokens' choices, as with "gather": the same blocks
+    block, cost_blocks = chip_blocks(n * n_ep, cfg, n_local, n_ep * math.prod(
+        mesh.shape[a] for a in batch if a not in ep))
+    dt = cfg.jnp_dtype
+
+    def body(x, idx, gates, *w):
+        D = x.shape[-1]
+        slot, assignment, dropped = send_slots(idx, n_local, n_ep, cap)
+        filled = assignment < n * K
+        # rows as [R, D / 128, 128] (`tile_rows`: a row gather moves the row's bytes, not its tile neighbours')
+        send = tile_rows(x.astype(dt)).at[assignment // K].get(mode="clip")  # empty slots: unspecified rows
+        key = jnp.where(filled, idx.reshape(-1).at[assignment].get(mode="clip") % n_local, n_local)
+        to_experts = lambda a: jax.lax.all_to_all(a.reshape(n_ep, cap, *a.shape[1:]), ep, 0, 0,  # noqa: E731
+                                                  tiled=True).reshape(a.shape)
+        rows, row_key = to_experts(send), to_experts(key.astype(jnp.int32))     # by source chip, then slot
+        y = expert_rows(rows, row_key, chip_weights(w), cfg, block, cost_blocks)
+        if mlp:
+            y = jax.lax.psum(y, mlp)
+        back = to_experts(y)                                                     # each send slot's SwiGLU
+        y_nKD = back.at[slot].get(mode="fill", fill_value=0).reshape(n, K, D)   # dropped: zero
+        out = jnp.einsum("nk,nkd->nd", gates.astype(jnp.float32), y_nKD.astype(jnp.float32))
+        return out, jax.lax.psum(dropped, batch)
+
+    tok = P(batch, None)
+    operands, specs = expert_operands(w_gate, w_up, w_down, ep, mlp)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=(tok, P()),
+                         check_vma=False)(x_ND, expert_idx_NK, gates_NK, *operands)
