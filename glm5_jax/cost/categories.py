@@ -88,9 +88,8 @@ def categorize(op_name: str) -> str:
     if "jvp(" in op_name:             # the loss, traced outside the model's modules
         return "lm_head_loss"
     if "Transformer." in op_name:
-        # inside a model method (a decode program's `Transformer.decode`) but no module above: the layer
-        # loop itself. Instructions the compiler made without metadata inherit it (a shard_map's all-gather
-        # rewritten as a dynamic-update-slice + all-reduce): the model's, not the optimizer's
+        # inside a model method (a decode program's `Transformer.decode`) but outside the layer stack and
+        # every module: the model's, not the optimizer's
         return "other"
     if op_name.startswith("jit(") and "/" in op_name:
         return "optimizer"            # after the gradient: clipping, AdamW, routing-bias update

@@ -49,8 +49,11 @@ BWD = STEP + "transpose(jvp(Transformer))/Transformer._main/decoder/checkpoint/s
     (STEP + "jvp(Transformer)/mtp/block/moe/shared_expert/btd,df->btf/dot_general", "mtp"),
     (STEP + "jvp(Transformer)/Transformer.embed/jit(_take)/gather", "other"),
     (STEP + "sqrt/", "optimizer"),
-    # a decode program: the layer loop's own while (what metadata-less instructions in its body inherit)
-    ("jit(<lambda>)/while/body/closed_call/Transformer.decode/Transformer._main/decoder/while", "other"),
+    # a decode program: the layer loop's own while (what metadata-less instructions in its body inherit) is
+    # the layer stack's, as in training; a model method's op outside the layer stack is "other", not the
+    # optimizer's
+    ("jit(<lambda>)/while/body/closed_call/Transformer.decode/Transformer._main/decoder/while", "layer_glue"),
+    ("jit(<lambda>)/while/body/closed_call/Transformer.decode/Transformer._main/argmax", "other"),
     (DECODE + "moe/shard_map/convert_element_type", "routed_experts"),
     (HLO_COMPUTATION_PREFIX + "convolution_select_fusion.3", "routed_experts"),
     (HLO_COMPUTATION_PREFIX + "fused_computation.12", "other"),
