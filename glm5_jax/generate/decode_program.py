@@ -50,7 +50,7 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      decode_cache_read=cache_read if cache_write == "rows" else "slice",
                                      moe_capacity_factor=DISPATCH_CAPACITY, rope_impl="pair_swap",
-                                     decode_stacked_kv_b=True)
+                                     decode_stacked_kv_b=True, decode_rope_tables=True)
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True)
     return cfg

@@ -136,6 +136,10 @@ class RuntimeConfig:
     # permutation matmul: a few fusions instead of strided slices, interleaving stacks and layout copies; the
     # same values). Half-split rope is always "slices"
     rope_impl: RopeImpl = "slices"
+    # decoding with rope_impl="pair_swap": the RoPE tables (cos, sin of the step's positions, spread over the rotated
+    # channels), the same for every layer, computed once per step before the layer scan and handed to every
+    # layer (glm5_jax/model/attention.rope_tables) instead of by each layer; the same values
+    decode_rope_tables: bool = False
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):

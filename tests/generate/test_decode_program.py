@@ -164,3 +164,23 @@ def test_stacked_kv_b_equals_the_per_layer_slice():
     np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
+def test_rope_tables_made_once_per_step_decode_the_same_tokens_and_cache():
+    """decode_rope_tables (the pair-swap RoPE tables of the step's positions made once before the layer scan and
+    handed to every layer, what decode_model_config sets): the same tokens and cache, bit for bit, as each layer
+    making its own, over steps at new positions."""
+    from glm5_jax.model.attention import rope_tables
+
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows", rope_impl="pair_swap")
+    tables = rope_tables(cfg, jnp.full((B, 1), P, jnp.int32))
+    assert set(tables) == {(cfg.qk_rope_head_dim, cfg.qk_rope_head_dim), (cfg.qk_rope_head_dim, cfg.index_head_dim)}
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    want_tokens, want_cache = run(cfg)
+    got_tokens, got_cache = run(cfg.replace(decode_rope_tables=True))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
