@@ -41,7 +41,7 @@ from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_pair_swap_rope, apply_rope, pair_swap_tables, rope_cos_sin
-from glm5_jax.model.stacked_weights import STACKED_WEIGHTS
+from glm5_jax.model.stacked_weights import KV_B_UK, KV_B_UV, STACKED_WEIGHTS
 from glm5_jax.parallel import context as context_parallel
 from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA,
                                     Q_LORA, SEQ)
@@ -191,7 +191,12 @@ class MLAttention(nn.Module):
         w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), (EMBED, Q_LORA), init, pdt)
         w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), (Q_LORA, HEADS, KV), init, pdt)
         w_kva = logical_param(self, "kv_a_proj", (d, R + dr), (EMBED, KV_LORA), init, pdt)
-        if layer_index is not None and cfg.runtime.decode_stacked_kv_b:     # glm5_jax/model/stacked_weights.py
+        if layer_index is not None and cfg.runtime.decode_stacked_kv_b and cfg.runtime.decode_kv_b_heads_major:
+            w_kvb = None                # heads-major halves [H, R, dn], [H, dv, R], each read in place at the index
+            w_uk, w_uv = (jax.lax.dynamic_index_in_dim(self.get_variable(STACKED_WEIGHTS, name), layer_index,
+                                                       keepdims=False, allow_negative_indices=False)
+                          for name in (KV_B_UK, KV_B_UV))
+        elif layer_index is not None and cfg.runtime.decode_stacked_kv_b:     # glm5_jax/model/stacked_weights.py
             stacked, w_kvb = self.get_variable(STACKED_WEIGHTS, "kv_b_proj"), None      # decode rows only
             w_uk, w_uv = (jax.lax.dynamic_slice(stacked, (layer_index, 0, 0, start), (1, R, H, n),
                                                 allow_negative_indices=False)[0]     # each half read in place
@@ -304,13 +309,15 @@ class MLAttention(nn.Module):
             with jax.named_scope("lightning_indexer"):
                 selection = decode_rows.topk_with_new_rows(q_i, keys, new["index_key"], w_i, positions_BT,
                                                            cfg.index_topk)
-        q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
+        heads_major = layer_index is not None and cfg.runtime.decode_stacked_kv_b and cfg.runtime.decode_kv_b_heads_major
+        uk_spec, uv_spec = ("bthn,hrn->bthr", "bthr,hvr->bthv") if heads_major else ("bthn,rhn->bthr", "bthr,rhv->bthv")
+        q_abs = jnp.concatenate([einsum(uk_spec, q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
         with jax.named_scope("attention_core"):
             cached = decode_rows.take_rows(cache["latent"], selection[0]) if layer_index is None else \
                 self._gather_cached_rows(cache["latent"], layer_index, selection[0])
             o_lat = decode_rows.attend_with_new_rows(q_abs, cached, new["latent"], *selection[:2],
                                                      positions_BT, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
-        o = constrain(einsum("bthr,rhv->bthv", o_lat, w_uv, dt), (BATCH, SEQ, ACT_HEADS, None))
+        o = constrain(einsum(uv_spec, o_lat, w_uv, dt), (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=cfg.runtime.projection_impl), selection,
                                None, new)
 

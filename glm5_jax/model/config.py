@@ -131,6 +131,10 @@ class RuntimeConfig:
     # read in place from its stacked array by each of its two products instead of a per-layer copy of the
     # scan's slice (variables from glm5_jax/model/stacked_weights.stack_kv_b_variables)
     decode_stacked_kv_b: bool = False
+    # with decode_stacked_kv_b: its two halves stored heads-major, W_UK as [layers, H, R, dn] and W_UV as [layers, H,
+    # dv, R] (glm5_jax/model/stacked_weights.heads_major_kv_b), so that each absorbed product's result comes out in
+    # the layout the next op reads (no layout copy of the absorbed query or of the attention output)
+    decode_kv_b_heads_major: bool = False
     # the pair-interleaved rotary embedding (glm5_jax/model/rope.py): "slices" (even / odd channels sliced out,
     # rotated, stacked back) or "pair_swap" (x * cos + swap_pairs(x) * sin over the full width, the swap a
     # permutation matmul: a few fusions instead of strided slices, interleaving stacks and layout copies; the

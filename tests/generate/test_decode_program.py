@@ -184,3 +184,30 @@ def test_rope_tables_made_once_per_step_decode_the_same_tokens_and_cache():
     np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
+def test_heads_major_kv_b_decodes_the_same_tokens_and_cache():
+    """decode_kv_b_heads_major (the stacked kv_b_proj's halves stored [layers, H, R, dn] and [layers, H, dv, R],
+    what decode_model_config sets): the same tokens and cache, bit for bit, as reading the halves of the stacked
+    [layers, R, H, dn + dv] array; the split halves hold kv_b_proj's values."""
+    from glm5_jax.model.stacked_weights import KV_B_UK, KV_B_UV, STACKED_WEIGHTS, heads_major_kv_b, stack_kv_b_variables
+
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows", decode_cache_read="xla", decode_stacked_kv_b=True)
+    dn = cfg.qk_nope_head_dim
+    stacked = stack_kv_b_variables(variables)[STACKED_WEIGHTS]["decoder"]
+    split = heads_major_kv_b(stack_kv_b_variables(variables), dn)[STACKED_WEIGHTS]["decoder"]
+    seg = next(iter(stacked))
+    kv_b, halves = stacked[seg]["layer_0"]["attention"]["kv_b_proj"], split[seg]["layer_0"]["attention"]
+    L, R, H, _ = kv_b.shape
+    layer, r, h, n, v = L - 1, R - 2, H - 1, 3, 5          # one entry of each half, by hand
+    assert halves[KV_B_UK][layer, h, r, n] == kv_b[layer, r, h, n]
+    assert halves[KV_B_UV][layer, h, v, r] == kv_b[layer, r, h, dn + v]
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    want_tokens, want_cache = run(cfg)
+    got_tokens, got_cache = run(cfg.replace(decode_kv_b_heads_major=True))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
