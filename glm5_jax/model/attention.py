@@ -147,7 +147,7 @@ class Indexer(nn.Module):
         f32 = jnp.float32
         q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
         k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
-        k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, name="k_norm")(k)
+        k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, cfg.runtime.decode_spread_norms, name="k_norm")(k)
         # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
         rot = dict(interleaved=cfg.indexer_rope_interleave, tables=rope)
         q = _rope(cfg, q, positions_BT, head_axis=True, dim=d_r, **rot)
@@ -207,13 +207,14 @@ class MLAttention(nn.Module):
         w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, KV, EMBED), init, pdt)
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
-        qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, name="q_a_norm")(
+        spread = cfg.runtime.decode_spread_norms
+        qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, spread, name="q_a_norm")(
             checkpoint_name(einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj), Q_LATENT_NAME))
         q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), (BATCH, SEQ, ACT_HEADS, None))
         q_nope = q[..., :dn]
         q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True, tables=rope)
         ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt, impl=proj)
-        c = RMSNorm(cfg.latent_norm_eps, KV_LORA, pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
+        c = RMSNorm(cfg.latent_norm_eps, KV_LORA, pdt, spread, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
         k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False,
                       tables=rope)
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)

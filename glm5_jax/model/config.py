@@ -135,6 +135,11 @@ class RuntimeConfig:
     # dv, R] (glm5_jax/model/stacked_weights.heads_major_kv_b), so that each absorbed product's result comes out in
     # the layout the next op reads (no layout copy of the absorbed query or of the attention output)
     decode_kv_b_heads_major: bool = False
+    # the decoder layers' norms (input, post-attention, q_a / kv_a, the indexer key's) take their row statistics
+    # spread over the row (glm5_jax/model/layers.spread_mean): the same values; at one token XLA then fuses the
+    # + eps and rsqrt into the op that applies the norm instead of running them as scalar ops, one top-level
+    # instruction each
+    decode_spread_norms: bool = False
     # the pair-interleaved rotary embedding (glm5_jax/model/rope.py): "slices" (even / odd channels sliced out,
     # rotated, stacked back) or "pair_swap" (x * cos + swap_pairs(x) * sin over the full width, the swap a
     # permutation matmul: a few fusions instead of strided slices, interleaving stacks and layout copies; the

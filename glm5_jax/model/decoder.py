@@ -153,7 +153,8 @@ class DecoderLayer(nn.Module):
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         around_attention, around_ffn = self._residual("attn_hc"), self._residual("ffn_hc")
         x, add = around_attention(h_BTD)
-        a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="input_norm")(x)
+        spread = cfg.runtime.decode_spread_norms
+        a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, spread, name="input_norm")(x)
         if self.kind.attention == "kda":
             out, new_cache = KDAttention(cfg, name="attention")(a, segment_ids_BT, positions_BT, cache)
             attn = AttentionOutput(out, selection, None, new_cache)
@@ -164,7 +165,7 @@ class DecoderLayer(nn.Module):
                                                                         replay.get(routing_replay.SELECTED), rope)
         h_BTD = add(checkpoint_name(attn.out, ATTENTION_OUT_NAME))
         x, add = around_ffn(h_BTD)
-        m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(x)
+        m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, spread, name="post_attention_norm")(x)
         moe_aux = None
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)

@@ -211,3 +211,24 @@ def test_heads_major_kv_b_decodes_the_same_tokens_and_cache():
     np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
+def test_spread_norms_decode_the_same_tokens_and_cache():
+    """decode_spread_norms (every decoder-layer norm's row statistics spread over the row, layers.spread_mean; what
+    decode_model_config sets): the same tokens and cache, bit for bit, and the same last logits as the plain norms."""
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows")
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    position = jnp.full((B, 1), P, jnp.int32)
+    step = lambda c: jax.jit(lambda v, t, cache: Transformer(c).apply(  # noqa: E731
+        v, t[:, None], position, jnp.ones((B, 1), jnp.int32), cache, method=Transformer.decode)[0])(
+        variables, token, cache)
+    want_tokens, want_cache = run(cfg)
+    got_tokens, got_cache = run(cfg.replace(decode_spread_norms=True))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    np.testing.assert_allclose(np.asarray(step(cfg.replace(decode_spread_norms=True))), np.asarray(step(cfg)),
+                               atol=1e-5, rtol=1e-5)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
