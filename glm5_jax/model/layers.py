@@ -12,6 +12,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.config import PROJECTION_IMPLS, ModelConfig
@@ -101,7 +102,7 @@ def spread_mean(x):
     broadcast. At one token (a one-element mean) XLA runs what follows a mean (the norms' + eps and rsqrt) as a chain
     of scalar ops, one top-level instruction each; spread over the row, they fuse into the op that applies the
     norm (RuntimeConfig.decode_spread_norms)."""
-    zeros = jax.lax.optimization_barrier(jnp.zeros(x.shape[-1:], x.dtype))
+    zeros = jax.lax.optimization_barrier(np.zeros(x.shape[-1:], x.dtype))     # a constant: nothing to compute
     return (jnp.sum(x, axis=-1, keepdims=True) + zeros) / x.shape[-1]
 
 
