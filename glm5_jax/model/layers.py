@@ -12,7 +12,6 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model.config import PROJECTION_IMPLS, ModelConfig
@@ -97,13 +96,12 @@ _transposed_grad_projection.defvjp(_transposed_grad_projection_fwd, _transposed_
 
 
 def spread_mean(x):
-    """The mean over x's last axis at every position of x (x's shape): jnp.mean's sum plus zeros XLA cannot see
-    through (an optimization barrier), then divided; the same values as ``jnp.mean(x, -1, keepdims=True)``
-    broadcast. At one token (a one-element mean) XLA runs what follows a mean (the norms' + eps and rsqrt) as a chain
-    of scalar ops, one top-level instruction each; spread over the row, they fuse into the op that applies the
-    norm (RuntimeConfig.decode_spread_norms)."""
-    zeros = jax.lax.optimization_barrier(np.zeros(x.shape[-1:], x.dtype))     # a constant: nothing to compute
-    return (jnp.sum(x, axis=-1, keepdims=True) + zeros) / x.shape[-1]
+    """The mean over x's last axis at every position of x (x's shape): jnp.mean's sum plus x * 0 (zeros XLA cannot
+    fold away: a float times 0 is not always 0), then divided; the same values as ``jnp.mean(x, -1, keepdims=True)``
+    broadcast, for finite x. At one token (a one-element mean) XLA runs what follows a mean (the norms' + eps and
+    rsqrt) as a chain of scalar ops, one top-level instruction each; spread over the row, they fuse into the op
+    that applies the norm (RuntimeConfig.decode_spread_norms)."""
+    return (jnp.sum(x, axis=-1, keepdims=True) + x * 0) / x.shape[-1]
 
 
 class RMSNorm(nn.Module):
