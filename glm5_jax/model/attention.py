@@ -43,7 +43,7 @@ from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical
 from glm5_jax.model.rope import apply_pair_swap_rope, apply_rope, pair_swap_tables, rope_cos_sin
 from glm5_jax.model.stacked_weights import KV_B_UK, KV_B_UV, STACKED_WEIGHTS
 from glm5_jax.parallel import context as context_parallel
-from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA,
+from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA, O_KV,
                                     Q_LORA, SEQ)
 from glm5_jax.parallel.shard_map import logical_axis_shards, logical_pmean, logical_shard_map
 from pallas_kernels.flash_attention import ops as flash_ops
@@ -204,7 +204,7 @@ class MLAttention(nn.Module):
         else:
             w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), (KV_LORA, HEADS, KV), init, pdt)
             w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]            # [R, H, dn], [R, H, dv]
-        w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, KV, EMBED), init, pdt)
+        w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, O_KV, EMBED), init, pdt)
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
         spread = cfg.runtime.decode_spread_norms

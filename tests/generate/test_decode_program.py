@@ -232,3 +232,44 @@ def test_spread_norms_decode_the_same_tokens_and_cache():
     np.testing.assert_allclose(np.asarray(step(cfg.replace(decode_spread_norms=True))), np.asarray(step(cfg)),
                                atol=1e-5, rtol=1e-5)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
+def test_one_row_rules_split_o_proj_over_expert():
+    """At one row (decode_rules at batch 1: replicated_rows) the expert axis holds no rows and splits o_proj's value
+    width (O_KV): a chip holds 1 / (tensor x expert) of o_proj, not 1 / tensor. Decoding one row over an
+    expert:4,tensor:2 mesh then gives the same tokens as with o_proj replicated over expert, the cache and logits
+    within fp32 tolerance (the output projection's partial sums are added over tensor x expert, not tensor)."""
+    import flax.linen as nn
+    from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.parallel.axes import O_KV
+    from glm5_jax.parallel.mesh import build_mesh, logical_shardings
+    from glm5_jax.parallel.sampling import parse_mesh_spec
+
+    cfg = decode_config(TINY).replace(decode_cache_write="rows")
+    mesh = build_mesh(parse_mesh_spec("expert:4,tensor:2"), jax.devices()[:8])
+    rules = decode_rules(1, mesh)
+    assert dict(rules)[O_KV] == "expert"
+    expert_replicated = tuple((name, None if name == O_KV else axes) for name, axes in rules)
+    boxed = jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    o_proj = lambda r: logical_shardings(boxed, mesh, r)["params"]["decoder"]["segment_1"]["layer_0"][  # noqa: E731
+        "attention"]["o_proj"]
+    shape = nn.meta.unbox(boxed)["params"]["decoder"]["segment_1"]["layer_0"]["attention"]["o_proj"].shape
+    L, H, dv, D = shape
+    assert o_proj(rules).shard_shape(shape) == (L, H // 2, dv // 4, D)
+    assert o_proj(expert_replicated).shard_shape(shape) == (L, H // 2, dv, D)
+    variables = init_variables(TINY)
+    token, start = jnp.array([5], jnp.int32), jnp.zeros((1,), jnp.int32)
+
+    def run(r):
+        shardings = logical_shardings(boxed, mesh, r)
+        placed = jax.device_put(variables, jax.tree.map(lambda s, v: s, shardings, variables))
+        with jax.set_mesh(mesh), nn.logical_axis_rules(r):
+            return jax.jit(lambda v, t, p, cache: decode_steps(cfg, 4, v, t, p, cache))(
+                placed, token, start, init_cache(cfg, 1, S)["decoder"])
+
+    want_tokens, want_cache = run(expert_replicated)
+    got_tokens, got_cache = run(rules)
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
+                 want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
