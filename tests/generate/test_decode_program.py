@@ -25,6 +25,19 @@ def _prefilled():
     return cfg, variables, jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
 
+def _decodes_the_same_bit_for_bit(cfg, variables, token, cache, **switch):
+    """STEPS steps from the prefilled cache with ``cfg`` and with ``cfg.replace(**switch)``: the same tokens and the
+    same cache, bit for bit, and not one repeated token."""
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    want_tokens, want_cache = run(cfg)
+    got_tokens, got_cache = run(cfg.replace(**switch))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
 def test_rows_decode_step_equals_layer_write():
     cfg, variables, token, cache = _prefilled()
     position = jnp.full((B, 1), P, jnp.int32)
@@ -137,14 +150,7 @@ def test_pair_swap_rope_decodes_the_same_tokens_and_cache():
     the sliced interleaved rotation, over steps that rotate queries, keys and indexer heads at new positions."""
     cfg, variables, token, cache = _prefilled()
     assert cfg.rope_interleave and cfg.indexer_rope_interleave
-    start = jnp.full((B,), P, jnp.int32)
-    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
-                                                                                          cache)
-    want_tokens, want_cache = run(cfg.replace(decode_cache_write="rows"))
-    got_tokens, got_cache = run(cfg.replace(decode_cache_write="rows", rope_impl="pair_swap"))
-    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
-    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+    _decodes_the_same_bit_for_bit(cfg.replace(decode_cache_write="rows"), variables, token, cache, rope_impl="pair_swap")
 
 
 def test_stacked_kv_b_equals_the_per_layer_slice():
@@ -156,14 +162,7 @@ def test_stacked_kv_b_equals_the_per_layer_slice():
     cfg = cfg.replace(decode_cache_write="rows", decode_cache_read="xla")
     moved = stack_kv_b_variables(variables)[STACKED_WEIGHTS]["decoder"]
     assert all("kv_b_proj" in seg[layer]["attention"] for seg in moved.values() for layer in seg)
-    start = jnp.full((B,), P, jnp.int32)
-    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
-                                                                                          cache)
-    want_tokens, want_cache = run(cfg)
-    got_tokens, got_cache = run(cfg.replace(decode_stacked_kv_b=True))
-    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
-    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_stacked_kv_b=True)
 
 
 def test_rope_tables_made_once_per_step_decode_the_same_tokens_and_cache():
@@ -176,14 +175,7 @@ def test_rope_tables_made_once_per_step_decode_the_same_tokens_and_cache():
     cfg = cfg.replace(decode_cache_write="rows", rope_impl="pair_swap")
     tables = rope_tables(cfg, jnp.full((B, 1), P, jnp.int32))
     assert set(tables) == {(cfg.qk_rope_head_dim, cfg.qk_rope_head_dim), (cfg.qk_rope_head_dim, cfg.index_head_dim)}
-    start = jnp.full((B,), P, jnp.int32)
-    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
-                                                                                          cache)
-    want_tokens, want_cache = run(cfg)
-    got_tokens, got_cache = run(cfg.replace(decode_rope_tables=True))
-    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
-    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_rope_tables=True)
 
 
 def test_heads_major_kv_b_decodes_the_same_tokens_and_cache():
@@ -203,14 +195,7 @@ def test_heads_major_kv_b_decodes_the_same_tokens_and_cache():
     layer, r, h, n, v = L - 1, R - 2, H - 1, 3, 5          # one entry of each half, by hand
     assert halves[KV_B_UK][layer, h, r, n] == kv_b[layer, r, h, n]
     assert halves[KV_B_UV][layer, h, v, r] == kv_b[layer, r, h, dn + v]
-    start = jnp.full((B,), P, jnp.int32)
-    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
-                                                                                          cache)
-    want_tokens, want_cache = run(cfg)
-    got_tokens, got_cache = run(cfg.replace(decode_kv_b_heads_major=True))
-    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
-    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_kv_b_heads_major=True)
 
 
 def test_spread_norms_decode_the_same_tokens_and_cache():
@@ -218,20 +203,13 @@ def test_spread_norms_decode_the_same_tokens_and_cache():
     decode_model_config sets): the same tokens and cache, bit for bit, and the same last logits as the plain norms."""
     cfg, variables, token, cache = _prefilled()
     cfg = cfg.replace(decode_cache_write="rows")
-    start = jnp.full((B,), P, jnp.int32)
-    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
-                                                                                          cache)
     position = jnp.full((B, 1), P, jnp.int32)
     step = lambda c: jax.jit(lambda v, t, cache: Transformer(c).apply(  # noqa: E731
         v, t[:, None], position, jnp.ones((B, 1), jnp.int32), cache, method=Transformer.decode)[0])(
         variables, token, cache)
-    want_tokens, want_cache = run(cfg)
-    got_tokens, got_cache = run(cfg.replace(decode_spread_norms=True))
-    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_spread_norms=True)
     np.testing.assert_allclose(np.asarray(step(cfg.replace(decode_spread_norms=True))), np.asarray(step(cfg)),
                                atol=1e-5, rtol=1e-5)
-    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
 
 
 def test_one_row_rules_split_o_proj_over_expert():
