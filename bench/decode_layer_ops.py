@@ -36,7 +36,7 @@ PARTS = (
     ("MoE router (+ shared gate/up)", r"/moe/"),
     ("projection matmuls", r"[a-z]+,[a-z]+->[a-z]+/dot_general"),
     ("concat / casts in attention", r"/attention/"),
-    ("scan: layer slices, output rows, counter", r"dynamic_update|dynamic_index_in_dim|dynamic_slice|decoder/add$"),
+    ("scan: layer slices, output rows, counter", r"dynamic_update|dynamic_index_in_dim|dynamic_slice|decoder/(while/body/)?add$"),
     ("residual add", r"layer_\d+/add$"),
     ("XLA-inserted converts / broadcasts", r"^(convert|broadcast)\.\d+$"),
 )
