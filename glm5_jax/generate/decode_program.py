@@ -29,7 +29,7 @@ from glm5_jax.generate.decoding import decode_config
 from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache, leaf_axes
 from glm5_jax.model.moe.int4_weights import stack_expert_variables
 from glm5_jax.model.moe.layer import DECODE_DISPATCHES
-from glm5_jax.model.stacked_weights import stack_kv_b_variables
+from glm5_jax.model.stacked_weights import heads_major_kv_b, stack_kv_b_variables
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
@@ -57,7 +57,8 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      decode_cache_read=cache_read if cache_write == "rows" else "slice",
                                      moe_capacity_factor=DISPATCH_CAPACITY, rope_impl="pair_swap",
-                                     decode_stacked_kv_b=True)
+                                     decode_stacked_kv_b=True, decode_rope_tables=True,
+                                     decode_kv_b_heads_major=True, decode_spread_norms=True)
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True)
     return cfg
@@ -94,6 +95,8 @@ def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
         variables = stack_expert_variables(variables)
     if cfg.runtime.decode_stacked_kv_b and cfg.runtime.decode_cache_read != "slice":    # and its kv_b_proj
         variables = stack_kv_b_variables(variables)
+        if cfg.runtime.decode_kv_b_heads_major:     # its halves transposed once per program, not per step
+            variables = heads_major_kv_b(variables, cfg.qk_nope_head_dim)
 
     def step(s, carry):
         token, cache, out = carry

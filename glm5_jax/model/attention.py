@@ -41,9 +41,9 @@ from glm5_jax.model import decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_pair_swap_rope, apply_rope, pair_swap_tables, rope_cos_sin
-from glm5_jax.model.stacked_weights import STACKED_WEIGHTS
+from glm5_jax.model.stacked_weights import KV_B_UK, KV_B_UV, STACKED_WEIGHTS
 from glm5_jax.parallel import context as context_parallel
-from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA,
+from glm5_jax.parallel.axes import (ACT_HEADS, BATCH, CACHE_SEQ, EMBED, HEADS, INDEX_DIM, INDEX_HEADS, KV, KV_LORA, O_KV,
                                     Q_LORA, SEQ)
 from glm5_jax.parallel.shard_map import logical_axis_shards, logical_pmean, logical_shard_map
 from pallas_kernels.flash_attention import ops as flash_ops
@@ -76,14 +76,34 @@ def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:
             and num_keys <= rt.masked_flash_factor * cfg.index_topk and cfg.index_kpool is None)
 
 
-def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool, dim=None):
-    """The first ``dim`` channels of x rotated (default all), the rest as they are."""
+def _rope_args(cfg: ModelConfig):
+    return cfg.rope_theta, cfg.rope_scaling_dict, cfg.max_position_embeddings
+
+
+def rope_tables(cfg: ModelConfig, positions_BT) -> dict:
+    """{(rotated dim, width): (cos, sin)}: the `pair_swap_tables` of every pair-swap rotation an MLA layer makes (its
+    query and key rope channels; its indexer's heads and key, rope slice first), which depend on the positions
+    alone; {} when no rotation is pair-swap. Decoding with ``decode_rope_tables`` computes them once per step
+    before the layer scan and hands them to every layer (`_rope`'s ``tables``)."""
+    if cfg.runtime.rope_impl != "pair_swap":
+        return {}
+    dr = cfg.qk_rope_head_dim
+    shapes = {(dr, dr)} if cfg.rope_interleave and dr else set()
+    if cfg.use_indexer and cfg.indexer_rope_interleave and dr:
+        shapes.add((dr, cfg.index_head_dim))
+    return {s: pair_swap_tables(positions_BT, *s, *_rope_args(cfg)) for s in sorted(shapes)}
+
+
+def _rope(cfg: ModelConfig, x, positions_BT, *, interleaved, head_axis: bool, dim=None, tables=None):
+    """The first ``dim`` channels of x rotated (default all), the rest as they are; ``tables``: `rope_tables`
+    computed ahead (else made here)."""
     dim = x.shape[-1] if dim is None else dim
     if dim == 0:    # NoPE (GLM-5.3-Flash: qk_rope_head_dim = 0)
         return x
-    rope_args = (cfg.rope_theta, cfg.rope_scaling_dict, cfg.max_position_embeddings)
+    rope_args = _rope_args(cfg)
     if interleaved and cfg.runtime.rope_impl == "pair_swap":      # full width, the rest passed through
-        cos, sin = pair_swap_tables(positions_BT, dim, x.shape[-1], *rope_args)
+        shape = (dim, x.shape[-1])
+        cos, sin = tables[shape] if tables and shape in tables else pair_swap_tables(positions_BT, *shape, *rope_args)
         rotate = apply_pair_swap_rope
     elif dim < x.shape[-1]:
         return jnp.concatenate([_rope(cfg, x[..., :dim], positions_BT, interleaved=interleaved,
@@ -114,7 +134,8 @@ class Indexer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, a_BTD, qr_BTQ, positions_BT):
+    def __call__(self, a_BTD, qr_BTQ, positions_BT, rope=None):
+        """``rope``: the step's `rope_tables` (decoding), else made here."""
         cfg = self.cfg
         init, pdt = normal_init(cfg), cfg.jnp_param_dtype
         h_i, d_i, d_r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
@@ -126,9 +147,9 @@ class Indexer(nn.Module):
         f32 = jnp.float32
         q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
         k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
-        k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, name="k_norm")(k)
+        k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, cfg.runtime.decode_spread_norms, name="k_norm")(k)
         # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
-        rot = dict(interleaved=cfg.indexer_rope_interleave)
+        rot = dict(interleaved=cfg.indexer_rope_interleave, tables=rope)
         q = _rope(cfg, q, positions_BT, head_axis=True, dim=d_r, **rot)
         k = _rope(cfg, k, positions_BT, head_axis=False, dim=d_r, **rot)
         # weights_proj runs in fp32 like HF; both positive scales folded into w (ReLU(cx) = cReLU(x)).
@@ -159,8 +180,9 @@ class MLAttention(nn.Module):
 
     @nn.compact
     def __call__(self, a_BTD, positions_BT, segment_ids_BT, prev_selection, cache=None, layer_index=None,
-                 replay_BTk=None):
-        """``replay_BTk``: a full layer's recorded top-k to attend by (glm5_jax/model/routing_replay.py)."""
+                 replay_BTk=None, rope=None):
+        """``replay_BTk``: a full layer's recorded top-k to attend by (glm5_jax/model/routing_replay.py); ``rope``:
+        the step's `rope_tables` (decoding with ``decode_rope_tables``), else made here."""
         cfg = self.cfg
         init, pdt, dt, proj = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype, cfg.runtime.projection_impl
         H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -169,7 +191,12 @@ class MLAttention(nn.Module):
         w_qa = logical_param(self, "q_a_proj", (d, cfg.q_lora_rank), (EMBED, Q_LORA), init, pdt)
         w_qb = logical_param(self, "q_b_proj", (cfg.q_lora_rank, H, dn + dr), (Q_LORA, HEADS, KV), init, pdt)
         w_kva = logical_param(self, "kv_a_proj", (d, R + dr), (EMBED, KV_LORA), init, pdt)
-        if layer_index is not None and cfg.runtime.decode_stacked_kv_b:     # glm5_jax/model/stacked_weights.py
+        if layer_index is not None and cfg.runtime.decode_stacked_kv_b and cfg.runtime.decode_kv_b_heads_major:
+            w_kvb = None                # heads-major halves [H, R, dn], [H, dv, R], each read in place at the index
+            w_uk, w_uv = (jax.lax.dynamic_index_in_dim(self.get_variable(STACKED_WEIGHTS, name), layer_index,
+                                                       keepdims=False, allow_negative_indices=False)
+                          for name in (KV_B_UK, KV_B_UV))
+        elif layer_index is not None and cfg.runtime.decode_stacked_kv_b:     # glm5_jax/model/stacked_weights.py
             stacked, w_kvb = self.get_variable(STACKED_WEIGHTS, "kv_b_proj"), None      # decode rows only
             w_uk, w_uv = (jax.lax.dynamic_slice(stacked, (layer_index, 0, 0, start), (1, R, H, n),
                                                 allow_negative_indices=False)[0]     # each half read in place
@@ -177,21 +204,23 @@ class MLAttention(nn.Module):
         else:
             w_kvb = logical_param(self, "kv_b_proj", (R, H, dn + dv), (KV_LORA, HEADS, KV), init, pdt)
             w_uk, w_uv = w_kvb[..., :dn], w_kvb[..., dn:]            # [R, H, dn], [R, H, dv]
-        w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, KV, EMBED), init, pdt)
+        w_o = logical_param(self, "o_proj", (H, dv, d), (HEADS, O_KV, EMBED), init, pdt)
 
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
-        qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, name="q_a_norm")(
+        spread = cfg.runtime.decode_spread_norms
+        qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, spread, name="q_a_norm")(
             checkpoint_name(einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj), Q_LATENT_NAME))
         q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), (BATCH, SEQ, ACT_HEADS, None))
         q_nope = q[..., :dn]
-        q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True)
+        q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True, tables=rope)
         ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt, impl=proj)
-        c = RMSNorm(cfg.latent_norm_eps, KV_LORA, pdt, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
-        k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False)
+        c = RMSNorm(cfg.latent_norm_eps, KV_LORA, pdt, spread, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
+        k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False,
+                      tables=rope)
         latent_BSC = jnp.concatenate([c, k_rot], axis=-1)
         if cache is not None and cfg.runtime.decode_cache_write == "rows":     # glm5_jax/model/decode_rows.py
             return self._decode_rows(a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, latent_BSC, cache,
-                                     (w_uk, w_uv, w_o), layer_index)
+                                     (w_uk, w_uv, w_o), layer_index, rope)
         kv_positions_BS, kv_segments_BS = positions_BT, segment_ids_BT
         if cache is not None:
             cache = dict(cache, latent=write_rows(cache["latent"], latent_BSC, positions_BT))
@@ -260,7 +289,7 @@ class MLAttention(nn.Module):
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
 
     def _decode_rows(self, a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, new_latent_BTC, cache, weights,
-                     layer_index=None):
+                     layer_index=None, rope=None):
         """Decode against the cache as it was before this step (glm5_jax/model/decode_rows.py) -> AttentionOutput
         whose cache is only this step's new rows ({"latent": [B, T, C][, "index_key": [B, T, d_I]]}). With
         ``layer_index`` (``decode_cache_read`` other than "slice") ``cache`` is the segment's stacked [layers, B,
@@ -273,7 +302,7 @@ class MLAttention(nn.Module):
         new = {"latent": new_latent_BTC.astype(cache["latent"].dtype)}
         selection = prev_selection
         if self.indexer_kind == "full":
-            q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT)
+            q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT, rope)
             new["index_key"] = k_i.astype(cache["index_key"].dtype)
             keys = cache["index_key"] if layer_index is None else \
                 jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False,
@@ -281,13 +310,15 @@ class MLAttention(nn.Module):
             with jax.named_scope("lightning_indexer"):
                 selection = decode_rows.topk_with_new_rows(q_i, keys, new["index_key"], w_i, positions_BT,
                                                            cfg.index_topk)
-        q_abs = jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
+        heads_major = layer_index is not None and cfg.runtime.decode_stacked_kv_b and cfg.runtime.decode_kv_b_heads_major
+        uk_spec, uv_spec = ("bthn,hrn->bthr", "bthr,hvr->bthv") if heads_major else ("bthn,rhn->bthr", "bthr,rhv->bthv")
+        q_abs = jnp.concatenate([einsum(uk_spec, q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
         with jax.named_scope("attention_core"):
             cached = decode_rows.take_rows(cache["latent"], selection[0]) if layer_index is None else \
                 self._gather_cached_rows(cache["latent"], layer_index, selection[0])
             o_lat = decode_rows.attend_with_new_rows(q_abs, cached, new["latent"], *selection[:2],
                                                      positions_BT, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
-        o = constrain(einsum("bthr,rhv->bthv", o_lat, w_uv, dt), (BATCH, SEQ, ACT_HEADS, None))
+        o = constrain(einsum(uv_spec, o_lat, w_uv, dt), (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=cfg.runtime.projection_impl), selection,
                                None, new)
 

@@ -135,11 +135,24 @@ class RuntimeConfig:
     # read in place from its stacked array by each of its two products instead of a per-layer copy of the
     # scan's slice (variables from glm5_jax/model/stacked_weights.stack_kv_b_variables)
     decode_stacked_kv_b: bool = False
+    # with decode_stacked_kv_b: its two halves stored heads-major, W_UK as [layers, H, R, dn] and W_UV as [layers, H,
+    # dv, R] (glm5_jax/model/stacked_weights.heads_major_kv_b), so that each absorbed product's result comes out in
+    # the layout the next op reads (no layout copy of the absorbed query or of the attention output)
+    decode_kv_b_heads_major: bool = False
+    # the decoder layers' norms (input, post-attention, q_a / kv_a, the indexer key's) take their row statistics
+    # spread over the row (glm5_jax/model/layers.spread_mean): the same values; at one token XLA then fuses the
+    # + eps and rsqrt into the op that applies the norm instead of running them as scalar ops, one top-level
+    # instruction each
+    decode_spread_norms: bool = False
     # the pair-interleaved rotary embedding (glm5_jax/model/rope.py): "slices" (even / odd channels sliced out,
     # rotated, stacked back) or "pair_swap" (x * cos + swap_pairs(x) * sin over the full width, the swap a
     # permutation matmul: a few fusions instead of strided slices, interleaving stacks and layout copies; the
     # same values). Half-split rope is always "slices"
     rope_impl: RopeImpl = "slices"
+    # decoding with rope_impl="pair_swap": the RoPE tables (cos, sin of the step's positions, spread over the rotated
+    # channels), the same for every layer, computed once per step before the layer scan and handed to every
+    # layer (glm5_jax/model/attention.rope_tables) instead of by each layer; the same values
+    decode_rope_tables: bool = False
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model import hyper_connections, routing_replay
 from glm5_jax.model.attention import (ATTENTION_SAVED_NAMES, INDEXER_KL_GRAD_NAMES, Q_LATENT_NAME, SELECTION_NAME,
-                                      AttentionOutput, MLAttention)
+                                      AttentionOutput, MLAttention, rope_tables)
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.hyper_connections import ACT_BTND, HyperConnection
 from glm5_jax.model.kda_layer import KDAttention
@@ -140,18 +140,21 @@ class DecoderLayer(nn.Module):
     kind: LayerKind
 
     @nn.compact
-    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None, layer_index=None, replay=None):
+    def __call__(self, h_BTD, positions_BT, segment_ids_BT, selection, cache=None, layer_index=None, replay=None,
+                 rope=None):
         """``layer_index``: this layer's index in its scan, given with ``decode_stacked_experts`` (the MoE then
         reads the stacked experts, glm5_jax/model/moe/int4_weights.py) or a ``decode_cache_read`` other than
         "slice" (``cache`` is then the segment's stacked cache, read at that index). ``replay``: this layer's
         recorded routing ({"routed_experts": [B, T, K], "selected_slots": [B, T, k]}, either optional) to
         route and select by; a cache with recording leaves gets this step's routing written
-        (glm5_jax/model/routing_replay.py)."""
+        (glm5_jax/model/routing_replay.py). ``rope``: the step's RoPE tables (attention.rope_tables) when decoding
+        with ``decode_rope_tables``."""
         replay = replay or {}
         cfg, pdt = self.cfg, self.cfg.jnp_param_dtype
         around_attention, around_ffn = self._residual("attn_hc"), self._residual("ffn_hc")
         x, add = around_attention(h_BTD)
-        a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="input_norm")(x)
+        spread = cfg.runtime.decode_spread_norms
+        a = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, spread, name="input_norm")(x)
         if self.kind.attention == "kda":
             out, new_cache = KDAttention(cfg, name="attention")(a, segment_ids_BT, positions_BT, cache)
             attn = AttentionOutput(out, selection, None, new_cache)
@@ -159,10 +162,10 @@ class DecoderLayer(nn.Module):
             cache_index = layer_index if cfg.runtime.decode_cache_read != "slice" else None
             attn = MLAttention(cfg, self.kind.indexer, name="attention")(a, positions_BT, segment_ids_BT, selection,
                                                                         cache, cache_index,
-                                                                        replay.get(routing_replay.SELECTED))
+                                                                        replay.get(routing_replay.SELECTED), rope)
         h_BTD = add(checkpoint_name(attn.out, ATTENTION_OUT_NAME))
         x, add = around_ffn(h_BTD)
-        m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="post_attention_norm")(x)
+        m = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, spread, name="post_attention_norm")(x)
         moe_aux = None
         if self.kind.mlp == "dense":
             ffn_out = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(m)
@@ -209,7 +212,7 @@ class LayerGroup(nn.Module):
     unit: tuple
 
     @nn.compact
-    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None, repeat=None, replay=None):
+    def __call__(self, carry, positions_BT, segment_ids_BT, cache=None, repeat=None, replay=None, rope=None):
         h, selection, *stacked_cache = carry        # (h, selection[, the segment's stacked cache, passed on])
         if stacked_cache:
             cache = stacked_cache[0]
@@ -223,7 +226,7 @@ class LayerGroup(nn.Module):
             layer_cache = None if cache is None else cache[f"layer_{i}"]
             layer_replay = None if replay is None else replay.get(f"layer_{i}")
             out = DecoderLayer(self.cfg, kind, name=f"layer_{i}")(h, positions_BT, segment_ids_BT, selection,
-                                                                  layer_cache, repeat, layer_replay)
+                                                                  layer_cache, repeat, layer_replay, rope)
             h, selection = out.h, out.selection
             unit_stats.append(out.stats)
             if out.cache is not None:
@@ -250,12 +253,14 @@ class DecoderStack(nn.Module):
         stacked = cfg.runtime.decode_stacked_experts and decoding
         stacked_cache = cfg.runtime.decode_cache_read != "slice" and decoding
         stacked_kv_b = cfg.runtime.decode_stacked_kv_b and stacked_cache        # glm5_jax/model/stacked_weights.py
+        # decode_rope_tables: the RoPE tables of the step's positions, made once for every layer
+        rope = rope_tables(cfg, positions_BT) if decoding and cfg.runtime.decode_rope_tables else None
         for seg in plan_segments(cfg):
             scanned = nn.scan(group_cls, variable_axes={"params": 0, BIAS_COLLECTION: 0},
                               variable_broadcast=[c for c, on in ((STACKED_EXPERTS, stacked),
                                                                   (STACKED_WEIGHTS, stacked_kv_b)) if on] or False,
                               split_rngs={"params": True},
-                              in_axes=(nn.broadcast, nn.broadcast, 0, 0, 0),
+                              in_axes=(nn.broadcast, nn.broadcast, 0, 0, 0, nn.broadcast),
                               length=seg.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})
             seg_cache = None if cache is None else cache[seg.name]
             repeat = jnp.arange(seg.repeats, dtype=jnp.int32) if stacked or stacked_cache else None
@@ -263,7 +268,7 @@ class DecoderStack(nn.Module):
                 carry, seg_cache = carry + (seg_cache,), None
             seg_replay = None if replay is None else replay.get(seg.name)
             carry, (stats, rows) = scanned(cfg, seg.unit, name=seg.name)(carry, positions_BT, segment_ids_BT,
-                                                                         seg_cache, repeat, seg_replay)
+                                                                         seg_cache, repeat, seg_replay, rope)
             if stacked_cache:
                 carry, seg_cache = carry[:2], carry[2]
             # [repeats, len(unit), ...] -> [repeats * len(unit), ...]: layer seg.layer_index(r, u) is row r*P + u

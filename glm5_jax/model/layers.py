@@ -95,26 +95,41 @@ def _transposed_grad_projection_bwd(spec, residuals, g):
 _transposed_grad_projection.defvjp(_transposed_grad_projection_fwd, _transposed_grad_projection_bwd)
 
 
+def spread_mean(x):
+    """The mean over x's last axis at every position of x (x's shape): jnp.mean's sum plus x * 0 (zeros XLA cannot
+    fold away: a float times 0 is not always 0), then divided; the same values as ``jnp.mean(x, -1, keepdims=True)``
+    broadcast, for finite x. At one token (a one-element mean) XLA runs what follows a mean (the norms' + eps and
+    rsqrt) as a chain of scalar ops, one top-level instruction each; spread over the row, they fuse into the op
+    that applies the norm (RuntimeConfig.decode_spread_norms)."""
+    return (jnp.sum(x, axis=-1, keepdims=True) + x * 0) / x.shape[-1]
+
+
 class RMSNorm(nn.Module):
-    """g * x / sqrt(mean(x^2) + eps), in fp32, weight initialised to 1 (not the 1+g form)."""
+    """g * x / sqrt(mean(x^2) + eps), in fp32, weight initialised to 1 (not the 1+g form). ``spread``
+    (RuntimeConfig.decode_spread_norms): the mean spread over the row (`spread_mean`), the same values."""
     eps: float
     axis_name: str
     param_dtype: jnp.dtype = jnp.float32
+    spread: bool = False
 
     @nn.compact
     def __call__(self, x):
         scale = logical_param(self, "scale", (x.shape[-1],), (self.axis_name,), nn.initializers.ones,
                               self.param_dtype)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.spread:
+            y = x32 * jax.lax.rsqrt(spread_mean(x32 * x32) + self.eps)
+        else:
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (scale.astype(jnp.float32) * y).astype(x.dtype)
 
 
 class LayerNorm(nn.Module):
-    """Standard LayerNorm with bias, in fp32 (only the indexer key uses it)."""
+    """Standard LayerNorm with bias, in fp32 (only the indexer key uses it). ``spread``: as `RMSNorm`'s."""
     eps: float
     axis_name: str
     param_dtype: jnp.dtype = jnp.float32
+    spread: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -122,9 +137,13 @@ class LayerNorm(nn.Module):
         scale = logical_param(self, "scale", (d,), (self.axis_name,), nn.initializers.ones, self.param_dtype)
         bias = logical_param(self, "bias", (d,), (self.axis_name,), nn.initializers.zeros, self.param_dtype)
         x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.spread:
+            centred = x32 - spread_mean(x32)
+            y = centred * jax.lax.rsqrt(spread_mean(jnp.square(centred)) + self.eps)
+        else:
+            mean = jnp.mean(x32, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+            y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 

@@ -21,6 +21,7 @@ MLP_MOE = "mlp_moe"          # a routed expert's hidden width
 Q_LORA = "q_lora"            # the query LoRA rank
 KV_LORA = "kv_lora"          # the latent (kv LoRA) rank
 KV = "kv"                    # per-head widths (qk_nope, qk_rope, v) and the latent row
+O_KV = "o_kv"                # the output projection's per-head value width (o_proj's middle axis)
 INDEX_DIM = "index_dim"      # the indexer's head width
 MTP_CONCAT = "mtp_concat"    # the MTP module's [embedding; hidden] concatenation
 LAYERS = "layers"            # the stacked-layer axis of a scanned segment
@@ -28,5 +29,5 @@ KDA_QKV = "kda_qkv"          # a KDA layer's flat heads x head width (q, k, v, g
 HC_EMBED = "hc_embed"        # the hyper-connections' flattened streams x model width
 
 ALL = (BATCH, SEQ, CACHE_SEQ, ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, EMBED, VOCAB, HEADS, INDEX_HEADS, MLP, EXP,
-       MLP_MOE, Q_LORA, KV_LORA, KV, INDEX_DIM, MTP_CONCAT, LAYERS, KDA_QKV,
+       MLP_MOE, Q_LORA, KV_LORA, KV, O_KV, INDEX_DIM, MTP_CONCAT, LAYERS, KDA_QKV,
        HC_EMBED)

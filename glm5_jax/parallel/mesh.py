@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from glm5_jax.parallel.axes import (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, BATCH, CACHE_SEQ, EMBED, EXP, HEADS,
-                                    HC_EMBED, INDEX_DIM, INDEX_HEADS, KDA_QKV, KV, KV_LORA, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
+                                    HC_EMBED, INDEX_DIM, INDEX_HEADS, KDA_QKV, KV, KV_LORA, O_KV, LAYERS, MLP, MLP_MOE, MTP_CONCAT, Q_LORA, SEQ,
                                     VOCAB)
 
 DATA, FSDP, CONTEXT, EXPERT, TENSOR = MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
@@ -52,6 +52,7 @@ DEFAULT_RULES = (
     (Q_LORA, (FSDP, CONTEXT)),
     (KV_LORA, (FSDP, CONTEXT)),
     (KV, None),
+    (O_KV, None),                       # o_proj's value width: as KV (one-row sampling splits it, sampling.py)
     (INDEX_DIM, None),
     (MTP_CONCAT, None),
     (KDA_QKV, TENSOR),                  # flat heads x width, head-major: split like the attention heads

@@ -22,8 +22,10 @@ import math
 import jax
 from jax.sharding import Mesh
 
-from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, EMBED, EXP, HEADS, INDEX_HEADS, KV_LORA, MLP, MLP_MOE, Q_LORA, SEQ, VOCAB
-from glm5_jax.parallel.mesh import (CONTEXT, DEFAULT_RULES, MESH_AXES, TENSOR, MeshConfig, MeshError, build_mesh)
+from glm5_jax.parallel.axes import (BATCH, CACHE_SEQ, EMBED, EXP, HEADS, INDEX_HEADS, KV_LORA, MLP, MLP_MOE, O_KV, Q_LORA,
+                                    SEQ, VOCAB)
+from glm5_jax.parallel.mesh import (CONTEXT, DEFAULT_RULES, EXPERT, MESH_AXES, TENSOR, MeshConfig, MeshError,
+                                    build_mesh)
 
 # The training rules with what sampling changes: no FSDP (weights stay resident, never gathered per step) and
 # a prefill chunk's tokens kept on their row's chip; rows still split over data x fsdp x expert, heads / FFN
@@ -67,8 +69,18 @@ def parse_mesh_spec(spec: str, rules=SAMPLING_RULES) -> MeshConfig:
 # a program over one batch row (the server's prefill of one slot): the row is replicated, heads, widths,
 # experts and cache slots split as above (a row cannot split over the batch axes)
 def replicated_rows(rules):
-    """``rules`` with the batch axis replicated (a batch that cannot split over the batch axes)."""
-    return tuple((name, None) if name == BATCH else (name, axes) for name, axes in rules)
+    """``rules`` with the batch axis replicated (a batch that cannot split over the batch axes), and the expert axis,
+    which then holds no rows, also splitting o_proj's value width (`O_KV`): at one row every chip of an expert
+    group would otherwise read the same o_proj shard, the largest attention weight, each step; split, a chip
+    reads 1/expert of it and the output projection's partial sums are reduced over tensor x expert instead of
+    tensor (the same one all-reduce)."""
+    def rule(name, axes):
+        if name == BATCH:
+            return None
+        if name == O_KV and axes is None:
+            return EXPERT
+        return axes
+    return tuple((name, rule(name, axes)) for name, axes in rules)
 
 
 ONE_ROW_RULES = replicated_rows(SAMPLING_RULES)

@@ -86,10 +86,12 @@ def slice_bytes(S: int, C: int, itemsize: int) -> int:
 
 def streams(B: int, S: int, C: int, K_pad: int, itemsize: int) -> bool:
     """Whether the streamed form reads fewer bytes than the tile-group DMAs (module docstring): K_pad tile groups
-    cost more than the slice, the slice fits VMEM, the batch rows split evenly over a chip's two cores, and K_pad
-    is a power of two (Mosaic's 1-D SMEM index window)."""
+    cost more than the slice, the slice fits VMEM, the batch rows split evenly over a chip's two cores or there is
+    one (its core streams the slice while the DMAs would read half of 2 x the slice on each core: the same bytes on
+    the busiest core, in one bulk copy and one grid step instead of K_pad row DMAs), and K_pad is a power of two
+    (Mosaic's 1-D SMEM index window)."""
     return (K_pad & (K_pad - 1) == 0 and K_pad * tile_group_bytes(C, itemsize) > slice_bytes(S, C, itemsize)
-            and slice_bytes(S, C, itemsize) <= STREAM_MAX_SLICE_BYTES and B % 2 == 0)
+            and slice_bytes(S, C, itemsize) <= STREAM_MAX_SLICE_BYTES and (B % 2 == 0 or B == 1))
 
 
 def _stream_gather(cache_LBSC, layer, idx, K_pad, interpret):

@@ -26,6 +26,19 @@ def _prefilled():
     return cfg, variables, jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache
 
 
+def _decodes_the_same_bit_for_bit(cfg, variables, token, cache, **switch):
+    """STEPS steps from the prefilled cache with ``cfg`` and with ``cfg.replace(**switch)``: the same tokens and the
+    same cache, bit for bit, and not one repeated token."""
+    start = jnp.full((B,), P, jnp.int32)
+    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
+                                                                                          cache)
+    want_tokens, want_cache = run(cfg)
+    got_tokens, got_cache = run(cfg.replace(**switch))
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
 def test_rows_decode_step_equals_layer_write():
     cfg, variables, token, cache = _prefilled()
     position = jnp.full((B, 1), P, jnp.int32)
@@ -182,14 +195,7 @@ def test_pair_swap_rope_decodes_the_same_tokens_and_cache():
     the sliced interleaved rotation, over steps that rotate queries, keys and indexer heads at new positions."""
     cfg, variables, token, cache = _prefilled()
     assert cfg.rope_interleave and cfg.indexer_rope_interleave
-    start = jnp.full((B,), P, jnp.int32)
-    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
-                                                                                          cache)
-    want_tokens, want_cache = run(cfg.replace(decode_cache_write="rows"))
-    got_tokens, got_cache = run(cfg.replace(decode_cache_write="rows", rope_impl="pair_swap"))
-    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
-    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+    _decodes_the_same_bit_for_bit(cfg.replace(decode_cache_write="rows"), variables, token, cache, rope_impl="pair_swap")
 
 
 def test_stacked_kv_b_equals_the_per_layer_slice():
@@ -201,11 +207,92 @@ def test_stacked_kv_b_equals_the_per_layer_slice():
     cfg = cfg.replace(decode_cache_write="rows", decode_cache_read="xla")
     moved = stack_kv_b_variables(variables)[STACKED_WEIGHTS]["decoder"]
     assert all("kv_b_proj" in seg[layer]["attention"] for seg in moved.values() for layer in seg)
-    start = jnp.full((B,), P, jnp.int32)
-    run = lambda c: jax.jit(lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache))(variables, token, start,
-                                                                                          cache)
-    want_tokens, want_cache = run(cfg)
-    got_tokens, got_cache = run(cfg.replace(decode_stacked_kv_b=True))
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_stacked_kv_b=True)
+
+
+def test_rope_tables_made_once_per_step_decode_the_same_tokens_and_cache():
+    """decode_rope_tables (the pair-swap RoPE tables of the step's positions made once before the layer scan and
+    handed to every layer, what decode_model_config sets): the same tokens and cache, bit for bit, as each layer
+    making its own, over steps at new positions."""
+    from glm5_jax.model.attention import rope_tables
+
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows", rope_impl="pair_swap")
+    tables = rope_tables(cfg, jnp.full((B, 1), P, jnp.int32))
+    assert set(tables) == {(cfg.qk_rope_head_dim, cfg.qk_rope_head_dim), (cfg.qk_rope_head_dim, cfg.index_head_dim)}
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_rope_tables=True)
+
+
+def test_heads_major_kv_b_decodes_the_same_tokens_and_cache():
+    """decode_kv_b_heads_major (the stacked kv_b_proj's halves stored [layers, H, R, dn] and [layers, H, dv, R],
+    what decode_model_config sets): the same tokens and cache, bit for bit, as reading the halves of the stacked
+    [layers, R, H, dn + dv] array; the split halves hold kv_b_proj's values."""
+    from glm5_jax.model.stacked_weights import KV_B_UK, KV_B_UV, STACKED_WEIGHTS, heads_major_kv_b, stack_kv_b_variables
+
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows", decode_cache_read="xla", decode_stacked_kv_b=True)
+    dn = cfg.qk_nope_head_dim
+    stacked = stack_kv_b_variables(variables)[STACKED_WEIGHTS]["decoder"]
+    split = heads_major_kv_b(stack_kv_b_variables(variables), dn)[STACKED_WEIGHTS]["decoder"]
+    seg = next(iter(stacked))
+    kv_b, halves = stacked[seg]["layer_0"]["attention"]["kv_b_proj"], split[seg]["layer_0"]["attention"]
+    L, R, H, _ = kv_b.shape
+    layer, r, h, n, v = L - 1, R - 2, H - 1, 3, 5          # one entry of each half, by hand
+    assert halves[KV_B_UK][layer, h, r, n] == kv_b[layer, r, h, n]
+    assert halves[KV_B_UV][layer, h, v, r] == kv_b[layer, r, h, dn + v]
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_kv_b_heads_major=True)
+
+
+def test_spread_norms_decode_the_same_tokens_and_cache():
+    """decode_spread_norms (every decoder-layer norm's row statistics spread over the row, layers.spread_mean; what
+    decode_model_config sets): the same tokens and cache, bit for bit, and the same last logits as the plain norms."""
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows")
+    position = jnp.full((B, 1), P, jnp.int32)
+    step = lambda c: jax.jit(lambda v, t, cache: Transformer(c).apply(  # noqa: E731
+        v, t[:, None], position, jnp.ones((B, 1), jnp.int32), cache, method=Transformer.decode)[0])(
+        variables, token, cache)
+    _decodes_the_same_bit_for_bit(cfg, variables, token, cache, decode_spread_norms=True)
+    np.testing.assert_allclose(np.asarray(step(cfg.replace(decode_spread_norms=True))), np.asarray(step(cfg)),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_one_row_rules_split_o_proj_over_expert():
+    """At one row (decode_rules at batch 1: replicated_rows) the expert axis holds no rows and splits o_proj's value
+    width (O_KV): a chip holds 1 / (tensor x expert) of o_proj, not 1 / tensor. Decoding one row over an
+    expert:4,tensor:2 mesh then gives the same tokens as with o_proj replicated over expert, the cache and logits
+    within fp32 tolerance (the output projection's partial sums are added over tensor x expert, not tensor)."""
+    import flax.linen as nn
+    from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.parallel.axes import O_KV
+    from glm5_jax.parallel.mesh import build_mesh, logical_shardings
+    from glm5_jax.parallel.sampling import parse_mesh_spec
+
+    cfg = decode_config(TINY).replace(decode_cache_write="rows")
+    mesh = build_mesh(parse_mesh_spec("expert:4,tensor:2"), jax.devices()[:8])
+    rules = decode_rules(1, mesh)
+    assert dict(rules)[O_KV] == "expert"
+    expert_replicated = tuple((name, None if name == O_KV else axes) for name, axes in rules)
+    boxed = jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    o_proj = lambda r: logical_shardings(boxed, mesh, r)["params"]["decoder"]["segment_1"]["layer_0"][  # noqa: E731
+        "attention"]["o_proj"]
+    shape = nn.meta.unbox(boxed)["params"]["decoder"]["segment_1"]["layer_0"]["attention"]["o_proj"].shape
+    L, H, dv, D = shape
+    assert o_proj(rules).shard_shape(shape) == (L, H // 2, dv // 4, D)
+    assert o_proj(expert_replicated).shard_shape(shape) == (L, H // 2, dv, D)
+    variables = init_variables(TINY)
+    token, start = jnp.array([5], jnp.int32), jnp.zeros((1,), jnp.int32)
+
+    def run(r):
+        shardings = logical_shardings(boxed, mesh, r)
+        placed = jax.device_put(variables, jax.tree.map(lambda s, v: s, shardings, variables))
+        with jax.set_mesh(mesh), nn.logical_axis_rules(r):
+            return jax.jit(lambda v, t, p, cache: decode_steps(cfg, 4, v, t, p, cache))(
+                placed, token, start, init_cache(cfg, 1, S)["decoder"])
+
+    want_tokens, want_cache = run(expert_replicated)
+    got_tokens, got_cache = run(rules)
     np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
+                 want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1

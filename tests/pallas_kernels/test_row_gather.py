@@ -30,6 +30,7 @@ def _numpy_gather(cache, layer, idx):
                                       # C = 576: 4.5 lane tiles, as GLM-5's latent row
     (jnp.bfloat16, 2, 64, 32, 576),   # 4 blocks: two parallel halves, the look-ahead crosses a batch row
     (jnp.float32, 2, 24, 16, 576),
+    (jnp.bfloat16, 1, 40, 16, 576),   # one batch row (decoding batch 1): one grid step streams its slice
     (jnp.bfloat16, 2, 24, 16, 80),    # a row narrower than a lane tile: picked by a masked sum
 ])
 def test_kernel_equals_numpy_gather(dtype, B, K, block, C, stream):
@@ -63,9 +64,11 @@ def test_ops_impls_agree_and_the_kernel_refuses_gradients():
 
 def test_streamed_form_is_chosen_where_it_reads_fewer_bytes():
     """GLM-5's latent rows (C = 576, bf16): at 8K slots, 2048 tile groups (2048 x 8 x 640 x 2 bytes) are twice
-    the slice (8192 x 640 x 2), so the slice streams; at 200K slots (or one batch row, one core) the DMAs stay."""
+    the slice (8192 x 640 x 2), so the slice streams, also for one batch row (its core reads one slice where the
+    DMAs read a slice on each of two cores); at 200K slots, or an odd number of rows past one, the DMAs stay."""
     assert kernel.streams(32, 8192, 576, 2048, 2)
     assert 2048 * kernel.tile_group_bytes(576, 2) == 2 * kernel.slice_bytes(8192, 576, 2)
     assert not kernel.streams(32, 204800, 576, 2048, 2)     # 8 x K < S, and a slice past VMEM
-    assert not kernel.streams(1, 8192, 576, 2048, 2)
+    assert kernel.streams(1, 8192, 576, 2048, 2)
+    assert not kernel.streams(3, 8192, 576, 2048, 2)        # two rows on one core, one on the other
     assert not kernel.streams(32, 8192, 576, 384, 2)        # no power-of-two index window
