@@ -57,9 +57,13 @@ def get_config() -> ExperimentConfig:
     # slots per expert is a whole number of tiles)
     # attention_block=256: the flash kernel's causal sweep computes about block / 2 masked keys per query on the
     # diagonal, 12.5% of a 4K sequence's pairs at 512 and 6.25% at 256 (compute-bound either way at 4K)
+    # grad_reduce_dtype="bfloat16": each weight projection's gradient leaves its matmul in bf16 (fp32 accumulation,
+    # one rounding), so the FSDP reduce-scatters of the attention, shared-expert, dense-MLP, MTP and LM-head
+    # gradients move bf16 instead of fp32 (the routed experts' already did; docs/training.md): sparse step
+    # 4.59 -> 3.98 s, dense 4.39 -> 3.88 s (bench/results/compile_744b.md, compile_744b_pretrain.md)
     model = model_config().replace(remat_policy="moe_attention_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    moe_a2a_chunks=2, moe_a2a_chunk_by="experts", moe_group_align=EXPERT_GROUP_ALIGN,
-                                   attention_block=256)
+                                   attention_block=256, grad_reduce_dtype="bfloat16")
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     # tpu_flags "sparsecore_offload": the FSDP weight all-gathers and gradient reduce-scatters / all-reduces run
     # on the v5p SparseCores, asynchronously beside the TensorCore's compute (glm5_jax/train/tpu_flags.py)

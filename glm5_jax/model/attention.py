@@ -145,8 +145,10 @@ class Indexer(nn.Module):
         weights_proj = logical_param(self, "weights_proj", (cfg.hidden_size, h_i), (EMBED, INDEX_HEADS),
                                      init, pdt)
         f32 = jnp.float32
-        q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
-        k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
+        q = einsum("btq,qhd->bthd", qr_BTQ, wq_b, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl,
+                   grad_dtype=cfg.runtime.grad_reduce_dtype)
+        k = einsum("btd,de->bte", a_BTD, wk, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl,
+                   grad_dtype=cfg.runtime.grad_reduce_dtype)
         k = LayerNorm(cfg.indexer_norm_eps, INDEX_DIM, pdt, cfg.runtime.decode_spread_norms, name="k_norm")(k)
         # The rope slice comes FIRST in indexer heads and keys (docs/architecture.md#indexer-rope-rope-slice-first).
         rot = dict(interleaved=cfg.indexer_rope_interleave, tables=rope)
@@ -160,7 +162,8 @@ class Indexer(nn.Module):
         gate_w = logical_param(self, "kpool_gate", (cfg.hidden_size, d_i), (EMBED, INDEX_DIM), nn.initializers.ones,
                                pdt)
         ape = logical_param(self, "kpool_ape", (cfg.index_kpool, d_i), (None, INDEX_DIM), nn.initializers.zeros, pdt)
-        gate = einsum("btd,de->bte", a_BTD, gate_w, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl)
+        gate = einsum("btd,de->bte", a_BTD, gate_w, cfg.jnp_dtype, f32, impl=cfg.runtime.projection_impl,
+                      grad_dtype=cfg.runtime.grad_reduce_dtype)
         return q, k, w, gate, ape
 
 
@@ -185,6 +188,7 @@ class MLAttention(nn.Module):
         the step's `rope_tables` (decoding with ``decode_rope_tables``), else made here."""
         cfg = self.cfg
         init, pdt, dt, proj = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype, cfg.runtime.projection_impl
+        gdt = cfg.runtime.grad_reduce_dtype
         H, dn, dr, dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                             cfg.v_head_dim, cfg.kv_lora_rank)
         d = cfg.hidden_size
@@ -209,11 +213,12 @@ class MLAttention(nn.Module):
         # ---- project: queries and the latent row [c; k_rot] (what a decode cache keeps)
         spread = cfg.runtime.decode_spread_norms
         qr = RMSNorm(cfg.latent_norm_eps, Q_LORA, pdt, spread, name="q_a_norm")(
-            checkpoint_name(einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj), Q_LATENT_NAME))
-        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj), (BATCH, SEQ, ACT_HEADS, None))
+            checkpoint_name(einsum("btd,dq->btq", a_BTD, w_qa, dt, impl=proj, grad_dtype=gdt), Q_LATENT_NAME))
+        q = constrain(einsum("btq,qhk->bthk", qr, w_qb, dt, impl=proj, grad_dtype=gdt),
+                      (BATCH, SEQ, ACT_HEADS, None))
         q_nope = q[..., :dn]
         q_rot = _rope(cfg, q[..., dn:], positions_BT, interleaved=cfg.rope_interleave, head_axis=True, tables=rope)
-        ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt, impl=proj)
+        ckv = einsum("btd,dc->btc", a_BTD, w_kva, dt, impl=proj, grad_dtype=gdt)
         c = RMSNorm(cfg.latent_norm_eps, KV_LORA, pdt, spread, name="kv_a_norm")(ckv[..., :R])  # k_rot is not normed
         k_rot = _rope(cfg, ckv[..., R:], positions_BT, interleaved=cfg.rope_interleave, head_axis=False,
                       tables=rope)
@@ -232,8 +237,8 @@ class MLAttention(nn.Module):
         # dense attention on TPU, and short sparse sequences: the flash kernel in the MHA form
         flash = (cfg.runtime.attention_impl in PALLAS_IMPLS and cfg.runtime.mla_form == "absorbed"
                  and cache is None and (masked or not sparse))
-        q_abs = None if flash else jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt), q_rot.astype(dt)],
-                                                   axis=-1)
+        q_abs = None if flash else jnp.concatenate([einsum("bthn,rhn->bthr", q_nope, w_uk, dt, grad_dtype=gdt),
+                                                    q_rot.astype(dt)], axis=-1)
 
         n_shards = context_parallel.layout_shards(a_BTD.shape[1]) if cfg.runtime.mla_form == "absorbed" else 1
         if cache is None and n_shards > 1:     # the sequence is split over shards (context parallelism)
@@ -247,9 +252,10 @@ class MLAttention(nn.Module):
                                                               masked)
             o = checkpoint_name(o, ATTENTION_SAVED_NAMES[0])
             if not flash:
-                o = einsum("bthr,rhv->bthv", o, w_uv, dt)
+                o = einsum("bthr,rhv->bthv", o, w_uv, dt, grad_dtype=gdt)
             o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
-            return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
+            return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj, grad_dtype=gdt), selection,
+                                   indexer_kl, cache)
 
         # ---- select
         selection, indexer_kl_fn, cache = self._select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection,
@@ -278,7 +284,8 @@ class MLAttention(nn.Module):
                     o_lat, _ = sparse_mla_ops.dense_mla(q_abs, latent_BSC, visible, scale=cfg.softmax_scale,
                                                         v_dim=R, q_chunk=cfg.runtime.attention_q_chunk)
         if not flash and (cfg.runtime.mla_form != "mha" or cache is not None):
-            o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt)
+            o = einsum("bthr,rhv->bthv", checkpoint_name(o_lat, ATTENTION_SAVED_NAMES[0]), w_uv, dt,
+                       grad_dtype=gdt)
         if target is not None:
             target = checkpoint_name(target, ATTENTION_SAVED_NAMES[1])
         with jax.named_scope("indexer_kl"):
@@ -286,7 +293,8 @@ class MLAttention(nn.Module):
 
         # ---- project out
         o = constrain(o, (BATCH, SEQ, ACT_HEADS, None))
-        return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj), selection, indexer_kl, cache)
+        return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=proj, grad_dtype=gdt), selection, indexer_kl,
+                               cache)
 
     def _decode_rows(self, a_BTD, qr, q_nope, q_rot, positions_BT, prev_selection, new_latent_BTC, cache, weights,
                      layer_index=None, rope=None):

@@ -99,6 +99,12 @@ class RuntimeConfig:
     # weight projections' gradient (glm5_jax.model.layers.einsum): "xla" (as JAX derives it; TPU/GPU) or
     # "cpu_transposed_grad" (the weight gradient from a materialised x^T: faster on XLA:CPU)
     projection_impl: ProjectionImpl = "xla"
+    # the dtype in which each weight projection's gradient leaves its matmul (glm5_jax.model.layers.einsum):
+    # "float32" (as JAX derives it: fp32 partial sums, reduced across the batch shards (the FSDP
+    # reduce-scatter) in fp32, then rounded to the compute dtype) or the compute dtype: the partial sums
+    # rounded to it before the reduction, so the reduce-scatter moves half the bytes. Either way the
+    # gradient reaches the fp32 master weights through an fp32 cast and the optimizer accumulates in fp32
+    grad_reduce_dtype: Dtype = "float32"
     quant_matmul: QuantMatmul = "xla"        # packed INT4 experts: dequantise + the moe_impl matmul, or the kernel
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
     # training: the LM head and cross-entropy (main and MTP) computed this many positions of every row at a
@@ -156,7 +162,7 @@ class RuntimeConfig:
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):
-        for f in ("dtype", "param_dtype"):     # jnp.float32 / np.dtype / "float32" all name the same dtype
+        for f in ("dtype", "param_dtype", "grad_reduce_dtype"):     # jnp.float32 / "float32" name one dtype
             value = getattr(self, f)
             if not isinstance(value, str):
                 try:
@@ -169,6 +175,9 @@ class RuntimeConfig:
             allowed = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else None
             if allowed is not None and getattr(self, f.name) not in allowed:
                 raise ConfigError(f"RuntimeConfig.{f.name}={getattr(self, f.name)!r}: must be one of {allowed}")
+        if self.grad_reduce_dtype not in ("float32", self.dtype):
+            raise ConfigError(f"RuntimeConfig.grad_reduce_dtype={self.grad_reduce_dtype!r}: the weight gradients "
+                              f"are reduced in fp32 or in the compute dtype ({self.dtype!r})")
         if not (isinstance(self.attention_q_chunk, int) and self.attention_q_chunk > 0):
             raise ConfigError(f"RuntimeConfig.attention_q_chunk={self.attention_q_chunk!r}: must be a positive int")
         if not (isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 0):

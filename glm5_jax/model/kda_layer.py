@@ -94,7 +94,8 @@ class KDAttention(nn.Module):
     @nn.compact
     def __call__(self, a_BTD, segment_ids_BT, positions_BT=None, cache=None):
         cfg = self.cfg
-        init, pdt, dt, proj = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype, cfg.runtime.projection_impl
+        init, pdt, dt = normal_init(cfg), cfg.jnp_param_dtype, cfg.jnp_dtype
+        proj = dict(impl=cfg.runtime.projection_impl, grad_dtype=cfg.runtime.grad_reduce_dtype)
         d, H, K, W = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
         f32 = jnp.float32
         B, T, _ = a_BTD.shape
@@ -115,7 +116,7 @@ class KDAttention(nn.Module):
         w_o = proj_param("o_proj", (H * K, d), (KDA_QKV, EMBED))
 
         x = jnp.where((segment_ids_BT > 0)[..., None], a_BTD, 0).astype(dt)
-        mixed = jnp.concatenate([einsum("btd,dc->btc", x, w, dt, impl=proj) for w in (w_q, w_k, w_v)], axis=-1)
+        mixed = jnp.concatenate([einsum("btd,dc->btc", x, w, dt, **proj) for w in (w_q, w_k, w_v)], axis=-1)
         w_CW = jnp.concatenate([c[:, 0, :] for c in convs], axis=0)
         if cache is None:
             mixed_conv = causal_conv(mixed, w_CW, segment_ids_BT)
@@ -128,14 +129,14 @@ class KDAttention(nn.Module):
         q, k, v = (mixed_conv[..., i * H * K:(i + 1) * H * K].reshape(B, T, H, K) for i in range(3))
         q, k = l2_normalize(q), l2_normalize(k)
 
-        f = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_fa, dt, impl=proj), w_fb, dt, f32, impl=proj)
+        f = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_fa, dt, **proj), w_fb, dt, f32, **proj)
         f = (f + dt_bias.astype(f32)).reshape(B, T, H, K)
         decay = jnp.exp(a_log.astype(f32))[:, None]
         if cfg.linear_lower_bound is not None:
             g = cfg.linear_lower_bound * jax.nn.sigmoid(decay * f)
         else:
             g = -decay * jax.nn.softplus(f)
-        beta = jax.nn.sigmoid(einsum("btd,dh->bth", x, w_b, dt, impl=proj)).astype(f32)
+        beta = jax.nn.sigmoid(einsum("btd,dh->bth", x, w_b, dt, **proj)).astype(f32)
 
         if cache is None:
             with jax.named_scope("attention_core"):   # the compile report's category of the recurrence
@@ -151,8 +152,8 @@ class KDAttention(nn.Module):
                                              impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk)
             cache = dict(cache, kda_conv=history.astype(cache["kda_conv"].dtype), kda_state=state, kda_seen=seen)
 
-        gate = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_ga, dt, impl=proj), w_gb, dt, f32, impl=proj)
+        gate = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_ga, dt, **proj), w_gb, dt, f32, **proj)
         o = o.astype(f32)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps) * o_norm.astype(f32)
         o = (o * jax.nn.sigmoid(gate.reshape(B, T, H, K))).astype(dt).reshape(B, T, H * K)
-        return einsum("btc,cd->btd", o, w_o, dt, impl=proj), cache
+        return einsum("btc,cd->btd", o, w_o, dt, **proj), cache

@@ -36,20 +36,24 @@ def constrain(x, axes):
     return nn.with_logical_constraint(x, axes)
 
 
-def einsum(spec: str, x, w, dtype, out_dtype=None, impl: str = XLA):
+def einsum(spec: str, x, w, dtype, out_dtype=None, impl: str = XLA, grad_dtype="float32"):
     """x, w cast to the compute dtype; fp32 accumulation; result in `out_dtype` (default: `dtype`).
 
     `x` is an activation and `w` a weight. ``impl`` (`ModelConfig.projection_impl`) picks how a projection
     without batch dimensions shared by all three operands is differentiated: "xla" as JAX derives it,
     "cpu_transposed_grad" through `_transposed_grad_projection` (same maths, a weight-gradient layout
-    XLA:CPU runs faster). Batched products (e.g. per-head) always take the plain path.
+    XLA:CPU runs faster). Batched products (e.g. per-head) always take the plain path. ``grad_dtype``
+    (`RuntimeConfig.grad_reduce_dtype`) other than fp32: the weight gradient through
+    `_reduced_grad_projection`, whose matmul emits it in that dtype (any impl, batched or not).
     """
     if impl not in PROJECTION_IMPLS:
         raise ValueError(f"einsum: unknown projection impl {impl!r}; choose one of {PROJECTION_IMPLS}")
     x, w = x.astype(dtype), w.astype(dtype)
     x_dims, rest = spec.split(",")
     w_dims, out_dims = rest.split("->")
-    if impl == XLA or set(x_dims) & set(w_dims) & set(out_dims):
+    if jnp.dtype(grad_dtype) != jnp.float32:
+        y = _reduced_grad_projection(spec, jnp.dtype(grad_dtype), x, w)
+    elif impl == XLA or set(x_dims) & set(w_dims) & set(out_dims):
         y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     else:
         y = _transposed_grad_projection(spec, x, w)
@@ -102,6 +106,33 @@ def spread_mean(x):
     rsqrt) as a chain of scalar ops, one top-level instruction each; spread over the row, they fuse into the op
     that applies the norm (RuntimeConfig.decode_spread_norms)."""
     return (jnp.sum(x, axis=-1, keepdims=True) + x * 0) / x.shape[-1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _reduced_grad_projection(spec, grad_dtype, x, w):
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _reduced_grad_projection_fwd(spec, grad_dtype, x, w):
+    return _reduced_grad_projection(spec, grad_dtype, x, w), (x, w)
+
+
+def _reduced_grad_projection_bwd(spec, grad_dtype, residuals, g):
+    """dx as JAX derives it; dw from a matmul that emits ``grad_dtype``.
+
+    Under a sharded batch dw is a sum of per-shard partial products, and the partitioner reduces it where
+    the matmul ends, in the matmul's output dtype: emitted in bf16 (each partial accumulated in fp32 by the
+    MXU and rounded once) the FSDP reduce-scatter moves bf16. JAX's own transpose emits fp32 and rounds to
+    bf16 (the weight's compute dtype) only after the reduction.
+    """
+    x, w = residuals
+    _, dx_fn = jax.vjp(lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=jnp.float32), x)
+    _, dw_fn = jax.vjp(lambda w_: jnp.einsum(spec, x, w_, preferred_element_type=grad_dtype), w)
+    (dx,), (dw,) = dx_fn(g), dw_fn(g.astype(grad_dtype))
+    return dx, dw.astype(w.dtype)
+
+
+_reduced_grad_projection.defvjp(_reduced_grad_projection_fwd, _reduced_grad_projection_bwd)
 
 
 class RMSNorm(nn.Module):
@@ -172,8 +203,8 @@ class SwiGLU(nn.Module):
         w_gate = logical_param(self, "gate_proj", (d, self.width), (EMBED, MLP), init, pdt)
         w_up = logical_param(self, "up_proj", (d, self.width), (EMBED, MLP), init, pdt)
         w_down = logical_param(self, "down_proj", (self.width, d), (MLP, EMBED), init, pdt)
-        impl = cfg.runtime.projection_impl
-        gate, up = (checkpoint_name(einsum("btd,df->btf", x_BTD, w, dt, jnp.float32, impl), name)
+        proj = dict(impl=cfg.runtime.projection_impl, grad_dtype=cfg.runtime.grad_reduce_dtype)
+        gate, up = (checkpoint_name(einsum("btd,df->btf", x_BTD, w, dt, jnp.float32, **proj), name)
                     for w, name in zip((w_gate, w_up), SWIGLU_SAVED_NAMES))
         h = constrain(swiglu(gate, up, cfg.swiglu_limit).astype(dt), (BATCH, SEQ, ACT_MLP))
-        return einsum("btf,fd->btd", h, w_down, dt, impl=impl)
+        return einsum("btf,fd->btd", h, w_down, dt, **proj)

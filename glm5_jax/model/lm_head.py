@@ -18,9 +18,11 @@ from glm5_jax.model.layers import constrain, einsum
 from glm5_jax.parallel.axes import ACT_VOCAB, BATCH, SEQ, VOCAB
 
 
-def head_logits(h_BTD, w_DV, dtype, impl):
-    """fp32 logits [B, T, V] of the final-norm output `h` under the head weight `w` (products in `dtype`)."""
-    return constrain(einsum("btd,dv->btv", h_BTD, w_DV, dtype, jnp.float32, impl), (BATCH, SEQ, ACT_VOCAB))
+def head_logits(h_BTD, w_DV, dtype, impl, grad_dtype="float32"):
+    """fp32 logits [B, T, V] of the final-norm output `h` under the head weight `w` (products in `dtype`; the
+    weight's gradient emitted in `grad_dtype`: `glm5_jax.model.layers.einsum`)."""
+    return constrain(einsum("btd,dv->btv", h_BTD, w_DV, dtype, jnp.float32, impl, grad_dtype),
+                     (BATCH, SEQ, ACT_VOCAB))
 
 
 def token_nll(logits_BTV, targets_BT):
@@ -29,7 +31,7 @@ def token_nll(logits_BTV, targets_BT):
     return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets_BT[..., None], -1)[..., 0]
 
 
-def chunked_token_nll(h_BTD, w_DV, targets_BT, *, chunk, dtype, impl):
+def chunked_token_nll(h_BTD, w_DV, targets_BT, *, chunk, dtype, impl, grad_dtype="float32"):
     """`token_nll(head_logits(h, w), targets)` [B, T], computed C = ``chunk`` positions at a time (see the
     module docstring). T need not be a multiple of C: the positions are padded to n C = ceil(T / C) C
     (zero hidden states, target 0) and the padding's NLL dropped.
@@ -52,7 +54,7 @@ def chunked_token_nll(h_BTD, w_DV, targets_BT, *, chunk, dtype, impl):
 
     @jax.checkpoint
     def chunk_nll(w, h_BCD, targets_BC):
-        return token_nll(head_logits(h_BCD, w, dtype, impl), targets_BC)
+        return token_nll(head_logits(h_BCD, w, dtype, impl, grad_dtype), targets_BC)
 
     _, nll_nBC = jax.lax.scan(lambda carry, xs: (carry, chunk_nll(w_DV, *xs)), None, (h_nBCD, targets_nBC))
     return jnp.moveaxis(nll_nBC, 0, 2).reshape(B, n * chunk)[:, :T]

@@ -33,7 +33,8 @@ def mha_keys_values(cfg: ModelConfig, c_BSR, k_rot_BSr, w_kvb_RHK):
     # two plain matmuls against [R, H * width] weights: each result [B, S, H * width] is already the row
     # layout the flash kernel reads (one product against [R, H, d_nope + d_v] and two slices of it cost the
     # TPU compiler a relayout of each slice)
-    k_nope, v = (einsum("bsr,rn->bsn", c_BSR, w.reshape(R, -1), dt).reshape(B, S, H, -1)
+    gdt = cfg.runtime.grad_reduce_dtype
+    k_nope, v = (einsum("bsr,rn->bsn", c_BSR, w.reshape(R, -1), dt, grad_dtype=gdt).reshape(B, S, H, -1)
                  for w in (w_kvb_RHK[..., :dn], w_kvb_RHK[..., dn:]))
     k_rot = jnp.broadcast_to(k_rot_BSr.astype(dt)[:, :, None, :], k_nope.shape[:3] + k_rot_BSr.shape[-1:])
     return jnp.concatenate([k_nope, k_rot], axis=-1), v

@@ -122,7 +122,8 @@ class MTPModule(nn.Module):
         g = RMSNorm(cfg.rms_norm_eps, EMBED, pdt, name="hnorm")(h_prev_BTD)
         w_eh = logical_param(self, "eh_proj", (2 * d, d), (MTP_CONCAT, EMBED), normal_init(cfg), pdt)
         # embedding half first, as checkpoints expect (vLLM deepseek_mtp.py: eh_proj(cat([embeds, hidden])))
-        u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt, impl=cfg.runtime.projection_impl)
+        u = einsum("btc,cd->btd", jnp.concatenate([e, g], axis=-1), w_eh, dt, impl=cfg.runtime.projection_impl,
+                   grad_dtype=cfg.runtime.grad_reduce_dtype)
         kind = LayerKind("moe", "full" if cfg.use_indexer else "none")
         B, T, _ = u.shape
         num_keys = T if cache is None else cache["latent"].shape[1]
@@ -152,14 +153,15 @@ class Transformer(nn.Module):
         return constrain(jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.jnp_dtype), ACT_BTD)
 
     def head(self, h_BTD):
-        return head_logits(h_BTD, self.lm_head, self.cfg.jnp_dtype, self.cfg.runtime.projection_impl)
+        rt = self.cfg.runtime
+        return head_logits(h_BTD, self.lm_head, self.cfg.jnp_dtype, rt.projection_impl, rt.grad_reduce_dtype)
 
     def head_nll(self, h_BTD, targets_BT):
         """[B, T] NLL of `targets` under the head's logits of `h`, ``runtime.loss_chunk_tokens`` positions at
         a time (all at once when 0); [B, T, V] logits are never held whole (glm5_jax/model/lm_head.py)."""
         rt = self.cfg.runtime
         return chunked_token_nll(h_BTD, self.lm_head, targets_BT, chunk=rt.loss_chunk_tokens or h_BTD.shape[1],
-                                 dtype=self.cfg.jnp_dtype, impl=rt.projection_impl)
+                                 dtype=self.cfg.jnp_dtype, impl=rt.projection_impl, grad_dtype=rt.grad_reduce_dtype)
 
     def _main(self, tokens_BT, positions, segment_ids, cache, logits_at=None, logits=True,
               replay=None) -> MainOutput:

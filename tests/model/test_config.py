@@ -82,6 +82,7 @@ def test_glm52_1m_config_is_glm5_with_hf_index_share_rope_and_positions():
     (dict(indexer_types=("shared",) * 78), "indexer_types"), (dict(indexer_types=("full",) * 5), "indexer_types"),
     (dict(attention_impl="cuda"), "attention_impl"), (dict(index_head_dim=32), "index_head_dim"),
     (dict(projection_impl="tpu"), "projection_impl"), (dict(attention_block=384), "attention_block"),
+    (dict(grad_reduce_dtype="float16"), "grad_reduce_dtype"),
     (dict(moe_a2a_chunk_by="rows"), "moe_a2a_chunk_by"), (dict(kda_chunk=24), "kda_chunk"),
     (dict(decode_cache_read="pallas"), "decode_cache_read"), (dict(decode_cache_read="gather"), "decode_cache_read"),
     (dict(qk_rope_head_dim=63), "qk_rope_head_dim"), (dict(first_k_dense_replace=99), "first_k_dense_replace"),
