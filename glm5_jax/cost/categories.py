@@ -34,7 +34,7 @@ _CORE_SCOPES = ("attention_core", "_sparse_core", "sparse_mla", "dense_mla", "_t
                 "_mha")
 _KL_HEADS = ("closed_call", "while", "cond", "vmap()")
 # the mHC mixers around each block and their merge (glm5_jax/model/decoder.py `_residual("attn_hc" / "ffn_hc")`;
-# steps traced before the merge had its scope: its einsum, glm5_jax/model/hyper_connections.py `merge`)
+# a merge traced without that scope: its einsum, glm5_jax/model/hyper_connections.py `merge`)
 _HC_SCOPE = re.compile(r"/(attn_hc|ffn_hc)/|btji,btjd->btid")
 
 
