@@ -38,12 +38,13 @@ def get_config() -> ExperimentConfig:
     (the pooled indexer does not run context-parallel yet); 512 sequences of 4096 tokens per step. Remat keeps
     the routed experts' gate and up products (`experts_saveable`): the strongest policy that fits a v5p chip
     (docs/glm53_flash.md#compiled-for-tpu-v5p)."""
-    # the 744B run's communication settings (configs/glm5_744b.py): the all-to-all in expert chunks (here 3 of the 9
-    # local experts each: one chunk's transport beside another chunk's expert matmuls), each expert's received rows
-    # on a grouped-matmul row tile, weight gradients reduce-scattered in bf16, and the FSDP collectives on the
-    # SparseCores: exposed communication 0.94 -> 0.17 s, 4.37 -> 3.73 s (docs/glm53_flash.md#compiled-for-tpu-v5p)
+    # communication settings (as configs/glm5_744b.py): the all-to-all in two token chunks (one chunk's transport
+    # beside the other chunk's expert matmuls; three chunks of 3 of the 9 local experts each hide as much but move
+    # 0.25 TB more: 3.73 s), each expert's received rows on a grouped-matmul row tile, weight gradients
+    # reduce-scattered in bf16, and the FSDP collectives on the SparseCores: exposed communication 0.94 -> 0.17 s,
+    # 4.37 -> 3.62 s (docs/glm53_flash.md#compiled-for-tpu-v5p)
     model = model_config().replace(remat_policy="experts_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
-                                   moe_a2a_chunks=3, moe_a2a_chunk_by="experts", moe_group_align=EXPERT_GROUP_ALIGN,
+                                   moe_a2a_chunks=2, moe_a2a_chunk_by="tokens", moe_group_align=EXPERT_GROUP_ALIGN,
                                    grad_reduce_dtype="bfloat16")
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=512)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1,
