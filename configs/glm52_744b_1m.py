@@ -39,10 +39,15 @@ def glm52_model_config():
 
 
 def get_config() -> ExperimentConfig:
-    # remat "full": at 1M tokens a layer's context-parallel attention gathers every shard's compressed keys
-    # (the latent rows, 1,048,576 x 576 in bf16 = 1.2 GB per layer), too large to keep for 78 layers
-    model = glm52_model_config().replace(remat_policy="full", moe_ep="a2a", moe_capacity_factor=1.25,
-                                         attention_impl="pallas", moe_group_align=EXPERT_GROUP_ALIGN)
+    # remat "selection_saveable": every layer's forward is recomputed but the DSA selection ([4,096 x 2,048] slots
+    # per full-indexer layer and chip), so the backward reruns no indexer scores or top-k over up to 1M keys
+    # (indexer 3.40 -> 1.70 s). Keeping the attention outputs too ("attention_saveable") needs 112.6 GiB per chip.
+    # moe_a2a_chunks=2 by experts (16 of the 32 local experts each) hides one chunk's all-to-all behind the
+    # other's expert matmuls (exposed communication 2.95 -> 1.90 s, 19.67 -> 18.92 s, 65.5 -> 80.2 GiB);
+    # grad_reduce_dtype="bfloat16" as the 4K run (bench/results/compile_744b_1m.md)
+    model = glm52_model_config().replace(remat_policy="selection_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
+                                         attention_impl="pallas", moe_group_align=EXPERT_GROUP_ALIGN,
+                                         moe_a2a_chunks=2, moe_a2a_chunk_by="experts", grad_reduce_dtype="bfloat16")
     data = DataConfig(vocab_size=154880, seq_len=SEQ_LEN, batch_size=CHIPS // CONTEXT)
     train = TrainConfig(steps=200, stage="sparse", learning_rate=1e-5, warmup_steps=20, min_lr_ratio=1.0,
                         tpu_flags="sparsecore_offload")
