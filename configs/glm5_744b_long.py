@@ -5,7 +5,6 @@ stages are the same config with the overrides `stage_overrides(name)` gives (`ST
 e.g. the 32K stage:
 
     python train.py --config=configs/glm5_744b_long.py --workdir=DIR_32K \
-        --set=model.moe_a2a_chunks=2 --set=model.moe_a2a_chunk_by=experts \
         --set=model.remat_policy=attention_saveable --set=data.seq_len=32768 --set=data.batch_size=256 \
         --set=mesh.context=8 --set=mesh.fsdp=8 --set=train.steps=2000 --set=train.init_from=DIR_4K
 
@@ -52,27 +51,23 @@ STAGES = {
 # attention and KL forward kernels (the 200K step 16.7 -> 14.0 s for 41.9 -> 70.0 GiB per chip at expert 8).
 # At 200K "attention_expert_out_saveable" also keeps the routed experts' outputs: no down product or combine
 # in the backward, 10.7 -> 10.1 s for 55.3 -> 76.5 GiB per chip (bench/results/compile_744b_200k.md); at 128K
-# (4,096 tokens per chip) it would take 93.0 of 95 GiB, too close to the limit. At 200K
+# (4,096 tokens per chip) it needs 102.9 GiB (13.47 -> 12.97 s; attention_saveable: 71.0 GiB). At 200K
 # "attention_expert_out_mlp_saveable" also keeps the query's latent and the shared expert's gate / up products:
 # 7.94 -> 7.76 s for 86.9 -> 93.2 GiB per chip (3,168 tokens per chip), 88.2 GiB with the gradients reduced in
 # bf16 (below); "moe_attention_saveable" (also the experts' rows and gate / up products) needs 117.6 GiB.
 STAGE_REMAT = {"200k": "attention_expert_out_mlp_saveable"}
-# the all-to-all in two expert chunks (as the 4K run, configs/glm5_744b.py: one chunk's transport beside the other's
-# expert matmuls) where it pays, compiled per stage with the bf16 reductions below: 32K 11.92 -> 11.70 s
-# (bench/results/compile_744b_midtrain_32k.md); at 128K (13.47 -> 13.72 s) and 200K (10.50 -> 10.67 s,
-# bench/results/compile_744b_200k.md) the second chunk adds routed-expert traffic and hides nothing more
-STAGE_A2A_CHUNKS = {"32k": 2}
+# one all-to-all chunk in every stage: the 4K run's two expert chunks (configs/glm5_744b.py) add routed-expert
+# traffic and hide nothing more here, compiled with the bf16 reductions below: 32K 11.49 -> 11.70 s, 128K 13.47 ->
+# 13.72 s, 200K 10.50 -> 10.67 s (bench/results/compile_744b_midtrain_32k.md, compile_744b_200k.md)
 
 
 def stage_config(name: str) -> ExperimentConfig:
     seq_len, batch, context, steps = STAGES[name]
-    # grad_reduce_dtype="bfloat16": the weight gradients reduce-scattered in bf16, as the 4K run (200K: 10.57 ->
-    # 10.50 s and 93.20 -> 88.19 GiB per chip)
-    chunks = STAGE_A2A_CHUNKS.get(name, 1)
+    # grad_reduce_dtype="bfloat16": the weight gradients reduce-scattered in bf16, as the 4K run (32K: 11.92 ->
+    # 11.49 s; 200K: 10.57 -> 10.50 s and 93.20 -> 88.19 GiB per chip)
     model = model_config().replace(remat_policy=STAGE_REMAT.get(name, "attention_saveable"), moe_ep="a2a",
                                    moe_capacity_factor=1.25, attention_impl="pallas",
-                                   moe_group_align=EXPERT_GROUP_ALIGN, grad_reduce_dtype="bfloat16",
-                                   moe_a2a_chunks=chunks, moe_a2a_chunk_by="experts" if chunks > 1 else "tokens")
+                                   moe_group_align=EXPERT_GROUP_ALIGN, grad_reduce_dtype="bfloat16")
     data = DataConfig(vocab_size=154880, seq_len=seq_len, batch_size=batch)
     train = TrainConfig(steps=steps, stage="sparse", learning_rate=2e-5, warmup_steps=50, min_lr_ratio=1.0,
                         tpu_flags="sparsecore_offload")    # FSDP collectives on the SparseCores, as glm5_744b.py

@@ -21,6 +21,5 @@ def test_stage_overrides_rebuild_the_stage(stage):
     # every stage keeps the mesh on all 2048 chips and about 4K tokens or fewer per chip
     assert cfg.mesh.fsdp * cfg.mesh.context * cfg.mesh.expert == 2048
     assert seq_len * batch // 2048 <= 4096
-    # the model runtime switches a stage differs in travel as model.* items (the 32K stage's expert chunks)
-    runtime = cfg.model.runtime
-    assert (f"model.moe_a2a_chunks={runtime.moe_a2a_chunks}" in items) == (runtime.moe_a2a_chunks != 1)
+    # a stage's remat policy travels as a model.* item
+    assert (f"model.remat_policy={cfg.model.runtime.remat_policy}" in items) == (stage != "200k")
