@@ -282,3 +282,45 @@ def test_row_gather_counts_a_tile_group_per_row():
     row = next(t for t in hlo_cost(text, timing=TIMING, top=50, rules=CONSERVATIVE).top_instructions
                if t.opcode == "custom-call" and "stacked_row_gather" in t.op_name)
     assert row.bytes == hand                       # the declared bytes, above the windows' (max of the two)
+
+
+def _row_scatter_hlo(parts, B=1, S=1024, N=4096, W=640, block=512, window=256) -> str:
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from pallas_kernels.row_scatter import kernel, packing
+
+    mesh = Mesh(np.array(topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[:1]), ("x",))
+    s = NamedSharding(mesh, P())
+    scatter = functools.partial(kernel.sorted_row_scatter_add, block=block, window=window, parts=parts)
+    fn = jax.shard_map(scatter, mesh=mesh, in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
+    return jax.jit(fn).lower(jax.ShapeDtypeStruct((B, S, W), jnp.float32, sharding=s),
+                             jax.ShapeDtypeStruct((B, N, 1, packing.packed_width(W)), jnp.uint32, sharding=s),
+                             jax.ShapeDtypeStruct((B, N), jnp.int32, sharding=s),
+                             jax.ShapeDtypeStruct((B, N), jnp.int32, sharding=s)).compile().as_text()
+
+
+@_needs_libtpu
+def test_row_scatter_parts_split_over_both_cores():
+    """The sorted row scatter-add (pallas_kernels/row_scatter) over 4,096 packed updates in blocks of 512:
+    grid (parts: parallel, batch, update blocks: dynamic). Two parts run ceil(4096 / (2 x 512)) + 1 = 5
+    blocks each (the block holding the cut read by both): 10 grid steps, 5 on each core, no core excess;
+    one part runs all 8 blocks on one core: twice the two-core time plus 8 steps."""
+    rules = CostRules(kernel_core_split=True, grid_step_seconds=GRID_STEP_SECONDS)
+
+    def row(text, rules):
+        cost = hlo_cost(text, timing=TIMING, top=50, rules=rules)
+        return cost, next(t for t in cost.top_instructions if t.opcode == "custom-call")
+
+    two, one = _row_scatter_hlo(2), _row_scatter_hlo(1)
+    grid = kernel_grid(next(x for x in two.splitlines() if "tpu_custom_call" in x))
+    assert grid.name == "sorted_row_scatter_add"
+    assert grid.bounds == (2, 1, None) and grid.parallel == (True, False, False)
+    (_, plain2), (cost2, ruled2) = row(two, CostRules()), row(two, rules)
+    assert cost2.grid_steps == 10
+    assert ruled2.seconds == pytest.approx(plain2.seconds + 5 * GRID_STEP_SECONDS)
+    (_, plain1), (cost1, ruled1) = row(one, CostRules()), row(one, rules)
+    assert cost1.grid_steps == 8
+    assert ruled1.seconds == pytest.approx(2 * plain1.seconds + 8 * GRID_STEP_SECONDS)
+    assert plain1.bytes == plain2.bytes                  # the same declared bytes: only the split differs

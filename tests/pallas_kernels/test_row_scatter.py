@@ -15,22 +15,46 @@ def _updates(rng, B, S, N, W, hot=None):
     return d, rows, jnp.asarray(target, jnp.int32), jnp.asarray(valid)
 
 
-@pytest.mark.parametrize("S, N, W, window, hot", [
-    (203, 700, 128, 16, None),                 # ~3.4 updates per row: the window walks the whole array
-    (203, 90, 256, 24, (0, 1, 7, 8, 100, 199, 200, 202)),   # repeated rows, jumps, the last window clamped
+@pytest.mark.parametrize("S, N, W, window, hot, parts", [
+    (203, 700, 128, 16, None, 2),           # ~3.4 updates per row: each part's window walks its half
+    (203, 700, 128, 16, None, 1),           # one part (one core) walks the whole array
+    (203, 90, 256, 24, (0, 1, 7, 8, 100, 199, 200, 202), 2),   # repeated rows, jumps, the last window clamped
+    (203, 300, 128, 16, tuple(range(12)), 2),       # every target below one window: the cut clamped to it,
+    (203, 300, 128, 16, tuple(range(190, 203)), 2),  # or above the last one: one part adds everything
+    (40, 120, 128, 16, None, 2),            # S_pad = 40 < 2 windows: one part
 ])
-def test_kernel_equals_xla_scatter_add(S, N, W, window, hot):
+def test_kernel_equals_xla_scatter_add(S, N, W, window, hot, parts):
     """Two batch rows, updates in blocks of 64 (the last one padded), duplicates within and across blocks,
-    masked updates dropped, S not a multiple of 8: the kernel's sums equal XLA's scatter-add."""
+    masked updates dropped, S not a multiple of 8: the kernel's sums equal XLA's scatter-add, cut over two
+    parts (one per TensorCore) or walked by one."""
     d, rows, target, valid = _updates(np.random.default_rng(S + N), 2, S, N, W, hot and np.array(hot))
     masked = jnp.where(valid, target, S)
     want = jax.jit(lambda *a: ops.row_scatter_add(*a, impl="reference"))(d, rows, target, valid)
     order = jnp.argsort(masked, axis=1, stable=True)
     got = jax.jit(lambda d, r, o, t: kernel.sorted_row_scatter_add(d, r[:, :, None], o, t, block=64, window=window,
-                                                                   interpret=True))(
+                                                                   parts=parts, interpret=True))(
         d, rows, order, jnp.take_along_axis(masked, order, axis=1))
     assert float(jnp.max(jnp.abs(want - d))) > 1.0            # the updates changed d
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
+def test_parts_cut_at_the_median_row_and_share_one_block():
+    """Hand count of the cut: 100 sorted targets 2 x i (rows 0..198 of S = 203, S_pad = 208), the last 10
+    masked (sentinel 203), blocks of 8, windows of 16. The median valid update (45 of 90) targets row 90: the
+    cut is row 88; 44 targets lie below it (blocks [0, 6)), the other 46 from update 44 (blocks [5, 12), block 5
+    read by both); the grid runs 7 blocks a part. Clamped: a median below row 16 cuts at 16, above row 192 at
+    192 (each side keeps a whole window)."""
+    target = jnp.where(jnp.arange(100) < 90, 2 * jnp.arange(100), 203)[None].astype(jnp.int32)
+    split, blocks = kernel._part_blocks(target, n_parts=2, n_rows=203, n_rows_pad=208, window=16, block=8)
+    assert split.tolist() == [88]
+    assert blocks.tolist() == [0, 6, 5, 12, 7]
+    low = jnp.full((1, 100), 3, jnp.int32)
+    high = jnp.full((1, 100), 200, jnp.int32)
+    assert kernel._part_blocks(low, n_parts=2, n_rows=203, n_rows_pad=208, window=16, block=8)[0].tolist() == [16]
+    split, blocks = kernel._part_blocks(high, n_parts=2, n_rows=203, n_rows_pad=208, window=16, block=8)
+    assert split.tolist() == [192] and blocks.tolist() == [0, 0, 0, 13, 13]
+    split, blocks = kernel._part_blocks(target, n_parts=1, n_rows=203, n_rows_pad=208, window=16, block=8)
+    assert split.tolist() == [208] and blocks.tolist() == [0, 12, 12]
 
 
 def test_ops_gradients_and_impl_switch():
@@ -53,6 +77,8 @@ def test_ops_gradients_and_impl_switch():
         ops.row_scatter_add(d, rows, target, impl="cuda")
     with pytest.raises(ValueError, match="W a multiple of 128"):
         kernel.sorted_row_scatter_add(d[..., :100], rows[:, :, None, :100], target, target)
+    with pytest.raises(ValueError, match="parts is 1 or 2"):
+        kernel.sorted_row_scatter_add(d, rows[:, :, None], target, target, parts=3)
 
 
 def test_packed_bf16_rows_are_added_as_their_bf16_roundings():

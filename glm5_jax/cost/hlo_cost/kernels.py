@@ -1,7 +1,8 @@
 """What Mosaic custom calls (Pallas kernels) cost: the `pl.CostEstimate` a kernel declares, the ragged-dot
 lowering's matmul from its shapes, megablox grouped matmuls by the row tiles their groups visit
 (`GroupedMatmulLoad`, `grouped_matmul_tiles`), and the INT4 expert kernel's dynamic row blocks by the
-blocks it declares (`declared_row_blocks`)."""
+blocks it declares (`declared_row_blocks`), the sorted row scatter-add's update blocks by an even cut over its
+parts (`scatter_part_blocks`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ import re
 
 from glm5_jax.cost.hlo_cost.parsing import arrays_of, dense_bytes
 from pallas_kernels.int4_matmul.kernel import NAME as INT4_BLOCK_MATMUL
+from pallas_kernels.row_scatter.kernel import NAME as SORTED_ROW_SCATTER_ADD
 
 _COST_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{([^}]*)\}')
 
@@ -109,12 +111,29 @@ def declared_row_blocks(shape: str, operand_shapes: list[str], attrs: str) -> fl
     return max(1.0, min(float(n), flops / (2.0 * m * K * N)))
 
 
+def scatter_part_blocks(operand_shapes: list[str], grid) -> float | None:
+    """The update blocks each part of the sorted row scatter-add (pallas_kernels/row_scatter; grid (parts,
+    batch, blocks: dynamic)) runs: its N_pad updates (the rows operand [B, N_pad, 1, W]) cut evenly over the
+    parts, in blocks of its SMEM update block (the first window, ``block`` int32), plus with two parts the
+    block holding the cut, which both read: ceil(N_pad / (parts x block)) (+ 1). None when the shapes do not
+    read as that kernel's."""
+    rows = [s for dt, s in (a for t in operand_shapes for a in arrays_of(t)) if len(s) == 4]
+    if grid is None or not rows or not grid.windows or not grid.bounds or grid.bounds[0] is None:
+        return None
+    parts, block = grid.bounds[0], grid.windows[0][0] / 4
+    return math.ceil(rows[0][1] / (parts * block)) + (1 if parts > 1 else 0)
+
+
 def dynamic_grid_bound(operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None, shape: str = "",
-                       kernel_name: str = "") -> float:
+                       kernel_name: str = "", grid=None) -> float:
     """The iterations of a kernel's dynamic grid axis: a megablox grouped matmul's visited row tiles under
     ``load`` (`grouped_matmul_tiles`), the most its grid may visit without one; the INT4 expert kernel's
     (``kernel_name``, its Mosaic function; ``shape`` its result) declared row blocks (`declared_row_blocks`);
-    1 for other kernels."""
+    the sorted row scatter-add's blocks per part (`scatter_part_blocks`, from its ``grid``); 1 for other
+    kernels."""
+    if kernel_name == SORTED_ROW_SCATTER_ADD:
+        blocks = scatter_part_blocks(operand_shapes, grid)
+        return 1.0 if blocks is None else float(blocks)
     if kernel_name == INT4_BLOCK_MATMUL:
         blocks = declared_row_blocks(shape, operand_shapes, attrs)
         return 1.0 if blocks is None else blocks

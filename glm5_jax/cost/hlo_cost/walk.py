@@ -252,7 +252,7 @@ class _Walk:
             op_name = op_name_of(attrs)
             self.no_grid.append(op_name if op_name is not None else f.name)
             return declared
-        dynamic = dynamic_grid_bound(operand_shapes, attrs, self.grouped_matmul_load, shape, grid.name)
+        dynamic = dynamic_grid_bound(operand_shapes, attrs, self.grouped_matmul_load, shape, grid.name, grid)
         nbytes = declared
         if self.rules.kernel_grid_bytes:
             by_grid = grid.window_bytes(dynamic, table_fraction(grid, attrs))
