@@ -10,10 +10,13 @@ flight (two buffer slots). The query's k indices are streamed into SMEM one quer
 k=2048), far beyond the SMEM of any TPU.
 
 Row DMAs and tiling: Mosaic only slices tiled (second-minor) dims at tile-aligned offsets, so a single
-row of kv [B, S, C] cannot be DMA'd. The kernels therefore see kv as [B, S, 1, C] and the VMEM buffer as
-[2, block_k, 1, C], where the row index is an untiled leading dim. The kernel operand then has the unit
-dim padded in its tiled layout, so XLA makes a relayout copy of kv per call (measured by AOT compile on
-v5p: about 21 MiB of temp for a 9 MiB bf16 kv at S = 8192).
+row of kv [B, S, C] cannot be DMA'd. The kernels therefore gather from a row view [B, S, 1, X] into a VMEM
+buffer [2, block_k, 1, X], where the row index is an untiled leading dim (`kv_row_view`, made once per call
+or per backward). A row DMA moves whole tiles of its HBM layout: 128 lanes of 32-bit words, and a 16-bit
+array's (2, 128) tiles interleave two rows, so a bf16 row of C = 576 would move 640 x 2 x 2 = 2,560 bytes.
+bf16 kv is therefore gathered as bf16 pairs packed into uint32 lanes (pallas_kernels/row_scatter/packing.py:
+384 lanes, 1,536 bytes a row) and unpacked exactly in VMEM; the declared cost charges each gathered row the
+bytes its DMA moves (`gathered_row_bytes`).
 
 Grid: (B, T / TQ, TQ, k / block_k). TQ = 8 queries share one [TQ, H] block of lse (and of the backward's
 per-query scalars) so those blocks obey the (8, 128) tiling rule without a [T, H, 1] padded layout.
@@ -44,18 +47,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kernel_math import column_to_row, mm, mm_nt, row_to_column
-from pallas_kernels.row_scatter.packing import pack_bf16_pairs, packed_width
+from pallas_kernels.row_scatter.packing import pack_bf16_pairs, packed_width, unpack_bf16_pairs
 from pallas_kernels.tpu_utils import LANES, pad_axis, round_up, smem_row_length
 
 QUERIES_PER_BLOCK = 8  # TQ
 
 
 class _RowGather:
-    """Double-buffered DMA gather of kv rows named by the current query's SMEM index block."""
+    """Double-buffered DMA gather of kv rows named by the current query's SMEM index block. Packed rows
+    (uint32 bf16 pairs) are unpacked to [block_k, C] in ``dtype``."""
 
-    def __init__(self, idx_ref, kv_hbm, buf, sem, batch, block_k):
+    def __init__(self, idx_ref, kv_hbm, buf, sem, batch, block_k, C=None, dtype=None):
         self.idx_ref, self.kv_hbm, self.buf, self.sem = idx_ref, kv_hbm, buf, sem
-        self.batch, self.block_k = batch, block_k
+        self.batch, self.block_k, self.C, self.dtype = batch, block_k, C, dtype
 
     def _copy(self, src_row, slot, j):
         return pltpu.make_async_copy(self.kv_hbm.at[self.batch, src_row],
@@ -91,7 +95,10 @@ class _RowGather:
 
         self.wait(slot)
         rows_K1C = self.buf[slot]
-        return rows_K1C.reshape(rows_K1C.shape[0], rows_K1C.shape[2])
+        rows_KC = rows_K1C.reshape(rows_K1C.shape[0], rows_K1C.shape[2])
+        if rows_KC.dtype == jnp.uint32:             # bf16 pairs: exact bf16 values
+            return unpack_bf16_pairs(rows_KC, self.C).astype(self.dtype)
+        return rows_KC
 
 
 def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k, n_kb, with_target):
@@ -104,7 +111,7 @@ def _fwd_kernel(idx_ref, q_ref, valid_ref, kv_hbm, *refs, scale, v_dim, block_k,
     else:
         (out_ref, lse_ref, buf, sem, m_scr, l_scr, acc_scr), target_ref = refs, None
     b, qi, kb = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k, q_ref.shape[-1], q_ref.dtype).rows(kb, n_kb)
 
     @pl.when(kb == 0)
     def _init():
@@ -159,7 +166,7 @@ def _bwd_kernel(idx_ref, q_ref, *refs, scale, v_dim, block_k, wide):
     else:
         (dout_ref, lse_ref, delta_ref, valid_ref, kv_hbm, dq_ref, drows_ref, buf, sem), qw_ref = refs, q_ref
     b, qi, kb, n_kb = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.num_programs(3)
-    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k).rows(kb, n_kb)
+    rows_KC = _RowGather(idx_ref, kv_hbm, buf, sem, b, block_k, q_ref.shape[-1], q_ref.dtype).rows(kb, n_kb)
 
     q_HC, dout_HV = q_ref[0, 0], dout_ref[0, 0]
     valid_1K = valid_ref[0, pl.ds(qi, 1), :] != 0
@@ -237,7 +244,27 @@ def _grid_and_common_specs(d):
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"))
 
 
-def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packed_rows=False):
+def kv_row_view(kv_BSC):
+    """The rows the kernels gather, one DMA each: bf16 kv as bf16 pairs packed into uint32 lanes [B, S, 1,
+    packed_width(C)] (row_scatter/packing.py: 384 lanes at C = 576), other dtypes as [B, S, 1, C]. A row DMA
+    moves whole (1, 128) tiles of 32-bit words (`gathered_row_bytes`): a bf16 [B, S, 1, C] array's (2, 128)
+    tiles interleave two rows, so one of its rows costs 2560 bytes at C = 576 where a packed row costs 1536."""
+    return (pack_bf16_pairs(kv_BSC) if kv_BSC.dtype == jnp.bfloat16 else kv_BSC)[:, :, None, :]
+
+
+def gathered_row_bytes(rows_BS1X) -> int:
+    """HBM bytes one row DMA from the row view moves: its last dim in 128-lane tiles of 32-bit words
+    (a tile of 16-bit values holds two rows, of 8-bit four), round_up(X, 128) x 4."""
+    return round_up(rows_BS1X.shape[-1], LANES) * 4
+
+
+def _row_view(kv):
+    """(the row view of kv [B, S, C], or kv itself when given as a row view; the dtype its rows compute in)."""
+    rows = kv if kv.ndim == 4 else kv_row_view(kv)
+    return rows, (jnp.bfloat16 if rows.dtype == jnp.uint32 else rows.dtype)
+
+
+def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packed_rows=False, row_bytes_in=None):
     """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
 
     Per (query, slot, head): logits 2C; forward adds p @ V 2v (the KL target: a rescale and a head mean of
@@ -246,12 +273,13 @@ def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packe
     the per-query outputs (+ the fp32 target); the backward also reads dO and writes the row gradients.
     With ``dma_rows`` it also reads the query padded to W = C rounded up to 128 lanes, the key part's
     product runs over W (2W FLOPs instead of 2C) and each row gradient is written as W fp32 lanes ((1, 128)
-    tiles), or with ``packed_rows`` as packed_width(W) uint32 lanes."""
+    tiles), or with ``packed_rows`` as packed_width(W) uint32 lanes. ``row_bytes_in``: what one gathered row
+    moves (`gathered_row_bytes`; default C x itemsize)."""
     B, T, H, C, K = d.B, d.T_pad, d.H, d.C, d.K_pad
     W = round_up(C, LANES) if dma_rows else C
     row_bytes = (packed_width(W) if packed_rows else W) * 4
     pairs = B * T * K * H
-    rows = B * T * K * C * itemsize
+    rows = B * T * K * (C * itemsize if row_bytes_in is None else row_bytes_in)
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
     if not backward:
         if with_target:
@@ -269,11 +297,12 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
     """(out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32), with ``with_target`` also the indexer KL
     target [B, T, k] fp32 (head-mean probabilities of the selected slots, 0 at invalid ones); the same
     contract as reference.sparse_mla."""
-    S = kv_BSC.shape[1]
+    kv_rows, dtype = _row_view(kv_BSC)
+    S = kv_rows.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
     B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
-    q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
+    q = pad_axis(q_BTHC, 1, T_pad).astype(dtype)
     out_specs = [pl.BlockSpec((1, 1, H, v_dim), per_query), row_block]
     out_shape = [jax.ShapeDtypeStruct((B, T_pad, H, v_dim), q_BTHC.dtype),
                  jax.ShapeDtypeStruct((B, T_pad, H), jnp.float32)]
@@ -290,7 +319,7 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=out_specs,
         out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_BSC.dtype), pltpu.SemaphoreType.DMA((2,)),
+        scratch_shapes=[pltpu.VMEM((2, block_k, *kv_rows.shape[2:]), kv_rows.dtype), pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32),
                         pltpu.VMEM((H, v_dim), jnp.float32)]
         + ([pltpu.VMEM((K_pad // block_k, H, block_k), jnp.float32), pltpu.VMEM((K_pad // block_k, H, 1), jnp.float32)]
@@ -298,8 +327,9 @@ def sparse_mla_fwd(q_BTHC, kv_BSC, idx_BTK, valid_BTK, *, scale, v_dim, block_k=
         compiler_params=_SEMANTICS,
         interpret=interpret,
         name="sparse_mla_fwd_target" if with_target else "sparse_mla_fwd",
-        cost_estimate=_cost(d, v_dim, kv_BSC.dtype.itemsize, backward=False, with_target=with_target),
-    )(d.idx_flat, q, d.valid, kv_BSC[:, :, None, :])
+        cost_estimate=_cost(d, v_dim, jnp.dtype(dtype).itemsize, backward=False, with_target=with_target,
+                            row_bytes_in=gathered_row_bytes(kv_rows)),
+    )(d.idx_flat, q, d.valid, kv_rows)
     T, K = d.T, d.K
     out, lse = results[0][:, :T], results[1][:, :T]
     return (out, lse, results[2][:, :T, :K]) if with_target else (out, lse)
@@ -315,10 +345,10 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
     ``packed_rows`` (with ``dma_rows``): each row rounded to bf16 and packed in pairs into packed_width(W)
     uint32 lanes (pallas_kernels/row_scatter/packing.py), 40% fewer bytes at W = 640; the row scatter-add
     unpacks and adds them in fp32.
-    ``kv_BSC`` may also be given as the row view [B, S, 1, C] the kernel gathers from (made once by a
-    caller that runs the kernel over several query chunks, so the relayout is not repeated per chunk).
+    ``kv_BSC`` may also be given as the row view the kernel gathers from (`kv_row_view`, made once by a
+    caller that runs the kernel over several query chunks, so the packing is not repeated per chunk).
     """
-    kv_rows = kv_BSC if kv_BSC.ndim == 4 else kv_BSC[:, :, None, :]
+    kv_rows, dtype = _row_view(kv_BSC)
     S = kv_rows.shape[1]
     d = _prepare(q_BTHC, idx_BTK, valid_BTK, S, block_k)
     B, H, C, T_pad, K_pad, block_k = d.B, d.H, d.C, d.T_pad, d.K_pad, d.block_k
@@ -329,8 +359,8 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
     row_tiles = (1, packed_width(W) if packed_rows else W) if dma_rows else (C,)
     row_dtype = jnp.uint32 if packed_rows else jnp.float32
     grid, per_query, idx_spec, valid_spec, row_block = _grid_and_common_specs(d)
-    q = pad_axis(q_BTHC, 1, T_pad).astype(kv_BSC.dtype)
-    dout = pad_axis(dout_BTHV, 1, T_pad).astype(kv_BSC.dtype)
+    q = pad_axis(q_BTHC, 1, T_pad).astype(dtype)
+    dout = pad_axis(dout_BTHV, 1, T_pad).astype(dtype)
     lse = pad_axis(lse_BTH.astype(jnp.float32), 1, T_pad, -jnp.inf)
     delta = pad_axis(delta_BTH.astype(jnp.float32), 1, T_pad)
     q_in = [q, pad_axis(q, 3, W)] if wide else [q]
@@ -348,12 +378,12 @@ def sparse_mla_bwd_rows(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, 
                                 lambda b, t, i, kb: (b, t * QUERIES_PER_BLOCK + i, kb) + (0,) * len(row_tiles))],
         out_shape=[jax.ShapeDtypeStruct((B, T_pad, H, C), jnp.float32),
                    jax.ShapeDtypeStruct((B, T_pad, K_pad, *row_tiles), row_dtype)],
-        scratch_shapes=[pltpu.VMEM((2, block_k, 1, C), kv_rows.dtype), pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=[pltpu.VMEM((2, block_k, *kv_rows.shape[2:]), kv_rows.dtype), pltpu.SemaphoreType.DMA((2,))],
         compiler_params=_SEMANTICS,
         interpret=interpret,
         name="sparse_mla_bwd",
-        cost_estimate=_cost(d, v_dim, kv_rows.dtype.itemsize, backward=True, dma_rows=dma_rows,
-                            packed_rows=packed_rows),
+        cost_estimate=_cost(d, v_dim, jnp.dtype(dtype).itemsize, backward=True, dma_rows=dma_rows,
+                            packed_rows=packed_rows, row_bytes_in=gathered_row_bytes(kv_rows)),
     )(d.idx_flat, *q_in, dout, lse, delta, d.valid, kv_rows)
     T, K = d.T, d.K
     if (T, K) != (T_pad, K_pad):

@@ -152,7 +152,7 @@ def sparse_mla_grads(q_BTHC, kv_BSC, idx_BTK, valid_BTK, dout_BTHV, lse_BTH, del
     W = round_up(C, LANES)
     packed = kv_BSC.dtype == jnp.bfloat16
     split = functools.partial(split_queries, q_chunk=equal_chunk(T, q_chunk or bwd_q_chunk(S, K)))
-    kv_rows = kv_BSC[:, :, None, :]           # the kernel's row view, made once for every chunk
+    kv_rows = kernel.kv_row_view(kv_BSC)      # the kernel's row view, made once for every chunk
     scatter_impl = PALLAS_INTERPRET if interpret else PALLAS
 
     # XLA's scatter-add would read and write back a whole (8, 128) fp32 tile per selected row, each row

@@ -108,6 +108,40 @@ def test_forward_and_gradients_bf16():
         assert_close(g, w, 3e-2)
 
 
+def test_bf16_kv_rows_gathered_packed_equal_the_bf16_rows():
+    """With bf16 kv the kernels gather rows packed as bf16 pairs in uint32 lanes (kernel.kv_row_view: C = 288 ->
+    256 lanes) and unpack them exactly: forward (out, lse, KL target) and backward (dq, row gradients) equal
+    bit for bit the same kernels gathering the bf16 rows [B, S, 1, C] unpacked. A row DMA moves whole 128-lane
+    tiles of 32-bit words: 256 x 4 = 1,024 bytes packed against 384 x 4 = 1,536 for a bf16 row (its (2, 128)
+    tiles interleave two rows); at GLM-5's C = 576, 1,536 against 2,560."""
+    B, T, S, H, C, V, topk = 1, 21, 24, 2, 288, 200, 12
+    q, kv, idx, valid = make_inputs(B, T, S, H, C, topk, dtype=jnp.bfloat16, seed=8)
+    packed, plain = kernel.kv_row_view(kv), kv[:, :, None, :]
+    assert packed.shape == (B, S, 1, 256) and packed.dtype == jnp.uint32
+    assert kernel.gathered_row_bytes(packed) == 1024 and kernel.gathered_row_bytes(plain) == 1536
+    assert kernel.gathered_row_bytes(jnp.zeros((1, 4, 1, 576), jnp.bfloat16)) == 2560
+    assert kernel.gathered_row_bytes(kernel.kv_row_view(jnp.zeros((1, 4, 576), jnp.bfloat16))) == 1536
+    fwd = functools.partial(kernel.sparse_mla_fwd, q, idx_BTK=idx, valid_BTK=valid, scale=SCALE, v_dim=V, block_k=8,
+                            interpret=True, with_target=True)
+    got, want = fwd(kv_BSC=packed), fwd(kv_BSC=plain)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    out, lse = got[:2]
+    dout = normal(np.random.default_rng(9), out.shape, jnp.bfloat16)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    bwd = functools.partial(kernel.sparse_mla_bwd_rows, q, idx_BTK=idx, valid_BTK=valid, dout_BTHV=dout, lse_BTH=lse,
+                            delta_BTH=delta, scale=SCALE, v_dim=V, block_k=8, dma_rows=True, packed_rows=True,
+                            interpret=True)
+    for g, w in zip(bwd(kv_BSC=packed), bwd(kv_BSC=plain)):
+        assert np.abs(np.asarray(w)).max() > 0
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # declared bytes (forward): every padded (query, slot) row at its DMA's bytes + q, out and lse per query;
+    # T = 21 -> 24 (blocks of 8 queries), k = 12 -> 16 (k-blocks of 8)
+    d = kernel._prepare(q, idx, valid, S, 8)
+    per_query = B * 24 * H * (C + V) * 2 + B * 24 * H * 4
+    assert kernel._cost(d, V, 2, backward=False, row_bytes_in=1024).bytes_accessed == B * 24 * 16 * 1024 + per_query
+
+
 def test_reference_query_chunks_agree():
     """The XLA reference's query chunking (ragged last chunk: padded queries) changes nothing: outputs,
     lse and gradients equal those of a single chunk; the default chunk fits the gathered-rows budget."""
