@@ -5,7 +5,11 @@
 
     gather    the latent rows [c; k_rot] (kv_lora_rank + qk_rope_head_dim values per token), the
               indexer keys (index_head_dim per token, full layers only) and the key positions / segment
-              ids of every shard, in natural order. Nothing per head crosses chips.
+              ids of every shard, in natural order. Nothing per head crosses chips. The sparse core
+              takes the latent rows in the order the all-gather delivers them (the layout, shard after
+              shard) and maps each selected natural index to its row there
+              (`glm5_jax.parallel.context.layout_index`): no copy reorders the widest per-token rows or
+              their gradients.
     select    the local queries' top-k over all keys (full layers; earlier shards' keys included)
     attend    the sparse core over the gathered rows of the selected keys (dense / warm-up stages:
               every visible key), locally
@@ -33,8 +37,8 @@ from jax.ad_checkpoint import checkpoint_name
 from glm5_jax.model import mha_form
 from glm5_jax.model.config import ModelConfig
 from glm5_jax.parallel.axes import BATCH, SEQ
-from glm5_jax.parallel.context import gather_sequence
-from glm5_jax.parallel.shard_map import logical_shard_map
+from glm5_jax.parallel.context import from_layout, gather_sequence, layout_index
+from glm5_jax.parallel.shard_map import all_gather_logical, logical_shard_map
 from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.indexer_kl import ops as indexer_kl_ops
 from pallas_kernels.lightning_indexer import ops as indexer_ops
@@ -101,9 +105,15 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                                         q_chunk=cfg.runtime.attention_q_chunk)
         return o, None
 
+    rows_in_layout = sparse and mha is None and n_shards > 1
+
     def per_shard(*values):
         a = dict(zip(names, values))
-        kv, kv_pos, kv_seg = (gather_sequence(a[x], n_shards) for x in ("kv", "pos", "seg"))
+        kv_pos, kv_seg = (gather_sequence(a[x], n_shards) for x in ("pos", "seg"))
+        if rows_in_layout:      # the gathered rows as delivered; selected indices mapped to them below
+            kv = all_gather_logical(a["kv"], SEQ, axis=1)
+        else:
+            kv = gather_sequence(a["kv"], n_shards)
         ik = gather_sequence(a["ik"], n_shards) if "ik" in a else None
         idx, valid, allowed, index_lse = a["idx"], a["valid"], a.get("allowed"), None
         if select:
@@ -125,9 +135,11 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                                              allowed_BTS=allowed)
             target, kl_q, kl_kv, kl_lse = None, a["q_mha"], k_m, lse   # the KL target from the lse
         else:
+            rows_idx = layout_index(idx, n_shards, kv.shape[1]) if rows_in_layout else idx
             with jax.named_scope("attention_core"):
-                o, target = _core(a["q"], kv, idx, valid, a["pos"], kv_pos, a["seg"], kv_seg)
-            kl_q, kl_kv, kl_lse = a["q"], kv, None
+                o, target = _core(a["q"], kv, rows_idx, valid, a["pos"], kv_pos, a["seg"], kv_seg)
+            # the KL without the core's target recomputes it from the rows at natural indices
+            kl_q, kl_kv, kl_lse = a["q"], from_layout(kv, n_shards) if rows_in_layout and target is None else kv, None
         if kl_stage == "none":
             kl, has_set = jnp.zeros(a["pos"].shape, jnp.float32), jnp.zeros(a["pos"].shape, bool)
         elif mha is not None and (kl_stage == "warmup" or masked) and cfg.runtime.attention_impl in PALLAS_IMPLS:

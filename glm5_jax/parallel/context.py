@@ -20,8 +20,11 @@ depend on array order is handled here and in its callers:
   They are MTP depth k's input tokens and the targets of the logits (k = 1) and of MTP depth k - 1. The
   model (`glm5_jax.model.transformer.Transformer.forward_laid_out`; ``__call__`` lays out its arguments
   with it) and the losses (`glm5_jax.train.losses`) read these arrays; the logits come out in layout order;
-* attention (`glm5_jax.model.context_attention`) gathers the keys of all shards and puts them back in
-  natural order, so a selected index is a natural token index and key windows stay contiguous.
+* attention (`glm5_jax.model.context_attention`) gathers the keys of all shards and puts the indexer's
+  keys, positions and segment ids back in natural order, so a selected index is a natural token index and
+  key windows stay contiguous; the sparse core's latent rows stay in the gathered (layout) order and each
+  selected index is mapped to its row there (`layout_index`), so the widest per-token rows, and their
+  gradients, are never reordered.
 
 The layout is active when the mesh in context splits "seq" into n > 1 shards and T is a multiple of
 2n (`layout_shards`); otherwise nothing is permuted (and GSPMD partitions whatever it is given).
@@ -83,6 +86,18 @@ def lay_out(batch: Batch, ahead: int) -> LaidOutBatch:
                         positions=to_layout(batch.positions, n),
                         ahead_tokens=tuple(to_layout(t, n) for t, _ in shifted),
                         ahead_valid=tuple(to_layout(v, n) for _, v in shifted))
+
+
+def layout_index(t, n: int, T: int):
+    """The position in the zig-zag layout over n shards of natural token index ``t`` (int array) of a
+    length-T row: `to_layout(x, n)[..., layout_index(t), ...] == x[..., t, ...]` (identity for n = 1)."""
+    if n == 1:
+        return t
+    c = T // (2 * n)
+    chunk, r = t // c, t % c
+    second = chunk >= n
+    shard = jnp.where(second, 2 * n - 1 - chunk, chunk)
+    return (shard * 2 * c + second.astype(t.dtype) * c + r).astype(t.dtype)
 
 
 def gather_sequence(x_local_BT, n: int):

@@ -92,6 +92,8 @@ def test_packed_bf16_rows_are_added_as_their_bf16_roundings():
     assert float(jnp.max(jnp.abs(rounded - rows))) > 0
     np.testing.assert_array_equal(packing.unpack_bf16_pairs(packed, 640), rounded)
     np.testing.assert_array_equal(packing.unpack_bf16_pairs(packed, 768)[..., 640:], 0.0)
+    # bf16 input (its bit patterns shifted into place) packs exactly as its fp32 upcast
+    np.testing.assert_array_equal(packing.pack_bf16_pairs(rows.astype(jnp.bfloat16)), packed)
     want = ops.row_scatter_add(d, rounded, target, valid, impl="reference")
     for impl in ("xla", "pallas_interpret"):
         got = jax.jit(lambda d, p: ops.row_scatter_add(d, p, target, valid, impl=impl))(d, packed)

@@ -10,6 +10,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from glm5_jax.cost.categories import categorize
 from glm5_jax.cost.collectives import collective_groups, spanned_axes
 from glm5_jax.cost.hlo_cost import hlo_cost
 from glm5_jax.data import Batch, DataConfig
-from glm5_jax.parallel.context import from_layout, lay_out, to_layout
+from glm5_jax.parallel.context import from_layout, lay_out, layout_index, to_layout
 from glm5_jax.parallel.mesh import MeshConfig, MeshError, build_mesh, check_mesh_fits_model, mesh_and_rules
 from glm5_jax.train.experiment import ExperimentConfig, TrainConfig
 from glm5_jax.train.step import Trainer
@@ -138,6 +139,10 @@ def test_zigzag_layout():
     chunks = [0, 7, 1, 6, 2, 5, 3, 4]
     np.testing.assert_array_equal(laid[1], np.concatenate([x[1, 2 * c:2 * c + 2] for c in chunks]))
     np.testing.assert_array_equal(np.asarray(from_layout(laid, 4)), x)
+    # a natural token index's place in the layout (the sparse core's rows stay in layout order)
+    t = np.arange(16)
+    np.testing.assert_array_equal(laid[1][np.asarray(layout_index(jnp.asarray(t), 4, 16))], x[1])
+    np.testing.assert_array_equal(np.asarray(layout_index(jnp.asarray([0, 2, 3, 14, 15]), 4, 16)), [0, 4, 5, 2, 3])
     # every shard does the same causal work: sum over its queries of the keys before them
     work = [sum(t for t in laid[0, 4 * i:4 * i + 4]) for i in range(4)]
     assert len(set(work)) == 1, work
