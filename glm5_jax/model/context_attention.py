@@ -105,7 +105,7 @@ def context_parallel_attention(cfg: ModelConfig, n_shards, q_abs_BTHC, latent_BT
                                         q_chunk=cfg.runtime.attention_q_chunk)
         return o, None
 
-    rows_in_layout = sparse and mha is None and n_shards > 1
+    rows_in_layout = sparse and mha is None
 
     def per_shard(*values):
         a = dict(zip(names, values))

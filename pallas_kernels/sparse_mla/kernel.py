@@ -264,7 +264,7 @@ def _row_view(kv):
     return rows, (jnp.bfloat16 if rows.dtype == jnp.uint32 else rows.dtype)
 
 
-def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packed_rows=False, row_bytes_in=None):
+def _cost(d, v_dim, itemsize, backward, *, row_bytes_in, with_target=False, dma_rows=False, packed_rows=False):
     """Declared cost of one call (what the kernel does, for FLOP/byte accounting of compiled programs).
 
     Per (query, slot, head): logits 2C; forward adds p @ V 2v (the KL target: a rescale and a head mean of
@@ -274,12 +274,12 @@ def _cost(d, v_dim, itemsize, backward, with_target=False, dma_rows=False, packe
     With ``dma_rows`` it also reads the query padded to W = C rounded up to 128 lanes, the key part's
     product runs over W (2W FLOPs instead of 2C) and each row gradient is written as W fp32 lanes ((1, 128)
     tiles), or with ``packed_rows`` as packed_width(W) uint32 lanes. ``row_bytes_in``: what one gathered row
-    moves (`gathered_row_bytes`; default C x itemsize)."""
+    moves (`gathered_row_bytes`)."""
     B, T, H, C, K = d.B, d.T_pad, d.H, d.C, d.K_pad
     W = round_up(C, LANES) if dma_rows else C
     row_bytes = (packed_width(W) if packed_rows else W) * 4
     pairs = B * T * K * H
-    rows = B * T * K * (C * itemsize if row_bytes_in is None else row_bytes_in)
+    rows = B * T * K * row_bytes_in
     per_query = B * T * H * (C + v_dim) * itemsize + B * T * H * 4
     if not backward:
         if with_target:
