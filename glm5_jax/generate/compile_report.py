@@ -5,8 +5,12 @@
     python -m glm5_jax.generate.compile_report --points=FILE.json --out=...    (a list of such points)
 
 (a point may also name ``cache_write`` and ``cache_read``: the decode program's RuntimeConfig.decode_cache_write,
-default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place; and ``moe_ep``,
-the decode MoE dispatch: "gather" (default) or "a2a_decode")
+default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place; ``attention``,
+its decode_attention with a stacked cache read: "xla" (default) or "pallas", the fused gather + attention kernel;
+and ``moe_ep``, the decode MoE dispatch: "gather" (default) or "a2a_decode"). ``--tpu_flags`` names the libtpu flag
+set of glm5_jax/train/tpu_flags.py every point of the run compiles under (default "collective_overlap": the
+all-to-alls and all-reduces asynchronous, overlapping the work that does not wait for them; "none": libtpu's
+defaults, every collective synchronous); each record keeps it and the LIBTPU_INIT_ARGS it set.
 
 Each point lowers `glm5_jax.generate.decode_program` (``steps`` greedy decode steps in one program over a
 cache of ``context`` slots, abstract params sharded by the sampling rules of glm5_jax/parallel/sampling.py),
@@ -53,6 +57,7 @@ from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.parallel.sampling import axis_shards, parse_mesh_spec
 from glm5_jax.parallel.shard_map import logical_mesh_axes
+from glm5_jax.train import tpu_flags
 
 GIB = 2 ** 30
 DEFAULT_CONFIG = "configs/glm5_744b.py"
@@ -116,7 +121,7 @@ def _batch_axes(mesh, rules):
 
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
                   quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None,
-                  cache_read: str = "slice", moe_ep: str = "gather") -> dict:
+                  cache_read: str = "slice", moe_ep: str = "gather", attention: str = "xla") -> dict:
     """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
     compiled HLO there (gzip)."""
     devices = topology_devices(topology) if devices is None else devices
@@ -128,13 +133,13 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
     if context % sizes["context"]:
         raise ValueError(f"context={context} does not split over context={sizes['context']}")
     cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write, cache_read=cache_read,
-                              moe_ep=moe_ep)
+                              moe_ep=moe_ep, attention=attention)
     rules = decode_rules(batch, mesh, mesh_cfg.rules)
     chip = chip_of_topology(topology)
     n = len(devices)
     header = {"topology": topology, "chips": n, "mesh": {a: s for a, s in sizes.items() if s > 1}, "batch": batch,
               "context": context, "experts": experts, "steps": steps, "cache_write": cache_write,
-              "cache_read": cfg.runtime.decode_cache_read, "moe_ep": moe_ep,
+              "cache_read": cfg.runtime.decode_cache_read, "attention": cfg.runtime.decode_attention, "moe_ep": moe_ep,
               "hbm_limit_gib": chip.hbm_bytes / GIB}
     t0 = time.perf_counter()
     lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
@@ -201,17 +206,23 @@ def table(records) -> str:
         mesh = ",".join(f"{a}:{s}" for a, s in r["mesh"].items())
         if "estimated_step_seconds" not in r:
             lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
-                         f"| {r.get('cache_read', 'slice')} | {r.get('moe_ep', 'gather')} | no "
+                         f"| {_cache_read(r)} | {r.get('moe_ep', 'gather')} | no "
                          f"| - | - | {r['hbm_roofline_seconds'] * 1e3:.2f} | - | - | - | {r.get('compile_error', '')[:60]} |")
             continue
         cats = ", ".join(f"{c['category']} {c['seconds'] * 1e3:.2f}" for c in r["top_categories"][:3])
         lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
-                     f"| {r.get('cache_read', 'slice')} | {r.get('moe_ep', 'gather')} | {r['fits']} | "
+                     f"| {_cache_read(r)} | {r.get('moe_ep', 'gather')} | {r['fits']} | "
                      f"{r['memory_gib']:.1f} | {r['estimated_step_seconds'] * 1e3:.2f} | "
                      f"{r['hbm_roofline_seconds'] * 1e3:.2f} | {r['over_hbm_roofline']:.2f}x | "
                      f"{r['communication_seconds'] * 1e3:.2f} ({r['exposed_communication_seconds'] * 1e3:.2f}) | "
                      f"{r['tokens_per_second_per_chip']:.3g} | {cats} |")
     return "\n".join(lines) + "\n"
+
+
+def _cache_read(record) -> str:
+    """The table's cache-read cell: the decode_cache_read, and "+ fused attention" with the fused kernel."""
+    read = record.get("cache_read", "slice")
+    return read + (" + fused attention" if record.get("attention", "xla") != "xla" else "")
 
 
 def append_records(path: str, records) -> list:
@@ -234,7 +245,12 @@ def main(argv=None):
     ap.add_argument("--quant_matmul", default="pallas", help="the INT4 matmul impl (pallas on TPU)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--hlo_dir", help="also write each point's compiled HLO there (gzip)")
+    ap.add_argument("--tpu_flags", default="collective_overlap",
+                    help="the libtpu flag set every point compiles under (glm5_jax/train/tpu_flags.py; set before "
+                         "libtpu starts, so one per run): 'collective_overlap' makes the all-to-alls and "
+                         "all-reduces asynchronous, so they overlap the work that does not wait for them")
     args = ap.parse_args(argv)
+    init_args = tpu_flags.apply(args.tpu_flags)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.points:
         points = json.loads(storage.read_text(args.points))
@@ -248,8 +264,9 @@ def main(argv=None):
         r = compile_point(cfg, p["topology"], p["mesh"], p["batch"], p["context"], p["experts"],
                           p.get("steps", args.steps), quant_matmul=args.quant_matmul,
                           cache_write=p.get("cache_write", "rows"), cache_read=p.get("cache_read", "slice"),
-                          moe_ep=p.get("moe_ep", "gather"),
+                          moe_ep=p.get("moe_ep", "gather"), attention=p.get("attention", "xla"),
                           hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
+        r = {**r, "tpu_flags": args.tpu_flags, "libtpu_init_args": init_args}
         records.append(r)
         append_records(args.out, [r])
         print(table([r]), flush=True)

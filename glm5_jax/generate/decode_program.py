@@ -43,12 +43,15 @@ DISPATCH_CAPACITY = 2.0
 
 
 def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
-                        cache_write: str = "rows", cache_read: str = "slice", moe_ep: str = "gather"):
+                        cache_write: str = "rows", cache_read: str = "slice", moe_ep: str = "gather",
+                        attention: str = "xla"):
     """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"; ``cache_write`` the
     RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan);
     ``cache_read`` its decode_cache_read ("slice": the layer scan slices each layer's cache; "pallas": each layer
     gathers its selected rows from the stacked cache in place; with cache_write="layer" always "slice");
-    ``moe_ep`` the decode MoE dispatch ("gather", few tokens per chip; "a2a_decode", many: moe/decode_a2a.py)."""
+    ``moe_ep`` the decode MoE dispatch ("gather", few tokens per chip; "a2a_decode", many: moe/decode_a2a.py);
+    ``attention`` the decode_attention with a stacked cache read ("xla": gather, then XLA's attention; "pallas":
+    the fused kernel pallas_kernels/sparse_mla_decode)."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
     if moe_ep not in DECODE_DISPATCHES:
@@ -56,6 +59,8 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
     cfg = decode_config(cfg).replace(moe_ep=moe_ep, dtype="bfloat16", param_dtype="bfloat16",
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      decode_cache_read=cache_read if cache_write == "rows" else "slice",
+                                     decode_attention=attention if cache_write == "rows" and cache_read != "slice"
+                                     else "xla",
                                      moe_capacity_factor=DISPATCH_CAPACITY, rope_impl="pair_swap",
                                      decode_stacked_kv_b=True, decode_rope_tables=True,
                                      decode_kv_b_heads_major=True, decode_spread_norms=True)

@@ -53,6 +53,7 @@ from pallas_kernels.lightning_indexer import ops as indexer_ops
 from pallas_kernels.masking import selection_mask, visible_mask
 from pallas_kernels.row_gather import ops as row_gather_ops
 from pallas_kernels.sparse_mla import ops as sparse_mla_ops
+from pallas_kernels.sparse_mla_decode import kernel as sparse_mla_decode_kernel, ops as sparse_mla_decode_ops
 
 SELECTION_NAME = context_attention.SELECTION_NAME   # the top-k selection, for remat policies
 # the attention core's output and indexer KL target, and the residuals its impls name: a remat policy
@@ -322,13 +323,43 @@ class MLAttention(nn.Module):
         uk_spec, uv_spec = ("bthn,hrn->bthr", "bthr,hvr->bthv") if heads_major else ("bthn,rhn->bthr", "bthr,rhv->bthv")
         q_abs = jnp.concatenate([einsum(uk_spec, q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
         with jax.named_scope("attention_core"):
-            cached = decode_rows.take_rows(cache["latent"], selection[0]) if layer_index is None else \
-                self._gather_cached_rows(cache["latent"], layer_index, selection[0])
-            o_lat = decode_rows.attend_with_new_rows(q_abs, cached, new["latent"], *selection[:2],
-                                                     positions_BT, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
+            if self._fused_decode_attention(cache["latent"], layer_index, positions_BT):
+                o_lat = self._sparse_mla_decode(cache["latent"], layer_index, *selection[:2], q_abs, new["latent"],
+                                                positions_BT)
+            else:
+                cached = decode_rows.take_rows(cache["latent"], selection[0]) if layer_index is None else \
+                    self._gather_cached_rows(cache["latent"], layer_index, selection[0])
+                o_lat = decode_rows.attend_with_new_rows(q_abs, cached, new["latent"], *selection[:2], positions_BT,
+                                                         scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
         o = constrain(einsum(uv_spec, o_lat, w_uv, dt), (BATCH, SEQ, ACT_HEADS, None))
         return AttentionOutput(einsum("bthv,hvd->btd", o, w_o, dt, impl=cfg.runtime.projection_impl), selection,
                                None, new)
+
+    def _fused_decode_attention(self, latent_LBSC, layer_index, positions_BT) -> bool:
+        """Whether the attention core runs as pallas_kernels/sparse_mla_decode (``decode_attention``): the stacked
+        cache read in place, one token per batch row, each batch row's layer slice within VMEM, slots whole."""
+        cfg = self.cfg
+        return (cfg.runtime.decode_attention in PALLAS_IMPLS and layer_index is not None
+                and positions_BT.shape[1] == 1 and logical_axis_shards(CACHE_SEQ) == 1
+                and sparse_mla_decode_kernel.fits(latent_LBSC.shape[2], latent_LBSC.shape[3],
+                                                  latent_LBSC.dtype.itemsize))
+
+    def _sparse_mla_decode(self, latent_LBSC, layer_index, idx_BTK, valid_BTK, q_BTHC, new_BTC, positions_BT):
+        """[B, 1, H, kv_lora]: the fused gather + absorbed attention of the token over its selected rows of layer
+        ``layer_index`` of the stacked latent cache, per (batch, heads) shard."""
+        cfg = self.cfg
+
+        def attend(latent, layer, idx, valid, q, new, pos):
+            return sparse_mla_decode_ops.sparse_mla_decode(latent, layer, idx, valid, q, new, pos,
+                                                           scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
+                                                           impl=cfg.runtime.decode_attention)
+
+        rows, heads = (BATCH, None), (BATCH, ACT_HEADS, None)
+        attend = logical_shard_map(attend, in_axes=((None, BATCH, None, None), (), rows, rows, heads, rows, (BATCH,)),
+                                   out_axes=heads)
+        o = attend(latent_LBSC, layer_index, idx_BTK[:, 0], valid_BTK[:, 0], q_BTHC[:, 0], new_BTC[:, 0],
+                   positions_BT[:, 0])
+        return o[:, None]
 
     def _gather_cached_rows(self, latent_LBSC, layer_index, idx_BTK):
         """[B, T, k, C]: the rows idx of layer ``layer_index`` of the stacked latent cache, by the

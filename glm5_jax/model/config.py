@@ -20,6 +20,7 @@ MlaForm = Literal["absorbed", "mha"]
 AttentionMode = Literal["sparse", "dense"]
 DecodeCacheWrite = Literal["layer", "rows"]
 DecodeCacheRead = Literal["slice", "xla", "pallas", "pallas_interpret"]   # decode_cache_write="rows" only
+DecodeAttention = Literal["xla", "pallas", "pallas_interpret"]            # decode_cache_read other than "slice"
 RopeImpl = Literal["slices", "pair_swap"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
@@ -129,6 +130,12 @@ class RuntimeConfig:
     # every layer the stacked cache and its index and the selected latent rows are gathered in place by that
     # impl of pallas_kernels/row_gather ("xla": the slice and XLA's gather; "pallas": the kernel)
     decode_cache_read: DecodeCacheRead = "slice"
+    # with a decode_cache_read other than "slice", one token per batch row: the absorbed attention over the selected
+    # latent rows. "xla": the rows gathered by decode_cache_read's impl, then XLA's attention over them; a Pallas
+    # impl: pallas_kernels/sparse_mla_decode gathers and attends in one kernel (each batch row's layer slice
+    # streamed through VMEM, the gathered rows and the probabilities never in HBM), where one slice fits VMEM
+    # (longer caches keep the gather and XLA's attention). The same values up to the products' fp32 summation order
+    decode_attention: DecodeAttention = "xla"
     # decode with packed INT4 experts through the Pallas kernel (moe_ep="gather" / "a2a_decode"): the layer scan
     # hands each layer the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel
     # instead of a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
@@ -207,6 +214,9 @@ class RuntimeConfig:
         if self.decode_cache_read != "slice" and self.decode_cache_write != "rows":
             raise ConfigError(f"RuntimeConfig.decode_cache_read={self.decode_cache_read!r}: reads the stacked cache of "
                               "the read-only decode path; needs decode_cache_write='rows'")
+        if self.decode_attention != "xla" and self.decode_cache_read == "slice":
+            raise ConfigError(f"RuntimeConfig.decode_attention={self.decode_attention!r}: the fused kernel reads the "
+                              "stacked cache in place; needs a decode_cache_read other than 'slice'")
         if self.capture_routing and self.decode_cache_write != "layer":
             raise ConfigError("RuntimeConfig.capture_routing records routing in the per-layer cache writes "
                               "(decode_cache_write='layer'), not decode_cache_write="

@@ -296,3 +296,44 @@ def test_one_row_rules_split_o_proj_over_expert():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
                  want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+
+
+def test_fused_decode_attention_decodes_the_same_tokens():
+    """decode_attention="pallas_interpret" (pallas_kernels/sparse_mla_decode: the selected latent rows gathered and
+    attended in one kernel, interpreted, per (batch, heads) shard of a data:2,tensor:2 sampling mesh): the same
+    tokens over 10 steps as the row gather + XLA's attention on one device, the cache and the first step's logits
+    within fp32 tolerance. Without a stacked cache read it is refused by name."""
+    import flax.linen as nn
+    from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.model.config import ConfigError
+    from glm5_jax.parallel.mesh import build_mesh
+    from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
+    from pallas_kernels.sparse_mla_decode import kernel as sparse_mla_decode_kernel
+
+    cfg, variables, token, cache = _prefilled()
+    cfg = cfg.replace(decode_cache_write="rows", decode_cache_read="pallas_interpret")
+    assert cfg.num_attention_heads % 2 == 0
+    start, position = jnp.full((B,), P, jnp.int32), jnp.full((B, 1), P, jnp.int32)
+    mesh = build_mesh(parse_mesh_spec("data:2,tensor:2", SAMPLING_RULES), jax.devices()[:4])
+
+    def run(c, on_mesh):
+        def program(v, t, cache):
+            logits = Transformer(c).apply(v, t[:, None], position, jnp.ones((B, 1), jnp.int32), cache,
+                                          method=Transformer.decode)[0]
+            return (logits,) + tuple(decode_steps(c, STEPS, v, t, start, cache))
+        if not on_mesh:
+            return jax.jit(program)(variables, token, cache)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(B, mesh)):
+            jaxpr = str(jax.make_jaxpr(program)(variables, token, cache))
+            assert (jaxpr.count(f"name={sparse_mla_decode_kernel.NAME}") > 0) == (c.runtime.decode_attention != "xla")
+            return jax.jit(program)(variables, token, cache)
+
+    want_logits, want_tokens, want_cache = run(cfg, False)
+    logits, tokens, got_cache = run(cfg.replace(decode_attention="pallas_interpret"), True)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5), got_cache,
+                 want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
+    with pytest.raises(ConfigError, match="decode_attention"):
+        cfg.replace(decode_cache_read="slice", decode_attention="pallas")
