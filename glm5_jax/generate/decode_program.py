@@ -65,7 +65,7 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
                                      decode_stacked_kv_b=True, decode_rope_tables=True,
                                      decode_kv_b_heads_major=True, decode_spread_norms=True)
     if experts == "int4":
-        cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True)
+        cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True, decode_moe_kernel=True)
     return cfg
 
 

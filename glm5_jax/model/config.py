@@ -140,6 +140,12 @@ class RuntimeConfig:
     # hands each layer the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel
     # instead of a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
     decode_stacked_experts: bool = False
+    # decoding a few tokens with packed INT4 experts through a Pallas quant_matmul (moe_ep="gather", each chip at
+    # most pallas_kernels/int4_decode_moe's MAX_ASSIGNMENTS gathered assignments, all within its capacity): a chip's
+    # routed-expert sum as that one kernel (the grid over the assignments, each local one's gate, up and down
+    # dequantised and applied in VMEM) instead of the blocked dispatch around three INT4 matmul calls (~25 small XLA
+    # ops a layer); the same values up to the products' fp32 summation order
+    decode_moe_kernel: bool = False
     # decoding over a cache: also record, per token, the experts each MoE layer routed it to and the slots each
     # full-indexer layer selected for it, in the cache beside its rows (glm5_jax/model/routing_replay.py), so a
     # learner can replay the sampler's routing and top-k instead of recomputing them

@@ -337,3 +337,39 @@ def test_fused_decode_attention_decodes_the_same_tokens():
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
     with pytest.raises(ConfigError, match="decode_attention"):
         cfg.replace(decode_cache_read="slice", decode_attention="pallas")
+
+
+def test_one_call_int4_moe_decodes_the_same_tokens():
+    """decode_moe_kernel (what decode_model_config sets with INT4 experts: each chip's routed-expert sum of the
+    gathered token's assignments as pallas_kernels/int4_decode_moe, interpreted, over a data:2,expert:4 sampling
+    mesh): the same tokens over 10 steps as the blocked dispatch around the INT4 matmul kernel, the cache within
+    fp32 tolerance; the kernel is what runs."""
+    import flax.linen as nn
+    from glm5_jax.generate.decode_program import decode_model_config, decode_rules
+    from glm5_jax.model.moe.int4_weights import quantize_params
+    from glm5_jax.parallel.mesh import build_mesh
+    from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
+    from pallas_kernels.int4_decode_moe.kernel import NAME
+
+    base = TINY.replace(moe_intermediate_size=64, quant_group_size=8, mtp_depth=0, num_nextn_predict_layers=0,
+                        initializer_range=0.3)
+    variables = {**init_variables(base), "params": quantize_params(init_variables(base)["params"], base)}
+    cfg = decode_model_config(base, "int4", quant_matmul="pallas_interpret", moe_impl="ragged_dot",
+                              cache_read="pallas_interpret")
+    assert cfg.runtime.decode_moe_kernel
+    mesh = build_mesh(parse_mesh_spec("data:2,expert:4", SAMPLING_RULES), jax.devices()[:8])
+    token, start = jnp.array([3, 77], jnp.int32), jnp.zeros((B,), jnp.int32)
+
+    def run(c):
+        program = lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache)  # noqa: E731
+        args = (variables, token, start, init_cache(c, B, S)["decoder"])
+        with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(B, mesh)):
+            assert (f"name={NAME}" in str(jax.make_jaxpr(program)(*args))) == c.runtime.decode_moe_kernel
+            return jax.jit(program)(*args)
+
+    want_tokens, want_cache = run(cfg.replace(decode_moe_kernel=False))
+    got_tokens, got_cache = run(cfg)
+    np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                         atol=2e-2, rtol=2e-2), got_cache, want_cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token

@@ -29,7 +29,8 @@ from glm5_jax.model.moe import int4_weights
 from glm5_jax.model.moe.experts import expert_blocks, max_blocks, swiglu_rows
 from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE
 from glm5_jax.parallel.shard_map import logical_mesh_axes
-from pallas_kernels.impls import BLOCKED, RAGGED_DOT
+from pallas_kernels.impls import BLOCKED, PALLAS_IMPLS, RAGGED_DOT
+from pallas_kernels.int4_decode_moe import kernel as int4_decode_moe_kernel, ops as int4_decode_moe_ops
 from pallas_kernels.int4_matmul import ops as int4_ops
 
 INT4_MAX_BLOCK = 128        # rows per INT4 kernel block
@@ -239,16 +240,35 @@ def chip_weights(w):
     return tuple(int4_weights.Int4Weight(*w[i:i + 2], layer) for i in (0, 2, 4))
 
 
-def chip_expert_sum(x_nD, key_M, gates_M, weights, cfg: ModelConfig, cap, block, cost_blocks):
+def fused_moe_applies(cfg: ModelConfig, n_tokens: int, n_assignments: int, cap: int) -> bool:
+    """Whether a chip's INT4 routed-expert sum runs as the one-call kernel (``decode_moe_kernel``,
+    pallas_kernels/int4_decode_moe): few enough assignments and tokens, every assignment within the chip's
+    capacity (the kernel keeps them all), a Pallas quant_matmul, no SwiGLU clamp."""
+    return (cfg.runtime.decode_moe_kernel and cfg.runtime.quant_matmul in PALLAS_IMPLS and cfg.swiglu_limit is None
+            and n_assignments <= int4_decode_moe_kernel.MAX_ASSIGNMENTS and n_tokens <= int4_decode_moe_kernel.ROWS
+            and cap >= n_assignments)
+
+
+def chip_expert_sum(x_nD, key_M, gates_M, weights, cfg: ModelConfig, cap, block, cost_blocks,
+                    cost_assignments=None):
     """A chip's routed-expert sum over its first ``cap`` local assignments (in assignment order): row t of the
     result is sum over assignments m of row t (m // (M / n) == t, ``key_M[m]`` < n_local: `local_keys`) of
-    gates[m] SwiGLU_{key[m]}(x[t]) -> [n, D] in the compute dtype. INT4 experts: the kernel's row layout by
-    comparisons (few assignments, `compare_int4_moe`) or by sorting (`int4_block_scatter`); fp experts: the
-    grouped matmul."""
+    gates[m] SwiGLU_{key[m]}(x[t]) -> [n, D] in the compute dtype. INT4 experts: the one-call kernel where
+    `fused_moe_applies` (``cost_assignments``: its declared busiest-chip local assignments), else the INT4
+    kernel's row layout by comparisons (few assignments, `compare_int4_moe`) or by sorting
+    (`int4_block_scatter`); fp experts: the grouped matmul."""
     n, M, dt = x_nD.shape[0], key_M.shape[0], cfg.jnp_dtype
     k = M // n
     int4 = isinstance(weights[0], int4_weights.Int4Weight)
     n_local = weights[0].packed.shape[-3] if int4 else weights[0].shape[0]
+    if int4 and fused_moe_applies(cfg, n, M, cap):
+        w_gate, w_up, w_down = weights
+        stacked = w_gate.layer is not None             # the kernel reads stacked [L, E, ...] weights
+        lead = (lambda a: a) if stacked else (lambda a: a[None])
+        return int4_decode_moe_ops.int4_decode_moe(
+            x_nD, key_M, gates_M, *(lead(a) for w in weights for a in (w.packed, w.scale)),
+            w_gate.layer if stacked else 0, group_size=cfg.quant_group_size, dtype=dt,
+            impl=cfg.runtime.quant_matmul, cost_assignments=cost_assignments).astype(dt)
     if int4 and M <= COMPARE_MAX_ASSIGNMENTS:
         return compare_int4_moe(x_nD, key_M, gates_M, weights, dt, cfg, cap, block, cost_blocks).astype(dt)
     order, group_sizes = sort_by_key(key_M, n_local)
@@ -281,15 +301,17 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
     cap = local_capacity(n_seen * K, n_local, E, cfg.runtime.moe_capacity_factor)
     # chips with their own load: the expert group's, times the token shards outside it (the tensor axis
     # splits each chip's experts' width, same load)
-    block, cost_blocks = chip_blocks(n_seen, cfg, n_local,
-                                     n_ep * math.prod(mesh.shape[a] for a in batch if a not in gather))
+    n_chips = n_ep * math.prod(mesh.shape[a] for a in batch if a not in gather)
+    block, cost_blocks = chip_blocks(n_seen, cfg, n_local, n_chips)
+    # the one-call kernel's cost hint: the busiest chip's expected local assignments (blocks of one row)
+    cost_assignments = busiest_chip_blocks(n_seen, K, E, n_local, 1, n_chips)
 
     def body(x, idx, gates, *w):
         if gather:
             x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
         first = (jax.lax.axis_index(ep) if ep else 0) * n_local
         y = chip_expert_sum(x, local_keys(idx.reshape(-1), first, n_local), gates.reshape(-1), chip_weights(w), cfg,
-                            cap, block, cost_blocks)
+                            cap, block, cost_blocks, cost_assignments)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:
