@@ -35,6 +35,7 @@ from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
 from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards, replicated_rows
 from glm5_jax.parallel.shard_map import logical_shard_map
+from pallas_kernels.impls import PALLAS_IMPLS
 
 EXPERTS = ("bf16", "int4")
 # gather: a chip's experts take up to 2x their expected share of the step's assignments; a2a_decode: a chip sends
@@ -63,7 +64,8 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
                                      else "xla",
                                      moe_capacity_factor=DISPATCH_CAPACITY, rope_impl="pair_swap",
                                      decode_stacked_kv_b=True, decode_rope_tables=True,
-                                     decode_kv_b_heads_major=True, decode_spread_norms=True)
+                                     decode_kv_b_heads_major=True, decode_spread_norms=True,
+                                     router_impl=quant_matmul if quant_matmul in PALLAS_IMPLS else "xla")
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True, decode_moe_kernel=True)
     return cfg

@@ -21,6 +21,7 @@ AttentionMode = Literal["sparse", "dense"]
 DecodeCacheWrite = Literal["layer", "rows"]
 DecodeCacheRead = Literal["slice", "xla", "pallas", "pallas_interpret"]   # decode_cache_write="rows" only
 DecodeAttention = Literal["xla", "pallas", "pallas_interpret"]            # decode_cache_read other than "slice"
+RouterImpl = Literal["xla", "pallas", "pallas_interpret"]
 RopeImpl = Literal["slices", "pair_swap"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
@@ -146,6 +147,11 @@ class RuntimeConfig:
     # dequantised and applied in VMEM) instead of the blocked dispatch around three INT4 matmul calls (~25 small XLA
     # ops a layer); the same values up to the products' fp32 summation order
     decode_moe_kernel: bool = False
+    # the MoE router's top-k choice and gates from its scores (no expert groups, no replayed routing, a few tokens
+    # per shard): "xla" (top-k, gather, normalisation as XLA ops) or the one-call kernel pallas_kernels/router_topk
+    # (the same experts, ties to the lower index; gates within fp32 rounding). The Pallas impls have no gradient:
+    # decoding only
+    router_impl: RouterImpl = "xla"
     # decoding over a cache: also record, per token, the experts each MoE layer routed it to and the slots each
     # full-indexer layer selected for it, in the cache beside its rows (glm5_jax/model/routing_replay.py), so a
     # learner can replay the sampler's routing and top-k instead of recomputing them

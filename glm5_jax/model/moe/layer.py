@@ -22,8 +22,9 @@ from glm5_jax.model.moe.blocked import BLOCKED_MOE_NAMES, blocked_swiglu
 from glm5_jax.model.moe.expert_parallel import expert_parallel_swiglu
 from glm5_jax.model.moe.experts import EXPERT_OUT_NAME, KERNEL_IMPLS, sorted_swiglu
 from glm5_jax.parallel.axes import ACT_EMBED, BATCH, EMBED, EXP, MLP_MOE, SEQ
-from glm5_jax.parallel.shard_map import logical_shard_map, multi_device_mesh_in_context
-from pallas_kernels.impls import AUTO, BLOCKED, RAGGED_DOT
+from glm5_jax.parallel.shard_map import logical_axis_shards, logical_shard_map, multi_device_mesh_in_context
+from pallas_kernels.impls import AUTO, BLOCKED, PALLAS_IMPLS, RAGGED_DOT
+from pallas_kernels.router_topk import kernel as router_topk_kernel, ops as router_topk_ops
 
 __all__ = ["BIAS_COLLECTION", "BLOCKED_MOE_NAMES", "MoE", "grouped_swiglu", "route", "sequence_balance_loss"]
 
@@ -34,8 +35,13 @@ BIAS_COLLECTION = "moe_bias"   # non-trainable: updated by the balancing rule, n
 def route(scores_NE, bias_E, cfg: ModelConfig, replay_NK=None):
     """Expert choice: indices [N,K] chosen on sigmoid + bias, gates [N,K] from the unbiased sigmoid. With
     ``replay_NK`` the recorded tokens' experts are taken from it (glm5_jax/model/routing_replay.py), their
-    gates still from this forward's scores."""
+    gates still from this forward's scores. Without expert groups or replay, a Pallas ``router_impl`` makes
+    the choice in one kernel (pallas_kernels/router_topk; decoding only)."""
     N, E = scores_NE.shape
+    if replay_NK is None and cfg.n_group == 1 and cfg.runtime.router_impl in PALLAS_IMPLS:
+        routed = _route_kernel(scores_NE, bias_E, cfg)
+        if routed is not None:
+            return routed
     biased = scores_NE + bias_E
     if cfg.n_group > 1:
         grouped = biased.reshape(N, cfg.n_group, E // cfg.n_group)
@@ -52,6 +58,22 @@ def route(scores_NE, bias_E, cfg: ModelConfig, replay_NK=None):
     if cfg.norm_topk_prob:
         gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
     return expert_idx.astype(jnp.int32), gates * cfg.routed_scaling_factor
+
+
+def _route_kernel(scores_NE, bias_E, cfg: ModelConfig):
+    """`route` by pallas_kernels/router_topk (``router_impl``), per token shard; None where a shard holds more
+    tokens than the kernel takes."""
+    N = scores_NE.shape[0]
+    shards = logical_axis_shards(BATCH) if multi_device_mesh_in_context() else 1
+    if (N // shards if N % shards == 0 else N) > router_topk_kernel.MAX_TOKENS:    # indivisible: replicated
+        return None
+
+    def choose(scores, bias):
+        return router_topk_ops.route_topk(scores, bias, top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob,
+                                          scale=cfg.routed_scaling_factor, impl=cfg.runtime.router_impl)
+
+    tokens = (BATCH, None)
+    return logical_shard_map(choose, in_axes=(tokens, (None,)), out_axes=(tokens, tokens))(scores_NE, bias_E)
 
 
 def grouped_swiglu(x_ND, expert_idx_NK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, impl=RAGGED_DOT, limit=None):
