@@ -32,17 +32,25 @@ PER_WORD = tiling.PER_WORD
 VMEM_LIMIT = 32 << 20
 
 
-def _weights_expert(m, key_ref, n_local: int, M: int):
-    """The expert whose weights step m's BlockSpecs read: its own when local, else the last local one before m,
-    else the first local one after, else 0 (a step of another chip's assignment then re-reads a neighbour's
+def _local(key_ref, offset_ref, j, n_local: int):
+    """(assignment j's local expert, whether it is this chip's): its expert id minus the chip's first."""
+    e = key_ref[j] - offset_ref[0]
+    return e, (e >= 0) & (e < n_local)
+
+
+def _weights_expert(m, key_ref, offset_ref, n_local: int, M: int):
+    """The local expert whose weights step m's BlockSpecs read: its own when local, else the last local one before
+    m, else the first local one after, else 0 (a step of another chip's assignment then re-reads a neighbour's
     blocks, which the pipeline does not fetch again). Unrolled over the M assignments (scalar code)."""
     first = jnp.int32(0)
     for j in reversed(range(M)):
-        first = jnp.where(key_ref[j] < n_local, key_ref[j], first)
-    e = first
+        e, local = _local(key_ref, offset_ref, j, n_local)
+        first = jnp.where(local, e, first)
+    out = first
     for j in range(M):
-        e = jnp.where((j <= m) & (key_ref[j] < n_local), key_ref[j], e)
-    return e
+        e, local = _local(key_ref, offset_ref, j, n_local)
+        out = jnp.where((j <= m) & local, e, out)
+    return out
 
 
 def _dequant_mm(x, packed_ref, scale_ref, group_size: int):
@@ -65,15 +73,15 @@ def _dequant_mm(x, packed_ref, scale_ref, group_size: int):
     return jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
 
 
-def _kernel(layer_ref, key_ref, gate_w_ref, x_ref, gp_ref, gs_ref, up_ref, us_ref, dp_ref, ds_ref, out_ref, *,
-            n_local, top_k, group_size, dtype):
+def _kernel(layer_ref, offset_ref, key_ref, gate_w_ref, x_ref, gp_ref, gs_ref, up_ref, us_ref, dp_ref, ds_ref,
+            out_ref, acc_ref, *, n_local, top_k, group_size, dtype):
     m = pl.program_id(0)
 
     @pl.when(m == 0)
     def _():
-        out_ref[...] = jnp.zeros_like(out_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(key_ref[m] < n_local)
+    @pl.when(_local(key_ref, offset_ref, m, n_local)[1])
     def _():
         n, D = x_ref.shape
         x = x_ref[...]                                                           # [n, D] fp32
@@ -83,23 +91,28 @@ def _kernel(layer_ref, key_ref, gate_w_ref, x_ref, gp_ref, gs_ref, up_ref, us_re
         h = jax.nn.silu(_dequant_mm(x, gp_ref, gs_ref, group_size)) * _dequant_mm(x, up_ref, us_ref, group_size)
         y = _dequant_mm(h.astype(dtype), dp_ref, ds_ref, group_size)[:n]         # [n, D] fp32
         token = jax.lax.broadcasted_iota(jnp.int32, y.shape, 0) == m // top_k
-        out_ref[...] += jnp.where(token, gate_w_ref[m] * y, 0.0)
+        acc_ref[...] += jnp.where(token, gate_w_ref[m] * y, 0.0)
+
+    @pl.when(m == pl.num_programs(0) - 1)
+    def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-def cost(n_assignments, n, D, F, group_size, scale_itemsize) -> pl.CostEstimate:
+def cost(n_assignments, n, D, F, group_size, scale_itemsize, out_itemsize) -> pl.CostEstimate:
     """What ``n_assignments`` local assignments cost (an expectation: may be fractional): three products on the
     token rows padded to `ROWS` each, each assignment's expert weights read once (packed words and scales), the
-    n token rows read and the output written (fp32)."""
+    n token rows read (fp32) and the output written."""
     weights = 3 * (D * F // 2 + D // group_size * F * scale_itemsize)
     return pl.CostEstimate(flops=round(n_assignments * 2 * ROWS * 3 * D * F),
                            transcendentals=round(n_assignments * ROWS * F),
-                           bytes_accessed=round(n_assignments * weights + n * D * 8))
+                           bytes_accessed=round(n_assignments * weights + n * D * (4 + out_itemsize)))
 
 
 def int4_decode_moe(x_nD, key_M, gates_M, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-                    layer, *, group_size, dtype, cost_assignments=None, interpret=False):
-    """[n, D] fp32 (reference.py). Weights stacked [L, E_local, ...] (packed words, scales); ``key_M`` int32
-    local experts (>= E_local: skipped), ``gates_M`` fp32; x is read in fp32 and rounded to ``dtype`` in the
+                    layer, offset=0, *, group_size, dtype, out_dtype=jnp.float32, cost_assignments=None,
+                    interpret=False):
+    """[n, D] in ``out_dtype`` (summed in fp32; reference.py). Weights stacked [L, E_local, ...] (packed words, scales); ``key_M`` int32
+    expert ids, this chip's experts ``offset`` .. ``offset`` + E_local - 1 (others skipped), ``gates_M`` fp32; x is read in fp32 and rounded to ``dtype`` in the
     kernel; ``cost_assignments``: the local assignments expected
     on the busiest chip, for the declared cost (default: all M)."""
     n, D = x_nD.shape
@@ -119,30 +132,34 @@ def int4_decode_moe(x_nD, key_M, gates_M, gate_packed, gate_scale, up_packed, up
 
     def weight_block(rows, cols):
         return pl.BlockSpec((None, None, rows, cols),
-                            lambda m, layer_ref, key_ref, _: (layer_ref[0], _weights_expert(m, key_ref, E, M), 0, 0))
+                            lambda m, layer_ref, off_ref, key_ref, _: (layer_ref[0],
+                                                                       _weights_expert(m, key_ref, off_ref, E, M), 0, 0))
 
     def scale_block(chunks, cols):
         return pl.BlockSpec((None, None, chunks, PER_WORD, cols),
-                            lambda m, layer_ref, key_ref, _: (layer_ref[0], _weights_expert(m, key_ref, E, M), 0, 0, 0))
+                            lambda m, layer_ref, off_ref, key_ref, _: (layer_ref[0],
+                                                                       _weights_expert(m, key_ref, off_ref, E, M), 0, 0, 0))
 
     out = pl.pallas_call(
         functools.partial(_kernel, n_local=E, top_k=M // n, group_size=G, dtype=dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(M,),
             in_specs=[pl.BlockSpec((n, D), lambda m, *_: (0, 0)),
                       weight_block(D // PER_WORD, F), scale_block(D // chunk, F),
                       weight_block(D // PER_WORD, F), scale_block(D // chunk, F),
                       weight_block(F // PER_WORD, D), scale_block(F // chunk, D)],
             out_specs=pl.BlockSpec((n, D), lambda m, *_: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((n, D), jnp.float32)],
         ),
-        out_shape=jax.ShapeDtypeStruct((n, D), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n, D), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret,
         name=NAME,
         cost_estimate=cost(M if cost_assignments is None else min(M, cost_assignments), n, D, F, G,
-                           gate_scale.dtype.itemsize),
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), key_M.astype(jnp.int32), gates_M.astype(jnp.float32),
+                           gate_scale.dtype.itemsize, jnp.dtype(out_dtype).itemsize),
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), jnp.reshape(jnp.asarray(offset, jnp.int32), (1,)),
+      key_M.astype(jnp.int32), gates_M.astype(jnp.float32),
       x_nD.astype(jnp.float32), gate_packed, by_chunk(gate_scale, D), up_packed, by_chunk(up_scale, D),
       down_packed, by_chunk(down_scale, F))
     return out

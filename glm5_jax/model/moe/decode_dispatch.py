@@ -249,26 +249,30 @@ def fused_moe_applies(cfg: ModelConfig, n_tokens: int, n_assignments: int, cap: 
             and cap >= n_assignments)
 
 
-def chip_expert_sum(x_nD, key_M, gates_M, weights, cfg: ModelConfig, cap, block, cost_blocks,
-                    cost_assignments=None):
+def fused_moe(x_nD, expert_M, gates_M, weights, first, cfg: ModelConfig, cost_assignments):
+    """A chip's routed-expert sum through the one-call kernel (`fused_moe_applies`): the assignments' expert ids
+    ``expert_M``, the chip's experts ``first`` .. ``first`` + E_local - 1 (an int32 [1], the kernel's offset) ->
+    [n, D] summed in fp32, rounded to the compute dtype as the other paths' sums are before the all-reduce;
+    ``cost_assignments``: the kernel's declared busiest-chip local assignments."""
+    w_gate = weights[0]
+    stacked = w_gate.layer is not None                 # the kernel reads stacked [L, E, ...] weights
+    lead = (lambda a: a) if stacked else (lambda a: a[None])
+    return int4_decode_moe_ops.int4_decode_moe(
+        x_nD, expert_M, gates_M, *(lead(a) for w in weights for a in (w.packed, w.scale)),
+        w_gate.layer if stacked else 0, first, group_size=cfg.quant_group_size, dtype=cfg.jnp_dtype,
+        impl=cfg.runtime.quant_matmul, out_dtype=cfg.jnp_dtype, cost_assignments=cost_assignments)
+
+
+def chip_expert_sum(x_nD, key_M, gates_M, weights, cfg: ModelConfig, cap, block, cost_blocks):
     """A chip's routed-expert sum over its first ``cap`` local assignments (in assignment order): row t of the
     result is sum over assignments m of row t (m // (M / n) == t, ``key_M[m]`` < n_local: `local_keys`) of
-    gates[m] SwiGLU_{key[m]}(x[t]) -> [n, D] in the compute dtype. INT4 experts: the one-call kernel where
-    `fused_moe_applies` (``cost_assignments``: its declared busiest-chip local assignments), else the INT4
-    kernel's row layout by comparisons (few assignments, `compare_int4_moe`) or by sorting
-    (`int4_block_scatter`); fp experts: the grouped matmul."""
+    gates[m] SwiGLU_{key[m]}(x[t]) -> [n, D] in the compute dtype. INT4 experts: the kernel's row layout by
+    comparisons (few assignments, `compare_int4_moe`) or by sorting (`int4_block_scatter`); fp experts: the
+    grouped matmul."""
     n, M, dt = x_nD.shape[0], key_M.shape[0], cfg.jnp_dtype
     k = M // n
     int4 = isinstance(weights[0], int4_weights.Int4Weight)
     n_local = weights[0].packed.shape[-3] if int4 else weights[0].shape[0]
-    if int4 and fused_moe_applies(cfg, n, M, cap):
-        w_gate, w_up, w_down = weights
-        stacked = w_gate.layer is not None             # the kernel reads stacked [L, E, ...] weights
-        lead = (lambda a: a) if stacked else (lambda a: a[None])
-        return int4_decode_moe_ops.int4_decode_moe(
-            x_nD, key_M, gates_M, *(lead(a) for w in weights for a in (w.packed, w.scale)),
-            w_gate.layer if stacked else 0, group_size=cfg.quant_group_size, dtype=dt,
-            impl=cfg.runtime.quant_matmul, cost_assignments=cost_assignments).astype(dt)
     if int4 and M <= COMPARE_MAX_ASSIGNMENTS:
         return compare_int4_moe(x_nD, key_M, gates_M, weights, dt, cfg, cap, block, cost_blocks).astype(dt)
     order, group_sizes = sort_by_key(key_M, n_local)
@@ -303,15 +307,18 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
     # splits each chip's experts' width, same load)
     n_chips = n_ep * math.prod(mesh.shape[a] for a in batch if a not in gather)
     block, cost_blocks = chip_blocks(n_seen, cfg, n_local, n_chips)
+    fused = isinstance(w_gate, int4_weights.Int4Weight) and fused_moe_applies(cfg, n_seen, n_seen * K, cap)
     # the one-call kernel's cost hint: the busiest chip's expected local assignments (blocks of one row)
     cost_assignments = busiest_chip_blocks(n_seen, K, E, n_local, 1, n_chips)
 
-    def body(x, idx, gates, *w):
+    def body(x, idx, gates, firsts, *w):
         if gather:
             x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
-        first = (jax.lax.axis_index(ep) if ep else 0) * n_local
-        y = chip_expert_sum(x, local_keys(idx.reshape(-1), first, n_local), gates.reshape(-1), chip_weights(w), cfg,
-                            cap, block, cost_blocks, cost_assignments)
+        if fused:
+            y = fused_moe(x, idx.reshape(-1), gates.reshape(-1), chip_weights(w), firsts, cfg, cost_assignments)
+        else:
+            y = chip_expert_sum(x, local_keys(idx.reshape(-1), firsts[0], n_local), gates.reshape(-1),
+                                chip_weights(w), cfg, cap, block, cost_blocks)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:
@@ -321,6 +328,10 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
 
     tok = P(batch or None, None)
     operands, specs = expert_operands(w_gate, w_up, w_down, ep, mlp)
-    y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=P(batch or None, None),
-                      check_vma=False)(x_ND, expert_idx_NK, gates_NK, *operands)
+    # each chip's first expert as an operand split over the expert axis (a constant: no per-layer ops to find
+    # the chip's place on the axis)
+    firsts = jnp.arange(n_ep, dtype=jnp.int32) * n_local
+    y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, P(ep or None), *specs),
+                      out_specs=P(batch or None, None), check_vma=False)(x_ND, expert_idx_NK, gates_NK, firsts,
+                                                                         *operands)
     return y.astype(jnp.float32)
