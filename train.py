@@ -42,7 +42,7 @@ def main(argv):
     run_log.setLevel(logging.INFO)
     run_log.propagate = False
     cfg = apply_overrides(load_config_file(FLAGS.config), FLAGS.set)
-    from glm5_jax.train import tpu_flags
+    from glm5_jax.platforms import tpu_flags
 
     tpu_flags.apply(cfg.train.tpu_flags)    # before libtpu starts (a TPU backend or an AOT topology)
     if FLAGS.compile_only:

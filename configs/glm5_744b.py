@@ -66,7 +66,7 @@ def get_config() -> ExperimentConfig:
                                    attention_block=256, grad_reduce_dtype="bfloat16")
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     # tpu_flags "sparsecore_offload": the FSDP weight all-gathers and gradient reduce-scatters / all-reduces run
-    # on the v5p SparseCores, asynchronously beside the TensorCore's compute (glm5_jax/train/tpu_flags.py)
+    # on the v5p SparseCores, asynchronously beside the TensorCore's compute (glm5_jax/platforms/tpu_flags.py)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1,
                         tpu_flags="sparsecore_offload")
     return ExperimentConfig(model=model, data=data, train=train, mesh=MeshConfig(data=1, fsdp=32, context=2, expert=32,

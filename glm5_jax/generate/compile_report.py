@@ -8,7 +8,7 @@
 default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place; ``attention``,
 its decode_attention with a stacked cache read: "xla" (default) or "pallas", the fused gather + attention kernel;
 and ``moe_ep``, the decode MoE dispatch: "gather" (default) or "a2a_decode"). ``--tpu_flags`` names the libtpu flag
-set of glm5_jax/train/tpu_flags.py every point of the run compiles under (default "collective_overlap": the
+set of glm5_jax/platforms/tpu_flags.py every point of the run compiles under (default "collective_overlap": the
 all-to-alls and all-reduces asynchronous, overlapping the work that does not wait for them; "none": libtpu's
 defaults, every collective synchronous); each record keeps it and the LIBTPU_INIT_ARGS it set.
 
@@ -57,7 +57,7 @@ from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model
 from glm5_jax.parallel.sampling import axis_shards, parse_mesh_spec
 from glm5_jax.parallel.shard_map import logical_mesh_axes
-from glm5_jax.train import tpu_flags
+from glm5_jax.platforms import tpu_flags
 
 GIB = 2 ** 30
 DEFAULT_CONFIG = "configs/glm5_744b.py"
@@ -246,7 +246,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--hlo_dir", help="also write each point's compiled HLO there (gzip)")
     ap.add_argument("--tpu_flags", default="collective_overlap",
-                    help="the libtpu flag set every point compiles under (glm5_jax/train/tpu_flags.py; set before "
+                    help="the libtpu flag set every point compiles under (glm5_jax/platforms/tpu_flags.py; set before "
                          "libtpu starts, so one per run): 'collective_overlap' makes the all-to-alls and "
                          "all-reduces asynchronous, so they overlap the work that does not wait for them")
     args = ap.parse_args(argv)

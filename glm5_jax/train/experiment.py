@@ -18,7 +18,7 @@ from glm5_jax.data import DataConfig
 from glm5_jax.model.config import ConfigError, ModelConfig
 from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.train.stage import Stage, stage_spec
-from glm5_jax.train.tpu_flags import FLAG_SETS as TPU_FLAG_SETS
+from glm5_jax.platforms.tpu_flags import FLAG_SETS as TPU_FLAG_SETS
 
 Optimizer = Literal["adamw", "muon"]
 OPTIMIZERS = typing.get_args(Optimizer)
@@ -62,7 +62,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     max_to_keep: int = 3
     async_checkpointing: bool = True
-    # TPU compiler flags by name (glm5_jax/train/tpu_flags.py): "collective_overlap" runs collectives inside
+    # TPU compiler flags by name (glm5_jax/platforms/tpu_flags.py): "collective_overlap" runs collectives inside
     # the compute around them; "none" keeps libtpu's defaults. Applied by train.py before libtpu starts.
     tpu_flags: str = "collective_overlap"
     # jax.profiler trace of steps [profile_start, profile_start + profile_steps) (0-based step indices) into

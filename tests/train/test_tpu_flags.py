@@ -1,4 +1,4 @@
-"""glm5_jax.train.tpu_flags: named libtpu flag sets, merged with the user's own LIBTPU_INIT_ARGS, and their effect
+"""glm5_jax.platforms.tpu_flags: named libtpu flag sets, merged with the user's own LIBTPU_INIT_ARGS, and their effect
 on a real AOT TPU compile (a fresh process: libtpu reads its flags once, when it starts)."""
 import functools
 import json
@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from glm5_jax.train.experiment import apply_overrides, load_config_file
-from glm5_jax.train.tpu_flags import FLAG_SETS, libtpu_init_args
+from glm5_jax.platforms.tpu_flags import FLAG_SETS, libtpu_init_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +32,7 @@ def test_flag_sets_merge_with_the_users_flags():
 # prints hlo_cost's collectives (kind, async) and its exposed communication.
 PROGRAM = textwrap.dedent(r"""
     import json, os, re, sys
-    from glm5_jax.train import tpu_flags
+    from glm5_jax.platforms import tpu_flags
     tpu_flags.apply(sys.argv[1])
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import topologies

@@ -330,7 +330,7 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
     operands, specs = expert_operands(w_gate, w_up, w_down, ep, mlp)
     # each chip's first expert as an operand split over the expert axis (a constant: no per-layer ops to find
     # the chip's place on the axis)
-    firsts = jnp.arange(n_ep, dtype=jnp.int32) * n_local
+    firsts = np.arange(n_ep, dtype=np.int32) * n_local
     y = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, P(ep or None), *specs),
                       out_specs=P(batch or None, None), check_vma=False)(x_ND, expert_idx_NK, gates_NK, firsts,
                                                                          *operands)

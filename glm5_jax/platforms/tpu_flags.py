@@ -1,4 +1,4 @@
-"""TPU compiler flag sets, chosen by name (`TrainConfig.tpu_flags`).
+"""TPU compiler flag sets, chosen by name (`TrainConfig.tpu_flags`; the decode compile report's `--tpu_flags`).
 
 libtpu reads its flags once, from the ``LIBTPU_INIT_ARGS`` environment variable, when it starts in a
 process: `apply` must run before the first TPU use (a TPU backend, or a topology for an ahead-of-time
@@ -28,8 +28,6 @@ Flags the user already put in ``LIBTPU_INIT_ARGS`` win over the set's value for 
 from __future__ import annotations
 
 import os
-
-from glm5_jax.model.config import ConfigError
 
 FLAG_SETS: dict[str, tuple[str, ...]] = {
     "none": (),
@@ -81,7 +79,7 @@ def _flag_name(arg: str) -> str:
 def libtpu_init_args(name: str, existing: str = "") -> str:
     """``existing`` (a LIBTPU_INIT_ARGS value) plus the flags of set ``name`` it does not set itself."""
     if name not in FLAG_SETS:
-        raise ConfigError(f"tpu_flags={name!r}: choose one of {sorted(FLAG_SETS)}")
+        raise ValueError(f"tpu_flags={name!r}: choose one of {sorted(FLAG_SETS)}")
     have = {_flag_name(a) for a in existing.split()}
     added = [f for f in FLAG_SETS[name] if _flag_name(f) not in have]
     return " ".join(existing.split() + added)
