@@ -1,9 +1,9 @@
 """Pallas TPU kernel: sparse MLA decode — gather a token's selected latent rows from one layer of the stacked
 cache and attend over them, in one kernel (the computation: reference.py).
 
-The decode step's attention core was two passes: pallas_kernels/row_gather wrote each batch row's K selected
-rows [K, C] to HBM, then XLA's attention read them back for each of its two products (the logits and the
-weighted sum) and wrote and read the [H, K] probabilities between them. Here grid step b streams batch row
+In two passes the decode step's attention core is pallas_kernels/row_gather writing each batch row's K selected
+rows [K, C] to HBM, then XLA's attention reading them back for each of its two products (the logits and the
+weighted sum) and writing and reading the [H, K] probabilities between them. Here grid step b streams batch row
 b's [S, C] slice of layer ``layer`` (scalar prefetch) through VMEM as the row gather's streamed form does, picks
 the K rows out of VMEM into a [K, C] scratch (the token's own new row at slot pos[b], not yet in the cache),
 and runs both products and the softmax there: HBM holds only the slice read, the query and the [H, V] output.
