@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.int4_matmul import tiling
+from pallas_kernels.int4_matmul.kernel import dequantized_chunk
 from pallas_kernels.kernel_math import mm
 
 NAME = "int4_decode_moe"
@@ -63,10 +64,7 @@ def _dequant_mm(x, packed_ref, scale_ref, group_size: int):
     for s in range(0, N, sub):
         acc = None
         for c in range(scale_ref.shape[0]):
-            words = packed_ref[c * G:(c + 1) * G, s:s + sub]
-            groups = [((jax.lax.shift_right_logical(words, 4 * j) & 0xF) - 8).astype(jnp.float32)
-                      * scale_ref[c, j:j + 1, s:s + sub].astype(jnp.float32) for j in range(PER_WORD)]
-            w = jnp.concatenate(groups, axis=0).astype(x.dtype)                  # [8G, sub]
+            w = dequantized_chunk(packed_ref, scale_ref, c, s, sub, G, x.dtype)    # [8G, sub]
             part = mm(x[:, c * PER_WORD * G:(c + 1) * PER_WORD * G], w)
             acc = part if acc is None else acc + part
         cols.append(acc)

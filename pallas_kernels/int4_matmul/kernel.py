@@ -32,6 +32,18 @@ PER_WORD = tiling.PER_WORD
 NAME = "int4_block_matmul"     # the kernel's name in its Mosaic custom call (the cost model's rule reads it)
 
 
+def dequantized_chunk(packed_ref, scale_ref, c: int, s: int, sub: int, group_size: int, dtype):
+    """Contraction chunk c (8G rows) of output columns s : s + sub, dequantised: [8G, sub] in ``dtype``, from its G
+    packed rows of ``packed_ref`` [K/8, N] and its scale rows ``scale_ref[c]`` [8, N] (nibble j: group j)."""
+    G = group_size
+    words = packed_ref[c * G:(c + 1) * G, s:s + sub]                     # [G, sub] int32
+    groups = []
+    for j in range(PER_WORD):
+        q = (jax.lax.shift_right_logical(words, 4 * j) & 0xF) - 8
+        groups.append(q.astype(jnp.float32) * scale_ref[c, j:j + 1, s:s + sub].astype(jnp.float32))
+    return jnp.concatenate(groups, axis=0).astype(dtype)
+
+
 def _kernel(layer_ref, block_expert_ref, n_used_ref, x_ref, packed_ref, scale_ref, y_ref, acc_ref, *, group_size):
     i, k = pl.program_id(1), pl.program_id(2)
     G = group_size
@@ -48,12 +60,7 @@ def _kernel(layer_ref, block_expert_ref, n_used_ref, x_ref, packed_ref, scale_re
         n_chunks = scale_ref.shape[0]                                    # tk / 8G
         for s in range(0, tn, sub):                                      # output columns s : s + sub
             for c in range(n_chunks):
-                words = packed_ref[c * G:(c + 1) * G, s:s + sub]         # [G, sub] int32
-                groups = []
-                for j in range(PER_WORD):
-                    q = (jax.lax.shift_right_logical(words, 4 * j) & 0xF) - 8
-                    groups.append(q.astype(jnp.float32) * scale_ref[c, j:j + 1, s:s + sub].astype(jnp.float32))
-                w = jnp.concatenate(groups, axis=0).astype(x.dtype)      # [8G, sub]
+                w = dequantized_chunk(packed_ref, scale_ref, c, s, sub, G, x.dtype)   # [8G, sub]
                 xc = x[:, c * PER_WORD * G:(c + 1) * PER_WORD * G]
                 acc_ref[:, s:s + sub] += mm(xc, w)
 
