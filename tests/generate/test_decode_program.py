@@ -129,13 +129,15 @@ def test_stacked_int4_experts_equal_the_per_layer_slices():
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
 
 
-@pytest.mark.parametrize("quant", ["none", "int4"])
+@pytest.mark.parametrize("quant", ["none", "int4", "int4_rows_kernel"])
 def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
     """The decode program in fp32 over an expert:4,tensor:2 sampling mesh, 8 rows (2 per expert chip), the MoE
     through moe_ep="a2a_decode" (no assignment dropped at these shapes; INT4 experts through the kernel,
     interpreted): the same tokens as one device over 4 steps (the XLA grouped matmul, or the same INT4 kernel),
     and the first step's logits within 1e-5. (Its MoE equals the gather dispatch's within 1e-5:
-    tests/model/test_decode_dispatch.py.)"""
+    tests/model/test_decode_dispatch.py.) "int4_rows_kernel": 128 wide (received rows in lane tiles) with
+    ``decode_moe_kernel``: each chip's received rows through pallas_kernels/int4_moe_rows (interpreted; in the
+    program, with no INT4 block-matmul call left in its MoE)."""
     import flax.linen as nn
     from glm5_jax.generate.decode_program import decode_rules
     from glm5_jax.model.moe.int4_weights import quantize_params
@@ -144,10 +146,10 @@ def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
 
     # experts 128 wide: a half over tensor:2 is still whole INT4 chunks (8 x quant_group_size)
     base = TINY.replace(moe_intermediate_size=128, quant_group_size=8, mtp_depth=0, num_nextn_predict_layers=0,
-                        initializer_range=0.3)
+                        initializer_range=0.3, hidden_size=128 if quant == "int4_rows_kernel" else TINY.hidden_size)
     variables = init_variables(base)
     cfg = decode_config(base)
-    if quant == "int4":
+    if quant != "none":
         variables = {**variables, "params": quantize_params(variables["params"], base)}
         cfg = cfg.replace(quant="int4", quant_matmul="pallas_interpret")
     rows, steps = 8, 4
@@ -168,9 +170,17 @@ def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
 
     want_logits, want_tokens = run(cfg, False)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
-    logits, tokens = run(cfg.replace(moe_ep="a2a_decode"), True)
+    sharded = cfg.replace(moe_ep="a2a_decode", decode_moe_kernel=quant == "int4_rows_kernel")
+    logits, tokens = run(sharded, True)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
+    if quant == "int4_rows_kernel":
+        from pallas_kernels.int4_matmul.kernel import NAME as BLOCK_KERNEL
+        from pallas_kernels.int4_moe_rows.kernel import NAME
+        with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(rows, mesh)):
+            jaxpr = str(jax.make_jaxpr(lambda v, t: decode_steps(sharded, 1, v, t, start, init_cache(
+                sharded, rows, S)["decoder"]))(variables, token))
+        assert f"name={NAME}" in jaxpr and f"name={BLOCK_KERNEL}" not in jaxpr
 
 
 def test_pallas_cache_read_refuses_a_slot_split_cache():

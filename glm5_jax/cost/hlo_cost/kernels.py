@@ -3,7 +3,8 @@ lowering's matmul from its shapes, megablox grouped matmuls by the row tiles the
 (`GroupedMatmulLoad`, `grouped_matmul_tiles`), and the INT4 expert kernel's dynamic row blocks by the
 blocks it declares (`declared_row_blocks`), the sorted row scatter-add's update blocks by an even cut over its
 parts (`scatter_part_blocks`), the few-token INT4 MoE kernel's weight fetches by its local assignments
-(`decode_moe_fetch_fraction`)."""
+(`decode_moe_fetch_fraction`), the received-rows INT4 MoE kernel's row blocks per part by the blocks it
+declares (`moe_rows_part_blocks`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import re
 from glm5_jax.cost.hlo_cost.parsing import arrays_of, dense_bytes
 from pallas_kernels.int4_decode_moe.kernel import NAME as INT4_DECODE_MOE, ROWS as INT4_DECODE_MOE_ROWS
 from pallas_kernels.int4_matmul.kernel import NAME as INT4_BLOCK_MATMUL
+from pallas_kernels.int4_moe_rows.kernel import NAME as INT4_MOE_ROWS, PARTS as INT4_MOE_ROWS_PARTS
 from pallas_kernels.row_scatter.kernel import NAME as SORTED_ROW_SCATTER_ADD
 
 _COST_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{([^}]*)\}')
@@ -126,16 +128,39 @@ def scatter_part_blocks(operand_shapes: list[str], grid) -> float | None:
     return math.ceil(rows[0][1] / (parts * block)) + (1 if parts > 1 else 0)
 
 
+def moe_rows_part_blocks(operand_shapes: list[str], attrs: str) -> float | None:
+    """The row blocks each part of the received-rows INT4 MoE kernel (pallas_kernels/int4_moe_rows; grid (parts,
+    blocks: dynamic, F tiles)) runs: the parts take alternate used blocks, so of n used the busiest runs
+    ceil(n / parts) <= (n + parts - 1) / parts, n the blocks it declares: its FLOPs / (2 x rows x 3 x D x F).
+    Its operands say the shapes: (the dynamic grid bound, layer [1], block_expert [blocks], n_used [1], slot table
+    [blocks x rows], the rows [R, D / 128, 128], gate words [L, E, D / 8, F], ...). None when they do not read as
+    that kernel's."""
+    arrays = [(dt, s) for dt, s in (a for t in operand_shapes for a in arrays_of(t))]
+    flops = float(_declared(attrs).get("flops", 0))
+    at = next((i for i, (dt, s) in enumerate(arrays) if dt[0] not in "sup" and len(s) == 3), None)
+    if at is None or at < 3 or at + 1 >= len(arrays) or not flops:
+        return None
+    slots, n_blocks, gate = arrays[at - 1][1], arrays[at - 3][1], arrays[at + 1][1]
+    if len(slots) != 1 or len(n_blocks) != 1 or len(gate) != 4 or not n_blocks[0]:
+        return None
+    rows, d_times_f = slots[0] / n_blocks[0], 8 * gate[2] * gate[3]
+    blocks = flops / (2 * rows * 3 * d_times_f)
+    return (blocks + INT4_MOE_ROWS_PARTS - 1) / INT4_MOE_ROWS_PARTS
+
+
 def dynamic_grid_bound(operand_shapes: list[str], attrs: str, load: GroupedMatmulLoad | None, shape: str = "",
                        kernel_name: str = "", grid=None) -> float:
     """The iterations of a kernel's dynamic grid axis: a megablox grouped matmul's visited row tiles under
     ``load`` (`grouped_matmul_tiles`), the most its grid may visit without one; the INT4 expert kernel's
     (``kernel_name``, its Mosaic function; ``shape`` its result) declared row blocks (`declared_row_blocks`);
-    the sorted row scatter-add's blocks per part (`scatter_part_blocks`, from its ``grid``); 1 for other
-    kernels."""
+    the sorted row scatter-add's blocks per part (`scatter_part_blocks`, from its ``grid``); the received-rows
+    INT4 MoE kernel's blocks per part (`moe_rows_part_blocks`); 1 for other kernels."""
     if kernel_name == SORTED_ROW_SCATTER_ADD:
         blocks = scatter_part_blocks(operand_shapes, grid)
         return 1.0 if blocks is None else float(blocks)
+    if kernel_name == INT4_MOE_ROWS:
+        blocks = moe_rows_part_blocks(operand_shapes, attrs)
+        return 1.0 if blocks is None else blocks
     if kernel_name == INT4_BLOCK_MATMUL:
         blocks = declared_row_blocks(shape, operand_shapes, attrs)
         return 1.0 if blocks is None else blocks

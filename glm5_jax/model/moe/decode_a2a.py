@@ -7,8 +7,10 @@ layer and chip, n tokens x K choices, ``chips`` chips in the expert group:
     each (token, choice) -> its expert's chip and its rank among this chip's assignments to that chip ->
     send slots [chips, C] (the first C per destination, in token order; later ones dropped, counted)
     rows [chips, C, D] and each slot's local expert [chips, C]  --all_to_all over the expert axis-->
-    the chip's SwiGLU of each received row by its local expert (`expert_rows`: the bf16 grouped matmul or
-    the packed INT4 kernel, decode_dispatch's; gates applied at the source)  --all_to_all back-->
+    the chip's SwiGLU of each received row by its local expert (`expert_rows`: the bf16 grouped matmul,
+    the packed INT4 block kernel, decode_dispatch's, or with ``decode_moe_kernel`` the one-call INT4 kernel
+    pallas_kernels/int4_moe_rows, which reads the received rows and writes their results in place; gates
+    applied at the source)  --all_to_all back-->
     each slot's output -> sum_k gates[n, k] y[n, k] per token [n, D] (fp32)
 
 "gather" moves the expert group's tokens to every chip and their results back ([chips x n, D] twice, which
@@ -36,6 +38,8 @@ from glm5_jax.model.moe.decode_dispatch import (chip_blocks, chip_weights, dispa
                                                  sort_by_key)
 from glm5_jax.model.moe.experts import block_layout
 from glm5_jax.model.moe.expert_parallel import rank_within_expert, tile_rows
+from pallas_kernels.impls import PALLAS_IMPLS
+from pallas_kernels.int4_moe_rows import ops as int4_moe_rows_ops
 
 
 def destination_capacity(n_tokens: int, top_k: int, n_experts: int, n_local: int, factor: float) -> int:
@@ -63,12 +67,24 @@ def expert_rows(rows_R, key_R, weights, cfg: ModelConfig, block, cost_blocks):
     """SwiGLU of each received row by its local expert ``key_R`` (n_local: an empty slot) -> [R, ...] in the
     compute dtype, shaped as ``rows_R`` ([R, D] or `tile_rows`' [R, D / 128, 128]); empty slots' rows unspecified.
     The rows are gathered straight into the expert-sorted layout the expert products take (the INT4 kernel's
-    row blocks, `block_layout`; the grouped matmul's sorted rows) and each row's output gathered back from it."""
+    row blocks, `block_layout`; the grouped matmul's sorted rows) and each row's output gathered back from it;
+    through the one-call kernel (`rows_kernel_applies`) the same blocks are only a slot table: the kernel DMAs
+    each slot's row in and its result back to the row's place."""
     R, D, dt = rows_R.shape[0], math.prod(rows_R.shape[1:]), cfg.jnp_dtype
     int4 = isinstance(weights[0], int4_weights.Int4Weight)
     n_local = weights[0].packed.shape[-3] if int4 else weights[0].shape[0]
     order, group_sizes = sort_by_key(key_R, n_local)
     take = lambda x, rows: x.at[rows].get(mode="clip")                   # noqa: E731   (out of range: unread)
+    if int4 and rows_kernel_applies(cfg, rows_R):
+        src, block_expert, _, _ = block_layout(group_sizes, R, block)
+        n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
+        slot_row = jnp.where(src < R, take(order, src), R).astype(jnp.int32)   # the received row in each slot
+        stacked = weights[0].layer is not None
+        lead = (lambda a: a) if stacked else (lambda a: a[None])            # noqa: E731
+        return int4_moe_rows_ops.int4_moe_rows(
+            rows_R.astype(dt), slot_row, jnp.minimum(block_expert, n_local - 1), n_used,
+            *(lead(a) for w in weights for a in (w.packed, w.scale)), weights[0].layer if stacked else 0,
+            group_size=cfg.quant_group_size, dtype=dt, impl=cfg.runtime.quant_matmul, cost_blocks=cost_blocks)
     if int4:
         src, block_expert, _, dest = block_layout(group_sizes, R, block)  # src: the sorted row in each slot
         n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
@@ -80,6 +96,14 @@ def expert_rows(rows_R, key_R, weights, cfg: ModelConfig, block, cost_blocks):
         y = local_swiglu(take(rows_R, order).astype(dt).reshape(R, D), group_sizes, weights, dt, cfg)
     slot_of_row = jnp.zeros((R,), jnp.int32).at[order].set(dest)         # received row -> its output row
     return take(tile_rows(y.astype(dt)), slot_of_row).reshape(rows_R.shape)
+
+
+def rows_kernel_applies(cfg: ModelConfig, rows_R) -> bool:
+    """Whether a chip's received rows take the one-call INT4 kernel (``decode_moe_kernel``,
+    pallas_kernels/int4_moe_rows): rows laid out [R, D / 128, 128] (`tile_rows`), a Pallas quant_matmul, no
+    SwiGLU clamp."""
+    return (cfg.runtime.decode_moe_kernel and cfg.runtime.quant_matmul in PALLAS_IMPLS and cfg.swiglu_limit is None
+            and rows_R.ndim == 3)
 
 
 def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
