@@ -37,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.model import context_attention, mha_form, pooled_indexer, routing_replay
 from glm5_jax.model.config import ModelConfig
-from glm5_jax.model import decode_rows
+from glm5_jax.model import decode_context, decode_rows
 from glm5_jax.model.kv_cache import cache_slots, write_rows
 from glm5_jax.model.layers import LayerNorm, RMSNorm, constrain, einsum, logical_param, normal_init
 from glm5_jax.model.rope import apply_pair_swap_rope, apply_rope, pair_swap_tables, rope_cos_sin
@@ -310,20 +310,31 @@ class MLAttention(nn.Module):
             raise ValueError("decode_cache_write='rows' decodes DSA layers (sparse stage, an indexer)")
         new = {"latent": new_latent_BTC.astype(cache["latent"].dtype)}
         selection = prev_selection
+        # slots split over `context`, the stacked cache read in place: each shard works on its own slots
+        # (glm5_jax/model/decode_context.py), no per-layer all-gather of the cache
+        slot_split = layer_index is not None and logical_axis_shards(CACHE_SEQ) > 1
         if self.indexer_kind == "full":
             q_i, k_i, w_i = Indexer(cfg, name="indexer")(a_BTD, qr, positions_BT, rope)
             new["index_key"] = k_i.astype(cache["index_key"].dtype)
-            keys = cache["index_key"] if layer_index is None else \
-                jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False,
-                                             allow_negative_indices=False)      # a scan index: no wrap ops
             with jax.named_scope("lightning_indexer"):
-                selection = decode_rows.topk_with_new_rows(q_i, keys, new["index_key"], w_i, positions_BT,
-                                                           cfg.index_topk)
+                if slot_split:
+                    selection = decode_context.topk(q_i, cache["index_key"], layer_index, new["index_key"], w_i,
+                                                    positions_BT, cfg.index_topk)
+                else:
+                    keys = cache["index_key"] if layer_index is None else \
+                        jax.lax.dynamic_index_in_dim(cache["index_key"], layer_index, axis=0, keepdims=False,
+                                                     allow_negative_indices=False)      # a scan index: no wrap ops
+                    selection = decode_rows.topk_with_new_rows(q_i, keys, new["index_key"], w_i, positions_BT,
+                                                               cfg.index_topk)
         heads_major = layer_index is not None and cfg.runtime.decode_stacked_kv_b and cfg.runtime.decode_kv_b_heads_major
         uk_spec, uv_spec = ("bthn,hrn->bthr", "bthr,hvr->bthv") if heads_major else ("bthn,rhn->bthr", "bthr,rhv->bthv")
         q_abs = jnp.concatenate([einsum(uk_spec, q_nope, w_uk, dt), q_rot.astype(dt)], axis=-1)
         with jax.named_scope("attention_core"):
-            if self._fused_decode_attention(cache["latent"], layer_index, positions_BT):
+            if slot_split:
+                o_lat = decode_context.attend(q_abs, cache["latent"], layer_index, new["latent"], *selection[:2],
+                                              positions_BT, scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
+                                              gather_impl=cfg.runtime.decode_cache_read)
+            elif self._fused_decode_attention(cache["latent"], layer_index, positions_BT):
                 o_lat = self._sparse_mla_decode(cache["latent"], layer_index, *selection[:2], q_abs, new["latent"],
                                                 positions_BT)
             else:

@@ -129,7 +129,8 @@ class RuntimeConfig:
     # with decode_cache_write="rows", how a layer reads the stacked [layers, B, S, X] cache: "slice" (the layer
     # scan slices the layer's cache out: a copy of the layer's whole cache per layer per step) or the scan hands
     # every layer the stacked cache and its index and the selected latent rows are gathered in place by that
-    # impl of pallas_kernels/row_gather ("xla": the slice and XLA's gather; "pallas": the kernel)
+    # impl of pallas_kernels/row_gather ("xla": the slice and XLA's gather; "pallas": the kernel); with the slots
+    # split over `context` each shard selects and attends over its own slots (glm5_jax/model/decode_context.py)
     decode_cache_read: DecodeCacheRead = "slice"
     # with a decode_cache_read other than "slice", one token per batch row: the absorbed attention over the selected
     # latent rows. "xla": the rows gathered by decode_cache_read's impl, then XLA's attention over them; a Pallas

@@ -27,24 +27,33 @@ def _scores(q_BTHD, k_BSD, w_BTH):
     return jnp.einsum("bths,bth->bts", jax.nn.relu(dots), w_BTH.astype(jnp.float32))
 
 
-def _new_slot_index(positions_BT, S):
-    """(j [B, 1, S]: the new row slot s holds (clipped), is_new [B, 1, S])."""
-    j = jnp.arange(S, dtype=jnp.int32)[None, None, :] - positions_BT[:, :1, None]
+def _new_slot_index(positions_BT, S, first_slot=0):
+    """(j [B, 1, S]: the new row the slot first_slot + s holds (clipped), is_new [B, 1, S])."""
+    j = first_slot + jnp.arange(S, dtype=jnp.int32)[None, None, :] - positions_BT[:, :1, None]
     T = positions_BT.shape[1]
     return jnp.clip(j, 0, T - 1), (j >= 0) & (j < T)
+
+
+def topk_scores_with_new_rows(q_BTHD, keys_BSD, new_keys_BTD, w_BTH, positions_BT, topk: int, first_slot=0):
+    """(top scores [B, T, k] fp32, -inf where not visible; their slots [B, T, k] int32), k = min(topk, S): each
+    query's top-k visible slots among the S slots first_slot .. first_slot + S - 1 (slot s visible from
+    position p iff s <= p), the new rows at slots positions[b, 0] ..."""
+    S = keys_BSD.shape[1]
+    j, is_new = _new_slot_index(positions_BT, S, first_slot)
+    slot = first_slot + jnp.arange(S, dtype=jnp.int32)
+    visible = slot[None, None, :] <= positions_BT[:, :, None]
+    new_at_slot = jnp.take_along_axis(_scores(q_BTHD, new_keys_BTD, w_BTH),
+                                      jnp.broadcast_to(j, (*positions_BT.shape, S)), axis=2)
+    scores = jnp.where(is_new, new_at_slot, _scores(q_BTHD, keys_BSD, w_BTH))
+    top, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(topk, S))
+    return top, idx.astype(jnp.int32) + first_slot
 
 
 def topk_with_new_rows(q_BTHD, keys_BSD, new_keys_BTD, w_BTH, positions_BT, topk: int):
     """(idx [B, T, k] int32, valid [B, T, k] bool), k = min(topk, S): each query's top-k visible slots
     (slot s visible from position p iff s <= p), the new rows at slots positions[b, 0] ..."""
-    S = keys_BSD.shape[1]
-    j, is_new = _new_slot_index(positions_BT, S)
-    visible = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
-    new_at_slot = jnp.take_along_axis(_scores(q_BTHD, new_keys_BTD, w_BTH),
-                                      jnp.broadcast_to(j, (*positions_BT.shape, S)), axis=2)
-    scores = jnp.where(is_new, new_at_slot, _scores(q_BTHD, keys_BSD, w_BTH))
-    top, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(topk, S))
-    return idx.astype(jnp.int32), top > -jnp.inf
+    top, idx = topk_scores_with_new_rows(q_BTHD, keys_BSD, new_keys_BTD, w_BTH, positions_BT, topk)
+    return idx, top > -jnp.inf
 
 
 def take_rows(latent_BSC, idx_BTK):
@@ -52,9 +61,9 @@ def take_rows(latent_BSC, idx_BTK):
     return jax.vmap(lambda rows, i: rows[i])(latent_BSC, idx_BTK)
 
 
-def attend_with_new_rows(q_BTHC, cached_BTKC, new_latent_BTC, idx_BTK, valid_BTK, positions_BT, *, scale, v_dim):
-    """Absorbed attention of every head over its query's selected rows -> [B, T, H, v_dim] in q's dtype;
-    ``cached`` the cache's rows at idx (as it was before the step), those at new slots replaced by new rows."""
+def rows_with_new_rows(cached_BTKC, new_latent_BTC, idx_BTK, positions_BT):
+    """[B, T, k, C]: ``cached`` (the cache's rows at idx, as it was before the step), those at new slots replaced
+    by the step's new rows."""
     T = positions_BT.shape[1]
     j = idx_BTK - positions_BT[:, :1, None]
     new = new_latent_BTC.astype(cached_BTKC.dtype)
@@ -63,7 +72,13 @@ def attend_with_new_rows(q_BTHC, cached_BTKC, new_latent_BTC, idx_BTK, valid_BTK
     # rows once, small enough to stay on chip, and both matmuls read them there (one HBM read, not two).
     B = positions_BT.shape[0]
     new_BTKC = new[:, :, None, :] if T == 1 and B > 1 else take_rows(new, jnp.clip(j, 0, T - 1))
-    rows = jnp.where(((j >= 0) & (j < T))[..., None], new_BTKC, cached_BTKC)
+    return jnp.where(((j >= 0) & (j < T))[..., None], new_BTKC, cached_BTKC)
+
+
+def attend_with_new_rows(q_BTHC, cached_BTKC, new_latent_BTC, idx_BTK, valid_BTK, positions_BT, *, scale, v_dim):
+    """Absorbed attention of every head over its query's selected rows -> [B, T, H, v_dim] in q's dtype;
+    ``cached`` the cache's rows at idx (as it was before the step), those at new slots replaced by new rows."""
+    rows = rows_with_new_rows(cached_BTKC, new_latent_BTC, idx_BTK, positions_BT)
     logits = jnp.einsum("btkc,bthc->bthk", rows, q_BTHC.astype(rows.dtype), preferred_element_type=jnp.float32)
     logits = jnp.where(valid_BTK[:, :, None, :], logits * scale, -jnp.inf)
     probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))

@@ -38,6 +38,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model import routing_replay
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, LAYERS
+from glm5_jax.parallel.shard_map import logical_axis_shards, logical_mesh_axes, logical_shard_map
 
 # Logical axes of one layer's [B, S, X] leaf; decoder leaves carry their segment's repeats in front
 # ("layers"). The slot axis is "cache_seq": mapped to a mesh axis, each chip holds S / n slots of every
@@ -102,11 +103,31 @@ def write_rows(cache_BSX, rows_BTX, positions_BT):
 
 def write_stacked_rows(cache, rows, positions_BT):
     """A segment's cache ({layer_i: {name: [repeats, B, S, X]}}) with every layer's new rows ({layer_i: {name:
-    [repeats, B, T, X]}}) written at slots positions[b, 0] .. + T - 1 (``decode_cache_write="rows"``)."""
+    [repeats, B, T, X]}}) written at slots positions[b, 0] .. + T - 1 (``decode_cache_write="rows"``). With the
+    slots split over `context` each shard writes the rows that fall in its slots (a write at a run-time slot of a
+    sharded axis would otherwise gather the whole cache to every chip first)."""
+    if logical_axis_shards(CACHE_SEQ) > 1:
+        return jax.tree.map(lambda c, r: _write_slot_split(c, r, positions_BT[:, 0]), cache, rows)
+
     def one(c_RSX, r_RTX, start):
         return jax.lax.dynamic_update_slice(c_RSX, r_RTX.astype(c_RSX.dtype), (0, start, 0))
     write = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)
     return jax.tree.map(lambda c, r: write(c, r, positions_BT[:, 0]), cache, rows)
+
+
+def _write_slot_split(cache_RBSX, rows_RBTX, start_B):
+    """`write_stacked_rows` of one leaf per slot shard: a shard's slots are first .. first + S_local - 1 (shards
+    in slot order along the context axes); rows outside them are dropped there."""
+    def shard(c, r, start):
+        S_local, T = c.shape[2], r.shape[2]
+        first = jax.lax.axis_index(logical_mesh_axes(CACHE_SEQ)) * S_local
+        slot = start[:, None] - first + jnp.arange(T, dtype=jnp.int32)[None, :]          # [B, T]
+        slot = jnp.where((slot >= 0) & (slot < S_local), slot, S_local)                  # S_local: dropped
+        return c.at[:, jnp.arange(c.shape[1])[:, None], slot].set(r.astype(c.dtype), mode="drop")
+
+    stacked = (LAYERS,) + LAYER_AXES
+    return logical_shard_map(shard, in_axes=(stacked, (LAYERS, BATCH, None, None), (BATCH,)), out_axes=stacked)(
+        cache_RBSX, rows_RBTX, start_B)
 
 
 def record_routing(cache_in: dict, cache_out: dict, positions_BT, expert_idx_BTK=None, selection=None) -> dict:

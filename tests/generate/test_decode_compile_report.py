@@ -85,3 +85,25 @@ def test_a2a_decode_dispatch_compiles_with_all_to_alls(tmp_path):
     assert r["fits"] and r["moe_ep"] == "a2a_decode" and not r["uncounted_custom_calls"]
     text = gzip.open(path, "rt").read()
     assert len(re.findall(r"= \S+ all-to-all(?:-start)?\(", text)) >= 3
+
+
+def test_slot_split_cache_compiles_without_gathering_the_cache(tmp_path):
+    """cache_read="pallas" over `context:2,tensor:2` (the cache's slots split): each shard selects, gathers and
+    attends over its own slots and writes the new rows that fall in them (glm5_jax/model/decode_context.py,
+    kv_cache.write_stacked_rows), so no collective of the compiled v5p program moves a layer's slots: every
+    all-gather is smaller than one layer's index keys of the batch on one shard (left to the sharding
+    propagation, the step all-gathered the whole stacked cache)."""
+    import gzip
+    import re
+
+    from glm5_jax.cost.hlo_cost.parsing import arrays_of, dense_bytes
+
+    path = str(tmp_path / "decode.hlo.gz")
+    r = compile_report.compile_point(TINY, "v5p:2x2x1", "context:2,tensor:2", 1, CONTEXT, "int4", STEPS,
+                                     cache_read="pallas", hlo_path=path)
+    assert r["fits"] and r["mesh"] == {"context": 2, "tensor": 2} and not r["uncounted_custom_calls"]
+    text = gzip.open(path, "rt").read()
+    gathered = [dense_bytes(arrays_of(m.group(1))) for m in re.finditer(r"= (\S+) all-gather(?:-start)?\(", text)]
+    one_layer_keys = CONTEXT // 2 * TINY.index_head_dim * 2            # 128 slots x 32 bf16 values
+    assert gathered and max(gathered) < one_layer_keys
+    assert "stacked_row_gather" in text

@@ -183,21 +183,48 @@ def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
         assert f"name={NAME}" in jaxpr and f"name={BLOCK_KERNEL}" not in jaxpr
 
 
-def test_pallas_cache_read_refuses_a_slot_split_cache():
-    """The row-gather kernel reads a batch shard's slots whole: over a context-split cache (cache_seq over
-    `context`) it would gather the cache to every chip per layer and step, so tracing it names the switch."""
+@pytest.mark.parametrize("read", ["xla", "pallas_interpret"])
+def test_slot_split_cache_decodes_the_same_tokens(read):
+    """Cache slots over `context` (data:2,context:2,tensor:2, 16 slots a chip, batch rows at positions on both
+    sides of the split, index_topk 8 of up to 32 visible slots), the stacked cache read in place: each shard selects
+    and attends over its own slots (glm5_jax/model/decode_context.py: per-shard top-k merged, partial attention
+    combined; with the row-gather kernel the slot-split cache was refused). In fp32 over 6 steps: the same tokens
+    and cache as one device, the first step's logits within 1e-5."""
+    import re
     import flax.linen as nn
-    import pytest
     from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.parallel.axes import CACHE_SEQ
     from glm5_jax.parallel.mesh import build_mesh
     from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
+    from glm5_jax.parallel.shard_map import logical_axis_shards
 
-    cfg = decode_config(TINY).replace(decode_cache_write="rows", decode_cache_read="pallas_interpret")
-    mesh = build_mesh(parse_mesh_spec("data:2,context:2", SAMPLING_RULES), jax.devices()[:4])
+    cfg = decode_config(TINY).replace(decode_cache_write="rows", decode_cache_read=read)
     variables = init_variables(TINY)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(B, mesh)), pytest.raises(ValueError, match="slice"):
-        jax.eval_shape(lambda v, t, p, cache: decode_steps(cfg, 2, v, t, p, cache), variables,
-                       jnp.zeros((B,), jnp.int32), jnp.full((B,), P, jnp.int32), init_cache(cfg, B, S)["decoder"])
+    rows, slots, steps = 4, 32, 6
+    rng = np.random.default_rng(4)
+    token = jnp.asarray(rng.integers(2, cfg.vocab_size, rows), jnp.int32)
+    start = jnp.asarray([3, 12, 15, 21], jnp.int32)            # both shards' slots, the split at 16 crossed
+    cache = init_cache(cfg, rows, slots)["decoder"]
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), cache)   # a filled cache
+    mesh = build_mesh(parse_mesh_spec("data:2,context:2,tensor:2", SAMPLING_RULES), jax.devices()[:8])
+
+    def program(v, t, c):
+        logits = Transformer(cfg).apply(v, t[:, None], start[:, None], jnp.ones((rows, 1), jnp.int32), c,
+                                        method=Transformer.decode)[0]
+        return (logits,) + decode_steps(cfg, steps, v, t, start, c)
+
+    want_logits, want_tokens, want_cache = jax.jit(program)(variables, token, cache)
+    assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1
+    with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(rows, mesh)):
+        assert logical_axis_shards(CACHE_SEQ) == 2
+        jaxpr = str(jax.make_jaxpr(program)(variables, token, cache))
+        logits, tokens, got_cache = jax.jit(program)(variables, token, cache)
+    # per shard: each context shard's top-k candidates gathered over `context` (8 of its 16 slots, 2 shards)
+    assert re.search(r"all_gather\[[^\]]*axis_name=\('context',\)", jaxpr.replace("\n", " "))
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5),
+                 got_cache, want_cache)
 
 
 def test_pair_swap_rope_decodes_the_same_tokens_and_cache():
