@@ -66,6 +66,23 @@ def test_kernel_equals_reference(tile_f):
         assert float(jnp.abs(want[held].astype(jnp.float32)).max()) > 0.1
 
 
+@pytest.mark.parametrize("n_used", [0, 1, 5])
+def test_kernel_runs_every_used_block_and_no_other(n_used):
+    """n_used of the 5 blocks (odd: the second part's last step past n_used skips): every row a used block holds
+    equals the reference; none used (an empty dispatch) runs and writes nothing it must."""
+    rng = np.random.default_rng(11)
+    weights, x = _weights(rng), _rows(rng)
+    slot, block_expert, _ = _layout(rng)
+    n_used = jnp.int32(n_used)
+    held = _held(slot, n_used)
+    want = reference.int4_moe_rows(x, slot, block_expert, n_used, *weights, 0, group_size=G, dtype=jnp.bfloat16)
+    got = kernel.int4_moe_rows(x, slot, block_expert, n_used, *weights, 0, group_size=G, dtype=jnp.bfloat16,
+                               interpret=True)
+    assert len(held) == {0: 0, 1: M, 5: M + 5 + 11 + 3 + 2}[int(n_used)]
+    np.testing.assert_allclose(np.asarray(got[held], np.float32), np.asarray(want[held], np.float32),
+                               rtol=8e-3, atol=1e-3)
+
+
 def test_reference_is_the_block_matmul_per_row():
     """Each held row as a one-row block through the INT4 block matmul's reference (gate, up, SwiGLU in bf16,
     down) by its block's expert, rounded to the rows' dtype; rows no used slot holds are 0."""
