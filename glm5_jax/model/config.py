@@ -148,8 +148,8 @@ class RuntimeConfig:
     # dequantised and applied in VMEM) instead of the blocked dispatch around three INT4 matmul calls (~25 small XLA
     # ops a layer); the same values up to the products' fp32 summation order. With moe_ep="a2a_decode" (many tokens
     # per chip) the same switch runs the rows each chip receives through pallas_kernels/int4_moe_rows (the rows
-    # DMA'd into expert blocks, gate / up / SwiGLU / down in VMEM, each result DMA'd back to its row's place)
-    # instead of the gathers, relayouts and three INT4 calls around the block kernel
+    # DMA'd into expert blocks, gate / up / SwiGLU / down in VMEM, each result DMA'd back to its row's place);
+    # off, they take the gathers, relayouts and three INT4 calls around the block kernel
     decode_moe_kernel: bool = False
     # the MoE router's top-k choice and gates from its scores (no expert groups, no replayed routing, a few tokens
     # per shard): "xla" (top-k, gather, normalisation as XLA ops) or the one-call kernel pallas_kernels/router_topk

@@ -3,10 +3,11 @@
 
 A decode step with many tokens per chip sends each (token, choice) row to its expert's chip
 (glm5_jax/model/moe/decode_a2a.py). The rows a chip receives, R = chips x capacity of them, most of them empty
-send slots, arrive as [R, D/128, 128] (each row its own HBM tiles). Through XLA the chip gathered them into
-expert-sorted row blocks, relaid them out to [blocks, rows, D] for the block matmul, ran three INT4 calls
-(gate, up, down) with fp32 [blocks, rows, F] and [blocks, rows, D] results between them, cast, relaid out and
-gathered each received row's result back: ~8 passes over capacity-padded arrays a layer. Here:
+send slots, arrive as [R, D/128, 128] (each row its own HBM tiles). The XLA form around the INT4 block kernel
+(`decode_a2a.expert_rows` without this kernel) gathers them into expert-sorted row blocks, relays them out to
+[blocks, rows, D], runs three INT4 calls (gate, up, down) with fp32 [blocks, rows, F] and [blocks, rows, D]
+results between them, casts, relays out and gathers each received row's result back: ~8 passes over
+capacity-padded arrays a layer. Here:
 
     grid (2 parts "parallel", used blocks / 2 (dynamic), F tiles): part p's step u runs row block g = 2u + p
     (the two TensorCores of a chip take alternate blocks, so the few used ones split evenly);

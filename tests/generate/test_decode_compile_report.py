@@ -91,8 +91,8 @@ def test_slot_split_cache_compiles_without_gathering_the_cache(tmp_path):
     """cache_read="pallas" over `context:2,tensor:2` (the cache's slots split): each shard selects, gathers and
     attends over its own slots and writes the new rows that fall in them (glm5_jax/model/decode_context.py,
     kv_cache.write_stacked_rows), so no collective of the compiled v5p program moves a layer's slots: every
-    all-gather is smaller than one layer's index keys of the batch on one shard (left to the sharding
-    propagation, the step all-gathered the whole stacked cache)."""
+    all-gather is smaller than one layer's index keys of the batch on one shard (a write at a run-time slot of
+    the sharded axis, left to the sharding propagation, all-gathers the whole stacked cache)."""
     import gzip
     import re
 

@@ -188,7 +188,7 @@ def test_slot_split_cache_decodes_the_same_tokens(read):
     """Cache slots over `context` (data:2,context:2,tensor:2, 16 slots a chip, batch rows at positions on both
     sides of the split, index_topk 8 of up to 32 visible slots), the stacked cache read in place: each shard selects
     and attends over its own slots (glm5_jax/model/decode_context.py: per-shard top-k merged, partial attention
-    combined; with the row-gather kernel the slot-split cache was refused). In fp32 over 6 steps: the same tokens
+    combined). In fp32 over 6 steps: the same tokens
     and cache as one device, the first step's logits within 1e-5."""
     import re
     import flax.linen as nn
