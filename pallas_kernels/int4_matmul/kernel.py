@@ -44,11 +44,21 @@ def dequantized_chunk(packed_ref, scale_ref, c: int, s: int, sub: int, group_siz
     return jnp.concatenate(groups, axis=0).astype(dtype)
 
 
+def accumulate_dequantized_product(acc_ref, x, packed_ref, scale_ref, group_size: int):
+    """acc_ref [r, N] += x [r, Kc] @ dequantised [Kc, N] (packed_ref [Kc/8, N] int32, scale_ref [Kc/8G, 8, N]): per
+    `tiling.sub_tile` of output columns, the contraction chunk by chunk in order, each chunk's product added to the
+    accumulator."""
+    G = group_size
+    N = packed_ref.shape[-1]
+    sub = tiling.sub_tile(N)
+    for s in range(0, N, sub):                                           # output columns s : s + sub
+        for c in range(scale_ref.shape[0]):
+            w = dequantized_chunk(packed_ref, scale_ref, c, s, sub, G, x.dtype)            # [8G, sub]
+            acc_ref[:, s:s + sub] += mm(x[:, c * PER_WORD * G:(c + 1) * PER_WORD * G], w)
+
+
 def _kernel(layer_ref, block_expert_ref, n_used_ref, x_ref, packed_ref, scale_ref, y_ref, acc_ref, *, group_size):
     i, k = pl.program_id(1), pl.program_id(2)
-    G = group_size
-    tn = y_ref.shape[-1]
-    sub = tiling.sub_tile(tn)
 
     @pl.when(k == 0)
     def _():
@@ -56,13 +66,7 @@ def _kernel(layer_ref, block_expert_ref, n_used_ref, x_ref, packed_ref, scale_re
 
     @pl.when(i < n_used_ref[0])          # only an empty dispatch (n_used = 0) runs a block it skips
     def _():
-        x = x_ref[...]                                                   # [m, tk]
-        n_chunks = scale_ref.shape[0]                                    # tk / 8G
-        for s in range(0, tn, sub):                                      # output columns s : s + sub
-            for c in range(n_chunks):
-                w = dequantized_chunk(packed_ref, scale_ref, c, s, sub, G, x.dtype)   # [8G, sub]
-                xc = x[:, c * PER_WORD * G:(c + 1) * PER_WORD * G]
-                acc_ref[:, s:s + sub] += mm(xc, w)
+        accumulate_dequantized_product(acc_ref, x_ref[...], packed_ref, scale_ref, group_size)   # x [m, tk]
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():

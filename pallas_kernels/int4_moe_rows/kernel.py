@@ -31,8 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.int4_matmul import tiling
-from pallas_kernels.int4_matmul.kernel import dequantized_chunk
-from pallas_kernels.kernel_math import mm
+from pallas_kernels.int4_matmul.kernel import accumulate_dequantized_product
 from pallas_kernels.tpu_utils import LANES
 
 NAME = "int4_moe_rows"
@@ -50,24 +49,12 @@ def f_tile(D: int, F: int, group_size: int, budget: int = WEIGHT_BUDGET) -> int:
     return fits[0] if fits else chunk
 
 
-def _accumulate(acc_ref, x, packed_ref, scale_ref, group_size: int):
-    """acc_ref [r, N] += x [r, Kc] @ dequantised [Kc, N] (packed_ref [Kc/8, N] int32, scale_ref [Kc/8G, 8, N]),
-    contraction chunk by chunk in order, each chunk's product added to the accumulator (the INT4 block
-    kernel's order)."""
-    G = group_size
-    N = packed_ref.shape[-1]
-    sub = tiling.sub_tile(N)
-    for s in range(0, N, sub):
-        for c in range(scale_ref.shape[0]):
-            w = dequantized_chunk(packed_ref, scale_ref, c, s, sub, G, x.dtype)            # [8G, sub]
-            acc_ref[:, s:s + sub] += mm(x[:, c * PER_WORD * G:(c + 1) * PER_WORD * G], w)
-
-
 def _kernel(layer_ref, block_expert_ref, n_used_ref, slot_ref, rows_hbm, gp_ref, gs_ref, up_ref, us_ref, dp_ref,
             ds_ref, y_hbm, tiles, x_ref, gate_acc, up_acc, acc, sem, *, R, group_size, dtype):
-    # slot_ref (SMEM) [n x rows]: every block's slots (a rank-1 SMEM window must be the whole array or >= 128); rows_hbm / y_hbm [R, D/128, 128] (HBM); tiles (VMEM) [rows,
-    # D/128, 128]: the block's rows as DMA'd and its results before their DMAs; x_ref [rows, D] in ``dtype``;
-    # gate_acc / up_acc [rows, tf] fp32; acc [rows, D] fp32
+    # slot_ref (SMEM) [n x rows]: every block's slots (a rank-1 SMEM window must be the whole array or >= 128);
+    # rows_hbm / y_hbm [R, D/128, 128] (HBM); tiles (VMEM) [rows, D/128, 128]: the block's rows as DMA'd and its
+    # results before their DMAs; x_ref [rows, D] in ``dtype``; gate_acc / up_acc [rows, tf] fp32; acc [rows, D]
+    # fp32
     p, u, f = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g = PARTS * u + p
     used = g < n_used_ref[0]
@@ -96,10 +83,10 @@ def _kernel(layer_ref, block_expert_ref, n_used_ref, slot_ref, rows_hbm, gp_ref,
         x = x_ref[...]
         gate_acc[...] = jnp.zeros_like(gate_acc)
         up_acc[...] = jnp.zeros_like(up_acc)
-        _accumulate(gate_acc, x, gp_ref, gs_ref, group_size)
-        _accumulate(up_acc, x, up_ref, us_ref, group_size)
+        accumulate_dequantized_product(gate_acc, x, gp_ref, gs_ref, group_size)
+        accumulate_dequantized_product(up_acc, x, up_ref, us_ref, group_size)
         h = (jax.nn.silu(gate_acc[...]) * up_acc[...]).astype(dtype)
-        _accumulate(acc, h, dp_ref, ds_ref, group_size)
+        accumulate_dequantized_product(acc, h, dp_ref, ds_ref, group_size)
 
     @pl.when(used & (f == pl.num_programs(2) - 1))
     def _store_rows():
