@@ -35,7 +35,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.moe import int4_weights
 from glm5_jax.model.moe.decode_dispatch import (chip_blocks, chip_weights, dispatch_axes, expert_operands,
                                                  gathered_moe, int4_swiglu_blocks, local_capacity, local_swiglu,
-                                                 sort_by_key)
+                                                 sort_by_key, stacked_int4_operands)
 from glm5_jax.model.moe.experts import block_layout
 from glm5_jax.model.moe.expert_parallel import rank_within_expert, tile_rows
 from pallas_kernels.impls import PALLAS_IMPLS
@@ -75,22 +75,18 @@ def expert_rows(rows_R, key_R, weights, cfg: ModelConfig, block, cost_blocks):
     n_local = weights[0].packed.shape[-3] if int4 else weights[0].shape[0]
     order, group_sizes = sort_by_key(key_R, n_local)
     take = lambda x, rows: x.at[rows].get(mode="clip")                   # noqa: E731   (out of range: unread)
-    if int4 and rows_kernel_applies(cfg, rows_R):
-        src, block_expert, _, _ = block_layout(group_sizes, R, block)
-        n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
-        slot_row = jnp.where(src < R, take(order, src), R).astype(jnp.int32)   # the received row in each slot
-        stacked = weights[0].layer is not None
-        lead = (lambda a: a) if stacked else (lambda a: a[None])            # noqa: E731
-        return int4_moe_rows_ops.int4_moe_rows(
-            rows_R.astype(dt), slot_row, jnp.minimum(block_expert, n_local - 1), n_used,
-            *(lead(a) for w in weights for a in (w.packed, w.scale)), weights[0].layer if stacked else 0,
-            group_size=cfg.quant_group_size, dtype=dt, impl=cfg.runtime.quant_matmul, cost_blocks=cost_blocks)
     if int4:
         src, block_expert, _, dest = block_layout(group_sizes, R, block)  # src: the sorted row in each slot
+        block_expert = jnp.minimum(block_expert, n_local - 1)
         n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
+        if rows_kernel_applies(cfg, rows_R):
+            slot_row = jnp.where(src < R, take(order, src), R).astype(jnp.int32)   # the received row in each slot
+            return int4_moe_rows_ops.int4_moe_rows(
+                rows_R.astype(dt), slot_row, block_expert, n_used,
+                *stacked_int4_operands(weights), group_size=cfg.quant_group_size, dtype=dt,
+                impl=cfg.runtime.quant_matmul, cost_blocks=cost_blocks)
         x_blocks = take(rows_R, take(order, src)).astype(dt).reshape(-1, block, D)
-        y = int4_swiglu_blocks(x_blocks, jnp.minimum(block_expert, n_local - 1), n_used, weights, dt, cfg,
-                               cost_blocks).reshape(-1, D)
+        y = int4_swiglu_blocks(x_blocks, block_expert, n_used, weights, dt, cfg, cost_blocks).reshape(-1, D)
     else:
         dest = jnp.arange(R, dtype=jnp.int32)                           # each sorted row's place
         y = local_swiglu(take(rows_R, order).astype(dt).reshape(R, D), group_sizes, weights, dt, cfg)

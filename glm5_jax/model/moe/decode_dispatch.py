@@ -254,13 +254,19 @@ def fused_moe(x_nD, expert_M, gates_M, weights, first, cfg: ModelConfig, cost_as
     ``expert_M``, the chip's experts ``first`` .. ``first`` + E_local - 1 (an int32 [1], the kernel's offset) ->
     [n, D] summed in fp32, rounded to the compute dtype as the other paths' sums are before the all-reduce;
     ``cost_assignments``: the kernel's declared busiest-chip local assignments."""
-    w_gate = weights[0]
-    stacked = w_gate.layer is not None                 # the kernel reads stacked [L, E, ...] weights
-    lead = (lambda a: a) if stacked else (lambda a: a[None])
     return int4_decode_moe_ops.int4_decode_moe(
-        x_nD, expert_M, gates_M, *(lead(a) for w in weights for a in (w.packed, w.scale)),
-        w_gate.layer if stacked else 0, first, group_size=cfg.quant_group_size, dtype=cfg.jnp_dtype,
-        impl=cfg.runtime.quant_matmul, out_dtype=cfg.jnp_dtype, cost_assignments=cost_assignments)
+        x_nD, expert_M, gates_M, *stacked_int4_operands(weights), first, group_size=cfg.quant_group_size,
+        dtype=cfg.jnp_dtype, impl=cfg.runtime.quant_matmul, out_dtype=cfg.jnp_dtype,
+        cost_assignments=cost_assignments)
+
+
+def stacked_int4_operands(weights) -> tuple:
+    """The one-call INT4 MoE kernels' weight operands from (gate, up, down) `Int4Weight`s: each (packed words,
+    scales) pair stacked [L, E, ...] (a leading layer axis of 1 when the weights are one layer's), then the
+    layer to read."""
+    stacked = weights[0].layer is not None
+    lead = (lambda a: a) if stacked else (lambda a: a[None])      # noqa: E731
+    return (*(lead(a) for w in weights for a in (w.packed, w.scale)), weights[0].layer if stacked else 0)
 
 
 def chip_expert_sum(x_nD, key_M, gates_M, weights, cfg: ModelConfig, cap, block, cost_blocks):
