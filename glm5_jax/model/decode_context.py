@@ -26,16 +26,11 @@ import jax.numpy as jnp
 
 from glm5_jax.model import decode_rows
 from glm5_jax.parallel.axes import ACT_HEADS, BATCH, CACHE_SEQ, LAYERS
-from glm5_jax.parallel.shard_map import logical_mesh_axes, logical_shard_map
+from glm5_jax.parallel.shard_map import logical_mesh_axes, logical_shard_map, logical_shard_start
 from pallas_kernels.row_gather import ops as row_gather_ops
 
 _STACKED = (LAYERS, BATCH, CACHE_SEQ, None)
 _ROWS = (BATCH, None, None)
-
-
-def _first_slot(S_local: int):
-    """The first slot of this shard's S_local slots (shards in slot order along the context axes)."""
-    return jax.lax.axis_index(logical_mesh_axes(CACHE_SEQ)) * S_local
 
 
 def topk(q_BTHD, keys_LBSD, layer, new_keys_BTD, w_BTH, positions_BT, k: int):
@@ -46,7 +41,8 @@ def topk(q_BTHD, keys_LBSD, layer, new_keys_BTD, w_BTH, positions_BT, k: int):
 
     def shard(q, keys_L, layer_, new, w, pos):
         keys = jax.lax.dynamic_index_in_dim(keys_L, layer_, axis=0, keepdims=False, allow_negative_indices=False)
-        top, idx = decode_rows.topk_scores_with_new_rows(q, keys, new, w, pos, k, _first_slot(keys.shape[1]))
+        top, idx = decode_rows.topk_scores_with_new_rows(q, keys, new, w, pos, k,
+                                                         logical_shard_start(CACHE_SEQ, keys.shape[1]))
         axes = logical_mesh_axes(CACHE_SEQ)
         top, idx = (jax.lax.all_gather(a, axes, axis=2, tiled=True) for a in (top, idx))
         best, at = jax.lax.top_k(top, min(k, S))
@@ -65,7 +61,7 @@ def attend(q_BTHC, latent_LBSC, layer, new_latent_BTC, idx_BTK, valid_BTK, posit
     def shard(q, latent_L, layer_, new, idx, valid, pos):
         B, T, K = idx.shape
         S_local = latent_L.shape[2]
-        local = idx - _first_slot(S_local)
+        local = idx - logical_shard_start(CACHE_SEQ, S_local)
         mine = valid & (local >= 0) & (local < S_local)
         cached = row_gather_ops.stacked_row_gather(latent_L, layer_, jnp.clip(local, 0, S_local - 1).reshape(B, T * K),
                                                    impl=gather_impl).reshape(B, T, K, -1)

@@ -38,7 +38,7 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layer_plan import LayerKind, plan_segments
 from glm5_jax.model import routing_replay
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ, LAYERS
-from glm5_jax.parallel.shard_map import logical_axis_shards, logical_mesh_axes, logical_shard_map
+from glm5_jax.parallel.shard_map import logical_axis_shards, logical_shard_map, logical_shard_start
 
 # Logical axes of one layer's [B, S, X] leaf; decoder leaves carry their segment's repeats in front
 # ("layers"). The slot axis is "cache_seq": mapped to a mesh axis, each chip holds S / n slots of every
@@ -116,12 +116,11 @@ def write_stacked_rows(cache, rows, positions_BT):
 
 
 def _write_slot_split(cache_RBSX, rows_RBTX, start_B):
-    """`write_stacked_rows` of one leaf per slot shard: a shard's slots are first .. first + S_local - 1 (shards
-    in slot order along the context axes); rows outside them are dropped there."""
+    """`write_stacked_rows` of one leaf per slot shard (`logical_shard_start`: a shard's first slot); rows outside
+    its slots are dropped there."""
     def shard(c, r, start):
         S_local, T = c.shape[2], r.shape[2]
-        first = jax.lax.axis_index(logical_mesh_axes(CACHE_SEQ)) * S_local
-        slot = start[:, None] - first + jnp.arange(T, dtype=jnp.int32)[None, :]          # [B, T]
+        slot = start[:, None] - logical_shard_start(CACHE_SEQ, S_local) + jnp.arange(T, dtype=jnp.int32)[None, :]
         slot = jnp.where((slot >= 0) & (slot < S_local), slot, S_local)                  # S_local: dropped
         return c.at[:, jnp.arange(c.shape[1])[:, None], slot].set(r.astype(c.dtype), mode="drop")
 

@@ -57,6 +57,14 @@ def logical_mesh_axes(name: str) -> tuple[str, ...]:
     return _mesh_axes_of(spec[0] if spec is not None and len(spec) else None)
 
 
+def logical_shard_start(name: str, local_size: int):
+    """Inside a `logical_shard_map` body: the first index along the logical axis ``name`` that this shard holds,
+    its ``local_size`` entries of that axis (shards in mesh order along the axis's mesh axes); 0 when the rules
+    leave the axis unsplit."""
+    axes = logical_mesh_axes(name)
+    return jax.lax.axis_index(axes) * local_size if axes else 0
+
+
 def all_gather_logical(x, name: str, axis: int):
     """Inside a `logical_shard_map` body: ``x`` gathered whole along ``axis``, the dimension the logical
     axis ``name`` split (shards concatenated in mesh order). Its transpose is a reduce-scatter."""
