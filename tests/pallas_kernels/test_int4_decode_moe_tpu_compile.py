@@ -4,17 +4,17 @@ tensor 8), INT4 groups of 32, the token's 8 assignments, weights stacked over a 
 index. Needs libtpu; skipped without it."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("libtpu", reason="libtpu not installed (pip install -r requirements-tpu.txt)")
 
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from glm5_jax.cost.hlo_cost.kernels import decode_moe_fetch_fraction, kernel_cost, table_fraction  # noqa: E402
 from glm5_jax.cost.hlo_cost.mosaic_grid import kernel_grid  # noqa: E402
 from pallas_kernels.int4_decode_moe import kernel  # noqa: E402
+from tests.pallas_kernels.int4_expert_compile import (  # noqa: E402
+    EXPERTS, expert_mesh, replicated, stacked_int4_weights)
 
 L, E_LOCAL, D, F, G, M = 3, 32, 6144, 256, 32, 8
 
@@ -24,17 +24,9 @@ def test_layer_loop_reads_the_stacked_experts_in_place():
     operands (no per-layer copy: the temporaries hold less than one expert's weights). Declared cost by hand for
     2.5 expected local assignments: three products on 16 token rows each, the packed words and bf16 scales of
     three [6144 x 256] weights each, the token row read (fp32) and the output row written (bf16)."""
-    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
-    mesh = Mesh(np.array(topology.devices).reshape(-1), ("expert",))
-    sharded = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    experts = P(None, "expert")
-    words = lambda k, n: jax.ShapeDtypeStruct((L, 4 * E_LOCAL, k // 8, n), jnp.int32, sharding=sharded(experts))  # noqa: E731
-    scales = lambda k, n: jax.ShapeDtypeStruct((L, 4 * E_LOCAL, k // G, n), jnp.bfloat16,  # noqa: E731
-                                               sharding=sharded(experts))
-    args = (jax.ShapeDtypeStruct((1, D), jnp.float32, sharding=sharded(P())),
-            jax.ShapeDtypeStruct((M,), jnp.int32, sharding=sharded(P())),
-            jax.ShapeDtypeStruct((M,), jnp.float32, sharding=sharded(P())),
-            words(D, F), scales(D, F), words(D, F), scales(D, F), words(F, D), scales(F, D))
+    mesh = expert_mesh()
+    args = (replicated(mesh, (1, D), jnp.float32), replicated(mesh, (M,), jnp.int32),
+            replicated(mesh, (M,), jnp.float32), *stacked_int4_weights(mesh, L, E_LOCAL, D, F, G))
 
     def layers(x, key, gates, *w):
         def layer(i, acc):
@@ -43,7 +35,7 @@ def test_layer_loop_reads_the_stacked_experts_in_place():
                                                 cost_assignments=2.5).astype(jnp.float32)
         return jax.lax.fori_loop(0, L, layer, jnp.zeros((1, D), jnp.float32))
 
-    f = jax.shard_map(layers, mesh=mesh, in_specs=(P(), P(), P()) + (experts,) * 6, out_specs=P(), check_vma=False)
+    f = jax.shard_map(layers, mesh=mesh, in_specs=(P(), P(), P()) + (EXPERTS,) * 6, out_specs=P(), check_vma=False)
     compiled = jax.jit(f).lower(*args).compile()
     one_expert = 3 * D * F // 2
     assert compiled.memory_analysis().temp_size_in_bytes < one_expert

@@ -4,18 +4,18 @@ wide, INT4 groups of 32, 1,024 received rows (64 chips x 16 send slots) in 12 bl
 a few layers and read by the layer index. Needs libtpu; skipped without it."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("libtpu", reason="libtpu not installed (pip install -r requirements-tpu.txt)")
 
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from glm5_jax.cost.hlo_cost.kernels import dynamic_grid_bound, kernel_cost, table_fraction  # noqa: E402
 from glm5_jax.cost.hlo_cost.mosaic_grid import kernel_grid  # noqa: E402
 from glm5_jax.cost.hlo_cost.parsing import parse_computations  # noqa: E402
 from pallas_kernels.int4_moe_rows import kernel  # noqa: E402
+from tests.pallas_kernels.int4_expert_compile import (  # noqa: E402
+    EXPERTS, expert_mesh, replicated, stacked_int4_weights)
 
 L, E_LOCAL, D, F, G, R, M, N_BLOCKS = 3, 4, 6144, 2048, 32, 1024, 128, 12
 EXPECTED_BLOCKS = 5.5
@@ -28,18 +28,10 @@ def test_layer_loop_compiles_and_declares_its_blocks():
     [6144 x 2048] weights per block, each block's rows read and written (bf16), the slot table read once. The cost
     model's grid rule: each part runs (5.5 + 1) / 2 blocks (alternate blocks, the busiest part's), every F tile
     step fetches its three weight windows, the parts split over both TensorCores."""
-    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
-    mesh = Mesh(np.array(topology.devices).reshape(-1), ("expert",))
-    sharded = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    experts = P(None, "expert")
-    words = lambda k, n: jax.ShapeDtypeStruct((L, 4 * E_LOCAL, k // 8, n), jnp.int32, sharding=sharded(experts))  # noqa: E731
-    scales = lambda k, n: jax.ShapeDtypeStruct((L, 4 * E_LOCAL, k // G, n), jnp.bfloat16,  # noqa: E731
-                                               sharding=sharded(experts))
-    args = (jax.ShapeDtypeStruct((R, D // 128, 128), jnp.bfloat16, sharding=sharded(P())),
-            jax.ShapeDtypeStruct((N_BLOCKS * M,), jnp.int32, sharding=sharded(P())),
-            jax.ShapeDtypeStruct((N_BLOCKS,), jnp.int32, sharding=sharded(P())),
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=sharded(P())),
-            words(D, F), scales(D, F), words(D, F), scales(D, F), words(F, D), scales(F, D))
+    mesh = expert_mesh()
+    args = (replicated(mesh, (R, D // 128, 128), jnp.bfloat16), replicated(mesh, (N_BLOCKS * M,), jnp.int32),
+            replicated(mesh, (N_BLOCKS,), jnp.int32), replicated(mesh, (), jnp.int32),
+            *stacked_int4_weights(mesh, L, E_LOCAL, D, F, G))
 
     def layers(rows, slot, block_expert, n_used, *w):
         def layer(i, y):
@@ -47,7 +39,7 @@ def test_layer_loop_compiles_and_declares_its_blocks():
                                         cost_blocks=EXPECTED_BLOCKS)
         return jax.lax.fori_loop(0, L, layer, rows)
 
-    f = jax.shard_map(layers, mesh=mesh, in_specs=(P(), P(), P(), P()) + (experts,) * 6, out_specs=P(),
+    f = jax.shard_map(layers, mesh=mesh, in_specs=(P(), P(), P(), P()) + (EXPERTS,) * 6, out_specs=P(),
                       check_vma=False)
     compiled = jax.jit(f).lower(*args).compile()
     one_expert = 3 * D * F // 2
