@@ -5,6 +5,7 @@ import pytest
 
 from glm5_jax.cost.collectives import collective_groups, moved_bytes, spanned_axes
 from glm5_jax.cost.hlo_cost import CollectiveOp, StepTiming, exposed_async_seconds, hlo_cost
+from glm5_jax.cost.hlo_cost.timing import exposed_async_groups
 from glm5_jax.cost.ici import V5P_LINK_BYTES_PER_S, CollectiveModel
 
 
@@ -133,6 +134,60 @@ def test_async_windows_share_the_compute_between_start_and_done():
     assert exposed_async_seconds([(3, 1, 20.0)], seconds) == 20.0 - (16 + 1)
     # no done: to the end of the computation
     assert exposed_async_seconds([(2, 5, 30.0)], seconds) == 30.0 - (8 + 16)
+    # the groups behind those sums: (exposed, collectives, compute beside them, what each window is)
+    assert exposed_async_groups([(0, 3, 10.0, "x"), (2, 4, 10.0, "y"), (4, 5, 1.0, "z")], seconds) == \
+        [(6.0, 20.0, 14.0, ["x", "y"]), (1.0, 1.0, 0.0, ["z"])]   # nothing is scheduled strictly inside 4..5
+    assert exposed_async_groups([(0, 3, 5.0, "x")], seconds) == []     # hidden: no group
+
+
+LOOPED_ASYNC = """HloModule m, num_partitions=4
+
+%body (p: (s32[], f32[64,128], f32[128,128], f32[1000])) -> (s32[], f32[64,128], f32[128,128], f32[1000]) {
+  %p = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}, f32[1000]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %h = f32[64,128]{1,0} get-tuple-element(%p), index=1
+  %w = f32[128,128]{1,0} get-tuple-element(%p), index=2
+  %g = f32[1000]{0} get-tuple-element(%p), index=3
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %ags = (f32[1000]{0}, f32[4000]{0}) all-gather-start(%g), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="b"}
+  %dot = f32[64,128]{1,0} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="c"}
+  %agd = f32[4000]{0} all-gather-done(%ags)
+  %s = f32[1000]{0} slice(%agd), slice={[0:1000]}
+  ROOT %t = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}, f32[1000]{0}) tuple(%next, %dot, %w, %s)
+}
+
+%cond (p.1: (s32[], f32[64,128], f32[128,128], f32[1000])) -> pred[] {
+  %p.1 = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}, f32[1000]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %limit = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %limit), direction=LT
+}
+
+ENTRY %main (x: f32[64,128], w: f32[128,128], g: f32[1000]) -> f32[64,128] {
+  %x = f32[64,128]{1,0} parameter(0)
+  %w = f32[128,128]{1,0} parameter(1)
+  %g = f32[1000]{0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}, f32[1000]{0}) tuple(%zero, %x, %w, %g)
+  %loop = (s32[], f32[64,128]{1,0}, f32[128,128]{1,0}, f32[1000]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[64,128]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_exposed_groups_name_their_collectives_and_count_loop_trips():
+    timing = StepTiming(peak_flops=2 * 64 * 128 * 128 / 2.0, hbm_bandwidth=1e30,     # the dot takes 2 s
+                        collective_seconds=lambda op: 5.0)
+    cost = hlo_cost(ASYNC_STEP, categorize=lambda name: name, timing=timing)
+    # the sync all-gather is exposed in full but is no async group; the async one shows 5 - 2 s
+    assert [(g.computation, g.executions, g.exposed_seconds, g.collective_seconds, g.compute_seconds,
+             g.collectives) for g in cost.exposed_groups] == [("main", 1.0, 3.0, 5.0, 2.0, (("ags", 5.0),))]
+    looped = hlo_cost(LOOPED_ASYNC, categorize=lambda name: name, timing=timing)
+    assert looped.loops == [("body", 3)]
+    (group,) = looped.exposed_groups
+    assert (group.computation, group.executions, group.exposed_seconds) == ("body", 3.0, 3.0)
+    assert looped.exposed_comm_seconds == 3 * 3.0
 
 
 # The TPU compiler's async collective fusion (libtpu flag --xla_tpu_enable_async_collective_fusion): one

@@ -43,13 +43,13 @@ from glm5_jax.cost.hlo_cost.kernels import GroupedMatmulLoad, grouped_matmul_til
 from glm5_jax.cost.hlo_cost.mosaic_grid import KernelGrid, kernel_grid
 from glm5_jax.cost.hlo_cost.parsing import DTYPE_BYTES, Array, hbm_bytes, laid_out, parse_computations
 from glm5_jax.cost.hlo_cost.rules import CONSERVATIVE, CostRules
-from glm5_jax.cost.hlo_cost.timing import StepTiming, TopInstruction, exposed_async_seconds
+from glm5_jax.cost.hlo_cost.timing import ExposedGroup, StepTiming, TopInstruction, exposed_async_seconds
 from glm5_jax.cost.hlo_cost.trip_counts import trip_count
 from glm5_jax.cost.hlo_cost.walk import HLO_COMPUTATION_PREFIX, HloCost, hlo_cost
 
 __all__ = ["ASYNC_COLLECTIVE_DONE", "ASYNC_COLLECTIVE_FUSION", "ASYNC_COLLECTIVE_START", "CONSERVATIVE", "DTYPE_BYTES",
            "HLO_COMPUTATION_PREFIX", "Array", "CollectiveOp", "CostRules", "GroupedMatmulLoad", "HloCost",
            "KernelGrid", "StepTiming", "kernel_grid",
-           "TopInstruction", "exposed_async_seconds", "gather_read_bytes", "grouped_matmul_tiles", "hbm_bytes",
+           "TopInstruction", "ExposedGroup", "exposed_async_seconds", "gather_read_bytes", "grouped_matmul_tiles", "hbm_bytes",
            "hlo_cost", "laid_out", "parse_computations", "scatter_touched_bytes", "scatter_window", "trip_count",
            "update_slice_bytes"]

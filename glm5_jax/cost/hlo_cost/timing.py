@@ -15,6 +15,29 @@ class StepTiming:
     collective_seconds: object
 
 
+def exposed_async_groups(windows: list[tuple], instr_seconds: list[float]) -> list[tuple]:
+    """The groups of overlapping async windows (start index, done index, seconds[, what]) over a computation's
+    scheduled instructions that leave time exposed, as (exposed s, collectives' s, compute s beside them,
+    [what of each window]); the rule is `exposed_async_seconds`'s."""
+    n = len(instr_seconds)
+    instr_seconds = instr_seconds * 2               # index i + n: instruction i in the next trip
+    windows = [(start, done + n if done < start else done, seconds, w[3] if len(w) > 3 else None)
+               for w in windows for start, done, seconds in (w[:3],)]
+    out, group = [], None                           # group: [first start, last done, async seconds, whats]
+    for start, done, seconds, what in sorted(windows, key=lambda w: w[:3]) + [(2 * n + 1, 0, 0.0, None)]:
+        if group is not None and start < group[1]:
+            group[1] = max(group[1], done)
+            group[2] += seconds
+            group[3].append(what)
+            continue
+        if group is not None:
+            compute = sum(instr_seconds[group[0] + 1:group[1]])
+            if group[2] > compute:
+                out.append((group[2] - compute, group[2], compute, group[3]))
+        group = [start, done, seconds, [what]]
+    return out
+
+
 def exposed_async_seconds(windows: list[tuple[int, int, float]], instr_seconds: list[float]) -> float:
     """Exposed seconds of async collectives, each a window (start index, done index, seconds) over a
     computation's scheduled instructions: it runs beside the instructions strictly between its start and
@@ -23,19 +46,35 @@ def exposed_async_seconds(windows: list[tuple[int, int, float]], instr_seconds: 
     its windows). A start without a done in the same computation runs to the computation's end; a done
     scheduled before its start (a loop body that waits at the top of the next trip for what it started at
     the bottom of this one) wraps round the body."""
-    n = len(instr_seconds)
-    instr_seconds = instr_seconds * 2               # index i + n: instruction i in the next trip
-    windows = [(start, done + n if done < start else done, seconds) for start, done, seconds in windows]
-    exposed, group = 0.0, None                      # group: [first start, last done, async seconds]
-    for start, done, seconds in sorted(windows) + [(2 * n + 1, 0, 0.0)]:
-        if group is not None and start < group[1]:
-            group[1] = max(group[1], done)
-            group[2] += seconds
-            continue
-        if group is not None:
-            exposed += max(0.0, group[2] - sum(instr_seconds[group[0] + 1:group[1]]))
-        group = [start, done, seconds]
-    return exposed
+    return sum(g[0] for g in exposed_async_groups(windows, instr_seconds))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExposedGroup:
+    """A group of overlapping async collectives that the overlap rule leaves partly exposed (`hlo_cost`'s
+    ``exposed_groups``): where, how often, and what is in it."""
+    computation: str
+    executions: float      # per step: the product of the trip counts of the loops around it
+    exposed_seconds: float           # one execution
+    collective_seconds: float        # one execution: the group's collectives, in flight together
+    compute_seconds: float           # one execution: the roofline seconds scheduled beside them
+    collectives: tuple               # (start instruction, seconds) of each, largest first
+
+
+def executions_per_step(runs: dict, entry: str) -> dict[str, float]:
+    """Each computation's executions per step: the sum over its callers of the caller's executions x the
+    callee's runs per caller run."""
+    executions: dict[str, float] = {}
+
+    def visit(comp: str, times: float, depth: int = 0):
+        if depth > 64:
+            raise ValueError(f"computation call graph deeper than 64 at {comp!r}")
+        executions[comp] = executions.get(comp, 0.0) + times
+        for callee, k in runs.get(comp, {}).items():
+            visit(callee, times * k, depth + 1)
+
+    visit(entry, 1.0)
+    return executions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,22 +92,10 @@ class TopInstruction:
 
 
 def top_instructions(own_instrs: dict, runs: dict, entry: str, n: int) -> list[TopInstruction]:
-    """The n instructions with the most roofline seconds per step: each computation's executions per step
-    are the sum over its callers of the caller's executions x the callee's runs per caller run."""
-    executions: dict[str, float] = {}
-
-    def visit(comp: str, times: float, depth: int = 0):
-        if depth > 64:
-            raise ValueError(f"computation call graph deeper than 64 at {comp!r}")
-        executions[comp] = executions.get(comp, 0.0) + times
-        for callee, k in runs.get(comp, {}).items():
-            visit(callee, times * k, depth + 1)
-
-    visit(entry, 1.0)
+    """The n instructions with the most roofline seconds per step (`executions_per_step`)."""
+    executions = executions_per_step(runs, entry)
     rows = [TopInstruction(iname, comp, cat, opcode, op_name, executions[comp], sec * executions[comp],
                            nbytes * executions[comp], flops * executions[comp])
             for comp, instrs in own_instrs.items() if comp in executions
             for iname, cat, sec, nbytes, flops, opcode, op_name in instrs]
     return sorted(rows, key=lambda r: -r.seconds)[:n]
-
-

@@ -18,7 +18,8 @@ from glm5_jax.cost.hlo_cost.mosaic_grid import kernel_grid
 from glm5_jax.cost.hlo_cost.matmul_flops import matmul_flops
 from glm5_jax.cost.hlo_cost.parsing import branch_computations, callees_of, op_name_of, parse_computations
 from glm5_jax.cost.hlo_cost.rules import RING_HBM_PASSES, CostRules
-from glm5_jax.cost.hlo_cost.timing import StepTiming, exposed_async_seconds, top_instructions
+from glm5_jax.cost.hlo_cost.timing import (ExposedGroup, StepTiming, executions_per_step, exposed_async_groups,
+                                            top_instructions)
 from glm5_jax.cost.hlo_cost.trip_counts import trip_count
 
 # instructions that move no data of their own
@@ -44,6 +45,9 @@ class HloCost:
     roofline_seconds: float = 0.0      # every top-level op at max(its compute, its HBM time) (needs `timing`)
     # the top-level instructions that cost the most roofline time, loop trips multiplied in (needs `timing`)
     top_instructions: list = dataclasses.field(default_factory=list)
+    # the groups of async collectives the overlap rule leaves partly exposed, most exposed per step first
+    # (`ExposedGroup`; needs `timing`)
+    exposed_groups: list = dataclasses.field(default_factory=list)
     # with `rules` (`CostRules`): top-level instructions per step, Pallas grid steps per step (all cores),
     # and the kernels whose grid could not be read from their module (charged as declared, both cores)
     top_level_ops: float = 0.0
@@ -143,6 +147,7 @@ class _Walk:
         self.own_instrs: dict[str, list] = {}
         self.runs: dict[str, dict[str, float]] = {}
         self.own_instrs_done: set[str] = set()
+        self.exposed: list = []     # (computation, exposed s, collectives' s, compute s, [(start, s)]) per group
 
     def add_run(self, caller: str, callee: str, times: float):
         if caller not in self.own_instrs_done:       # each computation's calls once, on its first visit
@@ -371,8 +376,11 @@ class _Walk:
         if not f.fused:
             self.own_instrs_done.add(f.name)
         if self.timing is not None:
-            windows = [(i, f.done_at.get(start, len(f.instrs)), s) for start, (i, s) in f.started_at.items()]
-            own.exposed_comm_seconds = f.sync_seconds + exposed_async_seconds(windows, f.instr_seconds)
+            windows = [(i, f.done_at.get(start, len(f.instrs)), s, (start, s)) for start, (i, s) in f.started_at.items()]
+            groups = exposed_async_groups(windows, f.instr_seconds)
+            own.exposed_comm_seconds = f.sync_seconds + sum(g[0] for g in groups)
+            if f.mode == "sync" and not f.fused:   # an async call's own groups are its caller's to expose
+                self.exposed += [(f.name, *g) for g in groups]
         own.merge(f.children)
         return own
 
@@ -388,7 +396,15 @@ class _Walk:
                        top_level_ops=tally.total("ops"), grid_steps=tally.total("grid_steps"),
                        kernels_without_grid=sorted(set(self.no_grid)),
                        top_instructions=top_instructions(self.own_instrs, self.runs, entry, self.top)
-                       if self.top and self.timing is not None else [])
+                       if self.top and self.timing is not None else [],
+                       exposed_groups=self.exposed_groups(entry))
+
+    def exposed_groups(self, entry: str) -> list[ExposedGroup]:
+        executions = executions_per_step(self.runs, entry)
+        groups = [ExposedGroup(comp, executions.get(comp, 0.0), exposed, comm, compute,
+                               tuple(sorted(members, key=lambda m: -m[1])))
+                  for comp, exposed, comm, compute, members in self.exposed]
+        return sorted(groups, key=lambda g: -g.exposed_seconds * g.executions)
 
 
 def hlo_cost(hlo_text: str, categorize=None, timing: StepTiming | None = None,
