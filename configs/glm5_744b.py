@@ -55,15 +55,20 @@ def get_config() -> ExperimentConfig:
     # weight-gradient kernels: 256 rows), so no tile is computed twice by two experts (1.22x -> ~1.13x the
     # routed rows' MXU work at 8 experts per chip; the buffer stays 10,240 rows per chunk: 32 sources x 80
     # slots per expert is a whole number of tiles)
-    # attention_block=256: the flash kernel's causal sweep computes about block / 2 masked keys per query on the
-    # diagonal, 12.5% of a 4K sequence's pairs at 512 and 6.25% at 256 (compute-bound either way at 4K)
+    # attention_block=512: the flash kernel's causal sweep computes about block / 2 masked keys per query on the
+    # diagonal (12.5% of a 4K sequence's pairs at 512, 6.25% at 256), but its grid has a step for every (query
+    # block, key block) pair, needed or not, and each costs ~0.35 us; at a context shard's 2,048 queries over
+    # 4,096 keys and 64 heads, the forward and backward kernels take 16,384 steps a layer at 256 and 4,096 at
+    # 512: 5.47 -> 3.47 ms a layer under the conservative cost rules (bench/results/flash_blocks.json), dense
+    # step 3.88 -> 3.72 s. 1024-blocks would save 0.23 ms more a layer for 11% more kernel FLOPs (masked
+    # diagonal pairs) and [1024, 1024] fp32 score blocks (4 MiB each) in VMEM
     # grad_reduce_dtype="bfloat16": each weight projection's gradient leaves its matmul in bf16 (fp32 accumulation,
     # one rounding), so the FSDP reduce-scatters of the attention, shared-expert, dense-MLP, MTP and LM-head
     # gradients move bf16 instead of fp32 (the routed experts' already did; docs/training.md): sparse step
-    # 4.59 -> 3.98 s, dense 4.39 -> 3.88 s (bench/results/compile_744b.md, compile_744b_pretrain.md)
+    # 4.59 -> 3.98 s, dense 4.39 -> 3.88 s, both with 256-blocks (bench/results/compile_744b.md, compile_744b_pretrain.md)
     model = model_config().replace(remat_policy="moe_attention_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    moe_a2a_chunks=2, moe_a2a_chunk_by="experts", moe_group_align=EXPERT_GROUP_ALIGN,
-                                   attention_block=256, grad_reduce_dtype="bfloat16")
+                                   attention_block=512, grad_reduce_dtype="bfloat16")
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=1024)
     # tpu_flags "sparsecore_offload": the FSDP weight all-gathers and gradient reduce-scatters / all-reduces run
     # on the v5p SparseCores, asynchronously beside the TensorCore's compute (glm5_jax/platforms/tpu_flags.py)

@@ -21,8 +21,11 @@ at the 744B config's per-chip shapes: 10,240-row buffers with ~8,192 routed rows
 Mosaic's default scoped limit is 16 MiB; each kernel double-buffers its input and output blocks and keeps
 one fp32 accumulator:
 
-* `gmm` (256, 1024, 1024): lhs 256x1024 (0.5 MiB), rhs 1024x1024 (2 MiB), out 256x1024 (0.5 MiB), each
-  x2, + fp32 accumulator 1 MiB = 7 MiB. megablox splits only its output-column tiles over v5p's two
+* `gmm` (256, 2048, 1024): lhs 256x2048 (1 MiB), rhs 2048x1024 (4 MiB), out 256x1024 (0.5 MiB), each x2,
+  + fp32 accumulator 1 MiB = 12 MiB. A 2048-deep contraction tile halves the grid steps of the D = 6144-deep
+  products and takes the F = 2048-deep ones whole; each grid step costs ~0.35 us beside its MXU work, so one
+  SwiGLU pass's 7 products take 6.40 ms against 6.71 at (256, 1024, 1024) under the conservative cost rules
+  (4 tile-aligned experts, a full buffer: bench/results/gmm_tiling_conservative.json). megablox splits only its output-column tiles over v5p's two
   TensorCores (its other grid axes are "arbitrary"), so the number of column tiles should be even: at 2048
   the gate / up products and the down product's input gradient (2048 wide: one tile) run on one core, and
   the down product and the gate / up input gradients (6144 wide: 3 tiles) take 4/3 of the two-core time;
@@ -53,7 +56,7 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, tg
 
 from pallas_kernels.tpu_utils import pad_axis, round_up
 
-GMM_TILING = (256, 1024, 1024)      # (rows, contraction, output columns) of the forward and input gradient
+GMM_TILING = (256, 2048, 1024)      # (rows, contraction, output columns) of the forward and input gradient
 TGMM_TILING = (256, 1024, 1024)     # (rows, lhs columns, d out columns) of the weight gradient
 
 
