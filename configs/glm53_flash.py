@@ -43,9 +43,14 @@ def get_config() -> ExperimentConfig:
     # 0.25 TB more: 3.73 s), each expert's received rows on a grouped-matmul row tile, weight gradients
     # reduce-scattered in bf16, and the FSDP collectives on the SparseCores: exposed communication 0.94 -> 0.17 s,
     # 4.37 -> 3.62 s (docs/glm53_flash.md#compiled-for-tpu-v5p)
+    # kda_chunk=128: the KDA kernels' grids take a step per (head, chunk), ~0.35 us each beside little work; 128-token
+    # chunks halve the steps and the saved chunk states (forward + backward per layer 2.25 -> 1.48 ms compiled
+    # alone at the per-chip shapes; 256-token chunks: 1.69 ms, the within-chunk products growing with the chunk)
+    # hc_sinkhorn_unroll: the mixers' 20 Sinkhorn iterations as straight-line ops XLA fuses, not a loop of small ops
     model = model_config().replace(remat_policy="experts_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    moe_a2a_chunks=2, moe_a2a_chunk_by="tokens", moe_group_align=EXPERT_GROUP_ALIGN,
-                                   grad_reduce_dtype="bfloat16")
+                                   grad_reduce_dtype="bfloat16", kda_chunk=128,
+                                   hc_sinkhorn_unroll=True)
     data = DataConfig(vocab_size=154880, seq_len=4096, batch_size=512)
     train = TrainConfig(steps=10_000, stage="sparse", learning_rate=2e-4, warmup_steps=500, grad_accum=1,
                         tpu_flags="sparsecore_offload")

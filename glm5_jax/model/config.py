@@ -71,6 +71,10 @@ class RuntimeConfig:
     # tokens per KDA chunk (a multiple of 16): the recurrence runs chunk by chunk, exact for any size; the
     # "xla" / Pallas chunk body is unrolled over the chunk's sub-chunks, so a small chunk compiles faster
     kda_chunk: int = 64
+    # mHC mixers: the Sinkhorn normalisation's iterations unrolled (elementwise work XLA fuses into a few passes;
+    # on TPU a loop runs each iteration as its own ops, forward and backward) or a loop (one body to compile:
+    # faster to compile on CPU); the same values either way
+    hc_sinkhorn_unroll: bool = False
     mla_form: MlaForm = "absorbed"           # "absorbed" (latent MQA) or "mha" (naive per-head form, a cross-check)
     # routed experts' grouped matmul: "auto" (the Pallas kernel when lowered for TPU, else ragged_dot),
     # "ragged_dot" (XLA reference), "gmm" / "gmm_interpret" (Pallas TPU kernel / its interpreter), "blocked"

@@ -24,14 +24,20 @@ from glm5_jax.parallel.axes import ACT_EMBED, BATCH, HC_EMBED, SEQ
 ACT_BTND = (BATCH, SEQ, None, ACT_EMBED)   # the streams' logical axes
 
 
-def sinkhorn(comb_BTNN, iters: int, eps: float):
-    """Alternating column / row normalisation, columns first and last (transformers' order)."""
+def sinkhorn(comb_BTNN, iters: int, eps: float, unroll: bool = False):
+    """Alternating column / row normalisation, columns first and last (transformers' order). ``unroll``: the
+    iterations as straight-line ops (XLA fuses them into a few passes) instead of a loop (one body to compile,
+    but each iteration its own ops at run time, forward and backward; `RuntimeConfig.hc_sinkhorn_unroll`)."""
     def rows_then_columns(_, comb):
         comb = comb / (comb.sum(-1, keepdims=True) + eps)
         return comb / (comb.sum(-2, keepdims=True) + eps)
 
     comb = comb_BTNN / (comb_BTNN.sum(-2, keepdims=True) + eps)
-    return jax.lax.fori_loop(0, iters - 1, rows_then_columns, comb)   # a loop: one body to compile, not 19
+    if not unroll:
+        return jax.lax.fori_loop(0, iters - 1, rows_then_columns, comb)
+    for i in range(iters - 1):
+        comb = rows_then_columns(i, comb)
+    return comb
 
 
 class HyperConnection(nn.Module):
@@ -48,15 +54,19 @@ class HyperConnection(nn.Module):
         fn = logical_param(self, "fn", (N * D, n_mix), (HC_EMBED, None), normal_init(cfg), cfg.jnp_param_dtype)
         base = logical_param(self, "base", (n_mix,), (None,), nn.initializers.zeros, f32)
         scale = logical_param(self, "scale", (3,), (None,), nn.initializers.ones, f32)
-        flat = h_BTND.reshape(B, T, N * D).astype(f32)
-        flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-        x = jnp.dot(flat, fn.astype(f32), precision=jax.lax.Precision.HIGHEST)
+        # RMS over the N * D values of a token and the projection by fn, contracted over (stream, d) without
+        # flattening [B, T, N, D]: on TPU the streams are laid out with N in the tile's rows, and a [B, T, N * D]
+        # view is a relayout copy of the fp32 streams (and of their gradient)
+        h32 = h_BTND.astype(f32)
+        normed = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=(2, 3), keepdims=True) + cfg.rms_norm_eps)
+        x = jnp.einsum("btnd,ndm->btm", normed, fn.astype(f32).reshape(N, D, n_mix),
+                       precision=jax.lax.Precision.HIGHEST)
         base, scale = base.astype(f32), scale.astype(f32)
         pre = jax.nn.sigmoid(x[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
         post = 2.0 * jax.nn.sigmoid(x[..., N:2 * N] * scale[1] + base[N:2 * N])
         comb = jax.nn.softmax((x[..., 2 * N:] * scale[2] + base[2 * N:]).reshape(B, T, N, N), axis=-1) + cfg.hc_eps
-        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        block_in = jnp.sum(pre[..., None] * h_BTND.astype(f32), axis=2).astype(h_BTND.dtype)
+        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.runtime.hc_sinkhorn_unroll)
+        block_in = jnp.sum(pre[..., None] * h32, axis=2).astype(h_BTND.dtype)
         return post, comb, block_in
 
 

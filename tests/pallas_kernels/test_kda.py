@@ -78,13 +78,15 @@ def test_references_match_transformers():
             assert_close(S, hf_S.numpy(), 1e-5)
 
 
-def test_strong_gates_in_a_64_token_chunk():
-    """One 64-token chunk (four 16-row sub-chunks) whose gates sum to about -600 per channel: exp(-G) would
-    overflow fp32; the split decays keep the xla impl finite and equal to the recurrence."""
-    q, k, v, g, beta, init = make_inputs(1, 64, 1, 16, 8, seed=5)
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_strong_gates_in_one_chunk(chunk):
+    """One chunk of 64 or 128 tokens (four or eight 16-row sub-chunks; 128 is configs/glm53_flash.py's) whose
+    gates sum to about -5 per token and channel: exp(-G) would overflow fp32; the split decays keep the xla
+    impl finite and equal to the recurrence."""
+    q, k, v, g, beta, init = make_inputs(1, chunk, 1, 16, 8, seed=5)
     g = g * 10.0
-    assert float(jnp.min(jnp.sum(g, axis=1))) < -300
-    o, S = ops.chunk_kda(q, k, v, g, beta, initial_state_BHKV=init, chunk_size=64, impl="xla")
+    assert float(jnp.min(jnp.sum(g, axis=1))) < -300 * chunk / 64
+    o, S = ops.chunk_kda(q, k, v, g, beta, initial_state_BHKV=init, chunk_size=chunk, impl="xla")
     o_want, S_want = reference.recurrent_kda(q, k, v, g, beta, init)
     assert_close(o, o_want, 2e-5)
     assert_close(S, S_want, 2e-5)

@@ -3,7 +3,7 @@ docs/training.md#compiling-for-tpu-from-a-cpu-host).
 
 Needs libtpu (requirements-tpu.txt); skipped without it. Shapes are GLM-5.3-Flash's linear-attention layer
 per chip: 16 heads (64 under tensor = 4) of K = V = 128, one 4096-token sequence of packed documents per
-chip (the batch split over a v5p:2x2x1 slice's 4 chips), bf16 q, k, v, fp32 gates, the 64-token chunk.
+chip (the batch split over a v5p:2x2x1 slice's 4 chips), bf16 q, k, v, fp32 gates, 64- and 128-token chunks.
 """
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,9 @@ def compile_per_chip(mesh, fn, n_out):
     return compiled.as_text()
 
 
-def kda(q, k, v, g, beta, init, seg):
-    return ops.chunk_kda(q, k, v, g, beta, initial_state_BHKV=init, segment_ids_BT=seg, impl="pallas")
+def kda(q, k, v, g, beta, init, seg, chunk=64):
+    return ops.chunk_kda(q, k, v, g, beta, initial_state_BHKV=init, segment_ids_BT=seg, impl="pallas",
+                         chunk_size=chunk)
 
 
 def test_kda_forward_compiles(mesh):
@@ -54,9 +55,10 @@ def test_kda_forward_compiles(mesh):
     assert "kda_fwd" in text and "kda_bwd" not in text
 
 
-def test_kda_backward_compiles(mesh):
+@pytest.mark.parametrize("chunk", [64, 128])   # 128: configs/glm53_flash.py's kda_chunk
+def test_kda_backward_compiles(mesh, chunk):
     def kda_grads(q, k, v, g, beta, init, seg):
-        (o, S), vjp = jax.vjp(lambda *x: kda(*x, seg), q, k, v, g, beta, init)
+        (o, S), vjp = jax.vjp(lambda *x: kda(*x, seg, chunk=chunk), q, k, v, g, beta, init)
         return vjp((o, S))   # cotangents of o and of the final state
 
     text = compile_per_chip(mesh, kda_grads, 6)
