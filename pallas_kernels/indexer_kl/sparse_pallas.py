@@ -32,7 +32,7 @@ SAVED_NAMES = ("indexer_kl_lse",)      # the forward kernel's per-token lse of t
 
 
 def sparse_kl_per_token(iq_BTHD, ik_BSD, iw_BTH, idx_BTK, valid_BTK, target_BTK, *, interpret=False,
-                        block_k=512, resident=None, dk_in_vmem=None, q_chunk=ROWS_Q_CHUNK):
+                        block_k=sparse_kernel.KL_BLOCK_K, resident=None, dk_in_vmem=None, q_chunk=ROWS_Q_CHUNK):
     """(kl [B, T] fp32, has_set [B, T] bool), as reference.indexer_kl_per_token in the sparse stage with a
     given target. ``resident``: ik in VMEM or row DMAs from HBM (default: sparse_kernel.keys_fit_vmem).
     ``dk_in_vmem``: the backward accumulates d ik in VMEM, or scatter-adds row gradients through HBM in
