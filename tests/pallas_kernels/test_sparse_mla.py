@@ -273,3 +273,16 @@ def test_dsa_equals_dense_when_every_visible_key_fits_in_k():
     dense_out, dense_lse = reference.dense_mla(q, kv, visible_mask(*pos_seg), scale=SCALE, v_dim=V)
     assert_close(out, dense_out, 1e-5)
     assert_close(lse, dense_lse, 1e-5)
+
+
+def test_slot_block_takes_the_largest_block_that_pads_k_least():
+    # GLM-5's k = 2048: one 2048-slot step a query forward, two 1024-slot steps backward
+    assert kernel.slot_block(2048, kernel.FWD_BLOCK_K) == 2048
+    assert kernel.slot_block(2048, kernel.BWD_BLOCK_K) == 1024
+    # the pooled indexer's 2,063 slots: 5 x 512 = 2,560 padded slots, not 2 x 2048 = 4,096 or 3 x 1024 = 3,072
+    assert kernel.slot_block(2063, kernel.FWD_BLOCK_K) == 512
+    # 3,000 slots: 1024 and 512 both pad to 3,072; the larger block wins
+    assert kernel.slot_block(3000, 2048) == 1024
+    # short selections: one block of k rounded up to 128 lanes; tests' small blocks are kept as given
+    assert kernel.slot_block(100, 2048) == 128
+    assert kernel.slot_block(40, 16) == 16
