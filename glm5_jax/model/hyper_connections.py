@@ -54,13 +54,15 @@ class HyperConnection(nn.Module):
         fn = logical_param(self, "fn", (N * D, n_mix), (HC_EMBED, None), normal_init(cfg), cfg.jnp_param_dtype)
         base = logical_param(self, "base", (n_mix,), (None,), nn.initializers.zeros, f32)
         scale = logical_param(self, "scale", (3,), (None,), nn.initializers.ones, f32)
-        # RMS over the N * D values of a token and the projection by fn, contracted over (stream, d) without
-        # flattening [B, T, N, D]: on TPU the streams are laid out with N in the tile's rows, and a [B, T, N * D]
-        # view is a relayout copy of the fp32 streams (and of their gradient)
+        # The projection of the RMS-normed flattened streams, RMS(flat(h)) @ fn, as rsqrt(mean h^2) * (h @ fn):
+        # the per-token scale applied after the product, and the product contracted over (stream, d) without
+        # flattening [B, T, N, D]. On TPU the streams are laid out with N in the tile's rows: a [B, T, N * D] view
+        # is a relayout copy of the fp32 streams, and a normed fp32 copy feeding the product is another pass (and
+        # each has its gradient's twin); this way the product reads the bf16 streams.
         h32 = h_BTND.astype(f32)
-        normed = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=(2, 3), keepdims=True) + cfg.rms_norm_eps)
-        x = jnp.einsum("btnd,ndm->btm", normed, fn.astype(f32).reshape(N, D, n_mix),
-                       precision=jax.lax.Precision.HIGHEST)
+        rms_scale = jax.lax.rsqrt(jnp.mean(h32 * h32, axis=(2, 3)) + cfg.rms_norm_eps)
+        x = rms_scale[..., None] * jnp.einsum("btnd,ndm->btm", h32, fn.astype(f32).reshape(N, D, n_mix),
+                                              precision=jax.lax.Precision.HIGHEST)
         base, scale = base.astype(f32), scale.astype(f32)
         pre = jax.nn.sigmoid(x[..., :N] * scale[0] + base[:N]) + cfg.hc_eps
         post = 2.0 * jax.nn.sigmoid(x[..., N:2 * N] * scale[1] + base[N:2 * N])
