@@ -40,8 +40,9 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for g in groups[:args.top]:
         members = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in g.collectives[:args.members])
-        print(f"| {g.computation} | {g.executions:g} | {g.exposed_seconds * 1e3:.2f} | {g.collective_seconds * 1e3:.2f} "
-              f"| {g.compute_seconds * 1e3:.2f} | {g.exposed_seconds * g.executions:.3f} | {members} |")
+        print(f"| {g.computation} | {g.executions:g} | {g.exposed_seconds * 1e3:.2f} "
+              f"| {g.collective_seconds * 1e3:.2f} | {g.compute_seconds * 1e3:.2f} "
+              f"| {g.exposed_seconds * g.executions:.3f} | {members} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"step_seconds": step, "exposed_seconds": exposed,

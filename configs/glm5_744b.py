@@ -65,7 +65,8 @@ def get_config() -> ExperimentConfig:
     # grad_reduce_dtype="bfloat16": each weight projection's gradient leaves its matmul in bf16 (fp32 accumulation,
     # one rounding), so the FSDP reduce-scatters of the attention, shared-expert, dense-MLP, MTP and LM-head
     # gradients move bf16 instead of fp32 (the routed experts' already did; docs/training.md): sparse step
-    # 4.59 -> 3.98 s, dense 4.39 -> 3.88 s, both with 256-blocks (bench/results/compile_744b.md, compile_744b_pretrain.md)
+    # 4.59 -> 3.98 s, dense 4.39 -> 3.88 s, both with 256-blocks (bench/results/compile_744b.md,
+    # compile_744b_pretrain.md)
     model = model_config().replace(remat_policy="moe_attention_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    moe_a2a_chunks=2, moe_a2a_chunk_by="experts", moe_group_align=EXPERT_GROUP_ALIGN,
                                    attention_block=512, grad_reduce_dtype="bfloat16")

@@ -25,12 +25,13 @@ one fp32 accumulator:
   + fp32 accumulator 1 MiB = 12 MiB. A 2048-deep contraction tile halves the grid steps of the D = 6144-deep
   products and takes the F = 2048-deep ones whole; each grid step costs ~0.35 us beside its MXU work, so one
   SwiGLU pass's 7 products take 6.40 ms against 6.71 at (256, 1024, 1024) under the conservative cost rules
-  (4 tile-aligned experts, a full buffer: bench/results/gmm_tiling_conservative.json). megablox splits only its output-column tiles over v5p's two
-  TensorCores (its other grid axes are "arbitrary"), so the number of column tiles should be even: at 2048
-  the gate / up products and the down product's input gradient (2048 wide: one tile) run on one core, and
-  the down product and the gate / up input gradients (6144 wide: 3 tiles) take 4/3 of the two-core time;
-  at 1024 every product splits evenly. Under the cost model's conservative rules (docs/cost_model.md) the
-  744B pretraining step's 912 grouped-matmul calls take 1.11 s at 2048 and 0.71 s at 1024 (the lhs is read
+  (4 tile-aligned experts, a full buffer: bench/results/gmm_tiling_conservative.json). megablox splits only
+  its output-column tiles over v5p's two TensorCores (its other grid axes are "arbitrary"), so the number of
+  column tiles should be even: at 2048 columns the gate / up products and the down product's input gradient
+  (2048 wide: one tile) run on one core, and the down product and the gate / up input gradients (6144 wide:
+  3 tiles) take 4/3 of the two-core time; at 1024 every product splits evenly. Under the cost model's
+  conservative rules (docs/cost_model.md), with 1024-deep tiles, the 744B pretraining step's 912
+  grouped-matmul calls take 1.11 s at 2048 columns and 0.71 s at 1024 (the lhs is read
   once more per extra column tile: 1.26 -> 1.40 GB per gate / up call at the busiest chip's 43 row tiles).
   megablox visits only the row tiles its groups cover, and a group boundary inside a row tile costs that
   whole tile twice (glm5_jax.cost.hlo_cost `grouped_matmul_tiles`): with 8

@@ -50,6 +50,7 @@ from glm5_jax.cost.hlo_cost.walk import HLO_COMPUTATION_PREFIX, HloCost, hlo_cos
 __all__ = ["ASYNC_COLLECTIVE_DONE", "ASYNC_COLLECTIVE_FUSION", "ASYNC_COLLECTIVE_START", "CONSERVATIVE", "DTYPE_BYTES",
            "HLO_COMPUTATION_PREFIX", "Array", "CollectiveOp", "CostRules", "GroupedMatmulLoad", "HloCost",
            "KernelGrid", "StepTiming", "kernel_grid",
-           "TopInstruction", "ExposedGroup", "exposed_async_seconds", "gather_read_bytes", "grouped_matmul_tiles", "hbm_bytes",
+           "TopInstruction", "ExposedGroup", "exposed_async_seconds", "gather_read_bytes", "grouped_matmul_tiles",
+           "hbm_bytes",
            "hlo_cost", "laid_out", "parse_computations", "scatter_touched_bytes", "scatter_window", "trip_count",
            "update_slice_bytes"]

@@ -376,7 +376,8 @@ class _Walk:
         if not f.fused:
             self.own_instrs_done.add(f.name)
         if self.timing is not None:
-            windows = [(i, f.done_at.get(start, len(f.instrs)), s, (start, s)) for start, (i, s) in f.started_at.items()]
+            windows = [(i, f.done_at.get(start, len(f.instrs)), s, (start, s))
+                       for start, (i, s) in f.started_at.items()]
             groups = exposed_async_groups(windows, f.instr_seconds)
             own.exposed_comm_seconds = f.sync_seconds + sum(g[0] for g in groups)
             if f.mode == "sync" and not f.fused:   # an async call's own groups are its caller's to expose
