@@ -18,7 +18,7 @@ Model (`CollectiveModel.seconds`), per chip, all groups of the collective runnin
   link, and a pair of neighbours gets its one link in each direction;
 * ``ring_dims="per_dimension"``: a group spanning several dims runs one ring per dim, one dim after
   another (dim d_k carries moved x prod_{j<k} n_dj x (n_dk - 1) / (n - 1)), pipelined: the busiest dim's
-  time in the best order of the dims. ``"add"`` (the earlier model, optimistic): the dims' bandwidths add,
+  time in the best order of the dims. ``"add"`` (the optimistic rules): the dims' bandwidths add,
   as if the bytes could be split over the dims in proportion to them. An FSDP group of 4 positions 4
   hops apart (4 groups interleaved on each link: 2 x 85 / 4 GB/s) x 16 neighbours (2 x 85 GB/s) moves
   212 GB/s per chip by "add", 19% less by "per_dimension";
@@ -26,7 +26,7 @@ Model (`CollectiveModel.seconds`), per chip, all groups of the collective runnin
   "busiest_link": every member sends each other member bytes / n, routed dimension by dimension (dims in
   order, each the shorter way round, a tie split half each way), the messages of ALL groups loading the
   directed links they cross; the collective takes (bytes / n) x its busiest link's message count / link
-  bandwidth. "balanced" (the earlier model, optimistic): bytes x the mean hop count between members /
+  bandwidth. "balanced" (the optimistic rules): bytes x the mean hop count between members /
   (link bandwidth x links per chip on the spanned dims), as if every link carried the same load. A
   32-chip group on an 8 x 4 block of an 8x16x16 torus (its 4 positions on a 16-long dim: no wraparound
   inside the block) loads its busiest link with 32 messages where the balanced load is 26;

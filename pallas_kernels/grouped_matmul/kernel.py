@@ -38,7 +38,7 @@ one fp32 accumulator:
   groups the boundaries add 7 tiles, 22% of the routed rows' work at 256 rows, 44% at 512 (the a2a transport
   can start each group on a tile instead, `moe_group_align`: half a tile of padding per group). It reads the lhs
   once per output-column tile and one group's weights per visited row tile. One SwiGLU pass (7 gmm
-  products) at the 744B shapes, at the earlier model's roofline (both cores for every kernel, no grid-step
+  products) at the 744B shapes, under the optimistic rules (both cores for every kernel, no grid-step
   cost): 4.93 ms, compute-bound (10.2 GB; 9.4 GB at 2048-wide tiles, the same time), against 5.73 ms at
   (512, 1024, 1024) (7.8 GB, 1.44x the routed rows' MXU work); 128 rows is memory-bound (15.7 GB, 6.66 ms).
 * `tgmm` (256, 1024, 1024): lhs^T and d out 256x1024 (0.5 MiB each), out 1024x1024 in the weight dtype
