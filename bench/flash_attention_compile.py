@@ -78,7 +78,7 @@ def kernel_rows(hlo_text, timing, rules):
     cost = hlo_cost(hlo_text, timing=timing, rules=rules, top=100)
     rows = {}
     for t in cost.top_instructions:
-        kind = ("backward" if "flash_attention_bwd" in t.op_name or "flash_attention_dq" in t.op_name
+        kind = ("backward" if "flash_attention_bwd" in t.op_name     # the fused kernel, or dK/dV and dQ
                 else "forward" if "flash_attention_fwd" in t.op_name else None)
         if kind is not None and t.opcode == "custom-call":
             s, b, f = rows.get(kind, (0.0, 0.0, 0.0))

@@ -16,13 +16,12 @@ class StepTiming:
 
 
 def exposed_async_groups(windows: list[tuple], instr_seconds: list[float]) -> list[tuple]:
-    """The groups of overlapping async windows (start index, done index, seconds[, what]) over a computation's
+    """The groups of overlapping async windows (start index, done index, seconds, what) over a computation's
     scheduled instructions that leave time exposed, as (exposed s, collectives' s, compute s beside them,
     [what of each window]); the rule is `exposed_async_seconds`'s."""
     n = len(instr_seconds)
     instr_seconds = instr_seconds * 2               # index i + n: instruction i in the next trip
-    windows = [(start, done + n if done < start else done, seconds, w[3] if len(w) > 3 else None)
-               for w in windows for start, done, seconds in (w[:3],)]
+    windows = [(start, done + n if done < start else done, seconds, what) for start, done, seconds, what in windows]
     out, group = [], None                           # group: [first start, last done, async seconds, whats]
     for start, done, seconds, what in sorted(windows, key=lambda w: w[:3]) + [(2 * n + 1, 0, 0.0, None)]:
         if group is not None and start < group[1]:
@@ -46,7 +45,7 @@ def exposed_async_seconds(windows: list[tuple[int, int, float]], instr_seconds: 
     its windows). A start without a done in the same computation runs to the computation's end; a done
     scheduled before its start (a loop body that waits at the top of the next trip for what it started at
     the bottom of this one) wraps round the body."""
-    return sum(g[0] for g in exposed_async_groups(windows, instr_seconds))
+    return sum(g[0] for g in exposed_async_groups([(*w, None) for w in windows], instr_seconds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +90,8 @@ class TopInstruction:
     flops: float           # per step, all executions
 
 
-def top_instructions(own_instrs: dict, runs: dict, entry: str, n: int) -> list[TopInstruction]:
-    """The n instructions with the most roofline seconds per step (`executions_per_step`)."""
-    executions = executions_per_step(runs, entry)
+def top_instructions(own_instrs: dict, executions: dict[str, float], n: int) -> list[TopInstruction]:
+    """The n instructions with the most roofline seconds per step (``executions``: `executions_per_step`)."""
     rows = [TopInstruction(iname, comp, cat, opcode, op_name, executions[comp], sec * executions[comp],
                            nbytes * executions[comp], flops * executions[comp])
             for comp, instrs in own_instrs.items() if comp in executions

@@ -386,6 +386,7 @@ class _Walk:
         return own
 
     def result(self, tally: _Tally, entry: str) -> HloCost:
+        executions = executions_per_step(self.runs, entry)
         return HloCost(flops=tally.total("flops"), kernel_flops=tally.total("kernel_flops"),
                        bytes_accessed=tally.total("bytes"), loops=sorted(self.loops.items(), key=lambda kv: kv[0]),
                        by_category={f: {c: v for (g, c), v in sorted(tally.values.items()) if g == f}
@@ -396,12 +397,11 @@ class _Walk:
                        uncounted_custom_calls=sorted(set(self.uncounted)),
                        top_level_ops=tally.total("ops"), grid_steps=tally.total("grid_steps"),
                        kernels_without_grid=sorted(set(self.no_grid)),
-                       top_instructions=top_instructions(self.own_instrs, self.runs, entry, self.top)
+                       top_instructions=top_instructions(self.own_instrs, executions, self.top)
                        if self.top and self.timing is not None else [],
-                       exposed_groups=self.exposed_groups(entry))
+                       exposed_groups=self.exposed_groups(executions))
 
-    def exposed_groups(self, entry: str) -> list[ExposedGroup]:
-        executions = executions_per_step(self.runs, entry)
+    def exposed_groups(self, executions: dict[str, float]) -> list[ExposedGroup]:
         groups = [ExposedGroup(comp, executions.get(comp, 0.0), exposed, comm, compute,
                                tuple(sorted(members, key=lambda m: -m[1])))
                   for comp, exposed, comm, compute, members in self.exposed]
