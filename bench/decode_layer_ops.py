@@ -32,7 +32,7 @@ PARTS = (
     ("indexer scores + top-k", r"lightning_indexer"),
     ("latent gather + attention", r"attention_core"),
     ("shared expert", r"shared_expert"),
-    ("MoE dispatch + INT4 experts", r"/moe/shard_map/"),
+    ("MoE dispatch + routed experts", r"/moe/shard_map/"),
     ("MoE router (+ shared gate/up)", r"/moe/"),
     ("projection matmuls", r"[a-z]+,[a-z]+->[a-z]+/dot_general"),
     ("concat / casts in attention", r"/attention/"),

@@ -7,7 +7,8 @@
 (a point may also name ``cache_write`` and ``cache_read``: the decode program's RuntimeConfig.decode_cache_write,
 default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place; ``attention``,
 its decode_attention with a stacked cache read: "xla" (default) or "pallas", the fused gather + attention kernel;
-and ``moe_ep``, the decode MoE dispatch: "gather" (default) or "a2a_decode"). ``--tpu_flags`` names the libtpu flag
+``moe_ep``, the decode MoE dispatch: "gather" (default) or "a2a_decode"; and ``a2a_exchange``, how "a2a_decode" moves
+the rows: "slots" (default) or "ragged", a ragged all-to-all). ``--tpu_flags`` names the libtpu flag
 set of glm5_jax/platforms/tpu_flags.py every point of the run compiles under (default "collective_overlap": the
 all-to-alls and all-reduces asynchronous, overlapping the work that does not wait for them; "none": libtpu's
 defaults, every collective synchronous); each record keeps it and the LIBTPU_INIT_ARGS it set.
@@ -121,7 +122,8 @@ def _batch_axes(mesh, rules):
 
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
                   quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None,
-                  cache_read: str = "slice", moe_ep: str = "gather", attention: str = "xla") -> dict:
+                  cache_read: str = "slice", moe_ep: str = "gather", attention: str = "xla",
+                  a2a_exchange: str = "slots") -> dict:
     """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
     compiled HLO there (gzip)."""
     devices = topology_devices(topology) if devices is None else devices
@@ -133,13 +135,14 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
     if context % sizes["context"]:
         raise ValueError(f"context={context} does not split over context={sizes['context']}")
     cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write, cache_read=cache_read,
-                              moe_ep=moe_ep, attention=attention)
+                              moe_ep=moe_ep, attention=attention, a2a_exchange=a2a_exchange)
     rules = decode_rules(batch, mesh, mesh_cfg.rules)
     chip = chip_of_topology(topology)
     n = len(devices)
     header = {"topology": topology, "chips": n, "mesh": {a: s for a, s in sizes.items() if s > 1}, "batch": batch,
               "context": context, "experts": experts, "steps": steps, "cache_write": cache_write,
               "cache_read": cfg.runtime.decode_cache_read, "attention": cfg.runtime.decode_attention, "moe_ep": moe_ep,
+              **({"a2a_exchange": a2a_exchange} if moe_ep == "a2a_decode" else {}),
               "hbm_limit_gib": chip.hbm_bytes / GIB}
     t0 = time.perf_counter()
     lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
@@ -206,12 +209,12 @@ def table(records) -> str:
         mesh = ",".join(f"{a}:{s}" for a, s in r["mesh"].items())
         if "estimated_step_seconds" not in r:
             lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
-                         f"| {_cache_read(r)} | {r.get('moe_ep', 'gather')} | no "
+                         f"| {_cache_read(r)} | {_dispatch(r)} | no "
                          f"| - | - | {r['hbm_roofline_seconds'] * 1e3:.2f} | - | - | - | {r.get('compile_error', '')[:60]} |")
             continue
         cats = ", ".join(f"{c['category']} {c['seconds'] * 1e3:.2f}" for c in r["top_categories"][:3])
         lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
-                     f"| {_cache_read(r)} | {r.get('moe_ep', 'gather')} | {r['fits']} | "
+                     f"| {_cache_read(r)} | {_dispatch(r)} | {r['fits']} | "
                      f"{r['memory_gib']:.1f} | {r['estimated_step_seconds'] * 1e3:.2f} | "
                      f"{r['hbm_roofline_seconds'] * 1e3:.2f} | {r['over_hbm_roofline']:.2f}x | "
                      f"{r['communication_seconds'] * 1e3:.2f} ({r['exposed_communication_seconds'] * 1e3:.2f}) | "
@@ -223,6 +226,12 @@ def _cache_read(record) -> str:
     """The table's cache-read cell: the decode_cache_read, and "+ fused attention" with the fused kernel."""
     read = record.get("cache_read", "slice")
     return read + (" + fused attention" if record.get("attention", "xla") != "xla" else "")
+
+
+def _dispatch(record) -> str:
+    """The table's MoE-dispatch cell: the moe_ep, and a ragged exchange's "(ragged)"."""
+    ep = record.get("moe_ep", "gather")
+    return ep + (" (ragged)" if record.get("a2a_exchange", "slots") != "slots" else "")
 
 
 def append_records(path: str, records) -> list:
@@ -265,6 +274,7 @@ def main(argv=None):
                           p.get("steps", args.steps), quant_matmul=args.quant_matmul,
                           cache_write=p.get("cache_write", "rows"), cache_read=p.get("cache_read", "slice"),
                           moe_ep=p.get("moe_ep", "gather"), attention=p.get("attention", "xla"),
+                          a2a_exchange=p.get("a2a_exchange", "slots"),
                           hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
         r = {**r, "tpu_flags": args.tpu_flags, "libtpu_init_args": init_args}
         records.append(r)

@@ -13,8 +13,9 @@ layers that read the cache and return their new rows (``decode_cache_write="rows
 glm5_jax/model/decode_rows.py: no per-step copy of the cache; with ``cache_read="pallas"`` each layer's selected
 latent rows gathered from the stacked cache in place, pallas_kernels/row_gather: no per-layer slice), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py, or ``"a2a_decode"``,
 glm5_jax/model/moe/decode_a2a.py) and routed experts in
-bf16 or packed INT4 through the Pallas kernel, each layer's INT4 experts read in place from the stacked
-[layers, ...] parameters (``decode_stacked_experts``, glm5_jax/model/moe/int4_weights.py).
+bf16 or packed INT4 through the Pallas kernels, each layer's experts read in place from the stacked
+[layers, ...] parameters (``decode_stacked_experts``, glm5_jax/model/moe/int4_weights.py; bf16 experts with the
+gathered dispatch).
 """
 from __future__ import annotations
 
@@ -45,19 +46,20 @@ DISPATCH_CAPACITY = 2.0
 
 def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
                         cache_write: str = "rows", cache_read: str = "slice", moe_ep: str = "gather",
-                        attention: str = "xla"):
+                        attention: str = "xla", a2a_exchange: str = "slots"):
     """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"; ``cache_write`` the
     RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan);
     ``cache_read`` its decode_cache_read ("slice": the layer scan slices each layer's cache; "pallas": each layer
     gathers its selected rows from the stacked cache in place; with cache_write="layer" always "slice");
     ``moe_ep`` the decode MoE dispatch ("gather", few tokens per chip; "a2a_decode", many: moe/decode_a2a.py);
     ``attention`` the decode_attention with a stacked cache read ("xla": gather, then XLA's attention; "pallas":
-    the fused kernel pallas_kernels/sparse_mla_decode)."""
+    the fused kernel pallas_kernels/sparse_mla_decode); ``a2a_exchange`` the decode_a2a_exchange of
+    moe_ep="a2a_decode" ("slots", "ragged", "ragged_dense")."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
     if moe_ep not in DECODE_DISPATCHES:
         raise ValueError(f"moe_ep={moe_ep!r}: choose one of {DECODE_DISPATCHES}")
-    cfg = decode_config(cfg).replace(moe_ep=moe_ep, dtype="bfloat16", param_dtype="bfloat16",
+    cfg = decode_config(cfg).replace(moe_ep=moe_ep, decode_a2a_exchange=a2a_exchange, dtype="bfloat16", param_dtype="bfloat16",
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      decode_cache_read=cache_read if cache_write == "rows" else "slice",
                                      decode_attention=attention if cache_write == "rows" and cache_read != "slice"
@@ -68,6 +70,9 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
                                      router_impl=quant_matmul if quant_matmul in PALLAS_IMPLS else "xla")
     if experts == "int4":
         cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True, decode_moe_kernel=True)
+    elif moe_ep == "gather" and quant_matmul in PALLAS_IMPLS:
+        # bf16 experts of a few tokens a chip: the one-call kernel reads the stacked weights in place
+        cfg = cfg.replace(quant_matmul=quant_matmul, decode_stacked_experts=True, decode_moe_kernel=True)
     return cfg
 
 

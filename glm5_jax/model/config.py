@@ -22,6 +22,7 @@ DecodeCacheWrite = Literal["layer", "rows"]
 DecodeCacheRead = Literal["slice", "xla", "pallas", "pallas_interpret"]   # decode_cache_write="rows" only
 DecodeAttention = Literal["xla", "pallas", "pallas_interpret"]            # decode_cache_read other than "slice"
 RouterImpl = Literal["xla", "pallas", "pallas_interpret"]
+DecodeA2aExchange = Literal["slots", "ragged", "ragged_dense"]
 RopeImpl = Literal["slices", "pair_swap"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
@@ -111,7 +112,9 @@ class RuntimeConfig:
     # rounded to it before the reduction, so the reduce-scatter moves half the bytes. Either way the
     # gradient reaches the fp32 master weights through an fp32 cast and the optimizer accumulates in fp32
     grad_reduce_dtype: Dtype = "float32"
-    quant_matmul: QuantMatmul = "xla"        # packed INT4 experts: dequantise + the moe_impl matmul, or the kernel
+    # packed INT4 experts: dequantise + the moe_impl matmul, or the kernel; with fp experts (quant="none") and
+    # decode_moe_kernel, the impl of the one-call bf16 decode kernel (pallas_kernels/bf16_decode_moe)
+    quant_matmul: QuantMatmul = "xla"
     attention_q_chunk: int = 512             # queries per chunk in the XLA attention / indexer paths
     # training: the LM head and cross-entropy (main and MTP) computed this many positions of every row at a
     # time, each chunk's logits recomputed in the backward pass, so no [B, T, V] logits are held (0: whole;
@@ -142,9 +145,10 @@ class RuntimeConfig:
     # streamed through VMEM, the gathered rows and the probabilities never in HBM), where one slice fits VMEM
     # (longer caches keep the gather and XLA's attention). The same values up to the products' fp32 summation order
     decode_attention: DecodeAttention = "xla"
-    # decode with packed INT4 experts through the Pallas kernel (moe_ep="gather" / "a2a_decode"): the layer scan
-    # hands each layer the main stack's stacked [layers, E, ...] experts and its index, read in place by the kernel
-    # instead of a copied per-layer slice (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
+    # decode with the routed experts read by a Pallas kernel (packed INT4 with moe_ep="gather" / "a2a_decode"; bf16
+    # with moe_ep="gather" and decode_moe_kernel): the layer scan hands each layer the main stack's stacked
+    # [layers, E, ...] experts and its index, read in place by the kernel instead of a copied per-layer slice
+    # (variables from glm5_jax/model/moe/int4_weights.stack_expert_variables)
     decode_stacked_experts: bool = False
     # decoding a few tokens with packed INT4 experts through a Pallas quant_matmul (moe_ep="gather", each chip at
     # most pallas_kernels/int4_decode_moe's MAX_ASSIGNMENTS gathered assignments, all within its capacity): a chip's
@@ -153,8 +157,19 @@ class RuntimeConfig:
     # ops a layer); the same values up to the products' fp32 summation order. With moe_ep="a2a_decode" (many tokens
     # per chip) the same switch runs the rows each chip receives through pallas_kernels/int4_moe_rows (the rows
     # DMA'd into expert blocks, gate / up / SwiGLU / down in VMEM, each result DMA'd back to its row's place);
-    # off, they take the gathers, relayouts and three INT4 calls around the block kernel
+    # off, they take the gathers, relayouts and three INT4 calls around the block kernel. With bf16 experts
+    # (quant="none", decode_stacked_experts, moe_ep="gather", a Pallas quant_matmul as the impl) a chip's few
+    # assignments take pallas_kernels/bf16_decode_moe the same way, its weights in width tiles that fit VMEM,
+    # instead of a per-layer copy of the chip's expert weights and the grouped matmul's sort and scatter
     decode_moe_kernel: bool = False
+    # how moe_ep="a2a_decode" moves the assignments to their experts' chips and back (glm5_jax/model/moe/decode_a2a.py):
+    # "slots", an all_to_all of fixed per-destination slots (moe_capacity_factor x the expected share, in 16-row
+    # tiles: the buffer moves whole, filled or not); "ragged", a ragged all-to-all (jax.lax.ragged_all_to_all,
+    # XLA:TPU / GPU) that sends each assignment's row alone, each chip receiving at most moe_capacity_factor x
+    # its expected rows (slices past it dropped, counted); "ragged_dense" the same exchange built from a dense
+    # all_to_all (glm5_jax/parallel/ragged_exchange.py: XLA:CPU has no ragged-all-to-all). The same tokens
+    # where nothing is dropped
+    decode_a2a_exchange: DecodeA2aExchange = "slots"
     # the MoE router's top-k choice and gates from its scores (no expert groups, no replayed routing, a few tokens
     # per shard): "xla" (top-k, gather, normalisation as XLA ops) or the one-call kernel pallas_kernels/router_topk
     # (the same experts, ties to the lower index; gates within fp32 rounding). The Pallas impls have no gradient:
@@ -482,8 +497,10 @@ class ModelConfig:
             for f in ("hidden_size", "moe_intermediate_size"):     # the experts' input widths
                 need(getattr(self, f) % (8 * g) == 0, f,
                      f"INT4 packs 8 groups of quant_group_size={g} per chunk: must be a multiple of {8 * g}")
-        need(self.runtime.quant_matmul == XLA or self.quant == "int4", "quant_matmul",
-             'the Pallas INT4 matmul runs on packed weights (quant="int4")')
+        need(self.runtime.quant_matmul == XLA or self.quant == "int4"
+             or (self.runtime.decode_moe_kernel and self.runtime.moe_ep == "gather"), "quant_matmul",
+             'the Pallas INT4 matmul runs on packed weights (quant="int4"); fp experts take a Pallas quant_matmul only '
+             'as the impl of the one-call decode kernel (decode_moe_kernel with moe_ep="gather")')
         need(self.runtime.quant_matmul == XLA or self.runtime.moe_ep in ("none", "gather", "a2a_decode"),
              "quant_matmul", 'the Pallas INT4 matmul runs without expert parallelism (moe_ep="none") or in a decode '
              'dispatch (moe_ep="gather" or "a2a_decode")')

@@ -12,7 +12,8 @@ compile). `train.py` applies the config's set right after reading the config.
   different sizes are combined. The same flags the public MaxText v5p training recipes set. Also the
   all-to-all asynchronous (``--xla_tpu_enable_async_all_to_all``): with the expert-parallel tokens sent in
   chunks (``RuntimeConfig.moe_a2a_chunks``) one chunk's transport runs beside another chunk's expert
-  matmuls. And the latency-hiding scheduler told to prefer keeping more collectives in flight over avoiding
+  matmuls; the ragged all-to-all too (``--xla_tpu_enable_async_ragged_all_to_all``: the decode MoE's ragged
+  exchange, glm5_jax/model/moe/decode_a2a.py, beside the shared expert). And the latency-hiding scheduler told to prefer keeping more collectives in flight over avoiding
   a stall (``--xla_lhs_prioritize_async_depth_over_stall``): with the all-to-alls async, the scheduler
   otherwise leaves most of the experts' FSDP weight all-gathers synchronous.
 * ``"sparsecore_offload"``: ``"collective_overlap"`` with the FSDP weight all-gathers, gradient
@@ -43,6 +44,7 @@ FLAG_SETS: dict[str, tuple[str, ...]] = {
         "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
         "--xla_tpu_data_parallel_opt_different_sized_ops=true",
         "--xla_tpu_enable_async_all_to_all=true",
+        "--xla_tpu_enable_async_ragged_all_to_all=true",
         "--xla_lhs_prioritize_async_depth_over_stall=ENABLED",
     ),
 }

@@ -7,8 +7,8 @@ the kernel three times (gate, up, down), with the SwiGLU and the gate-weighted s
 layer, each a fixed cost far above its bytes. Here the grid walks the assignments themselves, m = 0 .. M - 1
 (token m // K's choice m % K), "arbitrary": the local expert of each arrives by scalar prefetch and the weight
 BlockSpecs read that expert's packed gate, up and down weights of layer ``layer`` (read in place from the stacked
-[L, E, ...] arrays). A step whose assignment is another chip's computes nothing, and its BlockSpecs name the
-weights a neighbouring local step reads, so the pipeline fetches nothing for it. A local step dequantises as the
+[L, E, ...] arrays). A step whose assignment is another chip's computes nothing and fetches nothing
+(pallas_kernels/decode_assignments.py). A local step dequantises as the
 INT4 kernel does (chunks of 8G contraction rows from G packed rows, one scale row per group, fp32 then cast),
 runs gate and up on all (padded) token rows, the SwiGLU, then down, and adds gate[m] x its token's row into the
 [n, D] fp32 output, resident in VMEM for the whole grid.
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.decode_assignments import local_expert, weights_expert
 from pallas_kernels.int4_matmul import tiling
 from pallas_kernels.int4_matmul.kernel import dequantized_chunk
 from pallas_kernels.kernel_math import mm
@@ -31,27 +32,6 @@ MAX_ASSIGNMENTS = 32
 ROWS = 16                  # token rows padded to a bf16 sublane tile
 PER_WORD = tiling.PER_WORD
 VMEM_LIMIT = 32 << 20
-
-
-def _local(key_ref, offset_ref, j, n_local: int):
-    """(assignment j's local expert, whether it is this chip's): its expert id minus the chip's first."""
-    e = key_ref[j] - offset_ref[0]
-    return e, (e >= 0) & (e < n_local)
-
-
-def _weights_expert(m, key_ref, offset_ref, n_local: int, M: int):
-    """The local expert whose weights step m's BlockSpecs read: its own when local, else the last local one before
-    m, else the first local one after, else 0 (a step of another chip's assignment then re-reads a neighbour's
-    blocks, which the pipeline does not fetch again). Unrolled over the M assignments (scalar code)."""
-    first = jnp.int32(0)
-    for j in reversed(range(M)):
-        e, local = _local(key_ref, offset_ref, j, n_local)
-        first = jnp.where(local, e, first)
-    out = first
-    for j in range(M):
-        e, local = _local(key_ref, offset_ref, j, n_local)
-        out = jnp.where((j <= m) & local, e, out)
-    return out
 
 
 def _dequant_mm(x, packed_ref, scale_ref, group_size: int):
@@ -79,7 +59,7 @@ def _kernel(layer_ref, offset_ref, key_ref, gate_w_ref, x_ref, gp_ref, gs_ref, u
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(_local(key_ref, offset_ref, m, n_local)[1])
+    @pl.when(local_expert(key_ref, offset_ref, m, n_local)[1])
     def _():
         n, D = x_ref.shape
         x = x_ref[...]                                                           # [n, D] fp32
@@ -131,12 +111,12 @@ def int4_decode_moe(x_nD, key_M, gates_M, gate_packed, gate_scale, up_packed, up
     def weight_block(rows, cols):
         return pl.BlockSpec((None, None, rows, cols),
                             lambda m, layer_ref, off_ref, key_ref, _: (layer_ref[0],
-                                                                       _weights_expert(m, key_ref, off_ref, E, M), 0, 0))
+                                                                       weights_expert(m, key_ref, off_ref, E, M), 0, 0))
 
     def scale_block(chunks, cols):
         return pl.BlockSpec((None, None, chunks, PER_WORD, cols),
                             lambda m, layer_ref, off_ref, key_ref, _: (layer_ref[0],
-                                                                       _weights_expert(m, key_ref, off_ref, E, M), 0, 0, 0))
+                                                                       weights_expert(m, key_ref, off_ref, E, M), 0, 0, 0))
 
     out = pl.pallas_call(
         functools.partial(_kernel, n_local=E, top_k=M // n, group_size=G, dtype=dtype),

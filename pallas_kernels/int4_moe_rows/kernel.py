@@ -141,7 +141,8 @@ def int4_moe_rows(rows_RtL, slot_row_P, block_expert_n, n_used, gate_packed, gat
     tf = f_tile(D, F, G) if tile_f is None else tiling.fitting_tile(F, tile_f, chunk)
     half = -(-n // PARTS)
     n_used = jnp.reshape(n_used, (1,)).astype(jnp.int32)
-    grid = (PARTS, jnp.clip((n_used[0] + 1) // PARTS, 1, half), F // tf)
+    # n_used >= 0: a truncating division (jnp's floor division adds sign corrections, each a scalar op)
+    grid = (PARTS, jnp.clip(jax.lax.div(n_used[0] + 1, jnp.int32(PARTS)), 1, half), F // tf)
     by_chunk = lambda s, k: s.reshape(L, E, k // chunk, PER_WORD, s.shape[-1])   # noqa: E731  [chunk, group]
 
     def expert(p, u, ly, be, nu):

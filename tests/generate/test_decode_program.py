@@ -129,7 +129,7 @@ def test_stacked_int4_experts_equal_the_per_layer_slices():
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
 
 
-@pytest.mark.parametrize("quant", ["none", "int4", "int4_rows_kernel"])
+@pytest.mark.parametrize("quant", ["none", "int4", "int4_rows_kernel", "int4_rows_kernel_ragged"])
 def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
     """The decode program in fp32 over an expert:4,tensor:2 sampling mesh, 8 rows (2 per expert chip), the MoE
     through moe_ep="a2a_decode" (no assignment dropped at these shapes; INT4 experts through the kernel,
@@ -137,7 +137,8 @@ def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
     and the first step's logits within 1e-5. (Its MoE equals the gather dispatch's within 1e-5:
     tests/model/test_decode_dispatch.py.) "int4_rows_kernel": 128 wide (received rows in lane tiles) with
     ``decode_moe_kernel``: each chip's received rows through pallas_kernels/int4_moe_rows (interpreted; in the
-    program, with no INT4 block-matmul call left in its MoE)."""
+    program, with no INT4 block-matmul call left in its MoE); "..._ragged": the rows exchanged by the ragged
+    all-to-all's bookkeeping (decode_a2a_exchange="ragged_dense", the collective emulated on CPU)."""
     import flax.linen as nn
     from glm5_jax.generate.decode_program import decode_rules
     from glm5_jax.model.moe.int4_weights import quantize_params
@@ -146,7 +147,8 @@ def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
 
     # experts 128 wide: a half over tensor:2 is still whole INT4 chunks (8 x quant_group_size)
     base = TINY.replace(moe_intermediate_size=128, quant_group_size=8, mtp_depth=0, num_nextn_predict_layers=0,
-                        initializer_range=0.3, hidden_size=128 if quant == "int4_rows_kernel" else TINY.hidden_size)
+                        initializer_range=0.3,
+                        hidden_size=128 if quant.startswith("int4_rows_kernel") else TINY.hidden_size)
     variables = init_variables(base)
     cfg = decode_config(base)
     if quant != "none":
@@ -170,11 +172,12 @@ def test_a2a_decode_dispatch_decodes_the_same_tokens(quant):
 
     want_logits, want_tokens = run(cfg, False)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
-    sharded = cfg.replace(moe_ep="a2a_decode", decode_moe_kernel=quant == "int4_rows_kernel")
+    sharded = cfg.replace(moe_ep="a2a_decode", decode_moe_kernel=quant.startswith("int4_rows_kernel"),
+                          decode_a2a_exchange="ragged_dense" if quant.endswith("ragged") else "slots")
     logits, tokens = run(sharded, True)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
-    if quant == "int4_rows_kernel":
+    if quant.startswith("int4_rows_kernel"):
         from pallas_kernels.int4_matmul.kernel import NAME as BLOCK_KERNEL
         from pallas_kernels.int4_moe_rows.kernel import NAME
         with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(rows, mesh)):
@@ -376,24 +379,33 @@ def test_fused_decode_attention_decodes_the_same_tokens():
         cfg.replace(decode_cache_read="slice", decode_attention="pallas")
 
 
-def test_one_call_int4_moe_decodes_the_same_tokens():
-    """decode_moe_kernel (what decode_model_config sets with INT4 experts: each chip's routed-expert sum of the
-    gathered token's assignments as pallas_kernels/int4_decode_moe, interpreted, over a data:2,expert:4 sampling
-    mesh): the same tokens over 10 steps as the blocked dispatch around the INT4 matmul kernel, the cache within
-    fp32 tolerance; the kernel is what runs."""
+@pytest.mark.parametrize("experts", ["int4", "bf16"])
+def test_one_call_moe_decodes_the_same_tokens(experts):
+    """decode_moe_kernel (what decode_model_config sets with INT4 experts, and with bf16 experts and the gathered
+    dispatch: each chip's routed-expert sum of the gathered token's assignments as pallas_kernels/int4_decode_moe
+    or pallas_kernels/bf16_decode_moe, interpreted, reading the stacked experts in place, over a data:2,expert:4
+    sampling mesh): the same tokens over 10 steps as the dispatch around the INT4 matmul kernel / the grouped
+    matmul over per-layer slices, the cache within fp32 tolerance; the kernel is what runs."""
     import flax.linen as nn
     from glm5_jax.generate.decode_program import decode_model_config, decode_rules
     from glm5_jax.model.moe.int4_weights import quantize_params
     from glm5_jax.parallel.mesh import build_mesh
     from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
-    from pallas_kernels.int4_decode_moe.kernel import NAME
+    from pallas_kernels.bf16_decode_moe.kernel import NAME as BF16
+    from pallas_kernels.int4_decode_moe.kernel import NAME as INT4
 
     base = TINY.replace(moe_intermediate_size=64, quant_group_size=8, mtp_depth=0, num_nextn_predict_layers=0,
                         initializer_range=0.3)
-    variables = {**init_variables(base), "params": quantize_params(init_variables(base)["params"], base)}
-    cfg = decode_model_config(base, "int4", quant_matmul="pallas_interpret", moe_impl="ragged_dot",
+    variables = init_variables(base)
+    if experts == "int4":
+        variables = {**variables, "params": quantize_params(variables["params"], base)}
+    cfg = decode_model_config(base, experts, quant_matmul="pallas_interpret", moe_impl="ragged_dot",
                               cache_read="pallas_interpret")
-    assert cfg.runtime.decode_moe_kernel
+    assert cfg.runtime.decode_moe_kernel and cfg.runtime.decode_stacked_experts
+    name = INT4 if experts == "int4" else BF16
+    off = {"decode_moe_kernel": False}
+    if experts == "bf16":       # the grouped matmul over each layer's slice
+        off.update(decode_stacked_experts=False, quant_matmul="xla")
     mesh = build_mesh(parse_mesh_spec("data:2,expert:4", SAMPLING_RULES), jax.devices()[:8])
     token, start = jnp.array([3, 77], jnp.int32), jnp.zeros((B,), jnp.int32)
 
@@ -401,12 +413,13 @@ def test_one_call_int4_moe_decodes_the_same_tokens():
         program = lambda v, t, p, cache: decode_steps(c, STEPS, v, t, p, cache)  # noqa: E731
         args = (variables, token, start, init_cache(c, B, S)["decoder"])
         with jax.set_mesh(mesh), nn.logical_axis_rules(decode_rules(B, mesh)):
-            assert (f"name={NAME}" in str(jax.make_jaxpr(program)(*args))) == c.runtime.decode_moe_kernel
+            assert (f"name={name}" in str(jax.make_jaxpr(program)(*args))) == c.runtime.decode_moe_kernel
             return jax.jit(program)(*args)
 
-    want_tokens, want_cache = run(cfg.replace(decode_moe_kernel=False))
+    want_tokens, want_cache = run(cfg.replace(**off))
     got_tokens, got_cache = run(cfg)
     np.testing.assert_array_equal(np.asarray(got_tokens), np.asarray(want_tokens))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                          atol=2e-2, rtol=2e-2), got_cache, want_cache)
     assert len(set(np.asarray(want_tokens).ravel().tolist())) > 1       # not one repeated token
+

@@ -217,3 +217,61 @@ def test_int4_block_scatter_equals_gathering_the_sorted_rows_first(monkeypatch, 
     want = jnp.zeros((n, D), jnp.float32).at[take // k].add(y_rows * gates.reshape(-1)[take][:, None])
     assert int(jnp.sum(kept)) > 0 and np.isfinite(np.asarray(got)).all()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("batch,quant", [(8, "int4"), (32, "none")], ids=["int4_2_per_chip", "fp_8_per_chip"])
+def test_ragged_a2a_decode_equals_single_device_and_the_slots(batch, quant):
+    """decode_a2a_exchange="ragged_dense" (the ragged exchange's bookkeeping over the dense emulation of
+    ragged_all_to_all, glm5_jax/parallel/ragged_exchange.py) on expert:4,tensor:2: the single-device MoE within
+    2e-5 and the slots exchange within 1e-5, nothing dropped."""
+    cfg, variables, x = _variables(batch, quant, CFG.replace(hidden_size=128) if quant == "int4" else CFG)
+    want = _moe_out(cfg, variables, x)
+    mesh = build_mesh(parse_mesh_spec("expert:4,tensor:2", SAMPLING_RULES), jax.devices()[:8])
+    slots = _dispatch_config(cfg, "a2a_decode", quant)
+    got, aux = _moe_apply(slots.replace(decode_a2a_exchange="ragged_dense", moe_capacity_factor=2.0), variables, x,
+                          mesh)
+    assert int(aux["dropped"]) == 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_moe_out(slots, variables, x, mesh)), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(want)).max() > 1e-2
+
+
+def test_ragged_a2a_decode_keeps_senders_in_order_past_capacity():
+    """Every token routed to experts 0 and 1 (the correction bias), both on chip 0 of expert:4: chip 0 receives
+    4 x 16 tokens x 2 = 128 rows but takes factor 1 x its expected 32; its senders' slices are kept in sender
+    order, so the rows of chip 0's own 16 tokens fill it and chips 1-3's 96 are dropped. Chip 0's tokens come
+    out as on one device, the others' with the shared expert alone."""
+    batch, n = 64, 16
+    cfg, variables, x = _variables(batch, "none")
+    bias = jnp.zeros((CFG.n_routed_experts,)).at[:2].set(100.0)
+    variables = {**variables, "moe_bias": {"e_score_correction_bias": bias}}
+    want = _moe_out(cfg, variables, x)
+    mesh = build_mesh(parse_mesh_spec("expert:4,tensor:2", SAMPLING_RULES), jax.devices()[:8])
+    got, aux = _moe_apply(cfg.replace(moe_ep="a2a_decode", moe_capacity_factor=1.0,
+                                      decode_a2a_exchange="ragged_dense"), variables, x, mesh)
+    assert int(aux["dropped"]) == 96
+    kept = np.arange(batch) < n
+    np.testing.assert_allclose(np.asarray(got)[kept], np.asarray(want)[kept], rtol=2e-5, atol=2e-5)
+    params = dict(variables["params"])
+    for name in ("gate_proj", "up_proj", "down_proj"):             # routed experts zero: the shared expert alone
+        params[name] = jnp.zeros_like(params[name])
+    shared_only = _moe_out(cfg, {**variables, "params": params}, x)
+    np.testing.assert_allclose(np.asarray(got)[~kept], np.asarray(shared_only)[~kept], rtol=2e-5, atol=2e-5)
+
+
+def test_ragged_plan_by_hand():
+    """3 chips, counts[s, r] of sender s's rows for receiver r, each receiver taking at most 4 rows in sender
+    order: receiver 0 keeps 2, 2, 0 of (2, 3, 1), receiver 1 all of (1, 0, 2), receiver 2 1, 3, 0 of (1, 4, 0).
+    For chip 1: it sends 2, 0, 3 rows (2 dropped); its slices start at 0, 3, 3 of its rows sorted by receiver
+    and land after the kept rows of the senders before it (2, 1, 1); it receives 1, 0, 2 rows, landing at 0, 1,
+    1; each sender's rows for chip 1 start at 2, 3, 1 of that sender's sorted rows (where the results go back)."""
+    from glm5_jax.model.moe.decode_a2a import ragged_plan
+    counts = jnp.array([[2, 1, 1], [3, 0, 4], [1, 2, 0]], jnp.int32)
+    plan = {k: np.asarray(v).tolist() for k, v in ragged_plan(counts, 1, 4).items()}
+    assert plan["send"] == [2, 0, 3]
+    assert plan["send_offset"] == [0, 3, 3]
+    assert plan["land"] == [2, 1, 1]
+    assert plan["recv"] == [1, 0, 2]
+    assert plan["recv_offset"] == [0, 1, 1]
+    assert plan["back"] == [2, 3, 1]
+    assert plan["dropped"] == 2

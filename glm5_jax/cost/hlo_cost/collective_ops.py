@@ -39,7 +39,10 @@ def collective_op(opcode: str, shape: str, operand_shapes: list[str], attrs: str
     if kind == "all-gather":
         nbytes = dense_bytes(arrays_of(shape)[-1:]) if opcode.endswith("-start") else dense_bytes(arrays_of(shape))
     elif kind == "ragged-all-to-all":
-        nbytes = dense_bytes(operands[:1])              # the input buffer: an upper bound on what is sent
+        # each row is sent once: a chip sends at most its input buffer, and what all chips send is what their
+        # output buffers take in, so a chip sends on average at most the smaller of the two (a dispatch: its
+        # rows; their return: the rows its output buffer takes back)
+        nbytes = min(dense_bytes(operands[:1]), dense_bytes(operands[1:2]))
     else:
         nbytes = dense_bytes(operands)
     return CollectiveOp(kind, nbytes, collective_groups(attrs, num_partitions), is_async, category, offloaded)

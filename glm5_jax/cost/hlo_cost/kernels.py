@@ -2,7 +2,7 @@
 lowering's matmul from its shapes, megablox grouped matmuls by the row tiles their groups visit
 (`GroupedMatmulLoad`, `grouped_matmul_tiles`), and the INT4 expert kernel's dynamic row blocks by the
 blocks it declares (`declared_row_blocks`), the sorted row scatter-add's update blocks by an even cut over its
-parts (`scatter_part_blocks`), the few-token INT4 MoE kernel's weight fetches by its local assignments
+parts (`scatter_part_blocks`), the few-token decode MoE kernels' weight fetches by their local assignments
 (`decode_moe_fetch_fraction`), the received-rows INT4 MoE kernel's row blocks per part by the blocks it
 declares (`moe_rows_part_blocks`)."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import re
 
 from glm5_jax.cost.hlo_cost.parsing import arrays_of, dense_bytes
+from pallas_kernels.bf16_decode_moe.kernel import NAME as BF16_DECODE_MOE, ROWS as BF16_DECODE_MOE_ROWS
 from pallas_kernels.int4_decode_moe.kernel import NAME as INT4_DECODE_MOE, ROWS as INT4_DECODE_MOE_ROWS
 from pallas_kernels.int4_matmul.kernel import NAME as INT4_BLOCK_MATMUL
 from pallas_kernels.int4_moe_rows.kernel import NAME as INT4_MOE_ROWS, PARTS as INT4_MOE_ROWS_PARTS
@@ -184,25 +185,30 @@ _BLOCK_SCHEDULE = re.compile(r"flash_attention")
 
 
 def decode_moe_fetch_fraction(grid, attrs: str) -> float | None:
-    """The share of the few-token INT4 MoE kernel's M assignment steps that fetch expert weights: a step of another
-    chip's assignment names the blocks a neighbouring local step reads, so the pipeline fetches at most once per
-    local assignment; the kernel declares the busiest chip's expected local assignments as its FLOPs, 2 x 16
-    token rows x 3 products x D x F each, and its gate weights' window holds D x F / 2 bytes (packed words).
-    None: not that kernel, or its grid does not say."""
-    if grid.name != INT4_DECODE_MOE or len(grid.bounds) != 1 or not grid.bounds[0] or len(grid.windows) < 2:
+    """The share of a few-token decode MoE kernel's M assignment steps that fetch expert weights: a step of another
+    chip's assignment names the blocks a neighbouring local step reads, so the pipeline fetches once per local
+    assignment (per width tile). The kernel declares the busiest chip's expected local assignments as its FLOPs,
+    2 x 16 token rows x 3 products x D x F each; its gate weights' window holds D x F / 2 bytes (INT4: packed
+    words, grid (M,)) or D x T x 2 (bf16: grid (M, F / T), width tiles of T). None: neither kernel, or its grid
+    does not say."""
+    if grid.name == INT4_DECODE_MOE and len(grid.bounds) == 1:
+        rows, d_times_f = INT4_DECODE_MOE_ROWS, 2 * grid.windows[1][0] if len(grid.windows) > 1 else 0
+    elif grid.name == BF16_DECODE_MOE and len(grid.bounds) == 2 and grid.bounds[1]:
+        rows = BF16_DECODE_MOE_ROWS
+        d_times_f = grid.windows[1][0] / 2 * grid.bounds[1] if len(grid.windows) > 1 else 0
+    else:
         return None
     flops = float(_declared(attrs).get("flops", 0))
-    d_times_f = 2 * grid.windows[1][0]
-    if not flops or not d_times_f:
+    if not grid.bounds[0] or not flops or not d_times_f:
         return None
-    assignments = flops / (2 * INT4_DECODE_MOE_ROWS * 3 * d_times_f)
+    assignments = flops / (2 * rows * 3 * d_times_f)
     return min(1.0, assignments / grid.bounds[0])
 
 
 def table_fraction(grid, attrs: str) -> float:
     """The share of its grid steps at which a kernel's table-indexed blocks change (`KernelGrid.window_bytes`):
     the causal share (n + 1) / 2n of the project's flash-attention schedules (n: the innermost axis's steps),
-    the few-token INT4 MoE kernel's local assignments among its steps (`decode_moe_fetch_fraction`), 1 (every
+    the few-token decode MoE kernels' local assignments among their steps (`decode_moe_fetch_fraction`), 1 (every
     step) for other kernels."""
     moe = decode_moe_fetch_fraction(grid, attrs)
     if moe is not None:

@@ -13,6 +13,13 @@ layer and chip, n tokens x K choices, ``chips`` chips in the expert group:
     applied at the source)  --all_to_all back-->
     each slot's output -> sum_k gates[n, k] y[n, k] per token [n, D] (fp32)
 
+With ``decode_a2a_exchange="ragged"`` the slots go: a chip sorts its assignments by destination and sends each
+destination just its rows, each carrying its local expert as one more value (`with_key`), in one ragged all-to-all
+(glm5_jax/parallel/ragged_exchange.py), each chip taking at
+most `local_capacity` of the rows sent to it (senders' slices in sender order; the counts all-gathered first, so
+every chip knows what each receiver keeps: `ragged_plan`), and the results come back the same way. A chip then
+sends n K rows, not chips x C (744B, batch 3072 on 64 chips: 384 rows, not 64 x 16 = 1,024).
+
 "gather" moves the expert group's tokens to every chip and their results back ([chips x n, D] twice, which
 XLA:TPU compiles as two all-reduces); here a chip sends and receives [chips x C, D] twice, C =
 `decode_dispatch.local_capacity` of its n K assignments (``moe_capacity_factor`` x the expected n K / chips per
@@ -36,8 +43,9 @@ from glm5_jax.model.moe import int4_weights
 from glm5_jax.model.moe.decode_dispatch import (chip_blocks, chip_weights, dispatch_axes, expert_operands,
                                                  gathered_moe, int4_swiglu_blocks, local_capacity, local_swiglu,
                                                  sort_by_key, stacked_int4_operands)
-from glm5_jax.model.moe.experts import block_layout
+from glm5_jax.model.moe.experts import block_layout, ceil_div_nonneg, div_nonneg
 from glm5_jax.model.moe.expert_parallel import rank_within_expert, tile_rows
+from glm5_jax.parallel.ragged_exchange import ragged_all_to_all
 from pallas_kernels.impls import PALLAS_IMPLS
 from pallas_kernels.int4_moe_rows import ops as int4_moe_rows_ops
 
@@ -63,6 +71,40 @@ def send_slots(expert_idx_nK, n_local: int, n_dest: int, cap: int):
     return slot, assignment, jnp.sum(~kept).astype(jnp.int32)
 
 
+def ragged_plan(sizes_SR, me, capacity: int):
+    """The ragged exchange's bookkeeping from every chip's assignment counts ``sizes_SR`` [senders, receivers]
+    (identical on all chips) for chip ``me``: each receiver takes at most ``capacity`` rows, its senders'
+    slices kept in sender order (a slice past the capacity cut to what fits, the rest of it dropped) ->
+    dict of [chips] int32: ``send`` (kept rows to each receiver), ``send_offset`` (each slice's start in this
+    chip's rows sorted by receiver), ``land`` (where each slice lands on its receiver), ``recv`` (kept rows from
+    each sender), ``recv_offset`` (where each sender's slice lands here), ``back`` (where each sender's rows start
+    in its sorted rows: the return slices' landing), and ``dropped`` (this chip's rows cut, a scalar)."""
+    before = lambda a: jnp.cumsum(a, axis=0) - a                        # noqa: E731  exclusive prefix sums
+    kept = jnp.clip(capacity - before(sizes_SR), 0, sizes_SR)             # [S, R]: senders in order per receiver
+    landing = before(kept)                                                # [S, R]: where s's slice lands on r
+    starts = jnp.cumsum(sizes_SR, axis=1) - sizes_SR                      # [S, R]: s's slice for r in s's rows
+    return {"send": kept[me], "send_offset": starts[me], "land": landing[me], "recv": kept[:, me],
+            "recv_offset": landing[:, me], "back": starts[:, me], "dropped": jnp.sum(sizes_SR[me] - kept[me])}
+
+
+def with_key(rows, key_R):
+    """``rows`` [R, D] or [R, D / 128, 128] with each row's local expert ``key_R`` (a small non-negative int)
+    carried as a value of the rows' dtype at the end (2D: one extra column; tiled: one extra [1, 128] tile), so
+    that one exchange moves both (`split_key`). Integers up to 256 are exact in bf16 (8 significant bits)."""
+    value = key_R.astype(rows.dtype)
+    if rows.ndim == 2:
+        return jnp.concatenate([rows, value[:, None]], axis=1)
+    tile = jnp.zeros((rows.shape[0], 1, rows.shape[2]), rows.dtype).at[:, 0, 0].set(value)
+    return jnp.concatenate([rows, tile], axis=1)
+
+
+def split_key(rows_k):
+    """(rows, key [R] int32) from `with_key`'s rows."""
+    if rows_k.ndim == 2:
+        return rows_k[:, :-1], rows_k[:, -1].astype(jnp.int32)
+    return rows_k[:, :-1], rows_k[:, -1, 0].astype(jnp.int32)
+
+
 def expert_rows(rows_R, key_R, weights, cfg: ModelConfig, block, cost_blocks):
     """SwiGLU of each received row by its local expert ``key_R`` (n_local: an empty slot) -> [R, ...] in the
     compute dtype, shaped as ``rows_R`` ([R, D] or `tile_rows`' [R, D / 128, 128]); empty slots' rows unspecified.
@@ -78,7 +120,7 @@ def expert_rows(rows_R, key_R, weights, cfg: ModelConfig, block, cost_blocks):
     if int4:
         src, block_expert, _, dest = block_layout(group_sizes, R, block)  # src: the sorted row in each slot
         block_expert = jnp.minimum(block_expert, n_local - 1)
-        n_used = jnp.sum(-(-group_sizes[:n_local] // block)).astype(jnp.int32)
+        n_used = jnp.sum(ceil_div_nonneg(group_sizes[:n_local], block)).astype(jnp.int32)
         if rows_kernel_applies(cfg, rows_R):
             slot_row = jnp.where(src < R, take(order, src), R).astype(jnp.int32)   # the received row in each slot
             return int4_moe_rows_ops.int4_moe_rows(
@@ -121,7 +163,7 @@ def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfi
         mesh.shape[a] for a in batch if a not in ep))
     dt = cfg.jnp_dtype
 
-    def body(x, idx, gates, *w):
+    def slots_body(x, idx, gates, *w):
         D = x.shape[-1]
         slot, assignment, dropped = send_slots(idx, n_local, n_ep, cap)
         filled = assignment < n * K
@@ -139,7 +181,39 @@ def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfi
         out = jnp.einsum("nk,nkd->nd", gates.astype(jnp.float32), y_nKD.astype(jnp.float32))
         return out, jax.lax.psum(dropped, batch)
 
+    # ragged: each assignment's row sent alone, a chip receiving at most the factor x its expected rows
+    if n_local > 2 ** (jnp.finfo(dt).nmant + 1):
+        raise ValueError(f"a2a_moe: {n_local} local experts; the ragged exchange carries a row's local expert as a "
+                         f"{jnp.dtype(dt).name} value, exact up to {2 ** (jnp.finfo(dt).nmant + 1)}")
+    received = local_capacity(n * n_ep * K, n_local, E, cfg.runtime.moe_capacity_factor)
+    impl = "native" if cfg.runtime.decode_a2a_exchange == "ragged" else "dense"
+
+    def ragged_body(x, idx, gates, *w):
+        D = x.shape[-1]
+        flat = idx.reshape(-1)
+        dest = div_nonneg(flat, n_local)
+        order = jnp.argsort(dest, stable=True)                       # this chip's assignments by receiver
+        counts = jnp.bincount(dest, length=n_ep).astype(jnp.int32)
+        plan = ragged_plan(jax.lax.all_gather(counts, ep), jax.lax.axis_index(ep), received)
+        exchange_rows = lambda a, out, there: ragged_all_to_all(  # noqa: E731
+            a, out, *there, axis_name=ep, impl=impl)
+        there = (plan["send_offset"], plan["send"], plan["land"], plan["recv"])
+        # rows as [., D / 128, 128] (`tile_rows`), each with its local expert in its bits: one exchange
+        sent = with_key(tile_rows(x.astype(dt))[div_nonneg(order, K)], jax.lax.rem(flat, jnp.asarray(n_local, flat.dtype))[order])
+        unfilled = with_key(jnp.zeros((received,) + tile_rows(x[:1]).shape[1:], dt),
+                            jnp.full((received,), n_local, jnp.int32))              # no expert
+        rows, row_key = split_key(exchange_rows(sent, unfilled, there))
+        y = expert_rows(rows, row_key, chip_weights(w), cfg, block, cost_blocks)
+        if mlp:
+            y = jax.lax.psum(y, mlp)
+        back = exchange_rows(y, jnp.zeros((n * K,) + y.shape[1:], y.dtype),
+                             (plan["recv_offset"], plan["recv"], plan["back"], plan["send"]))  # dropped: zero
+        y_nKD = jnp.zeros_like(back).at[order].set(back).reshape(n, K, D)
+        out = jnp.einsum("nk,nkd->nd", gates.astype(jnp.float32), y_nKD.astype(jnp.float32))
+        return out, jax.lax.psum(plan["dropped"], batch)
+
     tok = P(batch, None)
     operands, specs = expert_operands(w_gate, w_up, w_down, ep, mlp)
+    body = slots_body if cfg.runtime.decode_a2a_exchange == "slots" else ragged_body
     return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=(tok, P()),
                          check_vma=False)(x_ND, expert_idx_NK, gates_NK, *operands)

@@ -30,6 +30,7 @@ from glm5_jax.model.moe.experts import expert_blocks, max_blocks, swiglu_rows
 from glm5_jax.parallel.axes import BATCH, EXP, MLP_MOE
 from glm5_jax.parallel.shard_map import logical_mesh_axes
 from pallas_kernels.impls import BLOCKED, PALLAS_IMPLS, RAGGED_DOT
+from pallas_kernels.bf16_decode_moe import kernel as bf16_decode_moe_kernel, ops as bf16_decode_moe_ops
 from pallas_kernels.int4_decode_moe import kernel as int4_decode_moe_kernel, ops as int4_decode_moe_ops
 from pallas_kernels.int4_matmul import ops as int4_ops
 
@@ -219,34 +220,45 @@ def chip_blocks(n_seen: int, cfg: ModelConfig, n_local: int, n_chips: int) -> tu
 
 def expert_operands(w_gate, w_up, w_down, ep, mlp):
     """(operands, in_specs) of the routed-expert weights for a `shard_map` over ``ep`` (experts) and ``mlp``
-    (their F width): [E, D, F], [E, D, F], [E, F, D] arrays, or `Int4Weight`s as (words, scale) pairs and, when
-    stacked over layers, the layer index (`chip_weights` rebuilds them inside)."""
+    (their F width): [E, D, F], [E, D, F], [E, F, D] arrays, `Int4Weight`s as (words, scale) pairs and, when
+    stacked over layers, the layer index, or `StackedWeight`s as their stacks and the layer index (`chip_weights`
+    rebuilds them inside)."""
     in_up, in_down = P(ep or None, None, mlp or None), P(ep or None, mlp or None, None)
+    stacked = lambda specs: tuple(P(None, *s) for s in specs) + (P(),)          # noqa: E731  [L, ...] + layer
+    if isinstance(w_gate, int4_weights.StackedWeight):
+        return (w_gate.stack, w_up.stack, w_down.stack, w_gate.layer), stacked((in_up, in_up, in_down))
     if not isinstance(w_gate, int4_weights.Int4Weight):
         return (w_gate, w_up, w_down), (in_up, in_up, in_down)
     operands = (w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, w_down.packed, w_down.scale)
     specs = (in_up, in_up, in_up, in_up, in_down, in_down)
     if w_gate.layer is not None:               # stacked [L, E, ...]: the layer axis whole on every chip
-        operands += (w_gate.layer,)
-        specs = tuple(P(None, *s) for s in specs) + (P(),)
+        return operands + (w_gate.layer,), stacked(specs)
     return operands, specs
 
 
 def chip_weights(w):
     """The (gate, up, down) weights inside the `shard_map` from `expert_operands`' operands."""
+    if len(w) == 4:                             # stacked fp weights, then the layer
+        return tuple(int4_weights.StackedWeight(a, w[3]) for a in w[:3])
     if len(w) < 6:
         return w
     layer = w[6] if len(w) == 7 else None       # packed (words, scale) pairs, then the layer if stacked
     return tuple(int4_weights.Int4Weight(*w[i:i + 2], layer) for i in (0, 2, 4))
 
 
-def fused_moe_applies(cfg: ModelConfig, n_tokens: int, n_assignments: int, cap: int) -> bool:
-    """Whether a chip's INT4 routed-expert sum runs as the one-call kernel (``decode_moe_kernel``,
-    pallas_kernels/int4_decode_moe): few enough assignments and tokens, every assignment within the chip's
+def fused_moe_applies(cfg: ModelConfig, n_tokens: int, n_assignments: int, cap: int, w_gate) -> bool:
+    """Whether a chip's routed-expert sum runs as a one-call kernel (``decode_moe_kernel``): packed INT4 experts
+    through pallas_kernels/int4_decode_moe, stacked bf16 experts (`StackedWeight`) through
+    pallas_kernels/bf16_decode_moe; few enough assignments and tokens, every assignment within the chip's
     capacity (the kernel keeps them all), a Pallas quant_matmul, no SwiGLU clamp."""
+    if isinstance(w_gate, int4_weights.StackedWeight):
+        kern = bf16_decode_moe_kernel
+    elif isinstance(w_gate, int4_weights.Int4Weight):
+        kern = int4_decode_moe_kernel
+    else:
+        return False
     return (cfg.runtime.decode_moe_kernel and cfg.runtime.quant_matmul in PALLAS_IMPLS and cfg.swiglu_limit is None
-            and n_assignments <= int4_decode_moe_kernel.MAX_ASSIGNMENTS and n_tokens <= int4_decode_moe_kernel.ROWS
-            and cap >= n_assignments)
+            and n_assignments <= kern.MAX_ASSIGNMENTS and n_tokens <= kern.ROWS and cap >= n_assignments)
 
 
 def fused_moe(x_nD, expert_M, gates_M, weights, first, cfg: ModelConfig, cost_assignments):
@@ -254,6 +266,10 @@ def fused_moe(x_nD, expert_M, gates_M, weights, first, cfg: ModelConfig, cost_as
     ``expert_M``, the chip's experts ``first`` .. ``first`` + E_local - 1 (an int32 [1], the kernel's offset) ->
     [n, D] summed in fp32, rounded to the compute dtype as the other paths' sums are before the all-reduce;
     ``cost_assignments``: the kernel's declared busiest-chip local assignments."""
+    if isinstance(weights[0], int4_weights.StackedWeight):
+        return bf16_decode_moe_ops.bf16_decode_moe(
+            x_nD, expert_M, gates_M, *(w.stack for w in weights), weights[0].layer, first, dtype=cfg.jnp_dtype,
+            impl=cfg.runtime.quant_matmul, out_dtype=cfg.jnp_dtype, cost_assignments=cost_assignments)
     return int4_decode_moe_ops.int4_decode_moe(
         x_nD, expert_M, gates_M, *stacked_int4_operands(weights), first, group_size=cfg.quant_group_size,
         dtype=cfg.jnp_dtype, impl=cfg.runtime.quant_matmul, out_dtype=cfg.jnp_dtype,
@@ -296,7 +312,7 @@ def chip_expert_sum(x_nD, key_M, gates_M, weights, cfg: ModelConfig, cap, block,
 def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfig):
     """The routed experts' gate-weighted sum sum_k gates[n, k] SwiGLU_{expert_idx[n,k]}(x[n]) -> [N, D] fp32, the
     experts resident on the chips of the expert axis (module docstring). Weights: [E, D, F], [E, D, F], [E, F, D]
-    arrays or `Int4Weight`s (possibly stacked over layers with their layer index, read in place).
+    arrays, `Int4Weight`s (possibly stacked over layers with their layer index, read in place) or `StackedWeight`s.
 
     A chip takes at most `local_capacity` (``RuntimeConfig.moe_capacity_factor`` x its expected share) of the
     gathered assignments, its own experts' first in token order; assignments past it (none while routing is
@@ -313,7 +329,7 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
     # splits each chip's experts' width, same load)
     n_chips = n_ep * math.prod(mesh.shape[a] for a in batch if a not in gather)
     block, cost_blocks = chip_blocks(n_seen, cfg, n_local, n_chips)
-    fused = isinstance(w_gate, int4_weights.Int4Weight) and fused_moe_applies(cfg, n_seen, n_seen * K, cap)
+    fused = fused_moe_applies(cfg, n_seen, n_seen * K, cap, w_gate)
     # the one-call kernel's cost hint: the busiest chip's expected local assignments (blocks of one row)
     cost_assignments = busiest_chip_blocks(n_seen, K, E, n_local, 1, n_chips)
 
@@ -322,9 +338,10 @@ def gathered_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: Model
             x, idx, gates = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, idx, gates))
         if fused:
             y = fused_moe(x, idx.reshape(-1), gates.reshape(-1), chip_weights(w), firsts, cfg, cost_assignments)
-        else:
+        else:       # stacked fp weights: the layer's slice (a copy) for the grouped matmul
+            weights = tuple(a.of_layer() if isinstance(a, int4_weights.StackedWeight) else a for a in chip_weights(w))
             y = chip_expert_sum(x, local_keys(idx.reshape(-1), firsts[0], n_local), gates.reshape(-1),
-                                chip_weights(w), cfg, cap, block, cost_blocks)
+                                weights, cfg, cap, block, cost_blocks)
         if mlp:
             y = jax.lax.psum(y, mlp)
         if gather:

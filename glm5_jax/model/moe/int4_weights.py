@@ -7,10 +7,11 @@
   by `quantize_params`; dequantised for the XLA matmul (``quant_matmul="xla"``: the same numbers as
   ``int4_qat``'s forward) or handed packed to the Pallas dequantise-matmul (`Int4Weight`).
 
-At decode (``RuntimeConfig.decode_stacked_experts``) the main stack's packed experts leave the scanned
+At decode (``RuntimeConfig.decode_stacked_experts``) the main stack's routed experts leave the scanned
 "params" for the `STACKED_EXPERTS` collection (`stack_expert_variables`), which the layer scan hands every
-layer whole: each layer's `Int4Weight` is the stacked [layers, E, ...] arrays and its layer index, which the
-kernel reads in place (a scanned parameter is a slice, copied before a custom call can read it).
+layer whole: each layer's `Int4Weight` (packed) or `StackedWeight` (bf16) is the stacked [layers, E, ...] arrays
+and its layer index, which the decode kernels read in place (a scanned parameter is a slice, copied before a
+custom call can read it).
 """
 from __future__ import annotations
 
@@ -41,12 +42,27 @@ class Int4Weight(NamedTuple):
     layer: jax.Array | None = None
 
 
+class StackedWeight(NamedTuple):
+    """An fp [E, K, N] weight of every layer, [L, E, K, N], and the layer to use (int32 scalar)."""
+    stack: jax.Array
+    layer: jax.Array
+
+    def of_layer(self) -> jax.Array:
+        """The layer's [E, K, N] weight (a slice: copied where a custom call reads it)."""
+        return self.stack[self.layer]
+
+
 def expert_weight(module: nn.Module, name: str, shape, axes, init, cfg: ModelConfig, layer=None):
     """Declare routed-expert weight `name` of `shape` [E, K, N] on `module`; return what the grouped
     matmul multiplies by: an array, or an `Int4Weight` for the Pallas INT4 matmul. ``layer``: the scanned
-    layer's index, given at decode with ``decode_stacked_experts`` (the stacked weights, module docstring)."""
+    layer's index, given at decode with ``decode_stacked_experts`` (the stacked weights, module docstring:
+    an `Int4Weight` with its layer, or a `StackedWeight`)."""
     group, scale_dtype, pdt = cfg.quant_group_size, cfg.quant_scale_dtype, cfg.jnp_param_dtype
     if layer is not None and not module.is_initializing():
+        if cfg.quant == "none":
+            return StackedWeight(module.get_variable(STACKED_EXPERTS, name), layer)
+        if cfg.quant != "int4":
+            raise ValueError(f"decode_stacked_experts reads bf16 or packed INT4 experts, not quant={cfg.quant!r}")
         return Int4Weight(module.get_variable(STACKED_EXPERTS, f"{name}_packed"),
                           module.get_variable(STACKED_EXPERTS, f"{name}_scale"), layer)
     if cfg.quant == "int4":
@@ -87,10 +103,13 @@ def quantize_params(params, cfg: ModelConfig):
 
 
 def stack_expert_variables(variables):
-    """``variables`` with the main stack's packed experts moved from "params" to `STACKED_EXPERTS` (same paths
-    under the stack's key): what a ``decode_stacked_experts`` model reads (module docstring)."""
-    return move_stack_leaves(variables, STACKED_EXPERTS, lambda module, name: module == MOE_MODULE and name.endswith(
-        ("_packed", "_scale")) and name.rsplit("_", 1)[0] in EXPERT_WEIGHTS)
+    """``variables`` with the main stack's routed experts (packed words and scales, or fp weights) moved from
+    "params" to `STACKED_EXPERTS` (same paths under the stack's key): what a ``decode_stacked_experts`` model
+    reads (module docstring)."""
+    def expert(module, name):
+        packed = name.endswith(("_packed", "_scale")) and name.rsplit("_", 1)[0] in EXPERT_WEIGHTS
+        return module == MOE_MODULE and (packed or name in EXPERT_WEIGHTS)
+    return move_stack_leaves(variables, STACKED_EXPERTS, expert)
 
 
 def _dict_paths(tree, prefix=()):

@@ -132,6 +132,10 @@ class MoE(nn.Module):
         w_down = int4_weights.expert_weight(self, "down_proj", (E, F, D), (EXP, MLP_MOE, EMBED), init, cfg,
                                             layer_index)
 
+        if isinstance(w_gate, int4_weights.StackedWeight) and cfg.runtime.moe_ep != "gather":
+            # stacked fp experts are read in place only by the gathered decode's kernel: the others take the slice
+            w_gate, w_up, w_down = (w.of_layer() for w in (w_gate, w_up, w_down))
+
         x_ND = x_BTD.reshape(B * T, D)
         scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router.astype(jnp.float32),
                                         precision=jax.lax.Precision.HIGHEST))          # [N,E] fp32
