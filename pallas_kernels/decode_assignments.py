@@ -1,10 +1,11 @@
-"""Scalar-prefetch helpers of the few-token decode MoE kernels (pallas_kernels/int4_decode_moe,
-pallas_kernels/bf16_decode_moe), whose grid walks a chip's gathered assignments m = 0 .. M - 1.
+"""Helpers of the few-token decode MoE kernels (pallas_kernels/int4_decode_moe, pallas_kernels/bf16_decode_moe),
+whose grid walks a chip's gathered assignments m = 0 .. M - 1.
 
 ``key_ref`` holds each assignment's expert id and ``offset_ref`` the chip's first expert; a step of another
 chip's assignment computes nothing, and its weight BlockSpecs name blocks that a neighbouring local step reads,
 so that the pipeline fetches nothing for it (`weights_expert`, `weights_tile`). The index maps unroll over the M
 assignments (scalar code)."""
+import jax
 import jax.numpy as jnp
 
 
@@ -39,3 +40,19 @@ def weights_tile(m, t, n_tiles: int, key_ref, offset_ref, n_local: int, M: int):
     for j in range(M):
         before = before | ((j < m) & local_expert(key_ref, offset_ref, j, n_local)[1])
     return jnp.where(here, t, jnp.where(before, n_tiles - 1, 0))
+
+
+def token_rows(x_ref, rows: int, dtype):
+    """The kernel's n token rows ([n, D] fp32 in VMEM) padded with zero rows to ``rows`` (one sublane tile), in
+    ``dtype``: the products' left operand."""
+    x = x_ref[...]
+    n, D = x.shape
+    if n < rows:
+        x = jnp.concatenate([x, jnp.zeros((rows - n, D), x.dtype)], axis=0)
+    return x.astype(dtype)
+
+
+def add_gated_row(acc_ref, y_nD, gate, token):
+    """acc[token] += gate * y[token] (fp32; the other rows as they are): an assignment's term in its token's sum."""
+    row = jax.lax.broadcasted_iota(jnp.int32, y_nD.shape, 0) == token
+    acc_ref[...] += jnp.where(row, gate * y_nD, 0.0)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.decode_assignments import local_expert, weights_expert, weights_tile
+from pallas_kernels.decode_assignments import add_gated_row, local_expert, token_rows, weights_expert, weights_tile
 from pallas_kernels.kernel_math import mm
 
 NAME = "bf16_decode_moe"
@@ -51,16 +51,11 @@ def _kernel(layer_ref, offset_ref, key_ref, gate_w_ref, x_ref, g_ref, u_ref, d_r
 
     @pl.when(local_expert(key_ref, offset_ref, m, n_local)[1])
     def _():
-        n, D = x_ref.shape
-        x = x_ref[...]                                                           # [n, D] fp32
-        if n < ROWS:                                                             # token rows to one sublane tile
-            x = jnp.concatenate([x, jnp.zeros((ROWS - n, D), x.dtype)], axis=0)
-        x = x.astype(dtype)
+        x = token_rows(x_ref, ROWS, dtype)                                      # [ROWS, D]
         g, u = (mm(x, w[...].astype(dtype)).astype(dtype).astype(jnp.float32) for w in (g_ref, u_ref))
         h = (jax.nn.silu(g) * u).astype(dtype)                                   # [ROWS, T]
-        y = mm(h, d_ref[...].astype(dtype))[:n]                                  # [n, D] fp32
-        token = jax.lax.broadcasted_iota(jnp.int32, y.shape, 0) == m // top_k
-        acc_ref[...] += jnp.where(token, gate_w_ref[m] * y, 0.0)
+        y = mm(h, d_ref[...].astype(dtype))[:x_ref.shape[0]]                     # [n, D] fp32
+        add_gated_row(acc_ref, y, gate_w_ref[m], m // top_k)
 
     @pl.when((m == pl.num_programs(0) - 1) & (t == pl.num_programs(1) - 1))
     def _():

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.decode_assignments import local_expert, weights_expert
+from pallas_kernels.decode_assignments import add_gated_row, local_expert, token_rows, weights_expert
 from pallas_kernels.int4_matmul import tiling
 from pallas_kernels.int4_matmul.kernel import dequantized_chunk
 from pallas_kernels.kernel_math import mm
@@ -61,15 +61,10 @@ def _kernel(layer_ref, offset_ref, key_ref, gate_w_ref, x_ref, gp_ref, gs_ref, u
 
     @pl.when(local_expert(key_ref, offset_ref, m, n_local)[1])
     def _():
-        n, D = x_ref.shape
-        x = x_ref[...]                                                           # [n, D] fp32
-        if n < ROWS:                                                             # token rows to one sublane tile
-            x = jnp.concatenate([x, jnp.zeros((ROWS - n, D), x.dtype)], axis=0)
-        x = x.astype(dtype)
+        x = token_rows(x_ref, ROWS, dtype)                                      # [ROWS, D]
         h = jax.nn.silu(_dequant_mm(x, gp_ref, gs_ref, group_size)) * _dequant_mm(x, up_ref, us_ref, group_size)
-        y = _dequant_mm(h.astype(dtype), dp_ref, ds_ref, group_size)[:n]         # [n, D] fp32
-        token = jax.lax.broadcasted_iota(jnp.int32, y.shape, 0) == m // top_k
-        acc_ref[...] += jnp.where(token, gate_w_ref[m] * y, 0.0)
+        y = _dequant_mm(h.astype(dtype), dp_ref, ds_ref, group_size)[:x_ref.shape[0]]   # [n, D] fp32
+        add_gated_row(acc_ref, y, gate_w_ref[m], m // top_k)
 
     @pl.when(m == pl.num_programs(0) - 1)
     def _():

@@ -45,6 +45,14 @@ def _variables(batch, quant, cfg=CFG):
     return cfg.replace(quant="int4"), {**variables, "params": packed}, x
 
 
+def _shared_expert_alone(cfg, variables, x):
+    """The MoE's output with its routed experts zeroed: the shared expert alone (a dropped assignment's token)."""
+    params = dict(variables["params"])
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        params[name] = jnp.zeros_like(params[name])
+    return _moe_out(cfg, {**variables, "params": params}, x)
+
+
 def _dispatch_config(cfg, moe_ep, quant):
     return cfg.replace(moe_ep=moe_ep, quant_matmul="pallas_interpret" if quant == "int4" else "xla",
                        moe_capacity_factor=NO_DROPS if moe_ep == "a2a_decode" else cfg.runtime.moe_capacity_factor)
@@ -94,10 +102,7 @@ def test_a2a_decode_drops_past_capacity_and_counts_them():
     assert int(aux["dropped"]) == 64
     kept = (np.arange(batch) % n) < n // 2
     np.testing.assert_allclose(np.asarray(got)[kept], np.asarray(want)[kept], rtol=2e-5, atol=2e-5)
-    params = dict(variables["params"])
-    for name in ("gate_proj", "up_proj", "down_proj"):             # routed experts zero: the shared expert alone
-        params[name] = jnp.zeros_like(params[name])
-    shared_only = _moe_out(cfg, {**variables, "params": params}, x)
+    shared_only = _shared_expert_alone(cfg, variables, x)
     np.testing.assert_allclose(np.asarray(got)[~kept], np.asarray(shared_only)[~kept], rtol=2e-5, atol=2e-5)
     assert np.abs(np.asarray(want) - np.asarray(shared_only))[~kept].max() > 1e-2
 
@@ -252,10 +257,7 @@ def test_ragged_a2a_decode_keeps_senders_in_order_past_capacity():
     assert int(aux["dropped"]) == 96
     kept = np.arange(batch) < n
     np.testing.assert_allclose(np.asarray(got)[kept], np.asarray(want)[kept], rtol=2e-5, atol=2e-5)
-    params = dict(variables["params"])
-    for name in ("gate_proj", "up_proj", "down_proj"):             # routed experts zero: the shared expert alone
-        params[name] = jnp.zeros_like(params[name])
-    shared_only = _moe_out(cfg, {**variables, "params": params}, x)
+    shared_only = _shared_expert_alone(cfg, variables, x)
     np.testing.assert_allclose(np.asarray(got)[~kept], np.asarray(shared_only)[~kept], rtol=2e-5, atol=2e-5)
 
 
