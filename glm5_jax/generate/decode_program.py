@@ -59,7 +59,8 @@ def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_imp
         raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
     if moe_ep not in DECODE_DISPATCHES:
         raise ValueError(f"moe_ep={moe_ep!r}: choose one of {DECODE_DISPATCHES}")
-    cfg = decode_config(cfg).replace(moe_ep=moe_ep, decode_a2a_exchange=a2a_exchange, dtype="bfloat16", param_dtype="bfloat16",
+    cfg = decode_config(cfg).replace(moe_ep=moe_ep, decode_a2a_exchange=a2a_exchange, dtype="bfloat16",
+                                     param_dtype="bfloat16",
                                      attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
                                      decode_cache_read=cache_read if cache_write == "rows" else "slice",
                                      decode_attention=attention if cache_write == "rows" and cache_read != "slice"

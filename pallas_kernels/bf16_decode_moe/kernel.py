@@ -68,7 +68,8 @@ def cost(n_assignments, n, D, F, weight_itemsize, out_itemsize) -> pl.CostEstima
     and the output written."""
     return pl.CostEstimate(flops=round(n_assignments * 2 * ROWS * 3 * D * F),
                            transcendentals=round(n_assignments * ROWS * F),
-                           bytes_accessed=round(n_assignments * 3 * D * F * weight_itemsize + n * D * (4 + out_itemsize)))
+                           bytes_accessed=round(n_assignments * 3 * D * F * weight_itemsize
+                                                + n * D * (4 + out_itemsize)))
 
 
 def bf16_decode_moe(x_nD, key_M, gates_M, w_gate, w_up, w_down, layer, offset=0, *, dtype,

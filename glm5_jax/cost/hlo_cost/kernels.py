@@ -191,15 +191,17 @@ def decode_moe_fetch_fraction(grid, attrs: str) -> float | None:
     2 x 16 token rows x 3 products x D x F each; its gate weights' window holds D x F / 2 bytes (INT4: packed
     words, grid (M,)) or D x T x 2 (bf16: grid (M, F / T), width tiles of T). None: neither kernel, or its grid
     does not say."""
+    if len(grid.windows) < 2 or not grid.bounds or not grid.bounds[0]:
+        return None
+    gate_window = grid.windows[1][0]
     if grid.name == INT4_DECODE_MOE and len(grid.bounds) == 1:
-        rows, d_times_f = INT4_DECODE_MOE_ROWS, 2 * grid.windows[1][0] if len(grid.windows) > 1 else 0
+        rows, d_times_f = INT4_DECODE_MOE_ROWS, 2 * gate_window
     elif grid.name == BF16_DECODE_MOE and len(grid.bounds) == 2 and grid.bounds[1]:
-        rows = BF16_DECODE_MOE_ROWS
-        d_times_f = grid.windows[1][0] / 2 * grid.bounds[1] if len(grid.windows) > 1 else 0
+        rows, d_times_f = BF16_DECODE_MOE_ROWS, gate_window / 2 * grid.bounds[1]
     else:
         return None
     flops = float(_declared(attrs).get("flops", 0))
-    if not grid.bounds[0] or not flops or not d_times_f:
+    if not flops or not d_times_f:
         return None
     assignments = flops / (2 * rows * 3 * d_times_f)
     return min(1.0, assignments / grid.bounds[0])

@@ -157,7 +157,6 @@ def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfi
     n_local = E // n_ep
     n = N // math.prod(mesh.shape[a] for a in batch)                    # tokens per chip
     cap = destination_capacity(n, K, E, n_local, cfg.runtime.moe_capacity_factor)
-    R = n_ep * cap                                                      # rows a chip receives
     # a chip's experts take the expert group's n x chips tokens' choices, as with "gather": the same blocks
     block, cost_blocks = chip_blocks(n * n_ep, cfg, n_local, n_ep * math.prod(
         mesh.shape[a] for a in batch if a not in ep))
@@ -182,9 +181,10 @@ def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfi
         return out, jax.lax.psum(dropped, batch)
 
     # ragged: each assignment's row sent alone, a chip receiving at most the factor x its expected rows
-    if n_local > 2 ** (jnp.finfo(dt).nmant + 1):
+    exact = 2 ** (jnp.finfo(dt).nmant + 1)                              # consecutive integers exact in dt
+    if n_local > exact:
         raise ValueError(f"a2a_moe: {n_local} local experts; the ragged exchange carries a row's local expert as a "
-                         f"{jnp.dtype(dt).name} value, exact up to {2 ** (jnp.finfo(dt).nmant + 1)}")
+                         f"{jnp.dtype(dt).name} value, exact up to {exact}")
     received = local_capacity(n * n_ep * K, n_local, E, cfg.runtime.moe_capacity_factor)
     impl = "native" if cfg.runtime.decode_a2a_exchange == "ragged" else "dense"
 
@@ -199,8 +199,9 @@ def a2a_moe(x_ND, expert_idx_NK, gates_NK, w_gate, w_up, w_down, cfg: ModelConfi
             a, out, *there, axis_name=ep, impl=impl)
         there = (plan["send_offset"], plan["send"], plan["land"], plan["recv"])
         # rows as [., D / 128, 128] (`tile_rows`), each with its local expert in its bits: one exchange
-        sent = with_key(tile_rows(x.astype(dt))[div_nonneg(order, K)], jax.lax.rem(flat, jnp.asarray(n_local, flat.dtype))[order])
-        unfilled = with_key(jnp.zeros((received,) + tile_rows(x[:1]).shape[1:], dt),
+        tiled = tile_rows(x.astype(dt))
+        sent = with_key(tiled[div_nonneg(order, K)], (flat - dest * n_local)[order])   # key: the local expert
+        unfilled = with_key(jnp.zeros((received,) + tiled.shape[1:], dt),
                             jnp.full((received,), n_local, jnp.int32))              # no expert
         rows, row_key = split_key(exchange_rows(sent, unfilled, there))
         y = expert_rows(rows, row_key, chip_weights(w), cfg, block, cost_blocks)
