@@ -1,11 +1,12 @@
 """python -m glm5_jax.generate --checkpoint=DIR [--tokenizer=PATH] --prompt="..." [--prompt=...]
-                              [--mesh=data:2,expert:2,tensor:2 [--host_devices=8]]
+                              [--mesh=data:2,expert:2,tensor:2 [--host_devices=8]] [--sampler_kernels=pallas]
 
 Loads an orbax checkpoint (a train.py workdir, its checkpoints/ folder, or a converter output), encodes
 the prompts with the tokenizer (default: the BPE a train.py workdir cached under tokenizer/), generates
 and prints each continuation, then one line with tokens/s (compile time reported separately). With
 --mesh the weights are restored straight onto that sampling mesh and the prompts split over its batch
-axes (docs/inference.md#sampling-on-a-mesh); any number of prompts works.
+axes (docs/inference.md#sampling-on-a-mesh); any number of prompts works. --sampler_kernels decodes through the
+decode program's Pallas kernels (docs/inference.md#the-samplers-decode-kernels).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 
 from absl import app, flags
 
-from glm5_jax.generate.mesh_flags import define_mesh_flags
+from glm5_jax.generate.mesh_flags import define_mesh_flags, with_sampler_flags
 from glm5_jax.platforms import simulate_host_devices, skip_absent_tpu
 
 FLAGS = flags.FLAGS
@@ -65,7 +66,7 @@ def _generate():
 
     mesh = sampling_mesh(FLAGS.mesh)
     model = load_model_and_tokenizer(FLAGS.checkpoint, FLAGS.step, FLAGS.tokenizer, FLAGS.dtype, mesh=mesh)
-    cfg, variables, step, tokenizer = model.cfg, model.variables, model.step, model.tokenizer
+    cfg, variables, step, tokenizer = with_sampler_flags(model.cfg), model.variables, model.step, model.tokenizer
     encoded = [tokenizer.encode(p) for p in FLAGS.prompt]
     if any(len(e) == 0 for e in encoded):
         raise app.UsageError("a prompt encodes to no tokens")

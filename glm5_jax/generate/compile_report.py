@@ -52,7 +52,8 @@ from glm5_jax.cost.categories import categorize
 from glm5_jax.cost.chips import chip_of_topology, topology_devices
 from glm5_jax.cost.hlo_cost import hlo_cost
 from glm5_jax.cost.step_model import StepCostModel, cost_model_record, step_timing
-from glm5_jax.generate.decode_program import decode_model_config, decode_rules, lower_decode
+from glm5_jax.generate.decode_program import decode_rules, lower_decode
+from glm5_jax.generate.settings import decode_model_config
 from glm5_jax.model.moe.decode_dispatch import touched_share
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
 from glm5_jax.parallel.mesh import build_mesh, check_mesh_fits_model

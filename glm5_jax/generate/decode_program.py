@@ -8,14 +8,15 @@ so no host round trip per token. This is the steady state of `glm5_jax.generate.
 prefill), built apart so a compile report can lower it with abstract, sharded params and a cache of T slots
 (`abstract_decode_inputs`) and without a prompt.
 
-`decode_model_config` gives the inference settings: bf16 weights, the absorbed form, the DSA sparse stage,
-layers that read the cache and return their new rows (``decode_cache_write="rows"``,
+`decode_model_config` (glm5_jax/generate/settings.py) gives the inference settings: bf16 weights, the absorbed
+form, the DSA sparse stage, layers that read the cache and return their new rows (``decode_cache_write="rows"``,
 glm5_jax/model/decode_rows.py: no per-step copy of the cache; with ``cache_read="pallas"`` each layer's selected
-latent rows gathered from the stacked cache in place, pallas_kernels/row_gather: no per-layer slice), the decode MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py, or ``"a2a_decode"``,
-glm5_jax/model/moe/decode_a2a.py) and routed experts in
-bf16 or packed INT4 through the Pallas kernels, each layer's experts read in place from the stacked
-[layers, ...] parameters (``decode_stacked_experts``, glm5_jax/model/moe/int4_weights.py; bf16 experts with the
-gathered dispatch).
+latent rows gathered from the stacked cache in place, pallas_kernels/row_gather: no per-layer slice), the decode
+MoE dispatch (``moe_ep="gather"``, glm5_jax/model/moe/decode_dispatch.py, or ``"a2a_decode"``,
+glm5_jax/model/moe/decode_a2a.py) and routed experts in bf16 or packed INT4 through the Pallas kernels, each
+layer's experts read in place from the stacked [layers, ...] parameters (``decode_stacked_experts``,
+glm5_jax/model/moe/int4_weights.py; bf16 experts with the gathered dispatch). The samplers decode with the same
+settings under ``RuntimeConfig.sampler_kernels`` (settings.py `sampler_configs`).
 """
 from __future__ import annotations
 
@@ -26,55 +27,13 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout, with_layout_constraint
 from jax.sharding import NamedSharding
 
-from glm5_jax.generate.decoding import decode_config
+from glm5_jax.generate.settings import step_variables
 from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache, leaf_axes
-from glm5_jax.model.moe.int4_weights import stack_expert_variables
-from glm5_jax.model.moe.layer import DECODE_DISPATCHES
-from glm5_jax.model.stacked_weights import heads_major_kv_b, stack_kv_b_variables
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
 from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards, replicated_rows
 from glm5_jax.parallel.shard_map import logical_shard_map
-from pallas_kernels.impls import PALLAS_IMPLS
-
-EXPERTS = ("bf16", "int4")
-# gather: a chip's experts take up to 2x their expected share of the step's assignments; a2a_decode: a chip sends
-# each other chip up to 2x its expected share of its assignments (in 16-row tiles)
-DISPATCH_CAPACITY = 2.0
-
-
-def decode_model_config(cfg, experts: str, quant_matmul: str = "pallas", moe_impl: str = "auto",
-                        cache_write: str = "rows", cache_read: str = "slice", moe_ep: str = "gather",
-                        attention: str = "xla", a2a_exchange: str = "slots"):
-    """Inference settings of ``cfg`` (module docstring); ``experts`` "bf16" or "int4"; ``cache_write`` the
-    RuntimeConfig.decode_cache_write ("rows": layers read the cache, their new rows written after the scan);
-    ``cache_read`` its decode_cache_read ("slice": the layer scan slices each layer's cache; "pallas": each layer
-    gathers its selected rows from the stacked cache in place; with cache_write="layer" always "slice");
-    ``moe_ep`` the decode MoE dispatch ("gather", few tokens per chip; "a2a_decode", many: moe/decode_a2a.py);
-    ``attention`` the decode_attention with a stacked cache read ("xla": gather, then XLA's attention; "pallas":
-    the fused kernel pallas_kernels/sparse_mla_decode); ``a2a_exchange`` the decode_a2a_exchange of
-    moe_ep="a2a_decode" ("slots", "ragged", "ragged_dense")."""
-    if experts not in EXPERTS:
-        raise ValueError(f"experts={experts!r}: choose one of {EXPERTS}")
-    if moe_ep not in DECODE_DISPATCHES:
-        raise ValueError(f"moe_ep={moe_ep!r}: choose one of {DECODE_DISPATCHES}")
-    cfg = decode_config(cfg).replace(moe_ep=moe_ep, decode_a2a_exchange=a2a_exchange, dtype="bfloat16",
-                                     param_dtype="bfloat16",
-                                     attention_mode="sparse", moe_impl=moe_impl, decode_cache_write=cache_write,
-                                     decode_cache_read=cache_read if cache_write == "rows" else "slice",
-                                     decode_attention=attention if cache_write == "rows" and cache_read != "slice"
-                                     else "xla",
-                                     moe_capacity_factor=DISPATCH_CAPACITY, rope_impl="pair_swap",
-                                     decode_stacked_kv_b=True, decode_rope_tables=True,
-                                     decode_kv_b_heads_major=True, decode_spread_norms=True,
-                                     router_impl=quant_matmul if quant_matmul in PALLAS_IMPLS else "xla")
-    if experts == "int4":
-        cfg = cfg.replace(quant="int4", quant_matmul=quant_matmul, decode_stacked_experts=True, decode_moe_kernel=True)
-    elif moe_ep == "gather" and quant_matmul in PALLAS_IMPLS:
-        # bf16 experts of a few tokens a chip: the one-call kernel reads the stacked weights in place
-        cfg = cfg.replace(quant_matmul=quant_matmul, decode_stacked_experts=True, decode_moe_kernel=True)
-    return cfg
 
 
 def decode_rules(batch: int, mesh, rules=SAMPLING_RULES):
@@ -104,12 +63,7 @@ def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
     model = Transformer(cfg)
     B = token_B.shape[0]
     ones = jnp.ones((B, 1), jnp.int32)
-    if cfg.runtime.decode_stacked_experts:      # each layer reads its packed experts from the stacked arrays
-        variables = stack_expert_variables(variables)
-    if cfg.runtime.decode_stacked_kv_b and cfg.runtime.decode_cache_read != "slice":    # and its kv_b_proj
-        variables = stack_kv_b_variables(variables)
-        if cfg.runtime.decode_kv_b_heads_major:     # its halves transposed once per program, not per step
-            variables = heads_major_kv_b(variables, cfg.qk_nope_head_dim)
+    variables = step_variables(cfg, variables)     # once per program, not per step
 
     def step(s, carry):
         token, cache, out = carry

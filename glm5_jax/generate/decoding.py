@@ -37,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.generate.decode_program import pin_cache_layout
+from glm5_jax.generate.settings import (cache_slot_multiple, decode_config,  # noqa: F401 (decode_config: API)
+                                        has_recurrent_layers, kernels_context, sampler_configs, step_variables)
 from glm5_jax.model import routing_replay
 from glm5_jax.model.kv_cache import constrain_cache, init_cache
 from glm5_jax.model.transformer import Transformer
@@ -127,12 +130,6 @@ class Sampler:
         return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-def decode_config(cfg):
-    """The model config generation runs: same math, inference settings (absorbed MLA against the latent
-    cache, no remat, no EP transport, no indexer loss)."""
-    return cfg.replace(remat_policy="none", mla_form="absorbed", moe_ep="none", indexer_loss="none")
-
-
 def generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, rng=None, eos_ids=(), speculative: bool = False,
              cache_dtype=None, prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
@@ -140,7 +137,8 @@ def generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: i
     fn, args = prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_p=top_p, top_k=top_k, rng=rng, eos_ids=eos_ids,
                                 speculative=speculative, cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
-    return fn(*args)
+    with kernels_context(cfg):
+        return fn(*args)
 
 
 def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature=1.0,
@@ -172,6 +170,10 @@ def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_t
         if cfg.runtime.capture_routing:
             raise ValueError("capture_routing records the main stack's routing per sampled token: not with "
                              "speculative=True (drafts are verified in windows)")
+    prefill_cfg, step_cfg = sampler_configs(cfg)         # raises on settings the decode kernels do not run
+    if speculative and step_cfg is not prefill_cfg:
+        raise ValueError(f"speculative=True verifies its drafts with decode_config's settings, not "
+                         f"sampler_kernels={cfg.runtime.sampler_kernels!r} (one token a step)")
     if rng is None:
         if not sampler.greedy:
             raise ValueError("sampling with temperature > 0 needs an explicit rng key")
@@ -202,13 +204,6 @@ def _chunk_start(c, T, C):
     """First position of prefill chunk c of ceil(T / C): c * C, except that the last chunk ends at T
     (it may overlap its predecessor, whose rows it then rewrites with the same values)."""
     return jnp.minimum(c * C, T - C).astype(jnp.int32)
-
-
-def has_recurrent_layers(cfg) -> bool:
-    """Whether the model has recurrent (KDA) layers: their state absorbs each token once, so an overlapping
-    prefill chunk cannot recompute its first tokens' outputs (nor the MLA rows written from them). Such a
-    prompt is prefilled in whole chunks instead, padded to a multiple of the chunk."""
-    return "kda" in cfg.layer_attention_types
 
 
 def prefill_slots(cfg, T, C) -> int:
@@ -270,30 +265,41 @@ def _prefill(model, variables, prompt_BT, lengths_B, cache, C, mtp_cache=None):
     return last_logits, cache, mtp
 
 
+def cache_slots(cfg, T, N, chunk) -> int:
+    """Cache slots of a sampler over T-token prompts and N new tokens, prefilled in chunks of ``chunk``: what the
+    prefill writes and the decode steps read (`settings.cache_slot_multiple`)."""
+    multiple = cache_slot_multiple(cfg)
+    return -(-max(T + N, prefill_slots(cfg, T, chunk)) // multiple) * multiple
+
+
 def start_sampling(model, sampler, N, chunk, variables, prompt_BT, lengths_B, rng, cache_dtype=None):
     """A cache for the prompts and N new tokens, the prompts prefilled in chunks of ``chunk``, and token 0
     sampled with key fold_in(rng, 0) -> (cache, token [B], log-prob [B])."""
     B, T = prompt_BT.shape
-    cache = init_cache(model.cfg, B, max(T + N, prefill_slots(model.cfg, T, chunk)), cache_dtype)["decoder"]
+    cache = init_cache(model.cfg, B, cache_slots(model.cfg, T, N, chunk), cache_dtype)["decoder"]
     last_logits, cache, _ = _prefill(model, variables, prompt_BT, lengths_B, cache, chunk)
     return (cache, *sampler.sample(last_logits, jax.random.fold_in(rng, 0)))
 
 
 def sampling_step(model, sampler, variables, cache, token_B, lengths_B, step, rng):
     """Decode step s: feed token s - 1 at position length + s - 1, sample token s with key fold_in(rng, s)
-    -> (cache, token [B], log-prob [B])."""
+    -> (cache, token [B], log-prob [B]). ``model``: the sampler's step model (`sampler_configs`), ``variables``
+    as it reads them (`step_variables`)."""
     positions = (lengths_B + step - 1)[:, None]
-    logits, _, cache = model.apply(variables, token_B[:, None], positions, jnp.ones_like(positions), cache,
-                                   method=Transformer.decode)
-    return (constrain_cache(cache), *sampler.sample(logits[:, 0], jax.random.fold_in(rng, step)))
+    logits, _, cache = model.apply(variables, token_B[:, None], positions, jnp.ones_like(positions),
+                                   pin_cache_layout(model.cfg, cache), method=Transformer.decode)
+    return (pin_cache_layout(model.cfg, constrain_cache(cache)),
+            *sampler.sample(logits[:, 0], jax.random.fold_in(rng, step)))
 
 
 def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prompt_BT, lengths_B, rng):
     """Prefill, then one token per step (`sampling_step`) until every row has ended or N tokens."""
-    model = Transformer(cfg)
+    prefill_cfg, step_cfg = sampler_configs(cfg)
+    model, step_model = Transformer(prefill_cfg), Transformer(step_cfg)
     B = prompt_BT.shape[0]
     cache, token, logprob = start_sampling(model, sampler, N, chunk, variables, prompt_BT, lengths_B, rng,
                                            cache_dtype)
+    variables = step_variables(step_cfg, variables)      # once per program
     out_tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(token)
     out_logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(logprob)
     done = _is_eos(token, eos_ids)
@@ -305,7 +311,7 @@ def _sampling_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prom
 
     def body(state):
         step, token, cache, out_tokens, out_logprobs, count, done = state
-        cache, token, logprob = sampling_step(model, sampler, variables, cache, token, lengths_B, step, rng)
+        cache, token, logprob = sampling_step(step_model, sampler, variables, cache, token, lengths_B, step, rng)
         live = ~done
         out_tokens = out_tokens.at[:, step].set(jnp.where(live, token, 0))
         out_logprobs = out_logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))

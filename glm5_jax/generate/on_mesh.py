@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_jax.generate.decoding import GenerationResult, prepare_generate
+from glm5_jax.generate.settings import cache_slot_multiple
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
 from glm5_jax.parallel.mesh import mesh_and_rules
 from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards
@@ -39,14 +40,15 @@ def padded_width(prompt_tokens_BT, cache_extra: int, multiple: int):
     return np.pad(prompt_tokens_BT, ((0, 0), (0, extra)))
 
 
-def place_prompts(prompt_tokens, prompt_lengths, mesh, rules, cache_extra: int):
+def place_prompts(prompt_tokens, prompt_lengths, mesh, rules, cache_extra: int, slot_multiple: int = 1):
     """(tokens, lengths, number of real rows): the prompts padded (rows to the batch shards, width so that
-    width + `cache_extra` cache slots divide over ``context``) and put on the mesh's batch axes."""
+    width + `cache_extra` cache slots divide over ``context``, each shard's a multiple of `slot_multiple`:
+    `settings.cache_slot_multiple`) and put on the mesh's batch axes."""
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
     prompt_lengths = np.asarray(prompt_lengths, np.int32)
     rows = len(prompt_lengths)
     prompt_tokens, prompt_lengths = padded_rows(prompt_tokens, prompt_lengths, axis_shards(mesh, BATCH, rules))
-    prompt_tokens = padded_width(prompt_tokens, cache_extra, axis_shards(mesh, CACHE_SEQ, rules))
+    prompt_tokens = padded_width(prompt_tokens, cache_extra, axis_shards(mesh, CACHE_SEQ, rules) * slot_multiple)
     with mesh_and_rules(mesh, rules):
         batch_axes = nn.logical_to_mesh_axes((BATCH,))[0]
     tokens = jax.device_put(prompt_tokens, NamedSharding(mesh, P(batch_axes, None)))
@@ -60,7 +62,8 @@ def prepare_generate_on_mesh(cfg, variables, prompt_tokens, prompt_lengths, mesh
     already on it (`glm5_jax.checkpoint.placement`). Trace, lower or call the program under
     ``mesh_and_rules(mesh, rules)``, then keep the real rows of its result (`real_rows`)."""
     cache_extra = max_new_tokens + (cfg.mtp_depth if speculative else 0)
-    tokens, lengths, rows = place_prompts(prompt_tokens, prompt_lengths, mesh, rules, cache_extra)
+    tokens, lengths, rows = place_prompts(prompt_tokens, prompt_lengths, mesh, rules, cache_extra,
+                                          cache_slot_multiple(cfg))
     fn, args = prepare_generate(cfg, variables, tokens, lengths, max_new_tokens=max_new_tokens,
                                 speculative=speculative, **kwargs)
     return fn, args[:3] + (jax.device_put(args[3], NamedSharding(mesh, P())),), rows

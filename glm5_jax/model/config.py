@@ -23,6 +23,8 @@ DecodeCacheRead = Literal["slice", "xla", "pallas", "pallas_interpret"]   # deco
 DecodeAttention = Literal["xla", "pallas", "pallas_interpret"]            # decode_cache_read other than "slice"
 RouterImpl = Literal["xla", "pallas", "pallas_interpret"]
 DecodeA2aExchange = Literal["slots", "ragged", "ragged_dense"]
+SamplerKernels = Literal["xla", "pallas", "pallas_interpret"]      # glm5_jax/generate/settings.py
+SamplerDispatch = Literal["gather", "a2a_decode"]
 RopeImpl = Literal["slices", "pair_swap"]
 IndexerLoss = Literal["none", "warmup", "sparse"]
 MoeImpl = Literal["auto", "ragged_dot", "gmm", "gmm_interpret", "blocked"]
@@ -201,6 +203,16 @@ class RuntimeConfig:
     # channels), the same for every layer, computed once per step before the layer scan and handed to every
     # layer (glm5_jax/model/attention.rope_tables) instead of by each layer; the same values
     decode_rope_tables: bool = False
+    # the samplers' decode steps (generate, serve, the RL generators and policy server): "xla", decode_config's
+    # settings (XLA's forms, each layer writing its cache slice); a Pallas impl, the decode program's settings
+    # (glm5_jax/generate/settings.py `sampler_configs`: the layers read the stacked cache in place, the fused
+    # gather + attention kernel, the experts in place through the one-call kernels, the decode MoE dispatch):
+    # "pallas" on TPU, "pallas_interpret" to run the same kernels on CPU. Prompts prefill through XLA's forms either
+    # way; the same tokens up to the kernels' fp32 summation order
+    sampler_kernels: SamplerKernels = "xla"
+    # with sampler_kernels other than "xla": the decode MoE dispatch, "gather" (a few tokens a chip: every chip
+    # gathers the step's tokens) or "a2a_decode" (many: the ragged all-to-all to the experts' chips)
+    sampler_dispatch: SamplerDispatch = "gather"
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config, sampling_step, start_sampling
+from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, sampling_step, start_sampling
+from glm5_jax.generate.settings import cache_slot_multiple, sampler_configs, step_variables
 from glm5_jax.generate.on_mesh import place_prompts
 from glm5_jax.model import routing_replay
 from glm5_jax.model.transformer import Transformer
@@ -43,10 +44,11 @@ class InflightResult(NamedTuple):
 @functools.lru_cache(maxsize=8)
 def _programs(cfg, N: int, sampler: Sampler, chunk: int):
     """(prefill, step) jitted: `decoding.start_sampling` (the prompt rows and token 0) and
-    `decoding.sampling_step` (step s: token s), the two halves of `generate`'s loop, one call per step."""
-    model = Transformer(cfg)
-    prefill = functools.partial(start_sampling, model, sampler, N, chunk)
-    step = functools.partial(sampling_step, model, sampler)
+    `decoding.sampling_step` (step s: token s), the two halves of `generate`'s loop, one call per step; each
+    with its model of `sampler_configs` (the step's takes the variables as `step_variables` gives them)."""
+    prefill_cfg, step_cfg = sampler_configs(cfg)
+    prefill = functools.partial(start_sampling, Transformer(prefill_cfg), sampler, N, chunk)
+    step = functools.partial(sampling_step, Transformer(step_cfg), sampler)
     return jax.jit(prefill), jax.jit(step, donate_argnums=(1,))
 
 
@@ -62,14 +64,16 @@ def sample_inflight(cfg, mesh, rules, variables, version: int, prompt_tokens, pr
         rng = jax.random.key(0)
     eos = np.asarray(eos_ids, np.int32)
     N = int(max_new_tokens)
-    tokens_BT, lengths_B, rows = place_prompts(prompt_tokens, prompt_lengths, mesh, rules, N)
+    tokens_BT, lengths_B, rows = place_prompts(prompt_tokens, prompt_lengths, mesh, rules, N, cache_slot_multiple(cfg))
     T = tokens_BT.shape[1]
-    prefill, step = _programs(decode_config(cfg), N, sampler, T if prefill_chunk == 0 else min(prefill_chunk, T))
+    prefill, step = _programs(cfg, N, sampler, T if prefill_chunk == 0 else min(prefill_chunk, T))
+    step_cfg = sampler_configs(cfg)[1]
     B = len(lengths_B)
     out_tokens, out_logprobs = np.zeros((B, N), np.int32), np.zeros((B, N), np.float32)
     out_versions = np.full((B, N), -1, np.int32)
     with mesh_and_rules(mesh, rules):
         cache, token, logprob = prefill(variables, tokens_BT, lengths_B, rng)
+        decoding = step_variables(step_cfg, variables)     # what the step reads, once per weights version
         token_np = np.asarray(token)
         out_tokens[:, 0], out_logprobs[:, 0], out_versions[:, 0] = token_np, np.asarray(logprob), version
         done = np.isin(token_np, eos)
@@ -79,7 +83,8 @@ def sample_inflight(cfg, mesh, rules, variables, version: int, prompt_tokens, pr
                 break
             if (update := newer(version)) is not None:
                 version, variables = update
-            cache, token, logprob = step(variables, cache, token, lengths_B, jnp.int32(s), rng)
+                decoding = step_variables(step_cfg, variables)
+            cache, token, logprob = step(decoding, cache, token, lengths_B, jnp.int32(s), rng)
             token_np, live = np.asarray(token), ~done
             out_tokens[:, s] = np.where(live, token_np, 0)
             out_logprobs[:, s] = np.where(live, np.asarray(logprob), 0.0)

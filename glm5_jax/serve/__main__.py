@@ -1,11 +1,13 @@
 """python -m glm5_jax.serve --checkpoint=DIR [--tokenizer=PATH] [--port=8000] [--max_batch=8] [--max_seq_len=2048]
                          [--api_key=KEY] [--mesh=data:2,expert:2,tensor:2 [--host_devices=8]]
+                         [--sampler_kernels=pallas [--sampler_dispatch=a2a_decode]]
 
 Serves an orbax checkpoint (a train.py workdir, its checkpoints/ folder or a converter output) over
 the HTTP API of `glm5_jax.serve.api`, on loopback by default. With --reload_interval_s > 0, newer
 committed steps in the same directory (or, with --policy_workdir, an RL run's policy versions) are loaded
 while serving. With --mesh the model, its cache and every step run on that sampling mesh
-(docs/inference.md#sampling-on-a-mesh); --max_batch must then be a multiple of its batch shards.
+(docs/inference.md#sampling-on-a-mesh); --max_batch must then be a multiple of its batch shards. --sampler_kernels
+runs the decode steps through the decode program's Pallas kernels (docs/inference.md#the-samplers-decode-kernels).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 from absl import app, flags
 
 from glm5_jax import storage
-from glm5_jax.generate.mesh_flags import define_mesh_flags
+from glm5_jax.generate.mesh_flags import define_mesh_flags, with_sampler_flags
 from glm5_jax.platforms import simulate_host_devices, skip_absent_tpu
 
 FLAGS = flags.FLAGS
@@ -69,7 +71,7 @@ def _engine(model, mesh):
     from glm5_jax.serve.engine import Engine
     from glm5_jax.telemetry import StepProfiler
 
-    cfg, tokenizer = model.cfg, model.tokenizer
+    cfg, tokenizer = with_sampler_flags(model.cfg), model.tokenizer
     return Engine(cfg, model.variables, max_batch=FLAGS.max_batch, max_seq_len=FLAGS.max_seq_len,
                   eos_ids=set(cfg.eos_token_id) | {tokenizer.eos_id}, weights_version=model.step,
                   prefill_chunk=FLAGS.prefill_chunk, mesh=mesh if mesh.size > 1 else None,

@@ -38,7 +38,6 @@ prefill its one row under ONE_ROW_RULES (the row replicated over the batch axes,
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import os
@@ -51,7 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.checkpoint.placement import variable_shardings
-from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler, decode_config, has_recurrent_layers
+from glm5_jax.generate.decode_program import pin_cache_layout
+from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler
+from glm5_jax.generate.settings import (cache_slot_multiple, decode_config, has_recurrent_layers, kernels_context,
+                                        sampler_configs, step_variables)
 from glm5_jax.model import routing_replay
 from glm5_jax.model.kv_cache import cache_shardings, init_cache
 from glm5_jax.model.transformer import Transformer
@@ -147,6 +149,8 @@ class Engine:
             raise ValueError(f"max_seq_len={max_seq_len}: must be in [2, max_position_embeddings="
                              f"{cfg.max_position_embeddings})")
         self.cfg = decode_config(cfg)
+        # the decode step's settings (RuntimeConfig.sampler_kernels; prompts prefill with self.cfg's)
+        self._step_cfg = sampler_configs(cfg)[1]
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.prefill_chunk = min(prefill_chunk or max_seq_len, max_seq_len)
         self.eos_ids = frozenset(int(e) for e in eos_ids)
@@ -155,16 +159,17 @@ class Engine:
         # recurrent (KDA) layers: a slot's state holds its whole sequence, so no prefix is reused
         self.recurrent = has_recurrent_layers(cfg)
         slots = max_seq_len + 1                   # the last one: where inactive slots write
+        multiple = cache_slot_multiple(cfg)       # slots the decode step's kernels can read (per context shard)
+        slots += -slots % multiple
         if mesh is not None:
             check_sampling_fits(mesh, self.cfg)
             if max_batch % axis_shards(mesh, BATCH):
                 raise MeshError(f"max_batch={max_batch}: the sampling mesh splits the batch "
                                 f"{axis_shards(mesh, BATCH)} ways; give a multiple of that")
-            slots += -slots % axis_shards(mesh, CACHE_SEQ)
+            slots += -slots % (axis_shards(mesh, CACHE_SEQ) * multiple)
             self._variable_shardings = variable_shardings(self.cfg, mesh, SAMPLING_RULES)
             variables = self._placed(variables)
-        self.variables = variables
-        self.weights_version = weights_version
+        self._set_weights(variables, weights_version)
         self.keep_stale_prefix = keep_stale_prefix
         self.row_len = slots
         self._cache = init_cache(self.cfg, max_batch, slots, cache_dtype)["decoder"]
@@ -191,6 +196,11 @@ class Engine:
         self._prefill, self._decode, self._copy = (_programs(self.cfg, self.num_top) if layout is None else
                                                    _programs_on_mesh(self.cfg, self.num_top, layout))
 
+    def _set_weights(self, variables, version: int):
+        """``variables`` (already placed) for the prefill, and as the decode step reads them (`step_variables`)."""
+        self.variables, self.weights_version = variables, version
+        self._step_variables = step_variables(self._step_cfg, variables)
+
     def _placed(self, variables):
         """`variables` on the engine's mesh (a no-op without one, or for variables already there)."""
         if self.mesh is None:
@@ -199,7 +209,7 @@ class Engine:
 
     def _rules(self, rules):
         """The context an engine program is traced in: `rules` on the engine's mesh (nothing without one)."""
-        return contextlib.nullcontext() if self.mesh is None else mesh_and_rules(self.mesh, rules)
+        return kernels_context(self.cfg) if self.mesh is None else mesh_and_rules(self.mesh, rules)
 
     # ---- public API (any thread) ----
 
@@ -298,7 +308,8 @@ class Engine:
                     if self._stop:
                         break
                     if self._next_variables is not None:
-                        (self.variables, self.weights_version), self._next_variables = self._next_variables, None
+                        update, self._next_variables = self._next_variables, None
+                        self._set_weights(*update)
                         for slot in self._slots:
                             if slot.request is None and not self.keep_stale_prefix:
                                 slot.tokens = []
@@ -444,7 +455,7 @@ class Engine:
                 index[s.index] = len(r.tokens)
                 key_data[s.index] = s.key_data
         with self._rules(SAMPLING_RULES):
-            self._cache, out = self._decode(self.variables, self._cache, tokens, positions, temperature, top_p,
+            self._cache, out = self._decode(self._step_variables, self._cache, tokens, positions, temperature, top_p,
                                             top_k, key_data, index)
         new = _tokens_from(*jax.device_get(out))
         if dry:
@@ -502,8 +513,10 @@ def _programs(cfg, num_top):
 
 
 def _programs_on_mesh(cfg, num_top, layout):
-    """`_programs` whose every output cache keeps the shardings `layout` (None: wherever XLA puts it)."""
-    model = Transformer(cfg)
+    """`_programs` whose every output cache keeps the shardings `layout` (None: wherever XLA puts it); the prefill
+    and the decode step each with its model of `sampler_configs`."""
+    prefill_cfg, step_cfg = sampler_configs(cfg)
+    model, step_model = Transformer(prefill_cfg), Transformer(step_cfg)
 
     def pinned(program, name):
         """`program` (returning (cache, out)) with its cache kept on `layout`."""
@@ -521,7 +534,7 @@ def _programs_on_mesh(cfg, num_top, layout):
         return cache if layout is None else jax.lax.with_sharding_constraint(cache, layout)
 
     return (jax.jit(pinned(functools.partial(_prefill, model, num_top), "_prefill"), donate_argnums=1),
-            jax.jit(pinned(functools.partial(_decode, model, num_top), "_decode"), donate_argnums=1),
+            jax.jit(pinned(functools.partial(_decode, step_model, num_top), "_decode"), donate_argnums=1),
             jax.jit(copy_row, donate_argnums=0))
 
 
@@ -560,8 +573,11 @@ def _prefill(model, num_top, variables, cache, slot, chunk_1T, start, n_real, te
 
 def _decode(model, num_top, variables, cache, tokens_B, positions_B, temperature_B, top_p_B, top_k_B,
             key_data_BK, index_B):
-    """One token for every slot at its own position; inactive slots sit at the spare position max_seq_len."""
+    """One token for every slot at its own position; inactive slots sit at the spare position max_seq_len.
+    ``model``: the step model of `sampler_configs`, ``variables`` as `step_variables` gives them."""
     ones = jnp.ones_like(tokens_B)[:, None]
-    logits, cache = decode_logits(model, variables, tokens_B[:, None], positions_B[:, None], ones, cache)
-    return cache, sample_rows(logits[:, 0], temperature_B, top_p_B, top_k_B, key_data_BK, index_B, num_top)
+    logits, cache = decode_logits(model, variables, tokens_B[:, None], positions_B[:, None], ones,
+                                  pin_cache_layout(model.cfg, cache))
+    return pin_cache_layout(model.cfg, cache), sample_rows(logits[:, 0], temperature_B, top_p_B, top_k_B,
+                                                           key_data_BK, index_B, num_top)
 

@@ -100,7 +100,8 @@ def test_stacked_int4_experts_equal_the_per_layer_slices():
     stacked bf16 cache by the row-gather kernel, per batch shard): the same tokens and cache as the per-layer
     parameter slices."""
     import flax.linen as nn
-    from glm5_jax.generate.decode_program import decode_model_config, decode_rules
+    from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.generate.settings import decode_model_config
     from glm5_jax.model.moe.int4_weights import quantize_params
     from glm5_jax.parallel.mesh import build_mesh
     from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec
@@ -387,7 +388,8 @@ def test_one_call_moe_decodes_the_same_tokens(experts):
     sampling mesh): the same tokens over 10 steps as the dispatch around the INT4 matmul kernel / the grouped
     matmul over per-layer slices, the cache within fp32 tolerance; the kernel is what runs."""
     import flax.linen as nn
-    from glm5_jax.generate.decode_program import decode_model_config, decode_rules
+    from glm5_jax.generate.decode_program import decode_rules
+    from glm5_jax.generate.settings import decode_model_config
     from glm5_jax.model.moe.int4_weights import quantize_params
     from glm5_jax.parallel.mesh import build_mesh
     from glm5_jax.parallel.sampling import SAMPLING_RULES, parse_mesh_spec

@@ -60,12 +60,15 @@ def test_cli_prints_the_greedy_continuation(converted, capsys):
 
 def test_cli_on_a_mesh_prints_the_single_device_text(converted, capsys):
     """--mesh with --host_devices in a fresh process (no device count inherited): three prompts (padded to
-    the four batch shards) continue exactly as on one device."""
+    the four batch shards) continue exactly as on one device; so do they with --sampler_kernels."""
     tmp_path, _ = converted
     flags = [f"--checkpoint={tmp_path / 'ckpt'}", f"--tokenizer={tmp_path / 'tokenizer.json'}", "--prompt=def add(x",
              "--prompt=return", "--prompt=def add(x, y):", "--max_new_tokens=10"]
     assert _run(flags) == 0
     single = capsys.readouterr().out.splitlines()
+    # the decode steps through the decode program's kernels (interpreted): the same text
+    assert _run([*flags, "--sampler_kernels=pallas_interpret"]) == 0
+    assert capsys.readouterr().out.splitlines()[:-1] == single[:-1]
     env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.getcwd()}
     done = subprocess.run([sys.executable, "-m", "glm5_jax.generate", *flags, "--mesh=data:2,expert:2,tensor:2",
