@@ -170,10 +170,7 @@ def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_t
         if cfg.runtime.capture_routing:
             raise ValueError("capture_routing records the main stack's routing per sampled token: not with "
                              "speculative=True (drafts are verified in windows)")
-    prefill_cfg, step_cfg = sampler_configs(cfg)         # raises on settings the decode kernels do not run
-    if speculative and step_cfg is not prefill_cfg:
-        raise ValueError(f"speculative=True verifies its drafts with decode_config's settings, not "
-                         f"sampler_kernels={cfg.runtime.sampler_kernels!r} (one token a step)")
+    sampler_configs(cfg)         # raises on settings the decode kernels do not run
     if rng is None:
         if not sampler.greedy:
             raise ValueError("sampling with temperature > 0 needs an explicit rng key")
@@ -366,16 +363,19 @@ def _mtp_window(model, variables, prompt_BT, lengths_B, token_B, h_tail_BKD, mtp
 
 
 def _speculative_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, prompt_BT, lengths_B, rng):
-    """Greedy MTP speculation: verify [pending, d_1..d_K] in one forward, keep the agreeing prefix."""
+    """Greedy MTP speculation: verify [pending, d_1..d_K] in one forward, keep the agreeing prefix. The verify
+    windows run the sampler's step model (`sampler_configs`); the prompt and the MTP drafts the prefill's."""
     del rng
-    model = Transformer(cfg)
+    prefill_cfg, step_cfg = sampler_configs(cfg)
+    model, step_model = Transformer(prefill_cfg), Transformer(step_cfg)
     K = cfg.mtp_depth
     B, T = prompt_BT.shape
-    caches = init_cache(cfg, B, T + N + K, cache_dtype, mtp=True)
+    caches = init_cache(prefill_cfg, B, cache_slots(prefill_cfg, T, N + K, chunk), cache_dtype, mtp=True)
     last_logits, cache, (mtp_cache, h_tail) = _prefill(model, variables, prompt_BT, lengths_B, caches["decoder"],
                                                        chunk, caches["mtp"])
     token, logprob = sampler.sample(last_logits, None)
     drafts, mtp_cache = _mtp_window(model, variables, prompt_BT, lengths_B, token, h_tail, mtp_cache)
+    step_vars = step_variables(step_cfg, variables)      # once per program
     width = N + K + 1                                             # room for a full window past N
     out_tokens = jnp.zeros((B, width), jnp.int32).at[:, 0].set(token)
     out_logprobs = jnp.zeros((B, width), jnp.float32).at[:, 0].set(logprob)
@@ -391,8 +391,9 @@ def _speculative_loop(cfg, N, sampler, eos_ids, cache_dtype, chunk, variables, p
         pending, pos, drafts, cache, mtp_cache, out_tokens, out_logprobs, count, done, drafted, accepted = state
         tokens_W = jnp.concatenate([pending[:, None], drafts], axis=1)         # [B, K+1] at pos .. pos + K
         positions_W = pos[:, None] + window
-        logits, h, cache = model.apply(variables, tokens_W, positions_W, ones, cache, method=Transformer.decode)
-        cache = constrain_cache(cache)
+        logits, h, cache = step_model.apply(step_vars, tokens_W, positions_W, ones, pin_cache_layout(step_cfg, cache),
+                                            method=Transformer.decode)
+        cache = pin_cache_layout(step_cfg, constrain_cache(cache))
         logp = sampler.log_probs(logits)
         target = jnp.argmax(logp, axis=-1).astype(jnp.int32)                  # model's token after each slot
         target_logp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]

@@ -1,14 +1,14 @@
 """The samplers through the decode program's kernels (RuntimeConfig.sampler_kernels, glm5_jax/generate/settings.py):
 generate on a data:2,expert:2,tensor:2 sampling mesh, the serving engine on one device and the RL in-flight sampler
 (a weights swap mid-decode) give the greedy tokens of XLA's single-device decode, their fp32 log-probs within the
-kernels' summation order, with the kernels traced in; settings the kernels do not run fail by name."""
+kernels' summation order, with the kernels traced in; so does MTP speculation, whose verify windows run the step's
+settings; settings the kernels do not run fail by name."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from glm5_jax.checkpoint.placement import place_variables
-from glm5_jax.generate.decoding import Sampler, cache_slots, generate, prepare_generate
+from glm5_jax.generate.decoding import Sampler, cache_slots, generate
 from glm5_jax.generate.on_mesh import prepare_generate_on_mesh, real_rows
 from glm5_jax.generate.settings import sampler_configs
 from glm5_jax.model.moe.int4_weights import quantize_params
@@ -124,11 +124,20 @@ def test_settings_the_kernels_do_not_run_fail_by_name(change, match):
         sampler_configs(cfg)
 
 
-def test_speculation_is_refused_with_the_kernels():
-    cfg = TINY.replace(sampler_kernels="pallas_interpret")
-    with pytest.raises(ValueError, match="speculative=True verifies its drafts with decode_config's settings"):
-        prepare_generate(cfg, init_variables(TINY), jnp.ones((1, 4), jnp.int32), [4], max_new_tokens=2,
-                         temperature=0.0, speculative=True)
+def test_speculation_verifies_through_the_kernels():
+    """MTP speculation (copy drafts, accepted where greedy text repeats a token): the verify windows through the
+    step's kernels accept the same drafts and emit XLA's tokens."""
+    from tests.generate.test_generate import LENGTHS as SPEC_LENGTHS, copy_drafting_mtp, prompts as spec_prompts
+
+    variables = copy_drafting_mtp(init_variables(TINY))
+    prompt = spec_prompts(TINY, seed=5)
+    run = lambda c: generate(c, variables, prompt, SPEC_LENGTHS, max_new_tokens=N, temperature=0.0,  # noqa: E731
+                             speculative=True)
+    want, got = run(TINY), run(TINY.replace(sampler_kernels="pallas_interpret", moe_impl="ragged_dot"))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0)
+    assert (int(got.drafted), int(got.accepted)) == (int(want.drafted), int(want.accepted))
+    assert 0 < want.acceptance_rate < 1
 
 
 def test_xla_samplers_keep_one_config():
