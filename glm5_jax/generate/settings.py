@@ -39,8 +39,10 @@ EXPERTS_OF_QUANT = {"none": "bf16", "int4": "int4"}
 
 def decode_config(cfg):
     """The model config generation runs: same math, inference settings (absorbed MLA against the latent
-    cache, no remat, no EP transport, no indexer loss)."""
-    return cfg.replace(remat_policy="none", mla_form="absorbed", moe_ep="none", indexer_loss="none")
+    cache, no remat, no EP transport, no indexer loss). The training transport's own settings (a pod config's
+    a2a chunks and aligned expert groups, which a train.py checkpoint stores) go with it."""
+    return cfg.replace(remat_policy="none", mla_form="absorbed", moe_ep="none", indexer_loss="none",
+                       moe_a2a_chunks=1, moe_a2a_chunk_by="tokens", moe_group_align=1)
 
 
 def has_recurrent_layers(cfg) -> bool:

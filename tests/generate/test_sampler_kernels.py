@@ -144,3 +144,18 @@ def test_xla_samplers_keep_one_config():
     """sampler_kernels="xla": the prefill's config decodes too (the samplers' default)."""
     prefill, step = sampler_configs(TINY)
     assert prefill is step and prefill.runtime.moe_ep == "none" and prefill.runtime.decode_cache_write == "layer"
+
+
+@pytest.mark.parametrize("config", ["glm5_744b_pretrain", "glm53_flash"])
+def test_a_pod_trained_checkpoint_samples(config):
+    """A train.py checkpoint stores its run's runtime settings (the a2a transport's chunks and aligned expert
+    groups): the samplers' configs drop that transport with them instead of failing validation."""
+    import runpy
+
+    cfg = runpy.run_path(f"configs/{config}.py")["get_config"]().model
+    assert cfg.runtime.moe_ep == "a2a" and cfg.runtime.moe_group_align > 1
+    prefill, step = sampler_configs(cfg)
+    assert (prefill.runtime.moe_ep, prefill.runtime.moe_group_align, prefill.runtime.moe_a2a_chunks) == ("none", 1, 1)
+    if config == "glm5_744b_pretrain":
+        step = sampler_configs(cfg.replace(sampler_kernels="pallas", sampler_dispatch="a2a_decode"))[1]
+        assert step.runtime.moe_ep == "a2a_decode" and step.runtime.decode_a2a_exchange == "ragged"
