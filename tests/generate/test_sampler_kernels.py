@@ -1,5 +1,5 @@
 """The samplers through the decode program's kernels (RuntimeConfig.sampler_kernels, glm5_jax/generate/settings.py):
-generate on a data:2,expert:2,tensor:2 sampling mesh, the serving engine on one device and the RL in-flight sampler
+generate and the serving engine on a data:2,expert:2,tensor:2 sampling mesh and the RL in-flight sampler
 (a weights swap mid-decode) give the greedy tokens of XLA's single-device decode, their fp32 log-probs within the
 kernels' summation order, with the kernels traced in; so does MTP speculation, whose verify windows run the step's
 settings; settings the kernels do not run fail by name."""
@@ -66,12 +66,12 @@ def test_generate_on_a_mesh_through_the_kernels(experts, dispatch, moe_kernel):
     assert len(np.unique(np.asarray(want.tokens))) > 10                  # varied tokens, not one repeated
 
 
-def test_engine_on_one_device_through_the_kernels():
-    """No mesh given: the engine decodes under a one-device sampling mesh (the dispatch places work by it); its
-    cache slots whole HBM tiles (65 -> 72)."""
+def test_engine_on_a_mesh_through_the_kernels():
+    """The server (and so the RL policy server) on data:2,expert:2,tensor:2: prompts prefill one row at a time,
+    every slot decodes through the kernels; its cache slots whole HBM tiles (65 -> 72)."""
     cfg = SERVE_CFG.replace(sampler_kernels="pallas_interpret", moe_impl="ragged_dot")
-    engine = Engine(cfg, serve_variables(), max_batch=2, max_seq_len=MAX_SEQ_LEN, eos_ids=eos_ids(),
-                    prefill_buckets=(32,))
+    engine = Engine(cfg, serve_variables(), max_batch=4, max_seq_len=MAX_SEQ_LEN, eos_ids=eos_ids(),
+                    prefill_buckets=(32,), mesh=sampling_mesh(MESH))
     assert engine.row_len == 72
     prompts = [list(range(30, 51)), [20, 21, 22]]
     engine.start()
