@@ -7,9 +7,11 @@
 (a point may also name ``cache_write`` and ``cache_read``: the decode program's RuntimeConfig.decode_cache_write,
 default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place; ``attention``,
 its decode_attention with a stacked cache read: "xla" (default) or "pallas", the fused gather + attention kernel;
-``moe_ep``, the decode MoE dispatch: "gather" (default) or "a2a_decode"; and ``a2a_exchange``, how "a2a_decode" moves
-the rows: "slots" (default) or "ragged", a ragged all-to-all). ``--tpu_flags`` names the libtpu flag
-set of glm5_jax/platforms/tpu_flags.py every point of the run compiles under (default "collective_overlap": the
+``moe_ep``, the decode MoE dispatch: "gather" (default) or "a2a_decode"; ``a2a_exchange``, how "a2a_decode" moves
+the rows: "slots" (default) or "ragged", a ragged all-to-all; and ``program``, what is compiled: "decode_steps"
+(default, the multi-step greedy decode program) or "serve_step", the server's one-token step (each row sampled
+with its own temperature / top-p / top-k, its top log-probs; ``steps`` is then 1). ``--tpu_flags`` names the
+libtpu flag set of glm5_jax/platforms/tpu_flags.py every point of the run compiles under (default "collective_overlap": the
 all-to-alls and all-reduces asynchronous, overlapping the work that does not wait for them; "none": libtpu's
 defaults, every collective synchronous); each record keeps it and the LIBTPU_INIT_ARGS it set.
 
@@ -52,7 +54,7 @@ from glm5_jax.cost.categories import categorize
 from glm5_jax.cost.chips import chip_of_topology, topology_devices
 from glm5_jax.cost.hlo_cost import hlo_cost
 from glm5_jax.cost.step_model import StepCostModel, cost_model_record, step_timing
-from glm5_jax.generate.decode_program import decode_rules, lower_decode
+from glm5_jax.generate.decode_program import decode_rules, lower_decode, lower_serve_step
 from glm5_jax.generate.settings import decode_model_config
 from glm5_jax.model.moe.decode_dispatch import touched_share
 from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
@@ -62,6 +64,9 @@ from glm5_jax.parallel.shard_map import logical_mesh_axes
 from glm5_jax.platforms import tpu_flags
 
 GIB = 2 ** 30
+# decode_steps: the multi-step greedy decode program (decode_program.lower_decode); serve_step: the server's
+# one-token step with per-row sampling and top log-probs (decode_program.lower_serve_step)
+PROGRAMS = ("decode_steps", "serve_step")
 DEFAULT_CONFIG = "configs/glm5_744b.py"
 log = logging.getLogger("glm5_jax.decode_compile")
 
@@ -124,7 +129,7 @@ def _batch_axes(mesh, rules):
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
                   quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None,
                   cache_read: str = "slice", moe_ep: str = "gather", attention: str = "xla",
-                  a2a_exchange: str = "slots") -> dict:
+                  a2a_exchange: str = "slots", program: str = "decode_steps") -> dict:
     """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
     compiled HLO there (gzip)."""
     devices = topology_devices(topology) if devices is None else devices
@@ -135,6 +140,10 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
                           else sizes["data"] * sizes["fsdp"] * sizes["expert"])
     if context % sizes["context"]:
         raise ValueError(f"context={context} does not split over context={sizes['context']}")
+    if program not in PROGRAMS:
+        raise ValueError(f"program={program!r}: choose one of {PROGRAMS}")
+    if program == "serve_step":
+        steps = 1
     cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write, cache_read=cache_read,
                               moe_ep=moe_ep, attention=attention, a2a_exchange=a2a_exchange)
     rules = decode_rules(batch, mesh, mesh_cfg.rules)
@@ -144,9 +153,13 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
               "context": context, "experts": experts, "steps": steps, "cache_write": cache_write,
               "cache_read": cfg.runtime.decode_cache_read, "attention": cfg.runtime.decode_attention, "moe_ep": moe_ep,
               **({"a2a_exchange": a2a_exchange} if moe_ep == "a2a_decode" else {}),
+              **({"program": program} if program != "decode_steps" else {}),
               "hbm_limit_gib": chip.hbm_bytes / GIB}
     t0 = time.perf_counter()
-    lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
+    if program == "serve_step":
+        lowered, (variables, _, _, cache) = lower_serve_step(cfg, mesh, rules, batch, context)
+    else:
+        lowered, (variables, _, _, cache) = lower_decode(cfg, mesh, rules, batch, context, steps)
     t_lower = time.perf_counter() - t0
     reads = step_read_bytes(cfg, variables, cache, mesh, rules, batch, context)
     roofline = reads["total"] / chip.achievable_hbm_bandwidth
@@ -209,18 +222,23 @@ def table(records) -> str:
     for r in records:
         mesh = ",".join(f"{a}:{s}" for a, s in r["mesh"].items())
         if "estimated_step_seconds" not in r:
-            lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
+            lines.append(f"| {r['topology']} | {mesh} | {_batch(r)} | {r['context']} | {r['experts']} "
                          f"| {_cache_read(r)} | {_dispatch(r)} | no "
                          f"| - | - | {r['hbm_roofline_seconds'] * 1e3:.2f} | - | - | - | {r.get('compile_error', '')[:60]} |")
             continue
         cats = ", ".join(f"{c['category']} {c['seconds'] * 1e3:.2f}" for c in r["top_categories"][:3])
-        lines.append(f"| {r['topology']} | {mesh} | {r['batch']} | {r['context']} | {r['experts']} "
+        lines.append(f"| {r['topology']} | {mesh} | {_batch(r)} | {r['context']} | {r['experts']} "
                      f"| {_cache_read(r)} | {_dispatch(r)} | {r['fits']} | "
                      f"{r['memory_gib']:.1f} | {r['estimated_step_seconds'] * 1e3:.2f} | "
                      f"{r['hbm_roofline_seconds'] * 1e3:.2f} | {r['over_hbm_roofline']:.2f}x | "
                      f"{r['communication_seconds'] * 1e3:.2f} ({r['exposed_communication_seconds'] * 1e3:.2f}) | "
                      f"{r['tokens_per_second_per_chip']:.3g} | {cats} |")
     return "\n".join(lines) + "\n"
+
+
+def _batch(record) -> str:
+    """The table's batch cell: the batch, and "(server step)" for the server's one-token program."""
+    return f"{record['batch']}" + (" (server step)" if record.get("program") == "serve_step" else "")
 
 
 def _cache_read(record) -> str:
@@ -275,7 +293,7 @@ def main(argv=None):
                           p.get("steps", args.steps), quant_matmul=args.quant_matmul,
                           cache_write=p.get("cache_write", "rows"), cache_read=p.get("cache_read", "slice"),
                           moe_ep=p.get("moe_ep", "gather"), attention=p.get("attention", "xla"),
-                          a2a_exchange=p.get("a2a_exchange", "slots"),
+                          a2a_exchange=p.get("a2a_exchange", "slots"), program=p.get("program", "decode_steps"),
                           hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
         r = {**r, "tpu_flags": args.tpu_flags, "libtpu_init_args": init_args}
         records.append(r)

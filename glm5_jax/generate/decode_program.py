@@ -6,7 +6,8 @@ Step s feeds the previous token at position ``position_B + s`` (its row written 
 takes the argmax of the logits as the next token; the loop is a ``lax.fori_loop`` inside one jitted program,
 so no host round trip per token. This is the steady state of `glm5_jax.generate.decoding` (after the
 prefill), built apart so a compile report can lower it with abstract, sharded params and a cache of T slots
-(`abstract_decode_inputs`) and without a prompt.
+(`abstract_decode_inputs`) and without a prompt. `lower_serve_step` lowers the server's own decode step the same
+way (one token a call, each row sampled with its own settings).
 
 `decode_model_config` (glm5_jax/generate/settings.py) gives the inference settings: bf16 weights, the absorbed
 form, the DSA sparse stage, layers that read the cache and return their new rows (``decode_cache_write="rows"``,
@@ -107,3 +108,38 @@ def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
                  out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)), cache_formats))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         return fn.lower(*args), args
+
+
+def _step_variables_abstract(cfg, variables):
+    """The abstract variables as the sampler's decode step takes them (`step_variables`: experts and kv_b_proj in
+    their stacked collections, kv_b_proj heads-major), each with the sharding the moves give it (the moves compiled
+    alone: the server makes them once per weights version, outside its step)."""
+    moved = jax.jit(lambda v: step_variables(cfg, v)).lower(variables).compile()
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(lambda v: step_variables(cfg, v), variables), moved.output_shardings)
+
+
+def lower_serve_step(cfg, mesh, rules, batch: int, context: int):
+    """The server's decode step (glm5_jax/serve/engine.py `_decode`: one token for each of ``batch`` slots, each row
+    sampled with its own temperature / top-p / top-k and key, its top log-probs) lowered with abstract inputs: the
+    weights as the step reads them (`_step_variables_abstract`), the cache of ``context`` slots donated and laid out
+    as in `lower_decode`. One program call per token: the host launches it every step."""
+    from glm5_jax.serve.engine import NUM_TOP_LOGPROBS, _decode     # the server imports this module
+
+    variables, token, _, cache = abstract_decode_inputs(cfg, mesh, rules, batch, context)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        variables = _step_variables_abstract(cfg, variables)
+    rows = token.sharding
+    per_row = lambda dtype, *shape: jax.ShapeDtypeStruct((batch, *shape), dtype, sharding=NamedSharding(  # noqa: E731
+        mesh, nn.logical_to_mesh_axes((BATCH,) + (None,) * len(shape), rules)))
+    sampling = (per_row(jnp.float32), per_row(jnp.float32), per_row(jnp.int32), per_row(jnp.uint32, 2),
+                per_row(jnp.int32))
+    pinned = cfg.runtime.decode_cache_read == "pallas"
+    cache_formats = jax.tree.map(lambda x: Format(_row_major(x) if pinned else Layout.AUTO, x.sharding), cache)
+    args = (variables, cache, token, token, *sampling)
+    fn = jax.jit(lambda *a: _decode(Transformer(cfg), min(NUM_TOP_LOGPROBS, cfg.vocab_size), *a), donate_argnums=(1,),
+                 in_shardings=(jax.tree.map(lambda x: x.sharding, variables), cache_formats, rows, rows,
+                               *(x.sharding for x in sampling)),
+                 out_shardings=(cache_formats, None))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return fn.lower(*args), (variables, token, token, cache)

@@ -107,3 +107,21 @@ def test_slot_split_cache_compiles_without_gathering_the_cache(tmp_path):
     one_layer_keys = CONTEXT // 2 * TINY.index_head_dim * 2            # 128 slots x 32 bf16 values
     assert gathered and max(gathered) < one_layer_keys
     assert "stacked_row_gather" in text
+
+
+def test_serve_step_compiles_with_the_decode_kernels(tmp_path):
+    """program="serve_step": the server's one-token step (per-row sampling, top log-probs) compiles for v5p with the
+    decode kernels, its weights as the step takes them (stacked experts and kv_b_proj); costed per call."""
+    import gzip
+
+    path = str(tmp_path / "serve.hlo.gz")
+    r = compile_report.compile_point(TINY, "v5p:2x2x1", "expert:2,tensor:2", BATCH, CONTEXT, "int4", STEPS,
+                                     cache_read="pallas", attention="pallas", program="serve_step", hlo_path=path)
+    assert r["program"] == "serve_step" and r["steps"] == 1 and r["fits"] and not r["uncounted_custom_calls"]
+    assert r["tokens_per_second_per_chip"] == pytest.approx(BATCH / 4 / r["estimated_step_seconds"])
+    text = gzip.open(path, "rt").read()
+    assert "sparse_mla_decode" in text and "int4_decode_moe" in text and "router_topk" in text
+    assert " sort(" in text                                      # the rows' top-k / top-p over the vocabulary
+    with pytest.raises(ValueError, match="program='steps': choose one of"):
+        compile_report.compile_point(TINY, "v5p:2x2x1", "expert:2,tensor:2", BATCH, CONTEXT, "int4", STEPS,
+                                     program="steps")
