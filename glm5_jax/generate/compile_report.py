@@ -8,12 +8,14 @@
 default "rows", and decode_cache_read, default "slice"; "pallas" reads the stacked cache in place; ``attention``,
 its decode_attention with a stacked cache read: "xla" (default) or "pallas", the fused gather + attention kernel;
 ``moe_ep``, the decode MoE dispatch: "gather" (default) or "a2a_decode"; ``a2a_exchange``, how "a2a_decode" moves
-the rows: "slots" (default) or "ragged", a ragged all-to-all; and ``program``, what is compiled: "decode_steps"
+the rows: "slots" (default) or "ragged", a ragged all-to-all; ``program``, what is compiled: "decode_steps"
 (default, the multi-step greedy decode program) or "serve_step", the server's one-token step (each row sampled
-with its own temperature / top-p / top-k, its top log-probs; ``steps`` is then 1). ``--tpu_flags`` names the
-libtpu flag set of glm5_jax/platforms/tpu_flags.py every point of the run compiles under (default "collective_overlap": the
-all-to-alls and all-reduces asynchronous, overlapping the work that does not wait for them; "none": libtpu's
-defaults, every collective synchronous); each record keeps it and the LIBTPU_INIT_ARGS it set.
+with its own temperature / top-p / top-k, its top log-probs; ``steps`` is then 1); and ``capacity``, the
+dispatch's moe_capacity_factor (default 2.0; the samplers' default keeps every assignment,
+`settings.no_drop_capacity`). ``--tpu_flags`` names the libtpu flag set of glm5_jax/platforms/tpu_flags.py every
+point of the run compiles under (default "collective_overlap": the all-to-alls and all-reduces asynchronous,
+overlapping the work that does not wait for them; "none": libtpu's defaults, every collective synchronous); each
+record keeps it and the LIBTPU_INIT_ARGS it set.
 
 Each point lowers `glm5_jax.generate.decode_program` (``steps`` greedy decode steps in one program over a
 cache of ``context`` slots, abstract params sharded by the sampling rules of glm5_jax/parallel/sampling.py),
@@ -129,7 +131,7 @@ def _batch_axes(mesh, rules):
 def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, experts: str, steps: int,
                   quant_matmul: str = "pallas", devices=None, cache_write: str = "rows", hlo_path=None,
                   cache_read: str = "slice", moe_ep: str = "gather", attention: str = "xla",
-                  a2a_exchange: str = "slots", program: str = "decode_steps") -> dict:
+                  a2a_exchange: str = "slots", program: str = "decode_steps", capacity: float | None = None) -> dict:
     """Lower + compile one decode point; the report record (module docstring). ``hlo_path``: also write the
     compiled HLO there (gzip)."""
     devices = topology_devices(topology) if devices is None else devices
@@ -146,6 +148,8 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
         steps = 1
     cfg = decode_model_config(cfg, experts, quant_matmul=quant_matmul, cache_write=cache_write, cache_read=cache_read,
                               moe_ep=moe_ep, attention=attention, a2a_exchange=a2a_exchange)
+    if capacity is not None:
+        cfg = cfg.replace(moe_capacity_factor=capacity)
     rules = decode_rules(batch, mesh, mesh_cfg.rules)
     chip = chip_of_topology(topology)
     n = len(devices)
@@ -154,6 +158,7 @@ def compile_point(cfg, topology: str, mesh_spec: str, batch: int, context: int, 
               "cache_read": cfg.runtime.decode_cache_read, "attention": cfg.runtime.decode_attention, "moe_ep": moe_ep,
               **({"a2a_exchange": a2a_exchange} if moe_ep == "a2a_decode" else {}),
               **({"program": program} if program != "decode_steps" else {}),
+              **({"capacity": capacity} if capacity is not None else {}),
               "hbm_limit_gib": chip.hbm_bytes / GIB}
     t0 = time.perf_counter()
     if program == "serve_step":
@@ -237,8 +242,11 @@ def table(records) -> str:
 
 
 def _batch(record) -> str:
-    """The table's batch cell: the batch, and "(server step)" for the server's one-token program."""
-    return f"{record['batch']}" + (" (server step)" if record.get("program") == "serve_step" else "")
+    """The table's batch cell: the batch; "server step" for the server's one-token program, "capacity F" for a
+    point's own dispatch capacity."""
+    notes = (["server step"] if record.get("program") == "serve_step" else []) + \
+        ([f"capacity {record['capacity']:g}"] if record.get("capacity") is not None else [])
+    return f"{record['batch']}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def _cache_read(record) -> str:
@@ -294,6 +302,7 @@ def main(argv=None):
                           cache_write=p.get("cache_write", "rows"), cache_read=p.get("cache_read", "slice"),
                           moe_ep=p.get("moe_ep", "gather"), attention=p.get("attention", "xla"),
                           a2a_exchange=p.get("a2a_exchange", "slots"), program=p.get("program", "decode_steps"),
+                          capacity=p.get("capacity"),
                           hlo_path=args.hlo_dir and storage.join(args.hlo_dir, f"point{len(records)}.hlo.gz"))
         r = {**r, "tpu_flags": args.tpu_flags, "libtpu_init_args": init_args}
         records.append(r)

@@ -25,38 +25,22 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Format, Layout, with_layout_constraint
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding
 
+from glm5_jax.generate.cache_layout import pin_cache_layout, row_major
 from glm5_jax.generate.settings import step_variables
-from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache, leaf_axes
+from glm5_jax.generate.slot_sampling import NUM_TOP_LOGPROBS, decode_slots
+from glm5_jax.model.kv_cache import cache_shardings, constrain_cache, init_cache
 from glm5_jax.model.transformer import Transformer
 from glm5_jax.parallel.axes import BATCH
 from glm5_jax.parallel.mesh import logical_shardings
 from glm5_jax.parallel.sampling import SAMPLING_RULES, axis_shards, replicated_rows
-from glm5_jax.parallel.shard_map import logical_shard_map
 
 
 def decode_rules(batch: int, mesh, rules=SAMPLING_RULES):
     """``rules``, except that a batch that does not split over the batch axes (batch 1) is replicated."""
     return rules if batch % axis_shards(mesh, BATCH, rules) == 0 else replicated_rows(rules)
-
-
-def _row_major(x) -> Layout:
-    """The row-major layout of ``x`` (tiles left to the compiler): the layout a Pallas kernel takes."""
-    return Layout(major_to_minor=tuple(range(x.ndim)))
-
-
-def pin_cache_layout(cfg, cache):
-    """``cache`` held row-major inside the decode loop where the layers read it in place (``decode_cache_read=
-    "pallas"``), per shard (a layout constraint on the sharded array alone gathers it whole); as it is
-    otherwise."""
-    if cfg.runtime.decode_cache_read != "pallas":
-        return cache
-    flat, tree = jax.tree.flatten(cache)
-    axes = tuple(leaf_axes(x) for x in flat)
-    pin = logical_shard_map(lambda *xs: tuple(with_layout_constraint(x, _row_major(x)) for x in xs), axes, axes)
-    return tree.unflatten(pin(*flat))
 
 
 def decode_steps(cfg, steps: int, variables, token_B, position_B, cache):
@@ -102,7 +86,7 @@ def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
     [B, S, L, C] or slots-minor and copies it whole into the kernel's layout every step; docs/inference.md)."""
     args = abstract_decode_inputs(cfg, mesh, rules, batch, context)
     pinned = cfg.runtime.decode_cache_read == "pallas"
-    cache_formats = jax.tree.map(lambda x: Format(_row_major(x) if pinned else Layout.AUTO, x.sharding), args[3])
+    cache_formats = jax.tree.map(lambda x: Format(row_major(x) if pinned else Layout.AUTO, x.sharding), args[3])
     fn = jax.jit(lambda v, t, p, c: decode_steps(cfg, steps, v, t, p, c), donate_argnums=(3,),
                  in_shardings=(*(jax.tree.map(lambda x: x.sharding, a) for a in args[:3]), cache_formats),
                  out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)), cache_formats))
@@ -120,12 +104,10 @@ def _step_variables_abstract(cfg, variables):
 
 
 def lower_serve_step(cfg, mesh, rules, batch: int, context: int):
-    """The server's decode step (glm5_jax/serve/engine.py `_decode`: one token for each of ``batch`` slots, each row
+    """The server's decode step (`slot_sampling.decode_slots`: one token for each of ``batch`` slots, each row
     sampled with its own temperature / top-p / top-k and key, its top log-probs) lowered with abstract inputs: the
     weights as the step reads them (`_step_variables_abstract`), the cache of ``context`` slots donated and laid out
     as in `lower_decode`. One program call per token: the host launches it every step."""
-    from glm5_jax.serve.engine import NUM_TOP_LOGPROBS, _decode     # the server imports this module
-
     variables, token, _, cache = abstract_decode_inputs(cfg, mesh, rules, batch, context)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         variables = _step_variables_abstract(cfg, variables)
@@ -135,9 +117,10 @@ def lower_serve_step(cfg, mesh, rules, batch: int, context: int):
     sampling = (per_row(jnp.float32), per_row(jnp.float32), per_row(jnp.int32), per_row(jnp.uint32, 2),
                 per_row(jnp.int32))
     pinned = cfg.runtime.decode_cache_read == "pallas"
-    cache_formats = jax.tree.map(lambda x: Format(_row_major(x) if pinned else Layout.AUTO, x.sharding), cache)
+    cache_formats = jax.tree.map(lambda x: Format(row_major(x) if pinned else Layout.AUTO, x.sharding), cache)
     args = (variables, cache, token, token, *sampling)
-    fn = jax.jit(lambda *a: _decode(Transformer(cfg), min(NUM_TOP_LOGPROBS, cfg.vocab_size), *a), donate_argnums=(1,),
+    fn = jax.jit(lambda *a: decode_slots(Transformer(cfg), min(NUM_TOP_LOGPROBS, cfg.vocab_size), *a),
+                 donate_argnums=(1,),
                  in_shardings=(jax.tree.map(lambda x: x.sharding, variables), cache_formats, rows, rows,
                                *(x.sharding for x in sampling)),
                  out_shardings=(cache_formats, None))

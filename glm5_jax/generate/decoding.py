@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.generate.decode_program import pin_cache_layout
+from glm5_jax.generate.cache_layout import pin_cache_layout
 from glm5_jax.generate.settings import (cache_slot_multiple, decode_config,  # noqa: F401 (decode_config: API)
                                         has_recurrent_layers, kernels_context, sampler_configs, step_variables)
 from glm5_jax.model import routing_replay
@@ -144,7 +144,8 @@ def generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: i
 def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_tokens: int, temperature=1.0,
                      top_p=1.0, top_k=0, rng=None, eos_ids=(), speculative=False, cache_dtype=None,
                      prefill_chunk=PREFILL_CHUNK):
-    """Validate the request; return (jitted program, its arguments) so callers can compile it ahead."""
+    """Validate the request; return (jitted program, its arguments) so callers can compile it ahead. With
+    ``sampler_kernels`` the program traces under a mesh: the caller's, or `settings.kernels_context(cfg)`'s."""
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     if prompt_tokens.ndim != 2:
@@ -175,9 +176,11 @@ def prepare_generate(cfg, variables, prompt_tokens, prompt_lengths, *, max_new_t
         if not sampler.greedy:
             raise ValueError("sampling with temperature > 0 needs an explicit rng key")
         rng = jax.random.key(0)
-    max_position = T + max_new_tokens + (cfg.mtp_depth if speculative else 0)
+    # positions run to the longest prompt's end + the new tokens (a layout-padded width is not a position)
+    longest = int(lengths_np.max())
+    max_position = longest + max_new_tokens + (cfg.mtp_depth if speculative else 0)
     if max_position > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_position_embeddings "
+        raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
     chunk = T if prefill_chunk == 0 else min(int(prefill_chunk), T)
     fn = _compiled(decode_config(cfg), int(max_new_tokens), sampler, tuple(int(e) for e in eos_ids),

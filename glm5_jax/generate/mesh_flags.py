@@ -4,6 +4,7 @@
     --host_devices=8                  simulate 8 CPU devices (set before JAX starts)
     --sampler_kernels=pallas          decode steps through the decode program's kernels (glm5_jax/generate/settings.py)
     --sampler_dispatch=a2a_decode     their MoE dispatch (default gather: a few tokens a chip)
+    --sampler_capacity=2.0            its capacity factor (default 0: nothing dropped)
 """
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def define_mesh_flags():
     flags.DEFINE_enum("sampler_dispatch", "gather", ["gather", "a2a_decode"],
                       "With --sampler_kernels: the decode MoE dispatch ('gather': a few tokens a chip; 'a2a_decode': "
                       "many, the ragged all-to-all).")
+    flags.DEFINE_float("sampler_capacity", 0.0, "With --sampler_kernels: the dispatch's capacity factor (0: no "
+                       "assignment dropped; e.g. 2.0: each chip takes 2x its expected share, smaller exchanges).")
 
 
 def with_sampler_flags(cfg):
-    """``cfg`` with the --sampler_kernels / --sampler_dispatch settings."""
-    return cfg.replace(sampler_kernels=FLAGS.sampler_kernels, sampler_dispatch=FLAGS.sampler_dispatch)
+    """``cfg`` with the --sampler_kernels / --sampler_dispatch / --sampler_capacity settings."""
+    return cfg.replace(sampler_kernels=FLAGS.sampler_kernels, sampler_dispatch=FLAGS.sampler_dispatch,
+                       sampler_capacity=FLAGS.sampler_capacity)

@@ -11,7 +11,9 @@ policy server all go through `sampler_configs`): "xla" decodes with `decode_conf
 (TPU) or "pallas_interpret" (the same kernels on CPU) with `decode_model_config`'s settings: each layer reads the
 stacked latent cache in place and returns its new rows, the fused gather + attention kernel, the routed experts
 read in place by the one-call kernels (bf16, or packed INT4 when the checkpoint is quantised: the experts follow
-the checkpoint, never a silent conversion), the router's top-k kernel, and ``sampler_dispatch``'s MoE dispatch.
+the checkpoint, never a silent conversion; the bf16 one-call kernel with the gather dispatch), the router's top-k
+kernel, and ``sampler_dispatch``'s MoE dispatch, which keeps every assignment unless ``sampler_capacity`` says
+otherwise.
 The prompt is prefilled with XLA's forms either way: the kernels are built for a few tokens a step, and the two
 settings share the parameter tree and the cache.
 """
@@ -112,7 +114,18 @@ def sampler_configs(cfg):
     step = decode_model_config(cfg, EXPERTS_OF_QUANT[cfg.quant], quant_matmul=kernels, moe_impl=cfg.runtime.moe_impl,
                                cache_read=kernels, attention=kernels, moe_ep=cfg.runtime.sampler_dispatch,
                                a2a_exchange=exchange)
-    return prefill, step.replace(dtype=cfg.runtime.dtype, param_dtype=cfg.runtime.param_dtype)
+    return prefill, step.replace(dtype=cfg.runtime.dtype, param_dtype=cfg.runtime.param_dtype,
+                                 moe_capacity_factor=cfg.runtime.sampler_capacity or no_drop_capacity(cfg))
+
+
+def no_drop_capacity(cfg) -> float:
+    """A decode dispatch's capacity factor at which no assignment is dropped, whatever the routing: a chip's
+    capacity is factor x its expected share n K n_local / E of n tokens' assignments (decode_dispatch.local_capacity),
+    and at most n min(K, n_local) of them can choose its n_local experts (a token's K experts are distinct), which
+    E / K x that share covers. E makes the gather's capacity every gathered assignment, which its one-call kernel
+    takes whole."""
+    return float(cfg.n_routed_experts) if cfg.runtime.sampler_dispatch == "gather" else \
+        cfg.n_routed_experts / cfg.num_experts_per_tok
 
 
 def step_variables(cfg, variables):

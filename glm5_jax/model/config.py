@@ -213,6 +213,10 @@ class RuntimeConfig:
     # with sampler_kernels other than "xla": the decode MoE dispatch, "gather" (a few tokens a chip: every chip
     # gathers the step's tokens) or "a2a_decode" (many: the ragged all-to-all to the experts' chips)
     sampler_dispatch: SamplerDispatch = "gather"
+    # with sampler_kernels other than "xla": the dispatch's moe_capacity_factor; 0 keeps every assignment (each chip's
+    # capacity at the worst case, so the tokens are the "xla" steps'); e.g. 2.0, the decode compile report's: each
+    # chip takes at most 2x its expected share, the rest dropped and counted
+    sampler_capacity: float = 0.0
     indexer_loss: IndexerLoss = "none"       # indexer KL in the model's outputs: "none" | "warmup" | "sparse"
 
     def __post_init__(self):
@@ -254,6 +258,8 @@ class RuntimeConfig:
         if self.moe_a2a_chunk_by == "experts" and self.moe_ep != "a2a":
             raise ConfigError(f"RuntimeConfig.moe_a2a_chunk_by='experts': expert chunks are built by the a2a "
                               f"transport (moe_ep='a2a'), not moe_ep={self.moe_ep!r}")
+        if not self.sampler_capacity >= 0:
+            raise ConfigError(f"RuntimeConfig.sampler_capacity={self.sampler_capacity!r}: must be >= 0 (0: no drops)")
         if not self.moe_capacity_factor > 0:
             raise ConfigError(f"RuntimeConfig.moe_capacity_factor={self.moe_capacity_factor!r}: must be positive")
         if self.indexer_loss == "sparse" and self.attention_mode != "sparse":

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 
 from glm5_jax import storage
-from glm5_jax.model.config import DTYPES
+from glm5_jax.model.config import DTYPES, SamplerDispatch, SamplerKernels
 from glm5_jax.parallel.mesh import MeshConfig
 from glm5_jax.parallel.sampling import parse_mesh_spec
 from glm5_jax.train.experiment import apply_overrides, load_config_file
 
 LOSSES = ("dis", "icepop", "ppo_clip")
+SAMPLER_KERNELS, SAMPLER_DISPATCHES = typing.get_args(SamplerKernels), typing.get_args(SamplerDispatch)
 
 
 def sft_checkpoint_dir(sft_workdir: str) -> str:
@@ -50,6 +52,12 @@ class RLConfig:
     # "data:2,expert:2,tensor:2": weights resident, experts over expert, heads over tensor), not the learner's
     # training mesh; "": one device
     sampler_mesh: str = ""
+    # the generators' and policy servers' decode steps (RuntimeConfig.sampler_kernels, docs/inference.md#the-
+    # samplers-decode-kernels): "xla" or the decode program's kernels ("pallas" on TPU, "pallas_interpret" on CPU),
+    # with sampler_dispatch "gather" (a few rows a chip) or "a2a_decode" (many)
+    sampler_kernels: str = "xla"
+    sampler_dispatch: str = "gather"
+    sampler_capacity: float = 0.0           # the dispatch's capacity factor (0: nothing dropped)
     # the policy handoff (docs/rl.md#weights-only-policy-handoff): a version carries the sampler's weights only,
     # in handoff_dtype ("": sampler_dtype, else the model's compute dtype), the routed experts INT4-packed when
     # handoff_int4_experts (generators then run the quant="int4" model); the learner's own resume state is
@@ -105,6 +113,11 @@ class RLConfig:
         need(self.top_k >= 0, "top_k", "must be >= 0")
         need(self.sampler_dtype in ("", *DTYPES), "sampler_dtype", f"must be '' or one of {DTYPES}")
         parse_mesh_spec(self.sampler_mesh)         # MeshError naming what is wrong with the spec
+        need(self.sampler_kernels in SAMPLER_KERNELS, "sampler_kernels", f"must be one of {SAMPLER_KERNELS}")
+        need(self.sampler_dispatch in SAMPLER_DISPATCHES, "sampler_dispatch", f"must be one of {SAMPLER_DISPATCHES}")
+        need(self.sampler_capacity >= 0, "sampler_capacity", "must be >= 0 (0: nothing dropped)")
+        need(self.sampler_kernels == "xla" or not (self.replay_experts or self.replay_topk), "sampler_kernels",
+             "routing replay records the routing in the per-layer cache writes of the 'xla' decode steps")
         need(self.handoff_dtype in ("", *DTYPES), "handoff_dtype", f"must be '' or one of {DTYPES}")
         need(self.learner_state_every >= 1, "learner_state_every", "must be >= 1")
         need(self.eval_every >= 0, "eval_every", "must be >= 0")

@@ -43,9 +43,13 @@ def sampler_model_config(sft_model_cfg, sampler_dtype: str = ""):
 
 
 def sampling_policy(rl_cfg, sft_model_cfg) -> "Policy":
-    """The sampler's model (`sampler_model_config`; packed INT4 experts when ``rl.handoff_int4_experts``) on its own sampling mesh (``rl.sampler_mesh``, one device
-    when empty), laid out by SAMPLING_RULES; MeshError when the mesh cannot split the model."""
-    cfg = sampler_model_config(sft_model_cfg, rl_cfg.sampler_dtype)
+    """The sampler's model (`sampler_model_config`; packed INT4 experts when ``rl.handoff_int4_experts``; its
+    decode steps by ``rl.sampler_kernels`` / ``sampler_dispatch`` / ``sampler_capacity``) on its own sampling mesh
+    (``rl.sampler_mesh``, one device when empty), laid out by SAMPLING_RULES; MeshError when the mesh cannot split
+    the model."""
+    cfg = sampler_model_config(sft_model_cfg, rl_cfg.sampler_dtype).replace(
+        sampler_kernels=rl_cfg.sampler_kernels, sampler_dispatch=rl_cfg.sampler_dispatch,
+        sampler_capacity=rl_cfg.sampler_capacity)
     if rl_cfg.handoff_int4_experts:            # versions carry packed INT4 experts: the model that reads them
         cfg = cfg.replace(quant="int4")
     if replayed(rl_cfg):                       # the decode cache records each token's experts / top-k

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax.checkpoint.placement import variable_shardings
-from glm5_jax.generate.decode_program import pin_cache_layout
 from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler
+from glm5_jax.generate.slot_sampling import NUM_TOP_LOGPROBS, decode_slots, sample_rows
 from glm5_jax.generate.settings import (cache_slot_multiple, decode_config, has_recurrent_layers, kernels_context,
                                         sampler_configs, step_variables)
 from glm5_jax.model import routing_replay
@@ -62,10 +62,8 @@ from glm5_jax.parallel.mesh import MeshError, mesh_and_rules
 from glm5_jax.parallel.sampling import ONE_ROW_RULES, SAMPLING_RULES, axis_shards, check_sampling_fits
 from glm5_jax.serve import cache_rows
 from glm5_jax.serve.model_step import decode_logits
-from glm5_jax.serve.sampling import sample_rows
 from glm5_jax.telemetry import StepProfiler
 
-NUM_TOP_LOGPROBS = 20          # alternatives computed per token (OpenAI allows up to 20)
 MIN_PREFILL_BUCKET = 16
 
 
@@ -534,7 +532,7 @@ def _programs_on_mesh(cfg, num_top, layout):
         return cache if layout is None else jax.lax.with_sharding_constraint(cache, layout)
 
     return (jax.jit(pinned(functools.partial(_prefill, model, num_top), "_prefill"), donate_argnums=1),
-            jax.jit(pinned(functools.partial(_decode, step_model, num_top), "_decode"), donate_argnums=1),
+            jax.jit(pinned(functools.partial(decode_slots, step_model, num_top), "_decode"), donate_argnums=1),
             jax.jit(copy_row, donate_argnums=0))
 
 
@@ -568,16 +566,3 @@ def _prefill(model, num_top, variables, cache, slot, chunk_1T, start, n_real, te
     target_logp = jnp.take_along_axis(logp_TV, targets_1T[0][:, None], axis=1)[:, 0]
     top_logp, top_ids = jax.lax.top_k(logp_TV, num_top)
     return cache, (out, (targets_1T[0], target_logp, top_ids.astype(jnp.int32), top_logp))
-
-
-
-def _decode(model, num_top, variables, cache, tokens_B, positions_B, temperature_B, top_p_B, top_k_B,
-            key_data_BK, index_B):
-    """One token for every slot at its own position; inactive slots sit at the spare position max_seq_len.
-    ``model``: the step model of `sampler_configs`, ``variables`` as `step_variables` gives them."""
-    ones = jnp.ones_like(tokens_B)[:, None]
-    logits, cache = decode_logits(model, variables, tokens_B[:, None], positions_B[:, None], ones,
-                                  pin_cache_layout(model.cfg, cache))
-    return pin_cache_layout(model.cfg, cache), sample_rows(logits[:, 0], temperature_B, top_p_B, top_k_B,
-                                                           key_data_BK, index_B, num_top)
-

@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 
 from glm5_jax.checkpoint.placement import place_variables
-from glm5_jax.generate.decoding import Sampler, cache_slots, generate
-from glm5_jax.generate.on_mesh import prepare_generate_on_mesh, real_rows
-from glm5_jax.generate.settings import sampler_configs
+from glm5_jax.generate.decoding import Sampler, cache_slots, generate, prepare_generate
+from glm5_jax.generate.on_mesh import place_prompts, prepare_generate_on_mesh, real_rows
+from glm5_jax.generate.settings import kernels_context, no_drop_capacity, sampler_configs, step_variables
+from glm5_jax.model.moe.decode_a2a import destination_capacity
+from glm5_jax.model.moe.decode_dispatch import local_capacity
 from glm5_jax.model.moe.int4_weights import quantize_params
 from glm5_jax.parallel.mesh import mesh_and_rules
 from glm5_jax.parallel.sampling import SAMPLING_RULES, sampling_mesh
-from glm5_jax.rl.inflight import sample_inflight
+from glm5_jax.rl.inflight import _programs, sample_inflight
 from glm5_jax.serve.engine import Engine, Request
 from pallas_kernels.bf16_decode_moe.kernel import NAME as BF16_MOE
 from pallas_kernels.int4_moe_rows.kernel import NAME as INT4_ROWS
@@ -73,6 +75,13 @@ def test_engine_on_a_mesh_through_the_kernels():
     engine = Engine(cfg, serve_variables(), max_batch=4, max_seq_len=MAX_SEQ_LEN, eos_ids=eos_ids(),
                     prefill_buckets=(32,), mesh=sampling_mesh(MESH))
     assert engine.row_len == 72
+    B_ = engine.max_batch
+    with engine._rules(SAMPLING_RULES):
+        step = str(jax.make_jaxpr(engine._decode)(
+            engine._step_variables, engine._cache, np.zeros(B_, np.int32), np.zeros(B_, np.int32),
+            np.zeros(B_, np.float32), np.ones(B_, np.float32), np.zeros(B_, np.int32), np.zeros((B_, 2), np.uint32),
+            np.zeros(B_, np.int32)))
+    assert f"name={ATTENTION}" in step and f"name={BF16_MOE}" in step      # (the router: expert groups, XLA's)
     prompts = [list(range(30, 51)), [20, 21, 22]]
     engine.start()
     try:
@@ -104,8 +113,16 @@ def test_inflight_swap_through_the_kernels():
         return sample_inflight(c, mesh, SAMPLING_RULES, place_variables(old, c, mesh, SAMPLING_RULES), 0, prompts,
                                LENGTHS, max_new_tokens=N, sampler=Sampler(0.0), rng=None, newer=newer)
 
-    want = run(cfg)
-    got = run(cfg.replace(sampler_kernels="pallas_interpret", moe_impl="ragged_dot"))
+    kernels = cfg.replace(sampler_kernels="pallas_interpret", moe_impl="ragged_dot")
+    want, got = run(cfg), run(kernels)
+    prefill, step = _programs(kernels, N, Sampler(0.0), P)
+    placed = place_variables(old, kernels, mesh, SAMPLING_RULES)
+    tokens, lengths, _ = place_prompts(prompts, LENGTHS, mesh, SAMPLING_RULES, N, 8)
+    with mesh_and_rules(mesh, SAMPLING_RULES):
+        cache, token, _ = prefill(placed, tokens, lengths, jax.random.key(0))
+        program = str(jax.make_jaxpr(step)(step_variables(sampler_configs(kernels)[1], placed), cache, token, lengths,
+                                           np.int32(1), jax.random.key(0)))
+    assert f"name={ATTENTION}" in program and f"name={BF16_MOE}" in program
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.token_versions, want.token_versions)
     assert set(np.unique(want.token_versions)) == {0, 1}
@@ -133,7 +150,14 @@ def test_speculation_verifies_through_the_kernels():
     prompt = spec_prompts(TINY, seed=5)
     run = lambda c: generate(c, variables, prompt, SPEC_LENGTHS, max_new_tokens=N, temperature=0.0,  # noqa: E731
                              speculative=True)
-    want, got = run(TINY), run(TINY.replace(sampler_kernels="pallas_interpret", moe_impl="ragged_dot"))
+    kernels = TINY.replace(sampler_kernels="pallas_interpret", moe_impl="ragged_dot")
+    want, got = run(TINY), run(kernels)
+    fn, args = prepare_generate(kernels, variables, prompt, SPEC_LENGTHS, max_new_tokens=N, temperature=0.0,
+                                speculative=True)
+    with kernels_context(kernels):
+        program = str(jax.make_jaxpr(fn)(*args))
+    # a window of K + 1 tokens gathers its rows in place (the fused attention kernel takes one token a row)
+    assert "name=stacked_row_gather" in program and f"name={BF16_MOE}" in program
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGP_ATOL, rtol=0)
     assert (int(got.drafted), int(got.accepted)) == (int(want.drafted), int(want.accepted))
@@ -159,3 +183,21 @@ def test_a_pod_trained_checkpoint_samples(config):
     if config == "glm5_744b_pretrain":
         step = sampler_configs(cfg.replace(sampler_kernels="pallas", sampler_dispatch="a2a_decode"))[1]
         assert step.runtime.moe_ep == "a2a_decode" and step.runtime.decode_a2a_exchange == "ragged"
+
+
+def test_the_samplers_dispatch_drops_nothing():
+    """sampler_capacity=0 (the default): each chip's capacity covers the most assignments its experts can get, by
+    hand at GLM-5's E = 256, K = 8: the gather keeps every gathered assignment (its one-call kernel takes them
+    whole); a2a_decode on expert:64 (4 experts a chip, 48 tokens a chip) sends each chip up to 48 x 4 rows and a
+    chip receives up to 64 x 48 x 4, against 16 (2 x 6 expected, in 16-row tiles) and 768 at the compile report's
+    2.0."""
+    cfg = TINY.replace(n_routed_experts=256, num_experts_per_tok=8, sampler_kernels="pallas")
+    gather = sampler_configs(cfg)[1].runtime.moe_capacity_factor
+    assert gather == no_drop_capacity(cfg) == 256.0
+    assert local_capacity(64 * 8, 4, 256, gather) == 64 * 8                 # every gathered assignment
+    a2a = sampler_configs(cfg.replace(sampler_dispatch="a2a_decode"))[1].runtime.moe_capacity_factor
+    assert a2a == 32.0
+    assert destination_capacity(48, 8, 256, 4, a2a) == 48 * 4               # each destination: every row it can get
+    assert local_capacity(48 * 64 * 8, 4, 256, a2a) == 64 * 48 * 4         # each receiver: every row it can get
+    assert destination_capacity(48, 8, 256, 4, 2.0) == 16 and local_capacity(48 * 64 * 8, 4, 256, 2.0) == 768
+    assert sampler_configs(cfg.replace(sampler_capacity=2.0))[1].runtime.moe_capacity_factor == 2.0

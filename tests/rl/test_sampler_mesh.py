@@ -45,3 +45,18 @@ def test_generator_on_its_own_mesh_samples_the_one_device_batch(tmp_path):
 def test_a_bad_sampler_mesh_fails_the_config():
     with pytest.raises(MeshError, match="mesh spec 'data=2': 'data=2' is not AXIS:SIZE"):
         RLExperiment(rl=RLConfig(sampler_mesh="data=2")).validate()
+
+
+def test_the_sampler_kernels_reach_the_generators_model():
+    """rl.sampler_kernels / sampler_dispatch / sampler_capacity set the sampling policy's decode steps (the model the
+    rollout generators and policy servers build); bad values and routing replay with the kernels fail the config."""
+    from glm5_jax.rl.policy import sampling_policy
+
+    rl = RLConfig(sampler_kernels="pallas_interpret", sampler_dispatch="a2a_decode", sampler_capacity=2.0)
+    runtime = sampling_policy(rl, tiny_model_config()).cfg.runtime
+    assert (runtime.sampler_kernels, runtime.sampler_dispatch, runtime.sampler_capacity) == (
+        "pallas_interpret", "a2a_decode", 2.0)
+    with pytest.raises(ValueError, match=r"^rl.sampler_kernels='tpu': must be one of \('xla', 'pallas', "):
+        RLExperiment(rl=RLConfig(sampler_kernels="tpu")).validate()
+    with pytest.raises(ValueError, match="routing replay records the routing in the per-layer cache writes"):
+        RLExperiment(rl=RLConfig(sampler_kernels="pallas", replay_experts=True)).validate()

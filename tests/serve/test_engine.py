@@ -9,7 +9,7 @@ from glm5_jax.checkpoint.handoff import PolicyWriter
 from glm5_jax.checkpoint.stored_config import config_to_json
 from glm5_jax.serve.engine import Engine, Request
 from glm5_jax.serve.reload import CheckpointSource, PolicySource, WeightsWatcher
-from glm5_jax.serve.sampling import sample_rows
+from glm5_jax.generate.slot_sampling import sample_rows
 from tests.generate.test_generate import reference_log_probs
 from tests.generate.tiny_models import init_variables
 from tests.serve.conftest import MAX_SEQ_LEN, SERVE_CFG, eos_ids, greedy_reference, make_engine, variables

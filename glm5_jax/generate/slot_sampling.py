@@ -1,4 +1,5 @@
-"""Per-row sampling for a batch whose rows belong to different requests.
+"""Per-row sampling for a batch whose rows belong to different requests, and the server's decode step over every
+slot of its cache (`decode_slots`: glm5_jax/serve/engine.py runs it; the decode compile report costs it).
 
 `glm5_jax.generate.decoding.Sampler` fixes temperature / top-p / top-k for the whole batch (they are static
 under jit); here they are arrays [B], one value per slot, under the same rule
@@ -12,7 +13,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.generate.cache_layout import pin_cache_layout
 from glm5_jax.generate.decoding import sampling_log_probs
+from glm5_jax.model.transformer import Transformer
+
+NUM_TOP_LOGPROBS = 20          # alternatives computed per token (OpenAI allows up to 20)
 
 
 def sample_rows(logits_BV, temperature_B, top_p_B, top_k_B, key_data_BK, index_B, num_top: int):
@@ -27,3 +32,15 @@ def sample_rows(logits_BV, temperature_B, top_p_B, top_k_B, key_data_BK, index_B
         top_logp, top_ids = jax.lax.top_k(logp, num_top)
         return token, logp[token], top_ids.astype(jnp.int32), top_logp
     return jax.vmap(one)(logits_BV, temperature_B, top_p_B, top_k_B, key_data_BK, index_B)
+
+
+def decode_slots(model, num_top, variables, cache, tokens_B, positions_B, temperature_B, top_p_B, top_k_B,
+                 key_data_BK, index_B):
+    """One token for every slot at its own position -> (cache, `sample_rows` of the logits). ``model``: the sampler's
+    step model (glm5_jax/generate/settings.py `sampler_configs`), ``variables`` as `step_variables` gives them; the
+    server sits inactive slots at a spare position no query sees."""
+    ones = jnp.ones_like(tokens_B)[:, None]
+    logits, _, cache = model.apply(variables, tokens_B[:, None], positions_B[:, None], ones,
+                                   pin_cache_layout(model.cfg, cache), method=Transformer.decode)
+    return pin_cache_layout(model.cfg, cache), sample_rows(logits[:, 0], temperature_B, top_p_B, top_k_B,
+                                                           key_data_BK, index_B, num_top)
