@@ -78,6 +78,13 @@ def abstract_decode_inputs(cfg, mesh, rules, batch: int, context: int):
     return variables, token, token, cache
 
 
+def _cache_formats(cfg, cache):
+    """The donated cache's formats, in and out: row-major where the layers read it in place (what the kernels take),
+    else left to the compiler."""
+    pinned = cfg.runtime.decode_cache_read == "pallas"
+    return jax.tree.map(lambda x: Format(row_major(x) if pinned else Layout.AUTO, x.sharding), cache)
+
+
 def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
     """The jitted decode program lowered with abstract inputs (the cache donated, in and out in one layout: it
     lives on device between calls, so no layout copy of the whole cache at entry and exit). With the per-layer
@@ -85,8 +92,7 @@ def lower_decode(cfg, mesh, rules, batch: int, context: int, steps: int):
     (``"pallas"``), the row-major one the row-gather kernel reads (left to pick, XLA lays the latent cache out
     [B, S, L, C] or slots-minor and copies it whole into the kernel's layout every step; docs/inference.md)."""
     args = abstract_decode_inputs(cfg, mesh, rules, batch, context)
-    pinned = cfg.runtime.decode_cache_read == "pallas"
-    cache_formats = jax.tree.map(lambda x: Format(row_major(x) if pinned else Layout.AUTO, x.sharding), args[3])
+    cache_formats = _cache_formats(cfg, args[3])
     fn = jax.jit(lambda v, t, p, c: decode_steps(cfg, steps, v, t, p, c), donate_argnums=(3,),
                  in_shardings=(*(jax.tree.map(lambda x: x.sharding, a) for a in args[:3]), cache_formats),
                  out_shardings=(NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules)), cache_formats))
@@ -116,8 +122,7 @@ def lower_serve_step(cfg, mesh, rules, batch: int, context: int):
         mesh, nn.logical_to_mesh_axes((BATCH,) + (None,) * len(shape), rules)))
     sampling = (per_row(jnp.float32), per_row(jnp.float32), per_row(jnp.int32), per_row(jnp.uint32, 2),
                 per_row(jnp.int32))
-    pinned = cfg.runtime.decode_cache_read == "pallas"
-    cache_formats = jax.tree.map(lambda x: Format(row_major(x) if pinned else Layout.AUTO, x.sharding), cache)
+    cache_formats = _cache_formats(cfg, cache)
     args = (variables, cache, token, token, *sampling)
     fn = jax.jit(lambda *a: decode_slots(Transformer(cfg), min(NUM_TOP_LOGPROBS, cfg.vocab_size), *a),
                  donate_argnums=(1,),

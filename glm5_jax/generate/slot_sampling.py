@@ -1,5 +1,6 @@
 """Per-row sampling for a batch whose rows belong to different requests, and the server's decode step over every
-slot of its cache (`decode_slots`: glm5_jax/serve/engine.py runs it; the decode compile report costs it).
+slot of its cache (`decode_slots`: glm5_jax/serve/engine.py runs it; the decode compile report costs it), both
+through `decode_logits`.
 
 `glm5_jax.generate.decoding.Sampler` fixes temperature / top-p / top-k for the whole batch (they are static
 under jit); here they are arrays [B], one value per slot, under the same rule
@@ -34,13 +35,22 @@ def sample_rows(logits_BV, temperature_B, top_p_B, top_k_B, key_data_BK, index_B
     return jax.vmap(one)(logits_BV, temperature_B, top_p_B, top_k_B, key_data_BK, index_B)
 
 
+def decode_logits(model: Transformer, variables, tokens_BT, positions_BT, segment_ids_BT, cache, logits_at=None):
+    """(logits [B, T, V] fp32, updated decoder cache) for tokens at the given positions; with ``logits_at`` [B, X]
+    the logits at those token indices only ([B, X, V]). The one place the server calls the model (its prefill and
+    `decode_slots`), so a change to `Transformer.decode`'s signature or return type is adapted here only."""
+    logits, _, cache = model.apply(variables, tokens_BT, positions_BT, segment_ids_BT, cache,
+                                   logits_at=logits_at, method=Transformer.decode)
+    return logits, cache
+
+
 def decode_slots(model, num_top, variables, cache, tokens_B, positions_B, temperature_B, top_p_B, top_k_B,
                  key_data_BK, index_B):
     """One token for every slot at its own position -> (cache, `sample_rows` of the logits). ``model``: the sampler's
     step model (glm5_jax/generate/settings.py `sampler_configs`), ``variables`` as `step_variables` gives them; the
     server sits inactive slots at a spare position no query sees."""
     ones = jnp.ones_like(tokens_B)[:, None]
-    logits, _, cache = model.apply(variables, tokens_B[:, None], positions_B[:, None], ones,
-                                   pin_cache_layout(model.cfg, cache), method=Transformer.decode)
+    logits, cache = decode_logits(model, variables, tokens_B[:, None], positions_B[:, None], ones,
+                                  pin_cache_layout(model.cfg, cache))
     return pin_cache_layout(model.cfg, cache), sample_rows(logits[:, 0], temperature_B, top_p_B, top_k_B,
                                                            key_data_BK, index_B, num_top)

@@ -51,7 +51,7 @@ import numpy as np
 
 from glm5_jax.checkpoint.placement import variable_shardings
 from glm5_jax.generate.decoding import PREFILL_CHUNK, Sampler
-from glm5_jax.generate.slot_sampling import NUM_TOP_LOGPROBS, decode_slots, sample_rows
+from glm5_jax.generate.slot_sampling import NUM_TOP_LOGPROBS, decode_logits, decode_slots, sample_rows
 from glm5_jax.generate.settings import (cache_slot_multiple, decode_config, has_recurrent_layers, kernels_context,
                                         sampler_configs, step_variables)
 from glm5_jax.model import routing_replay
@@ -61,7 +61,6 @@ from glm5_jax.parallel.axes import BATCH, CACHE_SEQ
 from glm5_jax.parallel.mesh import MeshError, mesh_and_rules
 from glm5_jax.parallel.sampling import ONE_ROW_RULES, SAMPLING_RULES, axis_shards, check_sampling_fits
 from glm5_jax.serve import cache_rows
-from glm5_jax.serve.model_step import decode_logits
 from glm5_jax.telemetry import StepProfiler
 
 MIN_PREFILL_BUCKET = 16
