@@ -23,7 +23,8 @@ keys, so attending densely over it as a [T, S] mask costs fewer FLOPs than the a
 products (1024 against 2176 per pair and head forward for GLM-5, over ~S/2 causal keys against k slots)
 and reads contiguous blocks instead of gathering rows. The selection then carries that mask as a third
 member, (idx, valid, allowed), and the sparse-stage indexer KL runs the warm-up KL kernels over the
-allowed keys (the same distributions, renormalised over the selected set).
+allowed keys (the same distributions, renormalised over the selected set). GLM-5.3-Flash's pooled indexer
+makes its mask from the selected pools' scores the same way (glm5_jax/model/pooled_indexer.py).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def masked_flash_core(cfg: ModelConfig, num_keys: int, decoding: bool) -> bool:
     rt = cfg.runtime
     return (rt.attention_impl in PALLAS_IMPLS and rt.mla_form == "absorbed" and not decoding
             and rt.attention_mode == "sparse" and cfg.use_indexer
-            and num_keys <= rt.masked_flash_factor * cfg.index_topk and cfg.index_kpool is None)
+            and num_keys <= rt.masked_flash_factor * cfg.index_topk)
 
 
 def _rope_args(cfg: ModelConfig):
@@ -444,7 +445,8 @@ class MLAttention(nn.Module):
         if self.indexer_kind != "full":
             return prev_selection, None, cache
         if cfg.index_kpool is not None:
-            return self._pooled_select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache, replay_BTk)
+            return self._pooled_select(a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache, masked,
+                                       replay_BTk)
         # The indexer is trained only by its KL loss: its inputs are detached (DeepSeek-V3.2 report,
         # section 2.1); top-k indices carry no gradient, so the LM loss never reaches the indexer.
         q_i, k_i, w_i = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD), jax.lax.stop_gradient(qr),
@@ -486,8 +488,10 @@ class MLAttention(nn.Module):
                 stage=cfg.runtime.indexer_loss, idx_BTK=idx, valid_BTK=valid, target_BTK=target_BTK, lse_BTH=lse)
         return selection, kl, cache
 
-    def _pooled_select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache, replay_BTk=None):
-        """(selection, None, cache) of the pooled indexer; a decode cache's "index_key" holds [key; gate]."""
+    def _pooled_select(self, a_BTD, qr, positions_BT, segment_ids_BT, prev_selection, cache, masked=False,
+                       replay_BTk=None):
+        """(selection, None, cache) of the pooled indexer (``masked``: with the selection as a mask too); a decode
+        cache's "index_key" holds [key; gate]."""
         cfg = self.cfg
         q_i, k_i, w_i, gate_i, ape = Indexer(cfg, name="indexer")(jax.lax.stop_gradient(a_BTD),
                                                                   jax.lax.stop_gradient(qr), positions_BT)
@@ -502,7 +506,7 @@ class MLAttention(nn.Module):
         if cfg.runtime.attention_mode != "sparse":
             return prev_selection, None, cache
         selection = pooled_indexer.pooled_topk(cfg, q_i, w_i, k_i, gate_i, ape, positions_BT, kv_positions_BS,
-                                               segment_ids_BT, kv_segments_BS, q_slot_BT)
+                                               segment_ids_BT, kv_segments_BS, q_slot_BT, with_mask=masked)
         if replay_BTk is not None:
             selection = routing_replay.replay_selection(selection, replay_BTk, k_i.shape[1])
         if cache is None:

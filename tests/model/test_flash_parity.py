@@ -81,3 +81,21 @@ def test_packed_documents_equal_separate_rows(saved):
     out = _ours(cfg, variables, rows, segments)
     np.testing.assert_allclose(out[0, :21], out[1, :21], atol=TOL, rtol=0)
     np.testing.assert_allclose(out[0, 21:], out[2, :T - 21], atol=TOL, rtol=0)
+
+
+def test_masked_flash_core_matches_hf(saved):
+    """On TPU impls a short sequence's MLA layers attend with the flash kernel (MHA form, NoPE heads) over the
+    pooled selection as a mask (glm5_jax/model/pooled_indexer.py): transformers' logits on the ragged batch
+    and on two packed documents, with no per-slot gathers in the program."""
+    model, cfg, variables = saved
+    masked = cfg.replace(attention_impl="pallas_interpret", masked_flash_factor=8.0)
+    ids, mask = _ragged_batch(cfg)
+    program = str(jax.make_jaxpr(lambda v, t: Transformer(masked).apply(v, t).logits)(variables, jnp.asarray(ids)))
+    assert "flash_attention_fwd_masked" in program and "sparse_mla" not in program
+    valid = mask.astype(bool)
+    ours = _ours(masked, variables, ids, mask.astype(np.int32))
+    np.testing.assert_allclose(ours[valid], flash_logits(model, ids, mask)[valid], atol=TOL, rtol=0)
+    rows = np.concatenate([ids[0, :21], ids[1, :ids.shape[1] - 21]])[None]
+    segments = np.where(np.arange(ids.shape[1]) < 21, 1, 2).astype(np.int32)[None]
+    packed = _ours(masked, variables, rows, segments)
+    np.testing.assert_allclose(packed, _ours(cfg, variables, rows, segments), atol=TOL, rtol=0)

@@ -119,10 +119,11 @@ def flash_fwd_bwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, allowed=None, *, block=
     return (out, lse, *vjp((out, lse)))
 
 
-# (2048, 4096) masked: the sparse stage at 4K, attending densely over a context shard's keys restricted to
-# the top-k selection (an int8 [T, S] mask), in 512- and 256-blocks (the 744B sparse config's)
+# masked: the sparse stage at 4K, attending densely over the keys restricted to the top-k selection (an int8
+# [T, S] mask): (2048, 4096) a context shard of the 744B sparse config, (4096, 4096) GLM-5.3-Flash's MLA layers
+# (one sequence a chip; its NoPE heads are q/k 256 and v 256 too)
 @pytest.mark.parametrize("T, S, masked, block", [(4096, 4096, False, 512), (2048, 4096, False, 512),
-                                                 (2048, 4096, True, 512), (2048, 4096, True, 256),
+                                                 (2048, 4096, True, 512), (4096, 4096, True, 512),
                                                  (16384, 32768, False, 512)])
 def test_flash_attention_forward_and_backward_compile(mesh, T, S, masked, block):
     n = len(mesh.devices)
