@@ -8,7 +8,7 @@ each product at its own roofline at the chip's achievable rates, for `gmm` and `
 the best of each).
 
     python bench/gmm_tiling_compile.py [--topology v5p:2x2x1] [--rows 10240 --filled 8192 --experts 8] [--aligned] \
-        [--conservative] [--tilings 256,1024,2048 256,1024,1024]
+        [--hidden 6144 --ffn 2048] [--conservative] [--tilings 256,1024,2048 256,1024,1024]
 
 ``--conservative``: under the cost model's conservative rules (glm5_jax.cost.hlo_cost.CONSERVATIVE: each
 kernel by the TensorCores its parallel grid axis can use, 0.35 us per grid step, its bytes by its grid, 1 us
@@ -47,8 +47,9 @@ TILINGS = [(128, 1024, 1024), (256, 512, 512), (256, 1024, 1024), (256, 2048, 10
            (384, 1024, 1024), (512, 512, 1024), (512, 1024, 512), (512, 1024, 1024), (512, 2048, 2048)]
 
 
-# (what, kind, K, N, products per SwiGLU pass): gmm [M, K] x [K, N], or tgmm -> [E, K, N]
-PRODUCTS = [("gate/up forward + down input grad", "gmm", D, F, 4),
+def products(D, F):
+    """(what, kind, K, N, products per SwiGLU pass): gmm [M, K] x [K, N], or tgmm -> [E, K, N]."""
+    return [("gate/up forward + down input grad", "gmm", D, F, 4),
             ("down forward + gate/up input grads", "gmm", F, D, 3),
             ("gate/up weight grads", "tgmm", D, F, 2),
             ("down weight grad", "tgmm", F, D, 1)]
@@ -78,6 +79,8 @@ def main():
     parser.add_argument("--experts", type=int, default=8, help="local experts per chip")
     parser.add_argument("--aligned", action="store_true",
                         help="each expert's rows start on a row tile (the a2a transport's moe_group_align)")
+    parser.add_argument("--hidden", type=int, default=D, help="model width D (GLM-5.3-Flash: 4096)")
+    parser.add_argument("--ffn", type=int, default=F, help="expert width F")
     parser.add_argument("--json", default=None)
     parser.add_argument("--conservative", action="store_true", help="under the conservative cost rules")
     parser.add_argument("--tilings", nargs="*", default=None, help="rows,K,N each (default: the sweep's)")
@@ -89,16 +92,16 @@ def main():
     mesh = Mesh(np.array(devices).reshape(-1), ("c",))
     chip = chip_of_topology(args.topology)
     timing = StepTiming(chip.achievable_flops, chip.achievable_hbm_bandwidth, lambda op: 0.0)
-    M, E, filled = args.rows, args.experts, args.filled
+    M, E, filled, d, ffn = args.rows, args.experts, args.filled, args.hidden, args.ffn
     packing = "each expert's rows from a row tile" if args.aligned else "back to back"
-    print(f"{args.topology} per chip: {M} rows ({filled} routed) over {E} experts ({packing}), D={D}, F={F}, "
+    print(f"{args.topology} per chip: {M} rows ({filled} routed) over {E} experts ({packing}), D={d}, F={ffn}, "
           f"bf16; one SwiGLU expert pass forward + backward: 7 gmm + 3 tgmm products")
     print(f"{'tiling (rows, K, N)':>20s} | {'kernel':6s} | {'HBM GB':>7s} | {'MXU TFLOP':>9s} | "
           f"{'partial tiles':>13s} | {'roofline ms':>11s}")
     rows = []
     for tiling in tilings:
         per_kernel = {}
-        for _, kind, K, N, times in PRODUCTS:
+        for _, kind, K, N, times in products(d, ffn):
             entry = per_kernel.setdefault(kind, dict(hbm_bytes=0.0, mxu_flops=0.0, roofline_seconds=0.0))
             if entry.get("error"):
                 continue
@@ -126,7 +129,7 @@ def main():
                       f"{entry['roofline_seconds'] * 1e3:11.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(topology=args.topology, rows=M, filled=filled, experts=E, aligned=args.aligned, D=D, F=F,
+            json.dump(dict(topology=args.topology, rows=M, filled=filled, experts=E, aligned=args.aligned, D=d, F=ffn,
                            conservative=args.conservative, tilings=rows), f, indent=1)
 
 

@@ -47,7 +47,7 @@ def get_config() -> ExperimentConfig:
     # chunks halve the steps and the saved chunk states (forward + backward per layer 2.25 -> 1.48 ms compiled
     # alone at the per-chip shapes; 256-token chunks: 1.69 ms, the within-chunk products growing with the chunk)
     # hc_sinkhorn_unroll: the mixers' 20 Sinkhorn iterations as straight-line ops XLA fuses, not a loop of small ops
-    model = model_config().replace(remat_policy="experts_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
+    model = model_config().replace(remat_policy="moe_saveable", moe_ep="a2a", moe_capacity_factor=1.25,
                                    moe_a2a_chunks=2, moe_a2a_chunk_by="tokens", moe_group_align=EXPERT_GROUP_ALIGN,
                                    grad_reduce_dtype="bfloat16", kda_chunk=128,
                                    hc_sinkhorn_unroll=True)

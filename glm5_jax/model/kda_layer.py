@@ -25,13 +25,33 @@ from glm5_jax.model.config import ModelConfig
 from glm5_jax.model.layers import einsum, logical_param, normal_init
 from glm5_jax.parallel.axes import ACT_HEADS, BATCH, EMBED, KDA_QKV, KV
 from glm5_jax.parallel.shard_map import logical_shard_map
-from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
+from pallas_kernels.kda.ops import chunk_kda_flat, kda_decode_step
 
 
-def l2_normalize(x, eps=1e-6):
-    """x / sqrt(sum x^2 + eps) in fp32 (transformers' / FLA's l2norm: eps inside the root)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+def _head_blocks(channels: int, heads: int):
+    """The 0/1 [H * K, H] matrix of which head each flat channel belongs to (head h: channels h * K ...)."""
+    return (jnp.arange(channels)[:, None] // (channels // heads) == jnp.arange(heads)[None, :]).astype(jnp.float32)
+
+
+def head_sums(x_BTC, heads: int):
+    """[B, T, H * K] -> [B, T, H] fp32: each head's channels summed. A product with `_head_blocks` rather than a sum
+    over a [B, T, H, K] view: on TPU that view is tiled over (H, K) and the flat array over (T, H * K), so the view
+    is a copy there and back; the product reads the channels as they lie (full fp32 precision)."""
+    return jnp.einsum("btc,ch->bth", x_BTC.astype(jnp.float32), _head_blocks(x_BTC.shape[-1], heads),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def per_head(x_BTH, channels: int):
+    """[B, T, H] -> [B, T, channels]: each head's value on its channels (the transpose of `head_sums`)."""
+    return jnp.einsum("bth,ch->btc", x_BTH, _head_blocks(channels, x_BTH.shape[-1]),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def l2_normalize(x_BTC, heads: int, eps=1e-6):
+    """Per head of flat channels: x / sqrt(sum x^2 + eps) in fp32 (transformers' / FLA's l2norm: eps inside the
+    root)."""
+    x = x_BTC.astype(jnp.float32)
+    return x * per_head(jax.lax.rsqrt(head_sums(x * x, heads) + eps), x.shape[-1])
 
 
 def causal_conv(x_BTC, w_CW, segment_ids_BT):
@@ -66,10 +86,11 @@ def cached_conv(x_BTC, w_CW, history_BWC, positions_BT, seen_B):
 
 
 def sharded_chunk_kda(q, k, v, g, beta, *, segment_ids_BT=None, initial_state_BHKV=None, impl, chunk_size=64):
-    """`chunk_kda` per (batch, head) shard under a multi-device mesh (its Pallas kernels cannot be
-    partitioned automatically; rows and heads are independent recurrences), else `chunk_kda` itself.
-    Rows split over the batch axes, heads over the heads axes; the sequence is whole on every shard."""
-    heads, state = (BATCH, None, ACT_HEADS, None), (BATCH, ACT_HEADS, None, None)
+    """`chunk_kda_flat` (q, k, g [B, T, H * K], v [B, T, H * V]) per (batch, head) shard under a multi-device mesh
+    (its Pallas kernels cannot be partitioned automatically; rows and heads are independent recurrences), else
+    `chunk_kda_flat` itself. Rows split over the batch axes, the flat channels over the heads axes (whole heads:
+    head-major channels); the sequence is whole on every shard."""
+    heads, state = (BATCH, None, ACT_HEADS), (BATCH, ACT_HEADS, None, None)
     extra, extra_axes = [], []
     if segment_ids_BT is not None:
         extra.append(segment_ids_BT), extra_axes.append((BATCH, None))
@@ -80,10 +101,10 @@ def sharded_chunk_kda(q, k, v, g, beta, *, segment_ids_BT=None, initial_state_BH
         rest = list(rest)
         seg = rest.pop(0) if segment_ids_BT is not None else None
         init = rest.pop(0) if initial_state_BHKV is not None else None
-        return chunk_kda(q, k, v, g, beta, segment_ids_BT=seg, initial_state_BHKV=init, chunk_size=chunk_size,
-                         impl=impl)
+        return chunk_kda_flat(q, k, v, g, beta, segment_ids_BT=seg, initial_state_BHKV=init, chunk_size=chunk_size,
+                              impl=impl)
 
-    return logical_shard_map(core, in_axes=(heads,) * 4 + ((BATCH, None, ACT_HEADS),) + tuple(extra_axes),
+    return logical_shard_map(core, in_axes=(heads,) * 5 + tuple(extra_axes),
                              out_axes=(heads, state))(q, k, v, g, beta, *extra)
 
 
@@ -126,12 +147,14 @@ class KDAttention(nn.Module):
             seen = jnp.maximum(cache["kda_seen"], jnp.max(jnp.where(active, positions_BT + 1, 0), axis=1))
             history = gather(seen[:, None] - (W - 1) + jnp.arange(W - 1))
         mixed_conv = jax.nn.silu(mixed_conv).astype(dt)
-        q, k, v = (mixed_conv[..., i * H * K:(i + 1) * H * K].reshape(B, T, H, K) for i in range(3))
-        q, k = l2_normalize(q), l2_normalize(k)
+        # the heads' channels stay flat [B, T, H * K] (head h at h * K ...) through to the output projection:
+        # the kernels' layout, with per-head sums as products (`head_sums`), no [B, T, H, K] view
+        q, k, v = (mixed_conv[..., i * H * K:(i + 1) * H * K] for i in range(3))
+        q, k = l2_normalize(q, H).astype(dt), l2_normalize(k, H).astype(dt)    # normed in fp32, read in dt
 
         f = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_fa, dt, **proj), w_fb, dt, f32, **proj)
-        f = (f + dt_bias.astype(f32)).reshape(B, T, H, K)
-        decay = jnp.exp(a_log.astype(f32))[:, None]
+        f = f + dt_bias.astype(f32)
+        decay = jnp.repeat(jnp.exp(a_log.astype(f32)), K)                   # each head's rate on its channels
         if cfg.linear_lower_bound is not None:
             g = cfg.linear_lower_bound * jax.nn.sigmoid(decay * f)
         else:
@@ -143,17 +166,19 @@ class KDAttention(nn.Module):
                 o, _ = sharded_chunk_kda(q, k, v, g, beta, segment_ids_BT=segment_ids_BT,
                                          impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk)
         else:   # inactive tokens: no decay (g = 0), no write (beta = 0) leave the state exactly as it is
-            g, beta = jnp.where(active[..., None, None], g, 0.0), jnp.where(active[..., None], beta, 0.0)
+            g, beta = jnp.where(active[..., None], g, 0.0), jnp.where(active[..., None], beta, 0.0)
             if T == 1:
-                o, state = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["kda_state"])
-                o = o[:, None]
+                o, state = kda_decode_step(*(x[:, 0].reshape(B, H, K) for x in (q, k, v, g)), beta[:, 0],
+                                           cache["kda_state"])
+                o = o.reshape(B, 1, H * K)
             else:
                 o, state = sharded_chunk_kda(q, k, v, g, beta, initial_state_BHKV=cache["kda_state"],
                                              impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk)
             cache = dict(cache, kda_conv=history.astype(cache["kda_conv"].dtype), kda_state=state, kda_seen=seen)
 
         gate = einsum("btk,kc->btc", einsum("btd,dk->btk", x, w_ga, dt, **proj), w_gb, dt, f32, **proj)
-        o = o.astype(f32)
-        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps) * o_norm.astype(f32)
-        o = (o * jax.nn.sigmoid(gate.reshape(B, T, H, K))).astype(dt).reshape(B, T, H * K)
+        o = o.astype(f32)       # each head's RMSNorm (weight o_norm [K], shared by the heads), then the gate
+        rms = per_head(jax.lax.rsqrt(head_sums(o * o, H) / K + cfg.rms_norm_eps), H * K)
+        o = o * rms * jnp.tile(o_norm.astype(f32), H)
+        o = (o * jax.nn.sigmoid(gate)).astype(dt)
         return einsum("btc,cd->btd", o, w_o, dt, **proj), cache

@@ -18,6 +18,10 @@ passes the state through, and the final state is the one after the row's last to
 (see reference.py).
 Padding: T up to the chunk with k = v = g = beta = 0 in the last token's segment (the state passes through
 it unchanged); K and V up to multiples of 128 with zeros (the kernels only), cut off afterwards.
+
+`chunk_kda_flat` takes and returns the heads' channels flat, [B, T, H * K] (head h's channels at h * K ...):
+the kernels' own layout. On TPU a [B, T, H, K] array is tiled over (H, K) and its flat form over (T, H * K), so
+reshaping one into the other is a copy; callers whose activations are flat pass them flat.
 """
 import functools
 
@@ -59,12 +63,43 @@ def chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, *, initial_state_BHKV=No
         Kp, Vp = round_up(K, LANES), round_up(V, LANES)
         q, k, g = (pad_axis(x, 3, Kp).reshape(B, Tp, H * Kp) for x in (q, k, g))
         v = pad_axis(v, 3, Vp).reshape(B, Tp, H * Vp)
-        beta = jnp.swapaxes(beta.astype(jnp.float32), 1, 2)[..., None]
-        meta = tuple(x.astype(jnp.float32)[..., None] for x in (seg_BT, prev_BT))
         init_p = pad_axis(pad_axis(init, 2, Kp), 3, Vp)
-        o, final = _pallas(q, k, v, g, beta, *meta, init_p, (K**-0.5, chunk_size, impl == PALLAS_INTERPRET))
+        o, final = _pallas_flat(q, k, v, g, beta, seg_BT, prev_BT, init_p, K**-0.5, chunk_size, impl)
         o, final = o.reshape(B, Tp, H, Vp)[..., :V], final[:, :, :K, :V]
     return o[:, :T].astype(q_BTHK.dtype), final
+
+
+def chunk_kda_flat(q_BTC, k_BTC, v_BTC, g_BTC, beta_BTH, *, initial_state_BHKV=None, segment_ids_BT=None,
+                   chunk_size=64, impl=XLA):
+    """`chunk_kda` on flat heads: q, k, g [B, T, H * K], v [B, T, H * V], beta [B, T, H] -> (o [B, T, H * V] in
+    q's dtype, final state [B, H, K, V] fp32). The Pallas impls read and write the flat arrays as they are when K
+    and V are whole lane tiles (GLM-5.3-Flash: 128); otherwise this is `chunk_kda` on the [B, T, H, K] views."""
+    check_impl(impl)
+    B, T, HK = q_BTC.shape
+    H = beta_BTH.shape[-1]
+    K, V = HK // H, v_BTC.shape[-1] // H
+    if impl not in PALLAS_IMPLS or K % LANES or V % LANES:
+        heads = (x.reshape(B, T, H, -1) for x in (q_BTC, k_BTC, v_BTC, g_BTC))
+        o, final = chunk_kda(*heads, beta_BTH, initial_state_BHKV=initial_state_BHKV, segment_ids_BT=segment_ids_BT,
+                             chunk_size=chunk_size, impl=impl)
+        return o.reshape(B, T, H * V), final
+    if chunk_size % 16:
+        raise ValueError(f"chunk_kda: chunk_size={chunk_size} must be a multiple of 16")
+    init = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state_BHKV is None
+            else initial_state_BHKV.astype(jnp.float32))
+    Tp = round_up(T, chunk_size)
+    g, beta, seg_BT = reference.pass_state_through_padding(g_BTC, beta_BTH, segment_ids_BT)
+    seg_BT, prev_BT = _chunk_segments(seg_BT, Tp, chunk_size)
+    q, k, v, g, beta = (pad_axis(x, 1, Tp) for x in (q_BTC, k_BTC, v_BTC, g, beta))
+    o, final = _pallas_flat(q, k, v, g, beta, seg_BT, prev_BT, init, K**-0.5, chunk_size, impl)
+    return o[:, :T].astype(q_BTC.dtype), final
+
+
+def _pallas_flat(q, k, v, g, beta_BTH, seg_BT, prev_BT, init, scale, chunk, impl):
+    """The kernels on T-padded flat channels (q, k, g [B, Tp, H * Kp], v [B, Tp, H * Vp]; Kp, Vp lane multiples)."""
+    beta = jnp.swapaxes(beta_BTH.astype(jnp.float32), 1, 2)[..., None]
+    meta = tuple(x.astype(jnp.float32)[..., None] for x in (seg_BT, prev_BT))
+    return _pallas(q, k, v, g, beta, *meta, init, (scale, chunk, impl == PALLAS_INTERPRET))
 
 
 def kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV):

@@ -44,7 +44,10 @@ def pass_state_through_padding(g_BTHK, beta_BTH, segment_ids_BT):
     T = seg.shape[1]
     last_real = jax.lax.cummax(jnp.where(pad_BT, -1, jnp.arange(T)), axis=1)
     seg = jnp.where(last_real < 0, seg, jnp.take_along_axis(seg, jnp.maximum(last_real, 0), axis=1))
-    return (jnp.where(pad_BT[..., None, None], 0.0, g_BTHK), jnp.where(pad_BT[..., None], 0.0, beta_BTH), seg)
+    def per_token(x):   # the token's flag over x's trailing axes (g [B, T, H, K] or its flat [B, T, H * K])
+        return pad_BT.reshape(pad_BT.shape + (1,) * (x.ndim - 2))
+
+    return jnp.where(per_token(g_BTHK), 0.0, g_BTHK), jnp.where(per_token(beta_BTH), 0.0, beta_BTH), seg
 
 
 def recurrent_step(S_BHKV, q_BHK, k_BHK, v_BHV, g_BHK, beta_BH):

@@ -11,13 +11,18 @@ from test_kda import assert_matches_recurrence, make_inputs, packed_segments
 
 
 def test_per_shard_kernels_match_the_recurrence_on_a_batch_by_heads_mesh():
-    q, k, v, g, beta, init = make_inputs(2, 40, 2, 16, 8)
-    seg = packed_segments(2, 40, [13, 23], pad=4)
+    """Heads of 128 channels (GLM-5.3-Flash's), flat [B, T, H * 128] as the layer passes them: the kernels read
+    each shard's flat channels as they are."""
+    B, T, H, K = 2, 40, 2, 128
+    q, k, v, g, beta, init = make_inputs(B, T, H, K, K)
+    seg = packed_segments(B, T, [13, 23], pad=4)
     mesh = build_mesh(MeshConfig(data=2, fsdp=1, expert=1, tensor=2), jax.devices()[:4])   # 1 row x 1 head each
 
     def f(q, k, v, g, beta, init):
-        return sharded_chunk_kda(q, k, v, g, beta, segment_ids_BT=seg, initial_state_BHKV=init,
+        flat = (x.reshape(B, T, H * K) for x in (q, k, v, g))
+        o, S = sharded_chunk_kda(*flat, beta, segment_ids_BT=seg, initial_state_BHKV=init,
                                  impl="pallas_interpret", chunk_size=16)   # 3 chunks, states carried across
+        return o.reshape(B, T, H, K), S
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
         (o, S), vjp = jax.vjp(jax.jit(f), q, k, v, g, beta, init)

@@ -30,8 +30,9 @@ def mesh():
 
 def compile_per_chip(mesh, fn, n_out):
     n = len(mesh.devices)
-    shapes = [((n, T, H, K), jnp.bfloat16), ((n, T, H, K), jnp.bfloat16), ((n, T, H, V), jnp.bfloat16),
-              ((n, T, H, K), jnp.float32), ((n, T, H), jnp.float32), ((n, H, K, V), jnp.float32),
+    # the heads' channels flat, [T, H * K], as the KDA layer passes them (ops.chunk_kda_flat)
+    shapes = [((n, T, H * K), jnp.bfloat16), ((n, T, H * K), jnp.bfloat16), ((n, T, H * V), jnp.bfloat16),
+              ((n, T, H * K), jnp.float32), ((n, T, H), jnp.float32), ((n, H, K, V), jnp.float32),
               ((n, T), jnp.int32)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, ROWS)) for s, d in shapes]
     sharded = jax.shard_map(fn, mesh=mesh, in_specs=(ROWS,) * len(args), out_specs=(ROWS,) * n_out,
@@ -46,8 +47,8 @@ def compile_per_chip(mesh, fn, n_out):
 
 
 def kda(q, k, v, g, beta, init, seg, chunk=64):
-    return ops.chunk_kda(q, k, v, g, beta, initial_state_BHKV=init, segment_ids_BT=seg, impl="pallas",
-                         chunk_size=chunk)
+    return ops.chunk_kda_flat(q, k, v, g, beta, initial_state_BHKV=init, segment_ids_BT=seg, impl="pallas",
+                              chunk_size=chunk)
 
 
 def test_kda_forward_compiles(mesh):
