@@ -4,7 +4,7 @@ attention in three of every four, NoPE MLA with the pooled DSA indexer in the fo
 
 `model_config()` is Glm5NextTextConfig's defaults (what `glm5_jax.hf.config.config_from_hf` reads from the
 hub config.json). `get_config()` is a pod run: 512 v5p chips, FSDP 16 x expert-parallel 32, for an ahead-of-time compile
-with `--set=model.kda_impl=pallas` (docs/glm53_flash.md#compiled-for-tpu-v5p).
+with `--set=model.kda_impl=pallas --set=model.attention_impl=pallas` (docs/glm53_flash.md#compiled-for-tpu-v5p).
 """
 from configs.glm5_744b import EXPERT_GROUP_ALIGN
 from glm5_jax.data import DataConfig
@@ -36,7 +36,9 @@ def model_config() -> ModelConfig:
 def get_config() -> ExperimentConfig:
     """512 v5p chips: FSDP 16 x expert-parallel 32 (9 routed experts per chip), no tensor or context split
     (the pooled indexer does not run context-parallel yet); 512 sequences of 4096 tokens per step. Remat keeps
-    the routed experts' gate and up products (`experts_saveable`): the strongest policy that fits a v5p chip
+    the routed experts' rows, gate / up products and outputs (`moe_saveable`): with the Pallas impls (the MLA
+    layers' masked flash core, the KDA kernels) it needs 95.43 GiB a chip of the 95.74 libtpu allows;
+    `--set=model.remat_policy=experts_saveable` recomputes the transport and the down product in about 73 GiB
     (docs/glm53_flash.md#compiled-for-tpu-v5p)."""
     # communication settings (as configs/glm5_744b.py): the all-to-all in two token chunks (one chunk's transport
     # beside the other chunk's expert matmuls; three chunks of 3 of the 9 local experts each hide as much but move
